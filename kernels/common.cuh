@@ -1,0 +1,50 @@
+// Shared prelude of every sparda-rt kernel source (prepended textually by
+// src/cuda/context.rs before NVRTC compiles a kernels/*.cu file; it is not a
+// compilation unit of its own). No CUDA headers are needed: bf16 values travel
+// as their 16 raw bits (unsigned short) and are converted here, so the
+// kernels compile with NVRTC alone.
+
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// bf16 bits -> f32 (exact).
+__device__ __forceinline__ float bf2f(bf16_t x) { return __uint_as_float(((u32)x) << 16); }
+
+// f32 -> bf16 bits, round to nearest even (as half::bf16::from_f32); NaN stays NaN.
+__device__ __forceinline__ bf16_t f2bf(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x0040u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+// Rounds an f32 through bf16 and back.
+__device__ __forceinline__ float round_bf(float f) { return bf2f(f2bf(f)); }
+
+// The bf16 bits of a quiet NaN, written where an input was invalid so the error shows.
+#define BF16_NAN ((bf16_t)0x7fc0u)
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the whole thread block (blockDim.x a multiple of 32, at most 1024);
+// every thread gets the result. `shm` holds at least 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* shm) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) shm[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? shm[lane] : 0.0f;
+    return warp_sum(t);
+}

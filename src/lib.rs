@@ -1,0 +1,27 @@
+//! sparda-rt: a decode runtime for NOSA (Native and Offloadable Sparse
+//! Attention) long-context language models.
+//!
+//! Layout (spec/style.md):
+//! - [`config`]: `config.json` → model, RoPE and sparse settings (nosa-model.md §1);
+//! - [`weights`]: safetensors checkpoints, the tensor-name table, validation (§2);
+//! - [`tokenizer`]: `tokenizer.json` and streaming detokenization;
+//! - [`model`]: the NOSA math once, backend-agnostic: compression state,
+//!   block pooling and selection (§3–§6);
+//! - [`cpu`]: the CPU reference backend, the oracle for everything else;
+//! - [`cuda`]: the GPU backend;
+//! - [`sample`]: token sampling;
+//! - [`synth`]: random-weight checkpoints for tests and benchmarks;
+//! - [`generate`]: the text-generation loop behind `sparda generate`.
+
+pub mod config;
+pub mod cpu;
+pub mod cuda;
+pub mod error;
+pub mod generate;
+pub mod model;
+pub mod sample;
+pub mod synth;
+pub mod tokenizer;
+pub mod weights;
+
+pub use error::{Error, Result};

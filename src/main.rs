@@ -1,0 +1,250 @@
+//! `sparda`: the command-line interface (runtime.md §6 vocabulary).
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use sparda::cpu::{CpuModel, EngineOptions};
+use sparda::generate::{self, Request};
+use sparda::model::{AttentionOverrides, PrefillMode, SelectionRule};
+use sparda::sample::SamplingParams;
+use sparda::tokenizer::{TextStream, Tokenizer};
+use sparda::weights::Checkpoint;
+use sparda::{Error, Result};
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(name = "sparda", version, about = "Decode runtime for NOSA sparse-attention language models")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate text from a prompt (streams tokens; prints tokens/s at the end).
+    Generate(GenerateArgs),
+    /// Write a random-weight checkpoint (config.json, safetensors, tokenizer.json).
+    Synth(SynthArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum Backend {
+    /// CUDA when available, else the CPU reference.
+    Auto,
+    /// The CPU reference (f32 on the checkpoint's weights).
+    Cpu,
+    /// The GPU.
+    Cuda,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum AttentionArg {
+    Dense,
+    Sparse,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum SelectionArg {
+    Nosa,
+    Infllmv2,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum PrefillArg {
+    /// Dense prefill, sparse decode (NOSA_F).
+    Dense,
+    /// As the attention mode says.
+    Sparse,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// Checkpoint directory (config.json, *.safetensors, tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt text.
+    #[arg(long, conflicts_with = "prompt_file")]
+    prompt: Option<String>,
+    /// File whose text is the prompt.
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+    /// Keep only the first N prompt tokens (e.g. a whole book truncated to a context length).
+    #[arg(long)]
+    prompt_tokens: Option<usize>,
+    /// Upper bound on generated tokens.
+    #[arg(long, default_value_t = 128)]
+    max_new_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus sampling threshold (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// RNG seed for sampling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Compute backend.
+    #[arg(long, value_enum, default_value_t = Backend::Auto)]
+    backend: Backend,
+    /// Force dense or sparse attention (default: as the checkpoint says).
+    #[arg(long, value_enum)]
+    attention: Option<AttentionArg>,
+    /// Selection rule for sparse attention.
+    #[arg(long, value_enum)]
+    selection: Option<SelectionArg>,
+    /// Prefill attention.
+    #[arg(long, value_enum)]
+    prefill: Option<PrefillArg>,
+    /// Attended blocks S per (sequence, KV head) (sets topk = S − window blocks).
+    #[arg(long)]
+    budget_blocks: Option<usize>,
+    /// Query-aware shortlist parameter select_blocks.
+    #[arg(long)]
+    select_blocks: Option<usize>,
+    /// Override rope θ (e.g. 40000 past 32K, as the NOSA evaluations do).
+    #[arg(long)]
+    rope_theta: Option<f64>,
+    /// Override max_position_embeddings.
+    #[arg(long)]
+    max_position: Option<usize>,
+    /// Do not stop at EOS.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Write the run's tokens and timings as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct SynthArgs {
+    /// tiny | nosa-1b | nosa-3b | nosa-8b.
+    #[arg(long)]
+    preset: String,
+    /// Output directory.
+    #[arg(long)]
+    out: PathBuf,
+    /// Weight seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// tokenizer.json to copy (the SmolLM2 fixture's).
+    #[arg(long, default_value = ".fixtures/smollm2-135m-instruct/tokenizer.json")]
+    tokenizer: PathBuf,
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SPARDA_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Generate(a) => cmd_generate(a),
+        Cmd::Synth(a) => sparda::synth::Preset::from_name(&a.preset).and_then(|p| sparda::synth::write(p, a.seed, &a.out, &a.tokenizer)).map(|()| {
+            eprintln!("wrote {} ({} preset, seed {})", a.out.display(), a.preset, a.seed);
+        }),
+    };
+    if let Err(e) = r {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn cmd_generate(a: GenerateArgs) -> Result<()> {
+    let backend = match a.backend {
+        Backend::Auto if sparda::cuda::is_available() => Backend::Cuda,
+        Backend::Auto => Backend::Cpu,
+        b => b,
+    };
+    if backend == Backend::Cuda {
+        sparda::cuda::require()?;
+    }
+    let text = match (&a.prompt, &a.prompt_file) {
+        (Some(t), None) => t.clone(),
+        (None, Some(p)) => std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?,
+        _ => return Err(Error::Input("give --prompt TEXT or --prompt-file FILE".into())),
+    };
+    let mut ckpt = Checkpoint::open(&a.model)?;
+    if let Some(t) = a.rope_theta {
+        ckpt.config = ckpt.config.with_rope_theta(t);
+    }
+    if let Some(m) = a.max_position {
+        ckpt.config = ckpt.config.with_max_position(m);
+    }
+    let tok_path = a.model.join("tokenizer.json");
+    let tokenizer = Tokenizer::from_file(&tok_path)?;
+    let mut prompt = tokenizer.encode(&text)?;
+    if let Some(n) = a.prompt_tokens {
+        prompt.truncate(n);
+    }
+    generate::check_length(prompt.len(), a.max_new_tokens, ckpt.config.max_position_embeddings)?;
+    let opts = EngineOptions {
+        attention: AttentionOverrides {
+            sparse: a.attention.map(|x| matches!(x, AttentionArg::Sparse)),
+            selection: a.selection.map(|s| match s {
+                SelectionArg::Nosa => SelectionRule::Nosa,
+                SelectionArg::Infllmv2 => SelectionRule::InfLlmV2,
+            }),
+            budget_blocks: a.budget_blocks,
+            select_blocks: a.select_blocks,
+        },
+        prefill: match a.prefill {
+            Some(PrefillArg::Dense) => PrefillMode::Dense,
+            _ => PrefillMode::Auto,
+        },
+    };
+    let model = CpuModel::new(&ckpt, opts)?;
+    eprintln!(
+        "model {} ({} layers, d {}), attention {:?}, backend cpu, prompt {} tokens",
+        a.model.display(),
+        ckpt.config.num_hidden_layers,
+        ckpt.config.hidden_size,
+        model.plan.mode,
+        prompt.len()
+    );
+    let req = Request {
+        prompt,
+        max_new_tokens: a.max_new_tokens,
+        sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
+        stop_ids: if a.ignore_eos { Vec::new() } else { ckpt.config.eos_token_ids.clone() },
+    };
+    let bar = ProgressBar::new(req.prompt.len() as u64).with_style(
+        ProgressStyle::with_template("prefill {bar:40} {pos}/{len} tokens {per_sec} eta {eta}")
+            .expect("static template"),
+    );
+    let mut stream = TextStream::new(&tokenizer);
+    let mut stdout = std::io::stdout().lock();
+    let (out, _) = generate::generate_cpu(
+        &model,
+        &req,
+        |done, _| bar.set_position(done as u64),
+        |tok| {
+            if !bar.is_finished() {
+                bar.finish_and_clear();
+            }
+            let piece = stream.push(tok)?;
+            stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush()).map_err(|e| Error::io("<stdout>", e))
+        },
+    )?;
+    writeln!(stdout).ok();
+    eprintln!(
+        "prefill {} tokens in {:.0} ms ({:.1} tokens/s); decode {} tokens in {:.0} ms ({:.2} tokens/s); stop: {:?}",
+        req.prompt.len(),
+        out.prefill_ms,
+        req.prompt.len() as f64 / (out.prefill_ms / 1e3),
+        out.tokens.len(),
+        out.decode_ms,
+        out.decode_tokens_per_s(),
+        out.stop
+    );
+    if let Some(p) = a.json {
+        let v = serde_json::json!({
+            "model": a.model, "prompt_tokens": req.prompt, "tokens": out.tokens, "stop": out.stop,
+            "prefill_ms": out.prefill_ms, "decode_ms": out.decode_ms, "decode_tokens_per_s": out.decode_tokens_per_s(),
+        });
+        std::fs::write(&p, serde_json::to_string_pretty(&v).expect("json")).map_err(|e| Error::io(&p, e))?;
+    }
+    Ok(())
+}

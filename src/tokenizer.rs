@@ -1,0 +1,170 @@
+//! `tokenizer.json` (Hugging Face `tokenizers`) and streaming detokenization.
+//!
+//! [`Tokenizer`] wraps the `tokenizers` crate and names the file in every
+//! error. [`TextStream`] turns generated ids into text one id at a time,
+//! holding back bytes of a UTF-8 character that a byte-level token split.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+
+/// A loaded `tokenizer.json`.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("path", &self.path)
+            .field("vocab_size", &self.vocab_size())
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// Loads `path` (a `tokenizer.json`, or a directory holding one).
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming the path when the file is missing or unreadable;
+    /// [`Error::Tokenizer`] naming it when the tokenizers crate rejects it.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Tokenizer> {
+        let path = path.as_ref();
+        let path = if path.is_dir() { path.join("tokenizer.json") } else { path.to_path_buf() };
+        let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
+            .map_err(|e| Error::Tokenizer { path: path.clone(), msg: e.to_string() })?;
+        Ok(Tokenizer { inner, path })
+    }
+
+    /// The file this tokenizer was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn err(&self, msg: impl std::fmt::Display) -> Error {
+        Error::Tokenizer { path: self.path.clone(), msg: msg.to_string() }
+    }
+
+    /// Token ids of `text`, with the special tokens the tokenizer's
+    /// post-processor adds (e.g. BOS), i.e. `add_special_tokens = true`.
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`] naming the file.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, true).map_err(|e| self.err(e))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text of `ids`, special tokens included (`skip_special_tokens = false`).
+    /// Bytes of an incomplete UTF-8 character decode to U+FFFD.
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`] naming the file (e.g. an id outside the vocabulary).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, false).map_err(|e| self.err(e))
+    }
+
+    /// The id of token string `token` (added tokens included), if any.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The token string of `id`, if any.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// Number of ids, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// A streaming detokenizer over this tokenizer.
+    pub fn stream(&self) -> TextStream<'_> {
+        TextStream::new(self)
+    }
+}
+
+/// Streaming detokenizer: feed generated ids one at a time with
+/// [`TextStream::push`]; each call returns the text completed by that id
+/// (possibly empty). The concatenation of all returned pieces (plus
+/// [`TextStream::finish`]) equals `decode(all ids)` for tokenizers whose
+/// decoding is prefix-stable (byte-level BPE, SentencePiece).
+///
+/// Method: decode the ids since the last emitted point with and without the
+/// newest; emit the difference unless it ends in U+FFFD (a character whose
+/// bytes are not all generated yet), in which case hold it back.
+#[derive(Debug)]
+pub struct TextStream<'a> {
+    tok: &'a Tokenizer,
+    ids: Vec<u32>,
+    /// Start of the decode window (a few ids of context before `emitted`).
+    prefix: usize,
+    /// Ids up to here have had their text emitted.
+    emitted: usize,
+}
+
+impl<'a> TextStream<'a> {
+    /// An empty stream over `tok`.
+    pub fn new(tok: &'a Tokenizer) -> TextStream<'a> {
+        TextStream { tok, ids: Vec::new(), prefix: 0, emitted: 0 }
+    }
+
+    /// Every id pushed so far.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// Adds `id`; returns the newly completed text (empty while a UTF-8
+    /// character is incomplete).
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`] naming the file when decoding fails (e.g. an id
+    /// outside the vocabulary).
+    pub fn push(&mut self, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let before = self.tok.decode(&self.ids[self.prefix..self.emitted])?;
+        let after = self.tok.decode(&self.ids[self.prefix..])?;
+        if after.len() > before.len() && !after.ends_with('\u{FFFD}') {
+            let piece = suffix_after(&before, &after);
+            self.prefix = self.emitted;
+            self.emitted = self.ids.len();
+            Ok(piece)
+        } else {
+            Ok(String::new())
+        }
+    }
+
+    /// Flushes held-back text (an incomplete character comes out as U+FFFD).
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`] naming the file when decoding fails.
+    pub fn finish(&mut self) -> Result<String> {
+        if self.emitted == self.ids.len() {
+            return Ok(String::new());
+        }
+        let before = self.tok.decode(&self.ids[self.prefix..self.emitted])?;
+        let after = self.tok.decode(&self.ids[self.prefix..])?;
+        self.prefix = self.emitted;
+        self.emitted = self.ids.len();
+        Ok(suffix_after(&before, &after))
+    }
+}
+
+/// The part of `after` beyond `before`: the plain suffix when `after` starts
+/// with `before`, else everything after their longest common prefix (on a
+/// character boundary).
+fn suffix_after(before: &str, after: &str) -> String {
+    if let Some(s) = after.strip_prefix(before) {
+        return s.to_string();
+    }
+    let common = before
+        .char_indices()
+        .zip(after.chars())
+        .take_while(|((_, a), b)| a == b)
+        .last()
+        .map_or(0, |((i, a), _)| i + a.len_utf8());
+    after[common..].to_string()
+}

@@ -1,0 +1,802 @@
+//! Safetensors checkpoints (single file or shards, memory-mapped), in-memory
+//! tensor sets for synthetic models, the tensor-name table, and validation of
+//! a checkpoint against its config (spec/nosa-model.md §2).
+//!
+//! - [`TensorStore`]: name → (dtype, shape, bytes), from `model.safetensors`,
+//!   from shards listed by `model.safetensors.index.json`, or from memory.
+//! - [`names`]: every Hugging Face tensor name, in one place.
+//! - [`expected_tensors`]: the names and shapes a config implies.
+//! - [`Checkpoint`]: config + store, validated (every problem in one error).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+
+use crate::config::{AttentionMode, ModelConfig};
+use crate::error::{Error, Result};
+
+/// Element type of a stored tensor. Only floating types are supported; any
+/// other safetensors dtype is an error naming the tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// bfloat16 (2 bytes, little endian).
+    BF16,
+    /// IEEE half (2 bytes, little endian).
+    F16,
+    /// IEEE single (4 bytes, little endian).
+    F32,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::BF16 | DType::F16 => 2,
+            DType::F32 => 4,
+        }
+    }
+    /// The safetensors name (`BF16`, `F16`, `F32`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::BF16 => "BF16",
+            DType::F16 => "F16",
+            DType::F32 => "F32",
+        }
+    }
+    fn to_safetensors(self) -> safetensors::Dtype {
+        match self {
+            DType::BF16 => safetensors::Dtype::BF16,
+            DType::F16 => safetensors::Dtype::F16,
+            DType::F32 => safetensors::Dtype::F32,
+        }
+    }
+    fn from_safetensors(d: safetensors::Dtype) -> Option<DType> {
+        match d {
+            safetensors::Dtype::BF16 => Some(DType::BF16),
+            safetensors::Dtype::F16 => Some(DType::F16),
+            safetensors::Dtype::F32 => Some(DType::F32),
+            _ => None,
+        }
+    }
+}
+
+/// Converts little-endian elements of `dtype` in `bytes` to f32, into `out`
+/// (`out.len()` elements; `bytes.len() = out.len()·dtype.size()`). Works on
+/// unaligned data (memory-mapped tensors need not be aligned).
+fn convert_into(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::BF16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
+            }
+        }
+        DType::F16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
+            }
+        }
+        DType::F32 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+    }
+}
+
+/// A borrowed tensor: row-major (C order), little endian.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorView<'a> {
+    /// Tensor name (Hugging Face naming, see [`names`]).
+    pub name: &'a str,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape, outermost first.
+    pub shape: Vec<usize>,
+    /// `numel · dtype.size()` bytes; may be unaligned.
+    pub data: &'a [u8],
+}
+
+impl TensorView<'_> {
+    /// Number of elements (product of the shape; 1 for a scalar).
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    /// All elements as f32 (exact for bf16/f16/f32), row-major.
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.numel()];
+        convert_into(self.dtype, self.data, &mut out);
+        out
+    }
+    /// Converts the elements into `out` (which must hold [`TensorView::numel`] values).
+    ///
+    /// # Errors
+    /// [`Error::Input`] naming the tensor when `out` has the wrong length.
+    pub fn to_f32_into(&self, out: &mut [f32]) -> Result<()> {
+        if out.len() != self.numel() {
+            return Err(Error::Input(format!(
+                "tensor {}: output buffer holds {} values, tensor has {}",
+                self.name,
+                out.len(),
+                self.numel()
+            )));
+        }
+        convert_into(self.dtype, self.data, out);
+        Ok(())
+    }
+    /// All elements as bf16 (bf16 data is copied bit for bit; f16/f32 are
+    /// rounded to nearest even).
+    pub fn to_bf16(&self) -> Vec<bf16> {
+        match self.dtype {
+            DType::BF16 => self
+                .data
+                .chunks_exact(2)
+                .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+                .collect(),
+            _ => self.to_f32().into_iter().map(bf16::from_f32).collect(),
+        }
+    }
+}
+
+/// A tensor owning its bytes (synthetic models, tests).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OwnedTensor {
+    /// Tensor name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape, outermost first.
+    pub shape: Vec<usize>,
+    /// Row-major little-endian bytes, `numel · dtype.size()` long.
+    pub data: Vec<u8>,
+}
+
+impl OwnedTensor {
+    /// A tensor of `dtype` holding `values` (rounded to nearest even for bf16/f16).
+    ///
+    /// # Errors
+    /// [`Error::Input`] naming the tensor when `values.len()` ≠ product of `shape`.
+    pub fn from_f32(name: impl Into<String>, shape: Vec<usize>, values: &[f32], dtype: DType) -> Result<Self> {
+        let name = name.into();
+        let numel: usize = shape.iter().product();
+        if values.len() != numel {
+            return Err(Error::Input(format!(
+                "tensor {name}: {} values for shape {shape:?} ({numel} elements)",
+                values.len()
+            )));
+        }
+        let mut data = Vec::with_capacity(numel * dtype.size());
+        match dtype {
+            DType::BF16 => values.iter().for_each(|v| data.extend_from_slice(&bf16::from_f32(*v).to_bits().to_le_bytes())),
+            DType::F16 => values.iter().for_each(|v| data.extend_from_slice(&f16::from_f32(*v).to_bits().to_le_bytes())),
+            DType::F32 => values.iter().for_each(|v| data.extend_from_slice(&v.to_le_bytes())),
+        }
+        Ok(OwnedTensor { name, dtype, shape, data })
+    }
+    /// A borrowed view of this tensor.
+    pub fn view(&self) -> TensorView<'_> {
+        TensorView { name: &self.name, dtype: self.dtype, shape: self.shape.clone(), data: &self.data }
+    }
+}
+
+impl safetensors::View for &OwnedTensor {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype.to_safetensors()
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Writes `tensors` as one safetensors file at `path` (metadata `format: pt`,
+/// as PyTorch writers do).
+///
+/// # Errors
+/// [`Error::Io`] / [`Error::Checkpoint`] naming `path`.
+pub fn write_safetensors(path: &Path, tensors: &[OwnedTensor]) -> Result<()> {
+    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(tensors.iter().map(|t| (t.name.as_str(), t)), Some(meta), path).map_err(|e| match e {
+        safetensors::SafeTensorError::IoError(io) => Error::io(path, io),
+        other => Error::checkpoint(path, format!("cannot write safetensors: {other}")),
+    })
+}
+
+/// Where a tensor's bytes live.
+#[derive(Debug, Clone)]
+enum Loc {
+    /// `files[file][start..end]`.
+    File { file: usize, start: usize, end: usize },
+    /// `owned[i].data`.
+    Owned(usize),
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    dtype: DType,
+    shape: Vec<usize>,
+    loc: Loc,
+}
+
+#[derive(Debug)]
+struct MappedFile {
+    path: PathBuf,
+    map: Mmap,
+}
+
+/// Named tensors, memory-mapped from safetensors files or held in memory.
+///
+/// Memory-mapped stores never copy weights into RAM until asked
+/// ([`TensorStore::to_f32`], [`TensorView::to_f32`]).
+#[derive(Debug)]
+pub struct TensorStore {
+    origin: PathBuf,
+    files: Vec<MappedFile>,
+    owned: Vec<OwnedTensor>,
+    entries: BTreeMap<String, Entry>,
+}
+
+/// Name of the single-file checkpoint.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// Name of the shard index.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+impl TensorStore {
+    /// Opens the weights of a checkpoint directory: the shards listed by
+    /// `model.safetensors.index.json` (`weight_map`) if that file exists, else
+    /// `model.safetensors`. `dir` may also be a `.safetensors` file.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming the missing or unreadable file (a shard the index
+    /// lists included); [`Error::Checkpoint`] naming the file for a malformed
+    /// header or index, a tensor the index places in a shard that lacks it, a
+    /// tensor in two shards, or an unsupported dtype (naming tensor and dtype).
+    pub fn open(dir: impl AsRef<Path>) -> Result<TensorStore> {
+        let dir = dir.as_ref();
+        if dir.is_file() {
+            let mut store = TensorStore::empty(dir);
+            store.add_file(dir, None)?;
+            return Ok(store);
+        }
+        let index = dir.join(INDEX_FILE);
+        if index.is_file() {
+            return Self::open_index(dir, &index);
+        }
+        let single = dir.join(SINGLE_FILE);
+        if !single.is_file() {
+            return Err(Error::io(
+                &single,
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("no {SINGLE_FILE} and no {INDEX_FILE} in {}", dir.display()),
+                ),
+            ));
+        }
+        let mut store = TensorStore::empty(dir);
+        store.add_file(&single, None)?;
+        Ok(store)
+    }
+
+    fn empty(origin: &Path) -> TensorStore {
+        TensorStore { origin: origin.to_path_buf(), files: Vec::new(), owned: Vec::new(), entries: BTreeMap::new() }
+    }
+
+    fn open_index(dir: &Path, index: &Path) -> Result<TensorStore> {
+        let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::checkpoint(index, format!("malformed shard index: {e}")))?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| Error::checkpoint(index, "shard index has no `weight_map` object"))?;
+        let mut by_file: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (name, file) in map {
+            let file = file.as_str().ok_or_else(|| {
+                Error::checkpoint(index, format!("weight_map[{name}]: expected a file name, found {file}"))
+            })?;
+            if file.contains('/') || file.contains('\\') || file == ".." {
+                return Err(Error::checkpoint(index, format!("weight_map[{name}]: file `{file}` must be a plain file name")));
+            }
+            by_file.entry(file.to_string()).or_default().insert(name.clone());
+        }
+        let mut store = TensorStore::empty(dir);
+        for (file, names) in &by_file {
+            store.add_file(&dir.join(file), Some(names))?;
+        }
+        Ok(store)
+    }
+
+    /// Maps one safetensors file and registers its tensors. With `listed`, every
+    /// listed name must be in the file.
+    fn add_file(&mut self, path: &Path, listed: Option<&BTreeSet<String>>) -> Result<()> {
+        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: the map is read-only; the checkpoint files are not expected to
+        // change while the runtime runs (as with every mmap-based loader).
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        let (n, meta) = safetensors::SafeTensors::read_metadata(&map)
+            .map_err(|e| Error::checkpoint(path, format!("malformed safetensors file: {e}")))?;
+        let data_start = 8 + n;
+        let file_idx = self.files.len();
+        let mut infos: Vec<(String, &safetensors::tensor::TensorInfo)> = meta.tensors().into_iter().collect();
+        infos.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut problems = Vec::new();
+        for (name, info) in infos {
+            let Some(dtype) = DType::from_safetensors(info.dtype) else {
+                problems.push(format!(
+                    "tensor {name}: unsupported dtype {:?} (supported: BF16, F16, F32)",
+                    info.dtype
+                ));
+                continue;
+            };
+            if self.entries.contains_key(&name) {
+                problems.push(format!("tensor {name}: present in more than one file"));
+                continue;
+            }
+            let (s, e) = info.data_offsets;
+            self.entries.insert(
+                name,
+                Entry { dtype, shape: info.shape.clone(), loc: Loc::File { file: file_idx, start: data_start + s, end: data_start + e } },
+            );
+        }
+        if let Some(listed) = listed {
+            for name in listed {
+                let here = matches!(self.entries.get(name), Some(Entry { loc: Loc::File { file, .. }, .. }) if *file == file_idx);
+                if !here && !problems.iter().any(|p| p.starts_with(&format!("tensor {name}:"))) {
+                    problems.push(format!("tensor {name}: listed in {INDEX_FILE} for this file but not in it"));
+                }
+            }
+        }
+        if !problems.is_empty() {
+            return Err(Error::checkpoint(path, problems.join("\n")));
+        }
+        self.files.push(MappedFile { path: path.to_path_buf(), map });
+        Ok(())
+    }
+
+    /// A store holding `tensors` in memory (no file); later duplicates of a
+    /// name replace earlier ones.
+    pub fn from_tensors(tensors: Vec<OwnedTensor>) -> TensorStore {
+        let mut store = TensorStore::empty(Path::new("<memory>"));
+        for t in tensors {
+            store.insert(t);
+        }
+        store
+    }
+
+    /// Adds (or replaces) an in-memory tensor.
+    pub fn insert(&mut self, t: OwnedTensor) {
+        let idx = self.owned.len();
+        self.entries.insert(t.name.clone(), Entry { dtype: t.dtype, shape: t.shape.clone(), loc: Loc::Owned(idx) });
+        self.owned.push(t);
+    }
+
+    /// The directory or file the store was opened from (`<memory>` for in-memory stores).
+    pub fn origin(&self) -> &Path {
+        &self.origin
+    }
+
+    /// The tensor `name`, if present.
+    pub fn get(&self, name: &str) -> Option<TensorView<'_>> {
+        let (key, e) = self.entries.get_key_value(name)?;
+        let data: &[u8] = match &e.loc {
+            Loc::File { file, start, end } => &self.files[*file].map[*start..*end],
+            Loc::Owned(i) => &self.owned[*i].data,
+        };
+        Some(TensorView { name: key.as_str(), dtype: e.dtype, shape: e.shape.clone(), data })
+    }
+
+    /// The tensor `name`.
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] naming the store's origin and the tensor when absent.
+    pub fn require(&self, name: &str) -> Result<TensorView<'_>> {
+        self.get(name)
+            .ok_or_else(|| Error::checkpoint(&self.origin, format!("tensor {name} is missing")))
+    }
+
+    /// Whether `name` is present.
+    pub fn contains(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    /// Every tensor name, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        self.entries.keys().map(String::as_str).collect()
+    }
+
+    /// Number of tensors.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether the store holds no tensor.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Shape and dtype of `name`, without touching its bytes.
+    pub fn info(&self, name: &str) -> Option<(DType, &[usize])> {
+        self.entries.get(name).map(|e| (e.dtype, e.shape.as_slice()))
+    }
+
+    /// Total bytes of all tensors.
+    pub fn total_bytes(&self) -> usize {
+        self.entries.values().map(|e| e.shape.iter().product::<usize>() * e.dtype.size()).sum()
+    }
+
+    /// The safetensors files backing this store (empty for in-memory stores).
+    pub fn files(&self) -> Vec<&Path> {
+        self.files.iter().map(|f| f.path.as_path()).collect()
+    }
+
+    /// The tensor `name` as f32 (bf16/f16/f32 → f32, row-major).
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] naming the tensor when absent.
+    pub fn to_f32(&self, name: &str) -> Result<Vec<f32>> {
+        Ok(self.require(name)?.to_f32())
+    }
+
+    /// The tensor `name` as bf16 (see [`TensorView::to_bf16`]).
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] naming the tensor when absent.
+    pub fn to_bf16(&self, name: &str) -> Result<Vec<bf16>> {
+        Ok(self.require(name)?.to_bf16())
+    }
+
+    /// Copies every tensor into memory (for comparisons and rewriting).
+    pub fn to_owned_tensors(&self) -> Vec<OwnedTensor> {
+        self.entries
+            .keys()
+            .filter_map(|n| self.get(n))
+            .map(|v| OwnedTensor { name: v.name.to_string(), dtype: v.dtype, shape: v.shape.clone(), data: v.data.to_vec() })
+            .collect()
+    }
+}
+
+/// The tensor-name table: every Hugging Face name the runtime reads, in one
+/// place (spec §2).
+pub mod names {
+    /// `model.embed_tokens.weight` [V, d].
+    pub fn embed() -> String {
+        "model.embed_tokens.weight".to_string()
+    }
+    /// `model.norm.weight` [d].
+    pub fn final_norm() -> String {
+        "model.norm.weight".to_string()
+    }
+    /// `lm_head.weight` [V, d].
+    pub fn lm_head() -> String {
+        "lm_head.weight".to_string()
+    }
+
+    /// The per-layer tensors (prefix `model.layers.{i}.`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub enum LayerTensor {
+        /// `input_layernorm.weight` [d].
+        InputNorm,
+        /// `post_attention_layernorm.weight` [d].
+        PostAttnNorm,
+        /// `self_attn.q_proj.weight` [H·D, d].
+        QProj,
+        /// `self_attn.k_proj.weight` [Hkv·D, d].
+        KProj,
+        /// `self_attn.v_proj.weight` [Hkv·D, d].
+        VProj,
+        /// `self_attn.o_proj.weight` [d, H·D].
+        OProj,
+        /// `self_attn.q_proj.bias` [H·D] (attention_bias).
+        QBias,
+        /// `self_attn.k_proj.bias` [Hkv·D] (attention_bias).
+        KBias,
+        /// `self_attn.v_proj.bias` [Hkv·D] (attention_bias).
+        VBias,
+        /// `self_attn.o_proj.bias` [d] (attention_bias).
+        OBias,
+        /// `mlp.gate_proj.weight` [I, d].
+        GateProj,
+        /// `mlp.up_proj.weight` [I, d].
+        UpProj,
+        /// `mlp.down_proj.weight` [d, I].
+        DownProj,
+        /// `mlp.gate_proj.bias` [I] (mlp_bias).
+        GateBias,
+        /// `mlp.up_proj.bias` [I] (mlp_bias).
+        UpBias,
+        /// `mlp.down_proj.bias` [d] (mlp_bias).
+        DownBias,
+        /// Eviction head `self_attn.A` [Hkv] (NOSA).
+        EvictA,
+        /// Eviction head `self_attn.delta.weight` [Hkv, Hkv·D] (NOSA).
+        EvictDelta,
+        /// Eviction head `self_attn.delta.bias` [Hkv] (NOSA with attention_bias).
+        EvictDeltaBias,
+        /// SparDA forecast `self_attn.q_future_proj.weight` [Hkv·D, d] (separate file, §2).
+        QFutureProj,
+        /// SparDA forecast `self_attn.q_curr_proj.weight` [Hkv·D, d] (layer 0 only, separate file).
+        QCurrProj,
+    }
+
+    impl LayerTensor {
+        /// The name after `model.layers.{i}.`.
+        pub fn suffix(self) -> &'static str {
+            match self {
+                LayerTensor::InputNorm => "input_layernorm.weight",
+                LayerTensor::PostAttnNorm => "post_attention_layernorm.weight",
+                LayerTensor::QProj => "self_attn.q_proj.weight",
+                LayerTensor::KProj => "self_attn.k_proj.weight",
+                LayerTensor::VProj => "self_attn.v_proj.weight",
+                LayerTensor::OProj => "self_attn.o_proj.weight",
+                LayerTensor::QBias => "self_attn.q_proj.bias",
+                LayerTensor::KBias => "self_attn.k_proj.bias",
+                LayerTensor::VBias => "self_attn.v_proj.bias",
+                LayerTensor::OBias => "self_attn.o_proj.bias",
+                LayerTensor::GateProj => "mlp.gate_proj.weight",
+                LayerTensor::UpProj => "mlp.up_proj.weight",
+                LayerTensor::DownProj => "mlp.down_proj.weight",
+                LayerTensor::GateBias => "mlp.gate_proj.bias",
+                LayerTensor::UpBias => "mlp.up_proj.bias",
+                LayerTensor::DownBias => "mlp.down_proj.bias",
+                LayerTensor::EvictA => "self_attn.A",
+                LayerTensor::EvictDelta => "self_attn.delta.weight",
+                LayerTensor::EvictDeltaBias => "self_attn.delta.bias",
+                LayerTensor::QFutureProj => "self_attn.q_future_proj.weight",
+                LayerTensor::QCurrProj => "self_attn.q_curr_proj.weight",
+            }
+        }
+    }
+
+    /// `model.layers.{i}.<suffix>`.
+    pub fn layer(i: usize, t: LayerTensor) -> String {
+        format!("model.layers.{i}.{}", t.suffix())
+    }
+}
+
+use names::LayerTensor;
+
+/// Expected shape of per-layer tensor `t` under `cfg` (spec §2).
+pub fn layer_tensor_shape(cfg: &ModelConfig, t: LayerTensor) -> Vec<usize> {
+    let d = cfg.hidden_size;
+    let q = cfg.num_attention_heads * cfg.head_dim;
+    let kv = cfg.num_key_value_heads * cfg.head_dim;
+    let hkv = cfg.num_key_value_heads;
+    let i = cfg.intermediate_size;
+    match t {
+        LayerTensor::InputNorm | LayerTensor::PostAttnNorm => vec![d],
+        LayerTensor::QProj => vec![q, d],
+        LayerTensor::KProj | LayerTensor::VProj => vec![kv, d],
+        LayerTensor::OProj => vec![d, q],
+        LayerTensor::QBias => vec![q],
+        LayerTensor::KBias | LayerTensor::VBias => vec![kv],
+        LayerTensor::OBias => vec![d],
+        LayerTensor::GateProj | LayerTensor::UpProj => vec![i, d],
+        LayerTensor::DownProj => vec![d, i],
+        LayerTensor::GateBias | LayerTensor::UpBias => vec![i],
+        LayerTensor::DownBias => vec![d],
+        LayerTensor::EvictA => vec![hkv],
+        LayerTensor::EvictDelta => vec![hkv, kv],
+        LayerTensor::EvictDeltaBias => vec![hkv],
+        LayerTensor::QFutureProj | LayerTensor::QCurrProj => vec![kv, d],
+    }
+}
+
+/// The per-layer tensors a config implies, in a fixed order (spec §2).
+pub fn layer_tensors(cfg: &ModelConfig, eviction_heads: bool) -> Vec<LayerTensor> {
+    use LayerTensor::*;
+    let mut v = vec![InputNorm, QProj, KProj, VProj, OProj];
+    if cfg.attention_bias {
+        v.extend([QBias, KBias, VBias, OBias]);
+    }
+    if eviction_heads {
+        v.extend([EvictA, EvictDelta]);
+        if cfg.attention_bias {
+            v.push(EvictDeltaBias);
+        }
+    }
+    v.extend([PostAttnNorm, GateProj, UpProj, DownProj]);
+    if cfg.mlp_bias {
+        v.extend([GateBias, UpBias, DownBias]);
+    }
+    v
+}
+
+/// Every tensor (name, shape) a checkpoint of `cfg` must hold (spec §2):
+/// embedding, per-layer norms/projections (biases when `attention_bias` /
+/// `mlp_bias`), eviction heads when `eviction_heads`, final norm, and
+/// `lm_head.weight` unless `tie_word_embeddings`.
+pub fn expected_tensors(cfg: &ModelConfig, eviction_heads: bool) -> Vec<(String, Vec<usize>)> {
+    let mut out = vec![(names::embed(), vec![cfg.vocab_size, cfg.hidden_size])];
+    let per_layer = layer_tensors(cfg, eviction_heads);
+    for l in 0..cfg.num_hidden_layers {
+        for &t in &per_layer {
+            out.push((names::layer(l, t), layer_tensor_shape(cfg, t)));
+        }
+    }
+    out.push((names::final_norm(), vec![cfg.hidden_size]));
+    if !cfg.tie_word_embeddings {
+        out.push((names::lm_head(), vec![cfg.vocab_size, cfg.hidden_size]));
+    }
+    out
+}
+
+/// Number of parameters a checkpoint of `cfg` holds (sum over [`expected_tensors`]).
+pub fn parameter_count(cfg: &ModelConfig, eviction_heads: bool) -> u64 {
+    expected_tensors(cfg, eviction_heads)
+        .iter()
+        .map(|(_, s)| s.iter().map(|&x| x as u64).product::<u64>())
+        .sum()
+}
+
+/// A model: its config and its validated weights.
+#[derive(Debug)]
+pub struct Checkpoint {
+    /// The config (config.json + generation_config.json).
+    pub config: ModelConfig,
+    /// The weights.
+    pub store: TensorStore,
+    /// The checkpoint directory (`None` for in-memory models).
+    pub dir: Option<PathBuf>,
+    /// Whether the model has NOSA eviction heads (`self_attn.A` in every layer).
+    pub eviction_heads: bool,
+    /// Whether `lm_head` is the embedding matrix (`tie_word_embeddings`); any
+    /// `lm_head.weight` present is then ignored.
+    pub lm_head_tied: bool,
+}
+
+impl Checkpoint {
+    /// Opens a Hugging Face checkpoint directory: `config.json` (+
+    /// `generation_config.json`), the safetensors weights, then validation as
+    /// in [`Checkpoint::from_parts`].
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming a missing `config.json` or weight file;
+    /// [`Error::Config`] for a bad config; [`Error::Checkpoint`] listing every
+    /// missing, unexpected and mis-shaped tensor.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Checkpoint> {
+        let dir = dir.as_ref();
+        let config = ModelConfig::from_file(dir)?;
+        let store = TensorStore::open(dir)?;
+        let (eviction_heads, lm_head_tied) = validate(&config, &store, dir)?;
+        Ok(Checkpoint { config, store, dir: Some(dir.to_path_buf()), eviction_heads, lm_head_tied })
+    }
+
+    /// A checkpoint from a config and a store (e.g. an in-memory synthetic model).
+    ///
+    /// Validation: eviction heads are present iff layer 0 has `self_attn.A`,
+    /// and then every layer needs them; the store must hold exactly
+    /// [`expected_tensors`] with those shapes — every missing, unexpected and
+    /// mis-shaped tensor is listed in one error. `tie_word_embeddings` true:
+    /// the embedding is the lm_head; a different `lm_head.weight` present is
+    /// ignored with a warning. False and no `lm_head.weight`: error.
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] naming the store's origin, one problem per line.
+    pub fn from_parts(config: ModelConfig, store: TensorStore) -> Result<Checkpoint> {
+        let origin = store.origin().to_path_buf();
+        let (eviction_heads, lm_head_tied) = validate(&config, &store, &origin)?;
+        Ok(Checkpoint { config, store, dir: None, eviction_heads, lm_head_tied })
+    }
+
+    /// Which attention this model runs (spec §1).
+    pub fn attention_mode(&self) -> AttentionMode {
+        self.config.attention_mode(self.eviction_heads)
+    }
+
+    /// The name of the lm_head matrix to use: `lm_head.weight`, or the
+    /// embedding when tied.
+    pub fn lm_head_name(&self) -> String {
+        if self.lm_head_tied {
+            names::embed()
+        } else {
+            names::lm_head()
+        }
+    }
+
+    /// `tokenizer.json` of the checkpoint directory.
+    ///
+    /// # Errors
+    /// [`Error::Io`] (not found) naming the path, or naming `<memory>` for an
+    /// in-memory checkpoint.
+    pub fn tokenizer_path(&self) -> Result<PathBuf> {
+        let p = match &self.dir {
+            Some(d) => d.join("tokenizer.json"),
+            None => PathBuf::from("<memory>/tokenizer.json"),
+        };
+        if !p.is_file() {
+            return Err(Error::io(&p, std::io::Error::new(std::io::ErrorKind::NotFound, "tokenizer.json not found")));
+        }
+        Ok(p)
+    }
+}
+
+fn shape_str(s: &[usize]) -> String {
+    format!("{s:?}")
+}
+
+/// Checks `store` against `cfg`; returns (eviction_heads, lm_head_tied).
+fn validate(cfg: &ModelConfig, store: &TensorStore, path: &Path) -> Result<(bool, bool)> {
+    let a0 = names::layer(0, LayerTensor::EvictA);
+    let eviction_heads = store.contains(&a0);
+    let expected = expected_tensors(cfg, eviction_heads);
+    let expected_names: BTreeSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
+    let mut missing = Vec::new();
+    let mut misshaped = Vec::new();
+    for (name, shape) in &expected {
+        match store.info(name) {
+            None => missing.push(format!("missing: {name} (expected shape {})", shape_str(shape))),
+            Some((_, found)) if found != shape.as_slice() => misshaped.push(format!(
+                "mis-shaped: {name}: expected {}, found {}",
+                shape_str(shape),
+                shape_str(found)
+            )),
+            Some(_) => {}
+        }
+    }
+    let lm = names::lm_head();
+    let mut unexpected = Vec::new();
+    for name in store.names() {
+        if expected_names.contains(name) {
+            continue;
+        }
+        if cfg.tie_word_embeddings && name == lm {
+            continue;
+        }
+        let (dtype, shape) = store.info(name).expect("listed name");
+        unexpected.push(format!("unexpected: {name} (shape {}, {})", shape_str(shape), dtype.name()));
+    }
+    let mut hints = Vec::new();
+    if eviction_heads {
+        let lacking: Vec<usize> = (1..cfg.num_hidden_layers)
+            .filter(|&l| !store.contains(&names::layer(l, LayerTensor::EvictA)))
+            .collect();
+        if !lacking.is_empty() {
+            hints.push(format!(
+                "eviction heads: layer 0 has self_attn.A, so every layer needs one; layers {lacking:?} lack it"
+            ));
+        }
+    } else {
+        let having: Vec<usize> = (1..cfg.num_hidden_layers)
+            .filter(|&l| store.contains(&names::layer(l, LayerTensor::EvictA)))
+            .collect();
+        if !having.is_empty() {
+            hints.push(format!(
+                "eviction heads: layer 0 has no self_attn.A but layers {having:?} do (all layers or none)"
+            ));
+        }
+    }
+    if !cfg.tie_word_embeddings && !store.contains(&lm) {
+        hints.push("tie_word_embeddings is false and lm_head.weight is absent".to_string());
+    }
+    let problems: Vec<String> = hints.into_iter().chain(missing).chain(misshaped).chain(unexpected).collect();
+    if !problems.is_empty() {
+        return Err(Error::checkpoint(
+            path,
+            format!(
+                "the weights do not match config.json ({} problem lines):\n{}",
+                problems.len(),
+                problems.join("\n")
+            ),
+        ));
+    }
+    if cfg.tie_word_embeddings {
+        if let (Some(lmv), Some(ev)) = (store.get(&lm), store.get(&names::embed())) {
+            let same = lmv.shape == ev.shape
+                && if lmv.dtype == ev.dtype { lmv.data == ev.data } else { lmv.to_f32() == ev.to_f32() };
+            if !same {
+                tracing::warn!(
+                    checkpoint = %path.display(),
+                    "tie_word_embeddings is true but lm_head.weight differs from the embedding; using the embedding"
+                );
+            }
+        }
+    }
+    Ok((eviction_heads, cfg.tie_word_embeddings))
+}
