@@ -7,11 +7,11 @@ extern "C" __global__ void embed_gather(const bf16_t* __restrict__ table, const 
     const int row = blockIdx.x;
     if (row >= n) return;
     const u32 id = ids[row];
-    bf16_t* o = out + (size_t)row * d;
+    bf16_t* o = out + (u64)row * d;
     if (id >= (u32)vocab) {
         for (int j = threadIdx.x; j < d; j += blockDim.x) o[j] = BF16_NAN;
         return;
     }
-    const bf16_t* src = table + (size_t)id * d;
+    const bf16_t* src = table + (u64)id * d;
     for (int j = threadIdx.x; j < d; j += blockDim.x) o[j] = f2bf(bf2f(src[j]) * scale);
 }

@@ -6,18 +6,18 @@
 extern "C" __global__ void eviction_score(const bf16_t* __restrict__ v, int ld_v, const bf16_t* __restrict__ delta,
                                           const float* __restrict__ bias, const float* __restrict__ A,
                                           float* __restrict__ c, int n, int hkv, int kvdim) {
-    const int wid = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) >> 5);
+    const int wid = (int)((blockIdx.x * (u64)blockDim.x + threadIdx.x) >> 5);
     const int lane = threadIdx.x & 31;
     if (wid >= n * hkv) return;
     const int row = wid / hkv, h = wid % hkv;
-    const bf16_t* vr = v + (size_t)row * ld_v;
-    const bf16_t* dr = delta + (size_t)h * kvdim;
+    const bf16_t* vr = v + (u64)row * ld_v;
+    const bf16_t* dr = delta + (u64)h * kvdim;
     float s = 0.0f;
     for (int j = lane; j < kvdim; j += 32) s += bf2f(vr[j]) * bf2f(dr[j]);
     s = warp_sum(s);
     if (lane == 0) {
         const float z = s + (bias != nullptr ? bias[h] : 0.0f);
         const float sp = z > 20.0f ? z : log1pf(expf(z));
-        c[(size_t)row * hkv + h] = A[h] * sp;
+        c[(u64)row * hkv + h] = A[h] * sp;
     }
 }

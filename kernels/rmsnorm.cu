@@ -9,10 +9,10 @@ extern "C" __global__ void rmsnorm_residual(float* __restrict__ resid, const bf1
                                             bf16_t* __restrict__ out, int d, float eps) {
     __shared__ float shm[32];
     const int row = blockIdx.x;
-    float* r = resid + (size_t)row * d;
+    float* r = resid + (u64)row * d;
     float ss = 0.0f;
     if (delta != nullptr) {
-        const bf16_t* dl = delta + (size_t)row * d;
+        const bf16_t* dl = delta + (u64)row * d;
         for (int j = threadIdx.x; j < d; j += blockDim.x) {
             float x = r[j] + bf2f(dl[j]) * delta_scale;
             r[j] = x;
@@ -26,6 +26,6 @@ extern "C" __global__ void rmsnorm_residual(float* __restrict__ resid, const bf1
     }
     ss = block_sum(ss, shm);
     const float inv = 1.0f / sqrtf(ss / (float)d + eps);
-    bf16_t* o = out + (size_t)row * d;
+    bf16_t* o = out + (u64)row * d;
     for (int j = threadIdx.x; j < d; j += blockDim.x) o[j] = f2bf(round_bf(r[j] * inv) * bf2f(w[j]));
 }

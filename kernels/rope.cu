@@ -10,14 +10,14 @@ extern "C" __global__ void rope_neox(bf16_t* __restrict__ x, int row_stride, int
                                      const float* __restrict__ sin_t, int table_rows) {
     const int row = blockIdx.x, head = blockIdx.y;
     const int half = head_dim >> 1;
-    bf16_t* v = x + (size_t)row * row_stride + col_off + (size_t)head * head_dim;
+    bf16_t* v = x + (u64)row * row_stride + col_off + (u64)head * head_dim;
     const int p = pos[row];
     if (p < 0 || p >= table_rows) {
         for (int i = threadIdx.x; i < head_dim; i += blockDim.x) v[i] = BF16_NAN;
         return;
     }
-    const float* c = cos_t + (size_t)p * half;
-    const float* s = sin_t + (size_t)p * half;
+    const float* c = cos_t + (u64)p * half;
+    const float* s = sin_t + (u64)p * half;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         const float a = bf2f(v[i]), b = bf2f(v[i + half]);
         v[i] = f2bf(a * c[i] - b * s[i]);

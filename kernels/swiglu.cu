@@ -3,10 +3,10 @@
 // silu(x) = x / (1 + exp(-x)). Grid-stride over n*I elements.
 
 extern "C" __global__ void swiglu(const bf16_t* __restrict__ gu, bf16_t* __restrict__ out, int n, int inter) {
-    const size_t total = (size_t)n * inter;
-    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
-         idx += (size_t)gridDim.x * blockDim.x) {
-        const size_t row = idx / inter, col = idx % inter;
+    const u64 total = (u64)n * inter;
+    for (u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+         idx += (u64)gridDim.x * blockDim.x) {
+        const u64 row = idx / inter, col = idx % inter;
         const float g = bf2f(gu[row * 2 * inter + col]);
         const float u = bf2f(gu[row * 2 * inter + inter + col]);
         out[idx] = f2bf(g / (1.0f + expf(-g)) * u);

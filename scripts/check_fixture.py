@@ -117,7 +117,10 @@ def check_weights(ref, ours):
 
 @torch.no_grad()
 def check_logits(ref, ours, tok):
-    ref, ours = ref.float(), ours.float()
+    # transformers refuses `.float()` on a GGUF-loaded model ("quantized"); its weights are plain
+    # bf16 tensors here, so nn.Module's own cast does what we mean.
+    ref, ours = torch.nn.Module.float(ref), ours.float()
+    assert all(p.dtype == torch.float32 for p in ref.parameters())
     text = "The quick brown fox jumps over the lazy dog. In 1603, Hamlet"
     ids = torch.tensor([tok(text)["input_ids"]])
     la = ref(ids).logits[0]

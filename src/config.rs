@@ -165,7 +165,8 @@ impl SparseConfig {
     /// # Errors
     /// [`Error::Config`] for `path`, field `sparse_config.<key>`, with the numbers.
     pub fn validate(&self, path: &Path) -> Result<()> {
-        let err = |k: &str, msg: String| Err(Error::config(path, format!("sparse_config.{k}"), msg));
+        let err =
+            |k: &str, msg: String| Err(Error::config(path, format!("sparse_config.{k}"), msg));
         if self.kernel_stride == 0 {
             return err("kernel_stride", "kernel_stride = 0; must be ≥ 1".into());
         }
@@ -183,7 +184,7 @@ impl SparseConfig {
         if self.block_size == 0 {
             return err("block_size", "block_size = 0; must be ≥ 1".into());
         }
-        if self.block_size % self.kernel_stride != 0 {
+        if !self.block_size.is_multiple_of(self.kernel_stride) {
             return err(
                 "block_size",
                 format!(
@@ -192,7 +193,7 @@ impl SparseConfig {
                 ),
             );
         }
-        if self.window_size % self.block_size != 0 {
+        if !self.window_size.is_multiple_of(self.block_size) {
             return err(
                 "window_size",
                 format!(
@@ -202,7 +203,10 @@ impl SparseConfig {
             );
         }
         if self.select_blocks < 1 {
-            return err("select_blocks", format!("select_blocks = {}; must be ≥ 1", self.select_blocks));
+            return err(
+                "select_blocks",
+                format!("select_blocks = {}; must be ≥ 1", self.select_blocks),
+            );
         }
         if self.init_blocks + self.select_blocks > self.topk {
             return err(
@@ -335,7 +339,8 @@ impl<'a> Fields<'a> {
     }
     fn usize_of(&self, key: &str, v: &Value) -> Result<usize> {
         if let Some(u) = v.as_u64() {
-            return usize::try_from(u).map_err(|_| self.err(key, format!("{u} does not fit in usize")));
+            return usize::try_from(u)
+                .map_err(|_| self.err(key, format!("{u} does not fit in usize")));
         }
         if let Some(f) = v.as_f64() {
             if f >= 0.0 && f.fract() == 0.0 && f < 1e15 {
@@ -348,7 +353,8 @@ impl<'a> Fields<'a> {
         self.raw(key).map(|v| self.usize_of(key, v)).transpose()
     }
     fn req_usize(&self, key: &str) -> Result<usize> {
-        self.opt_usize(key)?.ok_or_else(|| self.err(key, "required field is missing"))
+        self.opt_usize(key)?
+            .ok_or_else(|| self.err(key, "required field is missing"))
     }
     fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         match self.raw(key) {
@@ -360,7 +366,8 @@ impl<'a> Fields<'a> {
         }
     }
     fn req_f64(&self, key: &str) -> Result<f64> {
-        self.opt_f64(key)?.ok_or_else(|| self.err(key, "required field is missing"))
+        self.opt_f64(key)?
+            .ok_or_else(|| self.err(key, "required field is missing"))
     }
     fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
         match self.raw(key) {
@@ -381,15 +388,18 @@ impl<'a> Fields<'a> {
         }
     }
     fn req_f64_list(&self, key: &str) -> Result<Vec<f64>> {
-        let v = self.raw(key).ok_or_else(|| self.err(key, "required field is missing"))?;
+        let v = self
+            .raw(key)
+            .ok_or_else(|| self.err(key, "required field is missing"))?;
         let arr = v
             .as_array()
             .ok_or_else(|| self.err(key, format!("expected a list of numbers, found {v}")))?;
         arr.iter()
             .enumerate()
             .map(|(i, x)| {
-                x.as_f64()
-                    .ok_or_else(|| self.err(key, format!("element {i}: expected a number, found {x}")))
+                x.as_f64().ok_or_else(|| {
+                    self.err(key, format!("element {i}: expected a number, found {x}"))
+                })
             })
             .collect()
     }
@@ -425,7 +435,10 @@ fn parse_object(text: &str, path: &Path) -> Result<Map<String, Value>> {
         other => Err(Error::config(
             path,
             "<json>",
-            format!("expected a JSON object at the top level, found {}", json_kind(&other)),
+            format!(
+                "expected a JSON object at the top level, found {}",
+                json_kind(&other)
+            ),
         )),
     }
 }
@@ -445,11 +458,15 @@ fn json_kind(v: &Value) -> &'static str {
 /// (so `1e-5f32` is written `1e-05`, not `9.99999974e-06`).
 fn f32_json(x: f32) -> Value {
     let shortest: f64 = format!("{x}").parse().unwrap_or(f64::from(x));
-    serde_json::Number::from_f64(shortest).map(Value::Number).unwrap_or(Value::Null)
+    serde_json::Number::from_f64(shortest)
+        .map(Value::Number)
+        .unwrap_or(Value::Null)
 }
 
 fn f64_json(x: f64) -> Value {
-    serde_json::Number::from_f64(x).map(Value::Number).unwrap_or(Value::Null)
+    serde_json::Number::from_f64(x)
+        .map(Value::Number)
+        .unwrap_or(Value::Null)
 }
 
 impl ModelConfig {
@@ -469,7 +486,11 @@ impl ModelConfig {
     /// [`ModelConfig::from_json_str`].
     pub fn from_file(path: impl AsRef<Path>) -> Result<ModelConfig> {
         let path = path.as_ref();
-        let config_path: PathBuf = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
+        let config_path: PathBuf = if path.is_dir() {
+            path.join("config.json")
+        } else {
+            path.to_path_buf()
+        };
         let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
         let mut cfg = Self::from_json_str(&text, &config_path)?;
         let gen_path = config_path.with_file_name("generation_config.json");
@@ -488,7 +509,11 @@ impl ModelConfig {
     /// (≥ `vocab_size`).
     pub fn apply_generation_config(&mut self, text: &str, path: &Path) -> Result<()> {
         let map = parse_object(text, path)?;
-        let f = Fields { map: &map, prefix: "", path };
+        let f = Fields {
+            map: &map,
+            prefix: "",
+            path,
+        };
         for id in f.id_list("eos_token_id")? {
             self.check_token_id(id, "eos_token_id", path)?;
             if !self.eos_token_ids.contains(&id) {
@@ -507,7 +532,10 @@ impl ModelConfig {
             return Err(Error::config(
                 path,
                 field,
-                format!("token id {id} is outside the vocabulary (vocab_size = {})", self.vocab_size),
+                format!(
+                    "token id {id} is outside the vocabulary (vocab_size = {})",
+                    self.vocab_size
+                ),
             ));
         }
         Ok(())
@@ -535,7 +563,11 @@ impl ModelConfig {
     pub fn from_json_str(text: &str, path: impl AsRef<Path>) -> Result<ModelConfig> {
         let path = path.as_ref();
         let map = parse_object(text, path)?;
-        let f = Fields { map: &map, prefix: "", path };
+        let f = Fields {
+            map: &map,
+            prefix: "",
+            path,
+        };
 
         let hidden_size = f.req_usize("hidden_size")?;
         let num_attention_heads = f.req_usize("num_attention_heads")?;
@@ -557,9 +589,14 @@ impl ModelConfig {
             }
         }
         if !(rms_norm_eps > 0.0 && rms_norm_eps.is_finite()) {
-            return Err(f.err("rms_norm_eps", format!("must be a positive finite number, found {rms_norm_eps}")));
+            return Err(f.err(
+                "rms_norm_eps",
+                format!("must be a positive finite number, found {rms_norm_eps}"),
+            ));
         }
-        let num_key_value_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
+        let num_key_value_heads = f
+            .opt_usize("num_key_value_heads")?
+            .unwrap_or(num_attention_heads);
         if num_key_value_heads == 0 {
             return Err(f.err("num_key_value_heads", "must be ≥ 1, found 0"));
         }
@@ -586,16 +623,25 @@ impl ModelConfig {
             }
         };
         if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(f.err("head_dim", format!("must be even and ≥ 2 (RoPE pairs), found {head_dim}")));
+            return Err(f.err(
+                "head_dim",
+                format!("must be even and ≥ 2 (RoPE pairs), found {head_dim}"),
+            ));
         }
         if let Some(act) = f.opt_str("hidden_act")? {
             if act != "silu" && act != "swish" {
-                return Err(f.err("hidden_act", format!("unsupported activation `{act}` (only silu)")));
+                return Err(f.err(
+                    "hidden_act",
+                    format!("unsupported activation `{act}` (only silu)"),
+                ));
             }
         }
         if let Some(p) = f.opt_f64("partial_rotary_factor")? {
             if p != 1.0 {
-                return Err(f.err("partial_rotary_factor", format!("partial RoPE is unsupported (found {p}, need 1)")));
+                return Err(f.err(
+                    "partial_rotary_factor",
+                    format!("partial RoPE is unsupported (found {p}, need 1)"),
+                ));
             }
         }
 
@@ -604,24 +650,41 @@ impl ModelConfig {
         let rope_params = rope_params.filter(|m| !m.is_empty());
         let mut rope_theta = None;
         if let Some(rp) = rope_params {
-            rope_theta = Fields { map: rp, prefix: "rope_parameters.", path }.opt_f64("rope_theta")?;
+            rope_theta = Fields {
+                map: rp,
+                prefix: "rope_parameters.",
+                path,
+            }
+            .opt_f64("rope_theta")?;
         }
         if rope_theta.is_none() {
             rope_theta = f.opt_f64("rope_theta")?;
         }
         let rope_theta = rope_theta.unwrap_or(10_000.0);
         if !(rope_theta > 0.0 && rope_theta.is_finite()) {
-            return Err(f.err("rope_theta", format!("must be a positive finite number, found {rope_theta}")));
+            return Err(f.err(
+                "rope_theta",
+                format!("must be a positive finite number, found {rope_theta}"),
+            ));
         }
         let top_orig = f.opt_usize("original_max_position_embeddings")?;
         let scaling_src = match rope_params {
-            Some(rp) if rp.contains_key("rope_type") || rp.contains_key("type") => Some((rp, "rope_parameters.")),
-            _ => f.object("rope_scaling")?.filter(|m| !m.is_empty()).map(|m| (m, "rope_scaling.")),
+            Some(rp) if rp.contains_key("rope_type") || rp.contains_key("type") => {
+                Some((rp, "rope_parameters."))
+            }
+            _ => f
+                .object("rope_scaling")?
+                .filter(|m| !m.is_empty())
+                .map(|m| (m, "rope_scaling.")),
         };
         let rope_scaling = match scaling_src {
             None => RopeScaling::Default,
             Some((m, prefix)) => parse_rope_scaling(
-                &Fields { map: m, prefix, path },
+                &Fields {
+                    map: m,
+                    prefix,
+                    path,
+                },
                 head_dim,
                 max_position_embeddings,
                 top_orig,
@@ -646,10 +709,16 @@ impl ModelConfig {
             let scale_emb = f.opt_f64("scale_emb")?.unwrap_or(1.0);
             let scale_depth = f.opt_f64("scale_depth")?;
             let dim_model_base = f.opt_f64("dim_model_base")?.unwrap_or(hidden_size as f64);
-            for (k, v) in [("scale_emb", Some(scale_emb)), ("scale_depth", scale_depth), ("dim_model_base", Some(dim_model_base))] {
+            for (k, v) in [
+                ("scale_emb", Some(scale_emb)),
+                ("scale_depth", scale_depth),
+                ("dim_model_base", Some(dim_model_base)),
+            ] {
                 if let Some(v) = v {
                     if !(v > 0.0 && v.is_finite()) {
-                        return Err(f.err(k, format!("must be a positive finite number, found {v}")));
+                        return Err(
+                            f.err(k, format!("must be a positive finite number, found {v}"))
+                        );
                     }
                 }
             }
@@ -665,7 +734,11 @@ impl ModelConfig {
         let sparse = match f.object("sparse_config")? {
             None => None,
             Some(m) => {
-                let s = Fields { map: m, prefix: "sparse_config.", path };
+                let s = Fields {
+                    map: m,
+                    prefix: "sparse_config.",
+                    path,
+                };
                 let d = SparseConfig::default();
                 let sc = SparseConfig {
                     kernel_size: s.opt_usize("kernel_size")?.unwrap_or(d.kernel_size),
@@ -737,41 +810,83 @@ impl ModelConfig {
         let is_mup = self.mup.is_some();
         m.insert(
             "architectures".into(),
-            Value::from(vec![if is_mup { "MiniCPMForCausalLM" } else { "LlamaForCausalLM" }]),
+            Value::from(vec![if is_mup {
+                "MiniCPMForCausalLM"
+            } else {
+                "LlamaForCausalLM"
+            }]),
         );
-        m.insert("model_type".into(), Value::from(if is_mup { "minicpm" } else { "llama" }));
+        m.insert(
+            "model_type".into(),
+            Value::from(if is_mup { "minicpm" } else { "llama" }),
+        );
         m.insert("hidden_size".into(), Value::from(self.hidden_size));
-        m.insert("num_attention_heads".into(), Value::from(self.num_attention_heads));
-        m.insert("num_key_value_heads".into(), Value::from(self.num_key_value_heads));
+        m.insert(
+            "num_attention_heads".into(),
+            Value::from(self.num_attention_heads),
+        );
+        m.insert(
+            "num_key_value_heads".into(),
+            Value::from(self.num_key_value_heads),
+        );
         m.insert("head_dim".into(), Value::from(self.head_dim));
-        m.insert("intermediate_size".into(), Value::from(self.intermediate_size));
+        m.insert(
+            "intermediate_size".into(),
+            Value::from(self.intermediate_size),
+        );
         m.insert("hidden_act".into(), Value::from("silu"));
         m.insert("rms_norm_eps".into(), f32_json(self.rms_norm_eps));
         m.insert("vocab_size".into(), Value::from(self.vocab_size));
-        m.insert("num_hidden_layers".into(), Value::from(self.num_hidden_layers));
-        m.insert("max_position_embeddings".into(), Value::from(self.max_position_embeddings));
+        m.insert(
+            "num_hidden_layers".into(),
+            Value::from(self.num_hidden_layers),
+        );
+        m.insert(
+            "max_position_embeddings".into(),
+            Value::from(self.max_position_embeddings),
+        );
         m.insert("rope_theta".into(), f64_json(self.rope_theta));
         let scaling = match &self.rope_scaling {
             RopeScaling::Default => Value::Null,
-            RopeScaling::Linear { factor } => serde_json::json!({"rope_type": "linear", "factor": factor}),
-            RopeScaling::Dynamic { factor, original_max_position_embeddings } => serde_json::json!({
+            RopeScaling::Linear { factor } => {
+                serde_json::json!({"rope_type": "linear", "factor": factor})
+            }
+            RopeScaling::Dynamic {
+                factor,
+                original_max_position_embeddings,
+            } => serde_json::json!({
                 "rope_type": "dynamic", "factor": factor,
                 "original_max_position_embeddings": original_max_position_embeddings}),
-            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
                 serde_json::json!({
                     "rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
                     "high_freq_factor": high_freq_factor,
                     "original_max_position_embeddings": original_max_position_embeddings})
             }
-            RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings } => serde_json::json!({
+            RopeScaling::LongRope {
+                short_factor,
+                long_factor,
+                original_max_position_embeddings,
+            } => serde_json::json!({
                 "rope_type": "longrope", "short_factor": short_factor, "long_factor": long_factor,
                 "original_max_position_embeddings": original_max_position_embeddings}),
         };
         m.insert("rope_scaling".into(), scaling);
-        m.insert("tie_word_embeddings".into(), Value::from(self.tie_word_embeddings));
+        m.insert(
+            "tie_word_embeddings".into(),
+            Value::from(self.tie_word_embeddings),
+        );
         m.insert("attention_bias".into(), Value::from(self.attention_bias));
         m.insert("mlp_bias".into(), Value::from(self.mlp_bias));
-        m.insert("bos_token_id".into(), self.bos_token_id.map(Value::from).unwrap_or(Value::Null));
+        m.insert(
+            "bos_token_id".into(),
+            self.bos_token_id.map(Value::from).unwrap_or(Value::Null),
+        );
         let eos = match self.eos_token_ids.as_slice() {
             [] => Value::Null,
             [one] => Value::from(*one),
@@ -816,7 +931,8 @@ impl ModelConfig {
     }
     /// Residual-branch factor: muP `scale_depth / sqrt(L)`, else 1.
     pub fn residual_scale(&self) -> f32 {
-        self.mup.map_or(1.0, |m| m.residual_scale(self.num_hidden_layers))
+        self.mup
+            .map_or(1.0, |m| m.residual_scale(self.num_hidden_layers))
     }
     /// Divisor of the final normed hidden state before `lm_head`: muP
     /// `hidden_size / dim_model_base`, else 1.
@@ -844,7 +960,12 @@ impl ModelConfig {
 
     /// The RoPE tables of this config (spec §1, NeoX layout).
     pub fn rope(&self) -> Rope {
-        Rope::new(self.head_dim, self.rope_theta, self.max_position_embeddings, self.rope_scaling.clone())
+        Rope::new(
+            self.head_dim,
+            self.rope_theta,
+            self.max_position_embeddings,
+            self.rope_scaling.clone(),
+        )
     }
 }
 
@@ -866,7 +987,9 @@ fn parse_rope_scaling(
         Ok(v)
     };
     let orig = |default: usize| -> Result<usize> {
-        let o = f.opt_usize("original_max_position_embeddings")?.unwrap_or(default);
+        let o = f
+            .opt_usize("original_max_position_embeddings")?
+            .unwrap_or(default);
         if o == 0 {
             return Err(f.err("original_max_position_embeddings", "must be ≥ 1, found 0"));
         }
@@ -961,9 +1084,17 @@ impl Rope {
             RopeScaling::Default | RopeScaling::Dynamic { .. } => plain_inv_freq(theta, head_dim),
             RopeScaling::Linear { factor } => {
                 let fct = *factor as f32;
-                plain_inv_freq(theta, head_dim).into_iter().map(|x| x / fct).collect()
+                plain_inv_freq(theta, head_dim)
+                    .into_iter()
+                    .map(|x| x / fct)
+                    .collect()
             }
-            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
                 let inv = plain_inv_freq(theta, head_dim);
                 let old = *original_max_position_embeddings as f64;
                 let low_wl = (old / low_freq_factor) as f32;
@@ -977,7 +1108,8 @@ impl Rope {
                     .map(|x| {
                         let wavelen = two_pi / x;
                         let scaled = if wavelen > low_wl { x / fct } else { x };
-                        let medium = !(wavelen < high_wl) && !(wavelen > low_wl);
+                        // wavelen is finite (inv_freq > 0), so this is transformers' ~(< high) & ~(> low).
+                        let medium = wavelen >= high_wl && wavelen <= low_wl;
                         if medium {
                             let smooth = (old32 / wavelen - lo) / (hi - lo);
                             (1.0 - smooth) * scaled / fct + smooth * scaled
@@ -987,9 +1119,17 @@ impl Rope {
                     })
                     .collect()
             }
-            RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings } => {
+            RopeScaling::LongRope {
+                short_factor,
+                long_factor,
+                original_max_position_embeddings,
+            } => {
                 let orig = *original_max_position_embeddings;
-                let ext = if max_position > orig { long_factor } else { short_factor };
+                let ext = if max_position > orig {
+                    long_factor
+                } else {
+                    short_factor
+                };
                 if max_position > orig {
                     let ratio = max_position as f64 / orig as f64;
                     attention_factor = (1.0 + ratio.ln() / (orig as f64).ln()).sqrt() as f32;
@@ -1004,7 +1144,14 @@ impl Rope {
                     .collect()
             }
         };
-        Rope { head_dim, theta, max_position, scaling, base_inv_freq, attention_factor }
+        Rope {
+            head_dim,
+            theta,
+            max_position,
+            scaling,
+            base_inv_freq,
+            attention_factor,
+        }
     }
 
     /// D.
@@ -1015,13 +1162,18 @@ impl Rope {
     /// The D/2 inverse frequencies (radians per position) for a sequence of
     /// `seq_len` tokens. Only dynamic NTK depends on `seq_len`: past the
     /// original maximum `orig` the base becomes
-    /// θ·((factor·seq_len/orig) − (factor−1))^(D/(D−2)) (as transformers does
-    /// for the longest sequence seen; decode lengths only grow).
+    /// θ·((factor·seq_len/orig) − (factor−1))^(D/(D−2)) (in f64, then the
+    /// inverse frequencies in f32 as usual; transformers does the same for the
+    /// longest sequence seen, and decode lengths only grow).
     pub fn inv_freq(&self, seq_len: usize) -> Vec<f32> {
         match &self.scaling {
-            RopeScaling::Dynamic { factor, original_max_position_embeddings } if seq_len > *original_max_position_embeddings => {
+            RopeScaling::Dynamic {
+                factor,
+                original_max_position_embeddings,
+            } if seq_len > *original_max_position_embeddings => {
                 let d = self.head_dim as f64;
-                let ratio = factor * seq_len as f64 / *original_max_position_embeddings as f64 - (factor - 1.0);
+                let ratio = factor * seq_len as f64 / *original_max_position_embeddings as f64
+                    - (factor - 1.0);
                 let base = self.theta * ratio.powf(d / (d - 2.0));
                 plain_inv_freq(base, self.head_dim)
             }
@@ -1045,7 +1197,10 @@ impl Rope {
         let half = self.head_dim / 2;
         let dynamic;
         let inv: &[f32] = match &self.scaling {
-            RopeScaling::Dynamic { original_max_position_embeddings, .. } if seq_len > *original_max_position_embeddings => {
+            RopeScaling::Dynamic {
+                original_max_position_embeddings,
+                ..
+            } if seq_len > *original_max_position_embeddings => {
                 dynamic = self.inv_freq(seq_len);
                 &dynamic
             }

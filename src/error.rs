@@ -62,14 +62,28 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl Error {
     /// An [`Error::Io`] for `path`.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io { path: path.into(), source }
+        Error::Io {
+            path: path.into(),
+            source,
+        }
     }
     /// An [`Error::Config`] for `path` and `field`.
-    pub fn config(path: impl Into<PathBuf>, field: impl Into<String>, msg: impl Into<String>) -> Self {
-        Error::Config { path: path.into(), field: field.into(), msg: msg.into() }
+    pub fn config(
+        path: impl Into<PathBuf>,
+        field: impl Into<String>,
+        msg: impl Into<String>,
+    ) -> Self {
+        Error::Config {
+            path: path.into(),
+            field: field.into(),
+            msg: msg.into(),
+        }
     }
     /// An [`Error::Checkpoint`] for `path`.
     pub fn checkpoint(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
-        Error::Checkpoint { path: path.into(), msg: msg.into() }
+        Error::Checkpoint {
+            path: path.into(),
+            msg: msg.into(),
+        }
     }
 }

@@ -79,7 +79,11 @@ pub fn generate_cpu(
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<(Output, Sequence)> {
     req.sampling.validate()?;
-    check_length(req.prompt.len(), req.max_new_tokens, model.config.max_position_embeddings)?;
+    check_length(
+        req.prompt.len(),
+        req.max_new_tokens,
+        model.config.max_position_embeddings,
+    )?;
     let mut sampler = Sampler::new(req.sampling);
     let mut seq = model.new_sequence();
     let t = Instant::now();
@@ -102,5 +106,13 @@ pub fn generate_cpu(
         logits = model.decode(&mut seq, tok)?;
     }
     let decode_ms = t.elapsed().as_secs_f64() * 1e3;
-    Ok((Output { tokens, stop, prefill_ms, decode_ms }, seq))
+    Ok((
+        Output {
+            tokens,
+            stop,
+            prefill_ms,
+            decode_ms,
+        },
+        seq,
+    ))
 }

@@ -13,7 +13,11 @@ use std::io::Write;
 use std::path::PathBuf;
 
 #[derive(Parser)]
-#[command(name = "sparda", version, about = "Decode runtime for NOSA sparse-attention language models")]
+#[command(
+    name = "sparda",
+    version,
+    about = "Decode runtime for NOSA sparse-attention language models"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -25,6 +29,13 @@ enum Cmd {
     Generate(GenerateArgs),
     /// Write a random-weight checkpoint (config.json, safetensors, tokenizer.json).
     Synth(SynthArgs),
+    /// Check every CUDA kernel against the CPU reference on random inputs
+    /// (spec/testing.md shapes); writes a JSON report; exit 1 if a case fails.
+    GpuCheck {
+        /// Report path.
+        #[arg(long, default_value = "gpu_check.json")]
+        json: PathBuf,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -136,14 +147,39 @@ struct SynthArgs {
 
 fn main() {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SPARDA_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SPARDA_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Generate(a) => cmd_generate(a),
-        Cmd::Synth(a) => sparda::synth::Preset::from_name(&a.preset).and_then(|p| sparda::synth::write(p, a.seed, &a.out, &a.tokenizer)).map(|()| {
-            eprintln!("wrote {} ({} preset, seed {})", a.out.display(), a.preset, a.seed);
+        Cmd::Synth(a) => sparda::synth::Preset::from_name(&a.preset)
+            .and_then(|p| sparda::synth::write(p, a.seed, &a.out, &a.tokenizer))
+            .map(|()| {
+                eprintln!(
+                    "wrote {} ({} preset, seed {})",
+                    a.out.display(),
+                    a.preset,
+                    a.seed
+                );
+            }),
+        Cmd::GpuCheck { json } => sparda::cuda::check::gpu_check(&json).and_then(|ok| {
+            eprintln!(
+                "gpu-check {}; report in {}",
+                if ok { "passed" } else { "FAILED" },
+                json.display()
+            );
+            if ok {
+                Ok(())
+            } else {
+                Err(Error::Cuda(format!(
+                    "some kernel cases failed; see {}",
+                    json.display()
+                )))
+            }
         }),
     };
     if let Err(e) = r {
@@ -164,7 +200,11 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let text = match (&a.prompt, &a.prompt_file) {
         (Some(t), None) => t.clone(),
         (None, Some(p)) => std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?,
-        _ => return Err(Error::Input("give --prompt TEXT or --prompt-file FILE".into())),
+        _ => {
+            return Err(Error::Input(
+                "give --prompt TEXT or --prompt-file FILE".into(),
+            ))
+        }
     };
     let mut ckpt = Checkpoint::open(&a.model)?;
     if let Some(t) = a.rope_theta {
@@ -179,7 +219,11 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     if let Some(n) = a.prompt_tokens {
         prompt.truncate(n);
     }
-    generate::check_length(prompt.len(), a.max_new_tokens, ckpt.config.max_position_embeddings)?;
+    generate::check_length(
+        prompt.len(),
+        a.max_new_tokens,
+        ckpt.config.max_position_embeddings,
+    )?;
     let opts = EngineOptions {
         attention: AttentionOverrides {
             sparse: a.attention.map(|x| matches!(x, AttentionArg::Sparse)),
@@ -207,8 +251,17 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let req = Request {
         prompt,
         max_new_tokens: a.max_new_tokens,
-        sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
-        stop_ids: if a.ignore_eos { Vec::new() } else { ckpt.config.eos_token_ids.clone() },
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            seed: a.seed,
+        },
+        stop_ids: if a.ignore_eos {
+            Vec::new()
+        } else {
+            ckpt.config.eos_token_ids.clone()
+        },
     };
     let bar = ProgressBar::new(req.prompt.len() as u64).with_style(
         ProgressStyle::with_template("prefill {bar:40} {pos}/{len} tokens {per_sec} eta {eta}")
@@ -225,7 +278,10 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
                 bar.finish_and_clear();
             }
             let piece = stream.push(tok)?;
-            stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush()).map_err(|e| Error::io("<stdout>", e))
+            stdout
+                .write_all(piece.as_bytes())
+                .and_then(|_| stdout.flush())
+                .map_err(|e| Error::io("<stdout>", e))
         },
     )?;
     writeln!(stdout).ok();
@@ -244,7 +300,8 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             "model": a.model, "prompt_tokens": req.prompt, "tokens": out.tokens, "stop": out.stop,
             "prefill_ms": out.prefill_ms, "decode_ms": out.decode_ms, "decode_tokens_per_s": out.decode_tokens_per_s(),
         });
-        std::fs::write(&p, serde_json::to_string_pretty(&v).expect("json")).map_err(|e| Error::io(&p, e))?;
+        std::fs::write(&p, serde_json::to_string_pretty(&v).expect("json"))
+            .map_err(|e| Error::io(&p, e))?;
     }
     Ok(())
 }

@@ -19,7 +19,12 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 }
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
     }
 }
 
@@ -27,10 +32,16 @@ impl SamplingParams {
     /// Checks the ranges: temperature ≥ 0 and finite, 0 < top_p ≤ 1.
     pub fn validate(&self) -> Result<()> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(Error::Input(format!("--temperature must be a finite value ≥ 0, got {}", self.temperature)));
+            return Err(Error::Input(format!(
+                "--temperature must be a finite value ≥ 0, got {}",
+                self.temperature
+            )));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(Error::Input(format!("--top-p must lie in (0, 1], got {}", self.top_p)));
+            return Err(Error::Input(format!(
+                "--top-p must lie in (0, 1], got {}",
+                self.top_p
+            )));
         }
         Ok(())
     }
@@ -57,7 +68,10 @@ pub fn argmax(logits: &[f32]) -> u32 {
 impl Sampler {
     /// A sampler with its RNG seeded from `params.seed`.
     pub fn new(params: SamplingParams) -> Self {
-        Sampler { params, rng: StdRng::seed_from_u64(params.seed) }
+        Sampler {
+            params,
+            rng: StdRng::seed_from_u64(params.seed),
+        }
     }
 
     /// Draws the next token from `logits` ([V], f32).
@@ -66,7 +80,9 @@ impl Sampler {
         if p.temperature == 0.0 || p.top_k == 1 {
             return argmax(logits);
         }
-        let mut idx: Vec<usize> = (0..logits.len()).filter(|&i| logits[i].is_finite()).collect();
+        let mut idx: Vec<usize> = (0..logits.len())
+            .filter(|&i| logits[i].is_finite())
+            .collect();
         if idx.is_empty() {
             return argmax(logits);
         }
@@ -75,7 +91,10 @@ impl Sampler {
             idx.truncate(p.top_k);
         }
         let mx = logits[idx[0]];
-        let mut probs: Vec<f64> = idx.iter().map(|&i| (((logits[i] - mx) / p.temperature) as f64).exp()).collect();
+        let mut probs: Vec<f64> = idx
+            .iter()
+            .map(|&i| (((logits[i] - mx) / p.temperature) as f64).exp())
+            .collect();
         let total: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|x| *x /= total);
         if p.top_p < 1.0 {

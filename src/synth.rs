@@ -33,7 +33,8 @@ use rand_distr::StandardNormal;
 use crate::config::{ModelConfig, Mup, RopeScaling, SparseConfig};
 use crate::error::{Error, Result};
 use crate::weights::{
-    expected_tensors, names, write_safetensors, Checkpoint, DType, OwnedTensor, TensorStore, INDEX_FILE, SINGLE_FILE,
+    expected_tensors, names, write_safetensors, Checkpoint, DType, OwnedTensor, TensorStore,
+    INDEX_FILE, SINGLE_FILE,
 };
 
 /// BOS id of synthetic models (SmolLM2 fixture tokenizer: `<|im_start|>`).
@@ -80,10 +81,16 @@ impl Preset {
     /// # Errors
     /// [`Error::Input`] naming the unknown preset and listing the valid ones.
     pub fn from_name(name: &str) -> Result<Preset> {
-        Preset::ALL.into_iter().find(|p| p.name() == name).ok_or_else(|| {
-            let valid: Vec<&str> = Preset::ALL.iter().map(|p| p.name()).collect();
-            Error::Input(format!("unknown synthetic preset `{name}` (valid: {})", valid.join(", ")))
-        })
+        Preset::ALL
+            .into_iter()
+            .find(|p| p.name() == name)
+            .ok_or_else(|| {
+                let valid: Vec<&str> = Preset::ALL.iter().map(|p| p.name()).collect();
+                Error::Input(format!(
+                    "unknown synthetic preset `{name}` (valid: {})",
+                    valid.join(", ")
+                ))
+            })
     }
 
     /// The preset's config (spec §1 table; BOS [`BOS_ID`], EOS [`EOS_ID`],
@@ -129,7 +136,11 @@ impl Preset {
             Preset::Nosa3b => llama(32, 2560, 32, 2, 80, 6912),
             Preset::Nosa8b => ModelConfig {
                 rms_norm_eps: 1e-6,
-                mup: Some(Mup { scale_emb: 12.0, scale_depth: Some(1.4), dim_model_base: 256.0 }),
+                mup: Some(Mup {
+                    scale_emb: 12.0,
+                    scale_depth: Some(1.4),
+                    dim_model_base: 256.0,
+                }),
                 ..llama(32, 4096, 32, 2, 128, 16_384)
             },
         }
@@ -171,18 +182,26 @@ fn init_for(cfg: &ModelConfig, name: &str) -> Init {
         return normal(cfg.logit_divisor() / d.sqrt());
     }
     if name.ends_with("layernorm.weight") || name == names::final_norm() {
-        return Init::Normal { mean: 1.0, std: 0.1 };
+        return Init::Normal {
+            mean: 1.0,
+            std: 0.1,
+        };
     }
     let suffix = name.splitn(4, '.').nth(3).unwrap_or(name);
     match suffix {
-        "self_attn.q_proj.weight" | "self_attn.k_proj.weight" | "self_attn.v_proj.weight"
-        | "mlp.gate_proj.weight" | "mlp.up_proj.weight" => normal(1.0 / d.sqrt()),
+        "self_attn.q_proj.weight"
+        | "self_attn.k_proj.weight"
+        | "self_attn.v_proj.weight"
+        | "mlp.gate_proj.weight"
+        | "mlp.up_proj.weight" => normal(1.0 / d.sqrt()),
         "self_attn.o_proj.weight" => {
             normal(branch / ((cfg.num_attention_heads * cfg.head_dim) as f32).sqrt())
         }
         "mlp.down_proj.weight" => normal(branch / (cfg.intermediate_size as f32).sqrt()),
         "self_attn.A" => Init::Uniform { lo: -1.5, hi: -0.5 },
-        "self_attn.delta.weight" => normal(1.0 / ((cfg.num_key_value_heads * cfg.head_dim) as f32).sqrt()),
+        "self_attn.delta.weight" => {
+            normal(1.0 / ((cfg.num_key_value_heads * cfg.head_dim) as f32).sqrt())
+        }
         "self_attn.delta.bias" => normal(0.1),
         _ => normal(0.02),
     }
@@ -229,7 +248,9 @@ pub fn generate_tensor(cfg: &ModelConfig, name: &str, shape: &[usize], seed: u64
     let h = fnv1a(name);
     let mut data = vec![0u8; numel * 2];
     let chunks: Vec<(usize, &mut [u8])> = data.chunks_mut(CHUNK * 2).enumerate().collect();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(chunks.len().max(1));
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(chunks.len().max(1));
     if threads <= 1 {
         for (c, buf) in chunks {
             fill_chunk(buf, init, seed, h, c);
@@ -249,7 +270,12 @@ pub fn generate_tensor(cfg: &ModelConfig, name: &str, shape: &[usize], seed: u64
             }
         });
     }
-    OwnedTensor { name: name.to_string(), dtype: DType::BF16, shape: shape.to_vec(), data }
+    OwnedTensor {
+        name: name.to_string(),
+        dtype: DType::BF16,
+        shape: shape.to_vec(),
+        data,
+    }
 }
 
 /// Builds preset `preset` in memory from `seed` (nothing touches disk).
@@ -300,11 +326,37 @@ pub fn write_config(
     out_dir: &Path,
     tokenizer_json: &Path,
 ) -> Result<()> {
+    write_config_sharded(
+        config,
+        eviction_heads,
+        seed,
+        out_dir,
+        tokenizer_json,
+        SHARD_BYTES,
+    )
+}
+
+/// [`write_config`] with shards of at most `shard_bytes` bytes (a larger
+/// tensor gets a shard of its own); sharded iff the total exceeds it.
+///
+/// # Errors
+/// As [`write_config`].
+pub fn write_config_sharded(
+    config: &ModelConfig,
+    eviction_heads: bool,
+    seed: u64,
+    out_dir: &Path,
+    tokenizer_json: &Path,
+    shard_bytes: usize,
+) -> Result<()> {
     config.validate(Path::new("<synth>"))?;
     if !tokenizer_json.is_file() {
         return Err(Error::io(
             tokenizer_json,
-            std::io::Error::new(std::io::ErrorKind::NotFound, "tokenizer.json to copy into the synthetic checkpoint not found"),
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "tokenizer.json to copy into the synthetic checkpoint not found",
+            ),
         ));
     }
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io(out_dir, e))?;
@@ -316,7 +368,12 @@ pub fn write_config(
     };
     write_json("config.json", &config.to_json_value())?;
     let mut gen = serde_json::Map::new();
-    gen.insert("bos_token_id".into(), config.bos_token_id.map_or(serde_json::Value::Null, serde_json::Value::from));
+    gen.insert(
+        "bos_token_id".into(),
+        config
+            .bos_token_id
+            .map_or(serde_json::Value::Null, serde_json::Value::from),
+    );
     gen.insert(
         "eos_token_id".into(),
         match config.eos_token_ids.as_slice() {
@@ -337,7 +394,7 @@ pub fn write_config(
     let mut cur = 0usize;
     for (name, shape) in plan {
         let b = bytes_of(&shape);
-        if total > SHARD_BYTES && cur > 0 && cur + b > SHARD_BYTES {
+        if total > shard_bytes && cur > 0 && cur + b > shard_bytes {
             shards.push(Vec::new());
             cur = 0;
         }
@@ -352,15 +409,20 @@ pub fn write_config(
         }
     }
     if shards.len() == 1 {
-        let tensors: Vec<OwnedTensor> =
-            shards[0].iter().map(|(n, s)| generate_tensor(config, n, s, seed)).collect();
+        let tensors: Vec<OwnedTensor> = shards[0]
+            .iter()
+            .map(|(n, s)| generate_tensor(config, n, s, seed))
+            .collect();
         return write_safetensors(&out_dir.join(SINGLE_FILE), &tensors);
     }
     let n = shards.len();
     let mut weight_map = serde_json::Map::new();
     for (k, shard) in shards.iter().enumerate() {
         let file = format!("model-{:05}-of-{:05}.safetensors", k + 1, n);
-        let tensors: Vec<OwnedTensor> = shard.iter().map(|(nm, s)| generate_tensor(config, nm, s, seed)).collect();
+        let tensors: Vec<OwnedTensor> = shard
+            .iter()
+            .map(|(nm, s)| generate_tensor(config, nm, s, seed))
+            .collect();
         write_safetensors(&out_dir.join(&file), &tensors)?;
         for (nm, _) in shard {
             weight_map.insert(nm.clone(), serde_json::Value::from(file.clone()));

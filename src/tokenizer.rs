@@ -31,10 +31,16 @@ impl Tokenizer {
     /// [`Error::Tokenizer`] naming it when the tokenizers crate rejects it.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Tokenizer> {
         let path = path.as_ref();
-        let path = if path.is_dir() { path.join("tokenizer.json") } else { path.to_path_buf() };
+        let path = if path.is_dir() {
+            path.join("tokenizer.json")
+        } else {
+            path.to_path_buf()
+        };
         let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
-            .map_err(|e| Error::Tokenizer { path: path.clone(), msg: e.to_string() })?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| Error::Tokenizer {
+            path: path.clone(),
+            msg: e.to_string(),
+        })?;
         Ok(Tokenizer { inner, path })
     }
 
@@ -44,7 +50,10 @@ impl Tokenizer {
     }
 
     fn err(&self, msg: impl std::fmt::Display) -> Error {
-        Error::Tokenizer { path: self.path.clone(), msg: msg.to_string() }
+        Error::Tokenizer {
+            path: self.path.clone(),
+            msg: msg.to_string(),
+        }
     }
 
     /// Token ids of `text`, with the special tokens the tokenizer's
@@ -109,7 +118,12 @@ pub struct TextStream<'a> {
 impl<'a> TextStream<'a> {
     /// An empty stream over `tok`.
     pub fn new(tok: &'a Tokenizer) -> TextStream<'a> {
-        TextStream { tok, ids: Vec::new(), prefix: 0, emitted: 0 }
+        TextStream {
+            tok,
+            ids: Vec::new(),
+            prefix: 0,
+            emitted: 0,
+        }
     }
 
     /// Every id pushed so far.

@@ -158,7 +158,12 @@ impl OwnedTensor {
     ///
     /// # Errors
     /// [`Error::Input`] naming the tensor when `values.len()` ≠ product of `shape`.
-    pub fn from_f32(name: impl Into<String>, shape: Vec<usize>, values: &[f32], dtype: DType) -> Result<Self> {
+    pub fn from_f32(
+        name: impl Into<String>,
+        shape: Vec<usize>,
+        values: &[f32],
+        dtype: DType,
+    ) -> Result<Self> {
         let name = name.into();
         let numel: usize = shape.iter().product();
         if values.len() != numel {
@@ -169,15 +174,31 @@ impl OwnedTensor {
         }
         let mut data = Vec::with_capacity(numel * dtype.size());
         match dtype {
-            DType::BF16 => values.iter().for_each(|v| data.extend_from_slice(&bf16::from_f32(*v).to_bits().to_le_bytes())),
-            DType::F16 => values.iter().for_each(|v| data.extend_from_slice(&f16::from_f32(*v).to_bits().to_le_bytes())),
-            DType::F32 => values.iter().for_each(|v| data.extend_from_slice(&v.to_le_bytes())),
+            DType::BF16 => values
+                .iter()
+                .for_each(|v| data.extend_from_slice(&bf16::from_f32(*v).to_bits().to_le_bytes())),
+            DType::F16 => values
+                .iter()
+                .for_each(|v| data.extend_from_slice(&f16::from_f32(*v).to_bits().to_le_bytes())),
+            DType::F32 => values
+                .iter()
+                .for_each(|v| data.extend_from_slice(&v.to_le_bytes())),
         }
-        Ok(OwnedTensor { name, dtype, shape, data })
+        Ok(OwnedTensor {
+            name,
+            dtype,
+            shape,
+            data,
+        })
     }
     /// A borrowed view of this tensor.
     pub fn view(&self) -> TensorView<'_> {
-        TensorView { name: &self.name, dtype: self.dtype, shape: self.shape.clone(), data: &self.data }
+        TensorView {
+            name: &self.name,
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            data: &self.data,
+        }
     }
 }
 
@@ -203,7 +224,12 @@ impl safetensors::View for &OwnedTensor {
 /// [`Error::Io`] / [`Error::Checkpoint`] naming `path`.
 pub fn write_safetensors(path: &Path, tensors: &[OwnedTensor]) -> Result<()> {
     let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(tensors.iter().map(|t| (t.name.as_str(), t)), Some(meta), path).map_err(|e| match e {
+    safetensors::serialize_to_file(
+        tensors.iter().map(|t| (t.name.as_str(), t)),
+        Some(meta),
+        path,
+    )
+    .map_err(|e| match e {
         safetensors::SafeTensorError::IoError(io) => Error::io(path, io),
         other => Error::checkpoint(path, format!("cannot write safetensors: {other}")),
     })
@@ -213,7 +239,11 @@ pub fn write_safetensors(path: &Path, tensors: &[OwnedTensor]) -> Result<()> {
 #[derive(Debug, Clone)]
 enum Loc {
     /// `files[file][start..end]`.
-    File { file: usize, start: usize, end: usize },
+    File {
+        file: usize,
+        start: usize,
+        end: usize,
+    },
     /// `owned[i].data`.
     Owned(usize),
 }
@@ -285,7 +315,12 @@ impl TensorStore {
     }
 
     fn empty(origin: &Path) -> TensorStore {
-        TensorStore { origin: origin.to_path_buf(), files: Vec::new(), owned: Vec::new(), entries: BTreeMap::new() }
+        TensorStore {
+            origin: origin.to_path_buf(),
+            files: Vec::new(),
+            owned: Vec::new(),
+            entries: BTreeMap::new(),
+        }
     }
 
     fn open_index(dir: &Path, index: &Path) -> Result<TensorStore> {
@@ -299,12 +334,21 @@ impl TensorStore {
         let mut by_file: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
         for (name, file) in map {
             let file = file.as_str().ok_or_else(|| {
-                Error::checkpoint(index, format!("weight_map[{name}]: expected a file name, found {file}"))
+                Error::checkpoint(
+                    index,
+                    format!("weight_map[{name}]: expected a file name, found {file}"),
+                )
             })?;
             if file.contains('/') || file.contains('\\') || file == ".." {
-                return Err(Error::checkpoint(index, format!("weight_map[{name}]: file `{file}` must be a plain file name")));
+                return Err(Error::checkpoint(
+                    index,
+                    format!("weight_map[{name}]: file `{file}` must be a plain file name"),
+                ));
             }
-            by_file.entry(file.to_string()).or_default().insert(name.clone());
+            by_file
+                .entry(file.to_string())
+                .or_default()
+                .insert(name.clone());
         }
         let mut store = TensorStore::empty(dir);
         for (file, names) in &by_file {
@@ -324,7 +368,8 @@ impl TensorStore {
             .map_err(|e| Error::checkpoint(path, format!("malformed safetensors file: {e}")))?;
         let data_start = 8 + n;
         let file_idx = self.files.len();
-        let mut infos: Vec<(String, &safetensors::tensor::TensorInfo)> = meta.tensors().into_iter().collect();
+        let mut infos: Vec<(String, &safetensors::tensor::TensorInfo)> =
+            meta.tensors().into_iter().collect();
         infos.sort_by(|a, b| a.0.cmp(&b.0));
         let mut problems = Vec::new();
         for (name, info) in infos {
@@ -342,21 +387,38 @@ impl TensorStore {
             let (s, e) = info.data_offsets;
             self.entries.insert(
                 name,
-                Entry { dtype, shape: info.shape.clone(), loc: Loc::File { file: file_idx, start: data_start + s, end: data_start + e } },
+                Entry {
+                    dtype,
+                    shape: info.shape.clone(),
+                    loc: Loc::File {
+                        file: file_idx,
+                        start: data_start + s,
+                        end: data_start + e,
+                    },
+                },
             );
         }
         if let Some(listed) = listed {
             for name in listed {
                 let here = matches!(self.entries.get(name), Some(Entry { loc: Loc::File { file, .. }, .. }) if *file == file_idx);
-                if !here && !problems.iter().any(|p| p.starts_with(&format!("tensor {name}:"))) {
-                    problems.push(format!("tensor {name}: listed in {INDEX_FILE} for this file but not in it"));
+                if !here
+                    && !problems
+                        .iter()
+                        .any(|p| p.starts_with(&format!("tensor {name}:")))
+                {
+                    problems.push(format!(
+                        "tensor {name}: listed in {INDEX_FILE} for this file but not in it"
+                    ));
                 }
             }
         }
         if !problems.is_empty() {
             return Err(Error::checkpoint(path, problems.join("\n")));
         }
-        self.files.push(MappedFile { path: path.to_path_buf(), map });
+        self.files.push(MappedFile {
+            path: path.to_path_buf(),
+            map,
+        });
         Ok(())
     }
 
@@ -373,7 +435,14 @@ impl TensorStore {
     /// Adds (or replaces) an in-memory tensor.
     pub fn insert(&mut self, t: OwnedTensor) {
         let idx = self.owned.len();
-        self.entries.insert(t.name.clone(), Entry { dtype: t.dtype, shape: t.shape.clone(), loc: Loc::Owned(idx) });
+        self.entries.insert(
+            t.name.clone(),
+            Entry {
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                loc: Loc::Owned(idx),
+            },
+        );
         self.owned.push(t);
     }
 
@@ -389,7 +458,12 @@ impl TensorStore {
             Loc::File { file, start, end } => &self.files[*file].map[*start..*end],
             Loc::Owned(i) => &self.owned[*i].data,
         };
-        Some(TensorView { name: key.as_str(), dtype: e.dtype, shape: e.shape.clone(), data })
+        Some(TensorView {
+            name: key.as_str(),
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            data,
+        })
     }
 
     /// The tensor `name`.
@@ -423,12 +497,17 @@ impl TensorStore {
 
     /// Shape and dtype of `name`, without touching its bytes.
     pub fn info(&self, name: &str) -> Option<(DType, &[usize])> {
-        self.entries.get(name).map(|e| (e.dtype, e.shape.as_slice()))
+        self.entries
+            .get(name)
+            .map(|e| (e.dtype, e.shape.as_slice()))
     }
 
     /// Total bytes of all tensors.
     pub fn total_bytes(&self) -> usize {
-        self.entries.values().map(|e| e.shape.iter().product::<usize>() * e.dtype.size()).sum()
+        self.entries
+            .values()
+            .map(|e| e.shape.iter().product::<usize>() * e.dtype.size())
+            .sum()
     }
 
     /// The safetensors files backing this store (empty for in-memory stores).
@@ -457,7 +536,12 @@ impl TensorStore {
         self.entries
             .keys()
             .filter_map(|n| self.get(n))
-            .map(|v| OwnedTensor { name: v.name.to_string(), dtype: v.dtype, shape: v.shape.clone(), data: v.data.to_vec() })
+            .map(|v| OwnedTensor {
+                name: v.name.to_string(),
+                dtype: v.dtype,
+                shape: v.shape.clone(),
+                data: v.data.to_vec(),
+            })
             .collect()
     }
 }
@@ -665,7 +749,13 @@ impl Checkpoint {
         let config = ModelConfig::from_file(dir)?;
         let store = TensorStore::open(dir)?;
         let (eviction_heads, lm_head_tied) = validate(&config, &store, dir)?;
-        Ok(Checkpoint { config, store, dir: Some(dir.to_path_buf()), eviction_heads, lm_head_tied })
+        Ok(Checkpoint {
+            config,
+            store,
+            dir: Some(dir.to_path_buf()),
+            eviction_heads,
+            lm_head_tied,
+        })
     }
 
     /// A checkpoint from a config and a store (e.g. an in-memory synthetic model).
@@ -682,7 +772,13 @@ impl Checkpoint {
     pub fn from_parts(config: ModelConfig, store: TensorStore) -> Result<Checkpoint> {
         let origin = store.origin().to_path_buf();
         let (eviction_heads, lm_head_tied) = validate(&config, &store, &origin)?;
-        Ok(Checkpoint { config, store, dir: None, eviction_heads, lm_head_tied })
+        Ok(Checkpoint {
+            config,
+            store,
+            dir: None,
+            eviction_heads,
+            lm_head_tied,
+        })
     }
 
     /// Which attention this model runs (spec §1).
@@ -711,7 +807,10 @@ impl Checkpoint {
             None => PathBuf::from("<memory>/tokenizer.json"),
         };
         if !p.is_file() {
-            return Err(Error::io(&p, std::io::Error::new(std::io::ErrorKind::NotFound, "tokenizer.json not found")));
+            return Err(Error::io(
+                &p,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "tokenizer.json not found"),
+            ));
         }
         Ok(p)
     }
@@ -731,7 +830,10 @@ fn validate(cfg: &ModelConfig, store: &TensorStore, path: &Path) -> Result<(bool
     let mut misshaped = Vec::new();
     for (name, shape) in &expected {
         match store.info(name) {
-            None => missing.push(format!("missing: {name} (expected shape {})", shape_str(shape))),
+            None => missing.push(format!(
+                "missing: {name} (expected shape {})",
+                shape_str(shape)
+            )),
             Some((_, found)) if found != shape.as_slice() => misshaped.push(format!(
                 "mis-shaped: {name}: expected {}, found {}",
                 shape_str(shape),
@@ -750,7 +852,11 @@ fn validate(cfg: &ModelConfig, store: &TensorStore, path: &Path) -> Result<(bool
             continue;
         }
         let (dtype, shape) = store.info(name).expect("listed name");
-        unexpected.push(format!("unexpected: {name} (shape {}, {})", shape_str(shape), dtype.name()));
+        unexpected.push(format!(
+            "unexpected: {name} (shape {}, {})",
+            shape_str(shape),
+            dtype.name()
+        ));
     }
     let mut hints = Vec::new();
     if eviction_heads {
@@ -775,7 +881,12 @@ fn validate(cfg: &ModelConfig, store: &TensorStore, path: &Path) -> Result<(bool
     if !cfg.tie_word_embeddings && !store.contains(&lm) {
         hints.push("tie_word_embeddings is false and lm_head.weight is absent".to_string());
     }
-    let problems: Vec<String> = hints.into_iter().chain(missing).chain(misshaped).chain(unexpected).collect();
+    let problems: Vec<String> = hints
+        .into_iter()
+        .chain(missing)
+        .chain(misshaped)
+        .chain(unexpected)
+        .collect();
     if !problems.is_empty() {
         return Err(Error::checkpoint(
             path,
@@ -789,7 +900,11 @@ fn validate(cfg: &ModelConfig, store: &TensorStore, path: &Path) -> Result<(bool
     if cfg.tie_word_embeddings {
         if let (Some(lmv), Some(ev)) = (store.get(&lm), store.get(&names::embed())) {
             let same = lmv.shape == ev.shape
-                && if lmv.dtype == ev.dtype { lmv.data == ev.data } else { lmv.to_f32() == ev.to_f32() };
+                && if lmv.dtype == ev.dtype {
+                    lmv.data == ev.data
+                } else {
+                    lmv.to_f32() == ev.to_f32()
+                };
             if !same {
                 tracing::warn!(
                     checkpoint = %path.display(),

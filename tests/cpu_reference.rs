@@ -34,7 +34,14 @@ fn incremental_equals_prefill(model: &CpuModel, n: usize, split: usize) {
     let v = model.config.vocab_size;
     let toks = random_tokens(n, 3, v);
     let mut full = model.new_sequence();
-    let all = model.forward(&mut full, &toks, Phase::Prefill { prompt_len: n }, Logits::All).unwrap();
+    let all = model
+        .forward(
+            &mut full,
+            &toks,
+            Phase::Prefill { prompt_len: n },
+            Logits::All,
+        )
+        .unwrap();
     let mut inc = model.new_sequence();
     let mut logits = model.prefill(&mut inc, &toks[..split], |_, _| {}).unwrap();
     for t in split..=n {
@@ -57,7 +64,10 @@ fn incremental_equals_prefill(model: &CpuModel, n: usize, split: usize) {
 #[test]
 fn dense_incremental_decode_equals_full_prefill() {
     let model = tiny(EngineOptions {
-        attention: AttentionOverrides { sparse: Some(false), ..Default::default() },
+        attention: AttentionOverrides {
+            sparse: Some(false),
+            ..Default::default()
+        },
         ..Default::default()
     });
     assert_eq!(model.plan.mode, AttentionMode::Dense);
@@ -84,7 +94,12 @@ fn sparse_selection_really_drops_blocks_and_keeps_forced_ones() {
     for layer in &seq.selections {
         for sel in layer {
             assert_eq!(sel.len(), b.attended, "{sel:?}");
-            assert!(sel.contains(&0) && sel.contains(&q) && sel.contains(&(q - 1)) && sel.contains(&(q - 2)));
+            assert!(
+                sel.contains(&0)
+                    && sel.contains(&q)
+                    && sel.contains(&(q - 1))
+                    && sel.contains(&(q - 2))
+            );
         }
     }
 }
@@ -99,7 +114,10 @@ fn naive(kv: &LayerKv, q: &[f32], t: usize, hq: usize, dh: usize, bias: bool) ->
         let logits: Vec<f64> = (0..=t)
             .map(|j| {
                 let k = &kv.k[j * kv.kv_dim + h * dh..j * kv.kv_dim + (h + 1) * dh];
-                let s: f64 = (0..dh).map(|x| q[head * dh + x] as f64 * k[x] as f64).sum::<f64>() / (dh as f64).sqrt();
+                let s: f64 = (0..dh)
+                    .map(|x| q[head * dh + x] as f64 * k[x] as f64)
+                    .sum::<f64>()
+                    / (dh as f64).sqrt();
                 s + if bias { kv.c[j * hk + h] as f64 } else { 0.0 }
             })
             .collect();
@@ -117,8 +135,12 @@ fn naive(kv: &LayerKv, q: &[f32], t: usize, hq: usize, dh: usize, bias: bool) ->
 
 fn random_kv(rng: &mut impl Rng, budget: &Budget, hk: usize, dh: usize, t: usize) -> LayerKv {
     let mut kv = LayerKv::new(hk, dh);
-    let k: Vec<f32> = (0..t * hk * dh).map(|_| rng.random_range(-1.0..1.0)).collect();
-    let v: Vec<f32> = (0..t * hk * dh).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let k: Vec<f32> = (0..t * hk * dh)
+        .map(|_| rng.random_range(-1.0..1.0))
+        .collect();
+    let v: Vec<f32> = (0..t * hk * dh)
+        .map(|_| rng.random_range(-1.0..1.0))
+        .collect();
     let c: Vec<f32> = (0..t * hk).map(|_| rng.random_range(-2.0..0.5)).collect();
     kv.append(budget, &k, &v, &c);
     kv
@@ -130,7 +152,9 @@ fn random_kv(rng: &mut impl Rng, budget: &Budget, hk: usize, dh: usize, t: usize
 #[test]
 fn nosa_with_every_block_selected_equals_biased_full_attention() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(21);
-    let cfg = sparda::synth::build(sparda::synth::Preset::Tiny, 1).unwrap().config;
+    let cfg = sparda::synth::build(sparda::synth::Preset::Tiny, 1)
+        .unwrap()
+        .config;
     for (g, dh) in [(3usize, 64usize), (8, 80), (16, 128)] {
         let hk = 2;
         let hq = g * hk;
@@ -139,7 +163,10 @@ fn nosa_with_every_block_selected_equals_biased_full_attention() {
             c.num_attention_heads = hq;
             c.num_key_value_heads = hk;
             c.head_dim = dh;
-            c.sparse = Some(SparseConfig { topk: 40, ..SparseConfig::default() }); // S = 56 blocks ≫ T/64
+            c.sparse = Some(SparseConfig {
+                topk: 40,
+                ..SparseConfig::default()
+            }); // S = 56 blocks ≫ T/64
             let plan = AttentionPlan::resolve(&c, true, AttentionOverrides::default()).unwrap();
             assert_eq!(plan.mode, AttentionMode::Nosa);
             let kv = random_kv(&mut rng, &plan.budget, hk, dh, t_len);
@@ -149,15 +176,27 @@ fn nosa_with_every_block_selected_equals_biased_full_attention() {
             let sel = cpu::sparse_attention(&plan, &kv, &q, t, 1, hq, &mut out);
             assert!(sel.iter().all(|s| s.len() == t / 64 + 1));
             let want = naive(&kv, &q, t, hq, dh, true);
-            let err = out.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
+            let err = out
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (*a as f64 - b).abs())
+                .fold(0.0, f64::max);
             assert!(err < 1e-5, "g {g} d {dh} T {t_len}: max err {err:e}");
             let mut dense = vec![0.0f32; hq * dh];
             cpu::dense_attention(&kv, &q, t, 1, hq, dh, &mut dense);
             let want = naive(&kv, &q, t, hq, dh, false);
-            let err = dense.iter().zip(&want).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
+            let err = dense
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (*a as f64 - b).abs())
+                .fold(0.0, f64::max);
             assert!(err < 1e-5, "dense g {g} d {dh} T {t_len}: max err {err:e}");
             // the bias matters: NOSA ≠ dense unless c is constant
-            let diff = out.iter().zip(&dense).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            let diff = out
+                .iter()
+                .zip(&dense)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
             assert!(diff > 1e-4 || t_len == 1);
         }
     }
@@ -183,7 +222,10 @@ fn state_keeps_growing_over_long_generations() {
         let i = kv.windows() - 1;
         let mut want = vec![0.0f32; kv.kv_dim];
         for tok in i * 16..i * 16 + 32 {
-            for (w, k) in want.iter_mut().zip(&kv.k[tok * kv.kv_dim..(tok + 1) * kv.kv_dim]) {
+            for (w, k) in want
+                .iter_mut()
+                .zip(&kv.k[tok * kv.kv_dim..(tok + 1) * kv.kv_dim])
+            {
                 *w += k / 32.0;
             }
         }
@@ -204,10 +246,18 @@ fn generate_is_deterministic_per_seed() {
         let req = Request {
             prompt: prompt.clone(),
             max_new_tokens: 24,
-            sampling: SamplingParams { temperature: 1.0, top_k: 50, top_p: 0.95, seed },
+            sampling: SamplingParams {
+                temperature: 1.0,
+                top_k: 50,
+                top_p: 0.95,
+                seed,
+            },
             stop_ids: vec![],
         };
-        generate::generate_cpu(&model, &req, |_, _| {}, |_| Ok(())).unwrap().0.tokens
+        generate::generate_cpu(&model, &req, |_, _| {}, |_| Ok(()))
+            .unwrap()
+            .0
+            .tokens
     };
     let a = run(1);
     assert_eq!(a.len(), 24);
@@ -219,9 +269,19 @@ fn generate_is_deterministic_per_seed() {
 fn prompt_past_max_position_is_an_error_with_numbers() {
     let model = tiny(EngineOptions::default());
     let max = model.config.max_position_embeddings;
-    let req = Request { prompt: vec![1; 10], max_new_tokens: max, sampling: Default::default(), stop_ids: vec![] };
-    let err = generate::generate_cpu(&model, &req, |_, _| {}, |_| Ok(())).unwrap_err().to_string();
-    assert!(err.contains(&format!("{}", max + 10)) && err.contains(&max.to_string()), "{err}");
+    let req = Request {
+        prompt: vec![1; 10],
+        max_new_tokens: max,
+        sampling: Default::default(),
+        stop_ids: vec![],
+    };
+    let err = generate::generate_cpu(&model, &req, |_, _| {}, |_| Ok(()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("{}", max + 10)) && err.contains(&max.to_string()),
+        "{err}"
+    );
     let mut seq = model.new_sequence();
     let bad = model.config.vocab_size as u32;
     let err = model.decode(&mut seq, bad).unwrap_err().to_string();

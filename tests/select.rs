@@ -9,7 +9,12 @@ fn default_budget() -> Budget {
 
 /// The tiny preset's budget: W = 2, S = 6, n = 5.
 fn small_budget() -> Budget {
-    Budget::new(&SparseConfig { window_size: 128, topk: 4, select_blocks: 2, ..SparseConfig::default() })
+    Budget::new(&SparseConfig {
+        window_size: 128,
+        topk: 4,
+        select_blocks: 2,
+        ..SparseConfig::default()
+    })
 }
 
 fn range(a: usize, b: usize) -> Vec<usize> {
@@ -20,7 +25,11 @@ fn range(a: usize, b: usize) -> Vec<usize> {
 fn budget_table_matches_spec() {
     let b = default_budget();
     assert_eq!((b.attended, b.shortlist, b.window_blocks), (64, 33, 16));
-    let sparda = Budget::new(&SparseConfig { topk: 80, select_blocks: 24, ..SparseConfig::default() });
+    let sparda = Budget::new(&SparseConfig {
+        topk: 80,
+        select_blocks: 24,
+        ..SparseConfig::default()
+    });
     assert_eq!((sparda.attended, sparda.shortlist), (96, 41));
 }
 
@@ -70,8 +79,14 @@ fn short_contexts_select_every_existing_block() {
     for n_blocks in [1usize, 2, 17, 64] {
         let r = vec![f32::NEG_INFINITY; n_blocks];
         let e = vec![0.0; n_blocks];
-        assert_eq!(select::select(&b, SelectionRule::Nosa, &r, &e), range(0, n_blocks));
-        assert_eq!(select::select(&b, SelectionRule::InfLlmV2, &r, &e), range(0, n_blocks));
+        assert_eq!(
+            select::select(&b, SelectionRule::Nosa, &r, &e),
+            range(0, n_blocks)
+        );
+        assert_eq!(
+            select::select(&b, SelectionRule::InfLlmV2, &r, &e),
+            range(0, n_blocks)
+        );
     }
 }
 
@@ -106,7 +121,10 @@ fn ties_go_to_the_lower_block_index() {
     // shortlist: forced + 1..=15; then e ties → 16..=46.
     let mut want = range(0, 47);
     want.extend(83..100);
-    assert_eq!(select::select(&b, SelectionRule::Nosa, &zeros, &zeros), want);
+    assert_eq!(
+        select::select(&b, SelectionRule::Nosa, &zeros, &zeros),
+        want
+    );
     assert_eq!(select::top_k(&[1.0, 3.0, 3.0, 2.0, 3.0], 3), vec![1, 2, 4]);
 }
 
@@ -120,12 +138,18 @@ fn window_edge_block_is_not_forced() {
     r[6] = 10.0;
     let mut e = vec![-1.0f32; nb];
     e[3] = 5.0;
-    assert_eq!(select::select(&b, SelectionRule::Nosa, &r, &e), vec![0, 3, 6, 7, 8, 9]);
+    assert_eq!(
+        select::select(&b, SelectionRule::Nosa, &r, &e),
+        vec![0, 3, 6, 7, 8, 9]
+    );
     // block 6 low on both → not selected although adjacent to the window.
     r[6] = -10.0;
     e[6] = -10.0;
     r[2] = 1.0;
-    assert_eq!(select::select(&b, SelectionRule::Nosa, &r, &e), vec![0, 2, 3, 7, 8, 9]);
+    assert_eq!(
+        select::select(&b, SelectionRule::Nosa, &r, &e),
+        vec![0, 2, 3, 7, 8, 9]
+    );
 }
 
 #[test]
@@ -134,7 +158,10 @@ fn neg_inf_blocks_still_fill_the_budget_in_index_order() {
     // Current block without windows has −∞ pooled score but is forced.
     let r = vec![f32::NEG_INFINITY; 8];
     let e = vec![f32::NEG_INFINITY; 8];
-    assert_eq!(select::select(&b, SelectionRule::Nosa, &r, &e), vec![0, 1, 2, 5, 6, 7]);
+    assert_eq!(
+        select::select(&b, SelectionRule::Nosa, &r, &e),
+        vec![0, 1, 2, 5, 6, 7]
+    );
 }
 
 /// A brute-force oracle written differently: full stable sort by score.
@@ -144,20 +171,37 @@ fn brute(b: &Budget, rule: SelectionRule, r: &[f32], e: &[f32]) -> Vec<usize> {
         return (0..nb).collect();
     }
     let q = nb - 1;
-    let forced: Vec<bool> = (0..nb).map(|m| m < b.init_blocks || (m + b.window_blocks >= q)).collect();
+    let forced: Vec<bool> = (0..nb)
+        .map(|m| m < b.init_blocks || (m + b.window_blocks >= q))
+        .collect();
     let rank = |s: &Vec<f64>, k: usize| -> Vec<usize> {
         let mut ids: Vec<usize> = (0..nb).collect();
         ids.sort_by(|&x, &y| s[y].partial_cmp(&s[x]).unwrap()); // stable: lower index first on ties
         ids.truncate(k);
         ids
     };
-    let rr: Vec<f64> = (0..nb).map(|m| if forced[m] { f64::INFINITY } else { r[m] as f64 }).collect();
+    let rr: Vec<f64> = (0..nb)
+        .map(|m| {
+            if forced[m] {
+                f64::INFINITY
+            } else {
+                r[m] as f64
+            }
+        })
+        .collect();
     let mut out = match rule {
         SelectionRule::InfLlmV2 => rank(&rr, b.attended),
         SelectionRule::Nosa => {
             let qa = rank(&rr, b.shortlist);
-            let ee: Vec<f64> =
-                (0..nb).map(|m| if forced[m] || qa.contains(&m) { f64::INFINITY } else { e[m] as f64 }).collect();
+            let ee: Vec<f64> = (0..nb)
+                .map(|m| {
+                    if forced[m] || qa.contains(&m) {
+                        f64::INFINITY
+                    } else {
+                        e[m] as f64
+                    }
+                })
+                .collect();
             rank(&ee, b.attended)
         }
     };
@@ -174,7 +218,9 @@ fn selection_equals_brute_force_on_random_scores() {
             let nb = rng.random_range(1..200);
             // coarse values make ties frequent
             let r: Vec<f32> = (0..nb).map(|_| rng.random_range(0..8) as f32).collect();
-            let e: Vec<f32> = (0..nb).map(|_| rng.random_range(0..8) as f32 * -0.5).collect();
+            let e: Vec<f32> = (0..nb)
+                .map(|_| rng.random_range(0..8) as f32 * -0.5)
+                .collect();
             for rule in [SelectionRule::Nosa, SelectionRule::InfLlmV2] {
                 let got = select::select(&b, rule, &r, &e);
                 assert_eq!(got, brute(&b, rule, &r, &e), "nb {nb} rule {rule:?}");
@@ -195,13 +241,17 @@ fn query_window_scores_sum_softmax_over_group() {
             let mc = 9;
             let stride = 2 * d; // two KV heads interleaved: [Mc, Hkv=2, D], head 1 used
             let q: Vec<f32> = (0..g * d).map(|_| rng.random_range(-1.0..1.0)).collect();
-            let kc_all: Vec<f32> = (0..mc * stride).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let kc_all: Vec<f32> = (0..mc * stride)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
             let got = select::query_window_scores(&q, d, &kc_all[d..], stride, mc);
             let mut want = vec![0.0f64; mc];
             for gi in 0..g {
                 let logits: Vec<f64> = (0..mc)
                     .map(|i| {
-                        (0..d).map(|x| q[gi * d + x] as f64 * kc_all[i * stride + d + x] as f64).sum::<f64>()
+                        (0..d)
+                            .map(|x| q[gi * d + x] as f64 * kc_all[i * stride + d + x] as f64)
+                            .sum::<f64>()
                             / (d as f64).sqrt()
                     })
                     .collect();
@@ -212,7 +262,12 @@ fn query_window_scores_sum_softmax_over_group() {
                 }
             }
             for i in 0..mc {
-                assert!((got[i] as f64 - want[i]).abs() < 1e-5, "g {g} d {d} i {i}: {} vs {}", got[i], want[i]);
+                assert!(
+                    (got[i] as f64 - want[i]).abs() < 1e-5,
+                    "g {g} d {d} i {i}: {} vs {}",
+                    got[i],
+                    want[i]
+                );
             }
             assert!((got.iter().sum::<f32>() - g as f32).abs() < 1e-4);
             // identical compressed keys → uniform softmax → G / Mc each

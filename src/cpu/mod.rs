@@ -129,9 +129,10 @@ impl CpuModel {
                 Ok(None)
             }
         };
-        let lin = |i: usize, w: LayerTensor, b: LayerTensor| -> Result<(Vec<f32>, Option<Vec<f32>>)> {
-            Ok((get(names::layer(i, w))?, opt(names::layer(i, b))?))
-        };
+        let lin =
+            |i: usize, w: LayerTensor, b: LayerTensor| -> Result<(Vec<f32>, Option<Vec<f32>>)> {
+                Ok((get(names::layer(i, w))?, opt(names::layer(i, b))?))
+            };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             use LayerTensor as T;
@@ -158,7 +159,11 @@ impl CpuModel {
             });
         }
         let embed = get(names::embed())?;
-        let lm_head = if ckpt.lm_head_tied { None } else { Some(get(names::lm_head())?) };
+        let lm_head = if ckpt.lm_head_tied {
+            None
+        } else {
+            Some(get(names::lm_head())?)
+        };
         Ok(CpuModel {
             rope: cfg.rope(),
             plan,
@@ -175,7 +180,9 @@ impl CpuModel {
     pub fn new_sequence(&self) -> Sequence {
         let c = &self.config;
         Sequence {
-            layers: (0..c.num_hidden_layers).map(|_| LayerKv::new(c.num_key_value_heads, c.head_dim)).collect(),
+            layers: (0..c.num_hidden_layers)
+                .map(|_| LayerKv::new(c.num_key_value_heads, c.head_dim))
+                .collect(),
             selections: vec![vec![Vec::new(); c.num_key_value_heads]; c.num_hidden_layers],
         }
     }
@@ -189,7 +196,13 @@ impl CpuModel {
     ///
     /// Errors: an empty call, a token id ≥ V, or a length past
     /// `max_position_embeddings` (with the numbers).
-    pub fn forward(&self, seq: &mut Sequence, tokens: &[u32], phase: Phase, logits: Logits) -> Result<Vec<f32>> {
+    pub fn forward(
+        &self,
+        seq: &mut Sequence,
+        tokens: &[u32],
+        phase: Phase,
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
         let c = &self.config;
         let (n, t0) = (tokens.len(), seq.len());
         if n == 0 {
@@ -203,17 +216,26 @@ impl CpuModel {
             )));
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(Error::Input(format!("token id {bad} is outside the vocabulary of {} ids", c.vocab_size)));
+            return Err(Error::Input(format!(
+                "token id {bad} is outside the vocabulary of {} ids",
+                c.vocab_size
+            )));
         }
         let sparse = match phase {
-            Phase::Prefill { prompt_len } => self.plan.sparse_at(prompt_len) && self.prefill != PrefillMode::Dense,
+            Phase::Prefill { prompt_len } => {
+                self.plan.sparse_at(prompt_len) && self.prefill != PrefillMode::Dense
+            }
             Phase::Decode => self.plan.sparse_at(t0 + n),
         };
         let d = c.hidden_size;
         let mut x = Vec::with_capacity(n * d);
         let emb_scale = c.mup.map_or(1.0, |m| m.scale_emb);
         for &t in tokens {
-            x.extend(self.embed[t as usize * d..(t as usize + 1) * d].iter().map(|v| v * emb_scale));
+            x.extend(
+                self.embed[t as usize * d..(t as usize + 1) * d]
+                    .iter()
+                    .map(|v| v * emb_scale),
+            );
         }
         let res_scale = self.residual_scale();
         for (li, layer) in self.layers.iter().enumerate() {
@@ -243,7 +265,12 @@ impl CpuModel {
     /// Prefill: [`forward`](Self::forward) over the prompt in chunks of
     /// [`PREFILL_CHUNK`] tokens, calling `progress(done, total)` after each;
     /// returns the logits of the prompt's last token.
-    pub fn prefill(&self, seq: &mut Sequence, prompt: &[u32], mut progress: impl FnMut(usize, usize)) -> Result<Vec<f32>> {
+    pub fn prefill(
+        &self,
+        seq: &mut Sequence,
+        prompt: &[u32],
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<Vec<f32>> {
         if prompt.is_empty() {
             return Err(Error::Input("empty prompt: give at least one token".into()));
         }
@@ -251,7 +278,10 @@ impl CpuModel {
         let mut logits = Vec::new();
         for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
             logits = self.forward(seq, chunk, Phase::Prefill { prompt_len }, Logits::Last)?;
-            progress((i * PREFILL_CHUNK + chunk.len()).min(prompt.len()), prompt.len());
+            progress(
+                (i * PREFILL_CHUNK + chunk.len()).min(prompt.len()),
+                prompt.len(),
+            );
         }
         Ok(logits)
     }
@@ -264,7 +294,9 @@ impl CpuModel {
     /// scale_depth / √L under muP, else 1 (spec §1).
     fn residual_scale(&self) -> f32 {
         let c = &self.config;
-        c.mup.and_then(|m| m.scale_depth).map_or(1.0, |sd| sd / (c.num_hidden_layers as f32).sqrt())
+        c.mup
+            .and_then(|m| m.scale_depth)
+            .map_or(1.0, |sd| sd / (c.num_hidden_layers as f32).sqrt())
     }
 
     /// SwiGLU MLP of n rows: down(silu(gate(x̂)) · up(x̂)).
@@ -280,7 +312,15 @@ impl CpuModel {
 
     /// Attention block of n rows: projections, eviction score, RoPE, state
     /// append, dense or sparse attention, O projection (spec §3, §5, §6).
-    fn attention(&self, li: usize, layer: &Layer, seq: &mut Sequence, x: &[f32], n: usize, sparse: bool) -> Vec<f32> {
+    fn attention(
+        &self,
+        li: usize,
+        layer: &Layer,
+        seq: &mut Sequence,
+        x: &[f32],
+        n: usize,
+        sparse: bool,
+    ) -> Vec<f32> {
         let c = &self.config;
         let (hq, hk, dh) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let t0 = seq.layers[li].len();
@@ -330,7 +370,15 @@ impl CpuModel {
 ///
 /// `q`: [n, H, D] post-RoPE queries (H = `hq`); `kv` already holds the
 /// n new tokens; `out`: [n, H, D]. Panics if `plan` is dense.
-pub fn sparse_attention(plan: &AttentionPlan, kv: &LayerKv, q: &[f32], t0: usize, n: usize, hq: usize, out: &mut [f32]) -> Vec<Vec<usize>> {
+pub fn sparse_attention(
+    plan: &AttentionPlan,
+    kv: &LayerKv,
+    q: &[f32],
+    t0: usize,
+    n: usize,
+    hq: usize,
+    out: &mut [f32],
+) -> Vec<Vec<usize>> {
     let (hk, dh) = (kv.kv_heads, kv.kv_dim / kv.kv_heads);
     let g = hq / hk;
     let budget: &Budget = &plan.budget;
@@ -354,7 +402,8 @@ pub fn sparse_attention(plan: &AttentionPlan, kv: &LayerKv, q: &[f32], t0: usize
             for gi in 0..g {
                 let qg = &qh[gi * dh..(gi + 1) * dh];
                 let toks = blocks.iter().flat_map(|&m| {
-                    (m * budget.block_size..((m + 1) * budget.block_size).min(t + 1)).map(move |j| j)
+                    (m * budget.block_size..((m + 1) * budget.block_size).min(t + 1))
+                        .map(move |j| j)
                 });
                 let kvb = toks.map(|j| {
                     let off = j * kvd + h * dh;
@@ -374,13 +423,40 @@ pub fn sparse_attention(plan: &AttentionPlan, kv: &LayerKv, q: &[f32], t0: usize
 
 /// Dense causal attention without bias for n queries at positions t0 …
 /// (spec §5 "Dense"): per query head, scores Q·Kᵀ/√D through GEMM over all
-/// tokens j ≤ t, softmax, then P·V. Queries in tiles of 256 rows.
-pub fn dense_attention(kv: &LayerKv, q: &[f32], t0: usize, n: usize, hq: usize, dh: usize, out: &mut [f32]) {
+/// tokens j ≤ t, softmax, then P·V, queries in tiles of 256 rows; decode
+/// shapes (n ≤ [`ops::MATVEC_ROWS`]) take one online-softmax pass instead.
+///
+/// `q`, `out`: [n, H, D]; `kv` already holds the n new tokens.
+pub fn dense_attention(
+    kv: &LayerKv,
+    q: &[f32],
+    t0: usize,
+    n: usize,
+    hq: usize,
+    dh: usize,
+    out: &mut [f32],
+) {
     let hk = kv.kv_heads;
     let g = hq / hk;
     let kvd = hk * dh;
     let t_all = t0 + n;
     let scale = 1.0 / (dh as f32).sqrt();
+    if n <= ops::MATVEC_ROWS {
+        // Decode: one online-softmax pass per query head over contiguous key rows.
+        for i in 0..n {
+            let t = t0 + i;
+            for head in 0..hq {
+                let h = head / g;
+                let kvb = (0..=t).map(|j| {
+                    let off = j * kvd + h * dh;
+                    (&kv.k[off..off + dh], &kv.v[off..off + dh], 0.0)
+                });
+                let o = (i * hq + head) * dh;
+                ops::attend(&q[o..o + dh], scale, kvb, &mut out[o..o + dh]);
+            }
+        }
+        return;
+    }
     const TILE: usize = 256;
     let mut scores = vec![0.0f32; TILE.min(n) * t_all];
     for head in 0..hq {
@@ -392,11 +468,20 @@ pub fn dense_attention(kv: &LayerKv, q: &[f32], t0: usize, n: usize, hq: usize, 
             // SAFETY: q rows i0.. of this head (stride hq·dh), keys [kmax, dh] of KV head h (stride kvd).
             unsafe {
                 matrixmultiply::sgemm(
-                    rows, dh, kmax, scale,
-                    q.as_ptr().add((i0 * hq + head) * dh), (hq * dh) as isize, 1,
-                    kv.k.as_ptr().add(h * dh), 1, kvd as isize,
+                    rows,
+                    dh,
+                    kmax,
+                    scale,
+                    q.as_ptr().add((i0 * hq + head) * dh),
+                    (hq * dh) as isize,
+                    1,
+                    kv.k.as_ptr().add(h * dh),
+                    1,
+                    kvd as isize,
                     0.0,
-                    sc.as_mut_ptr(), kmax as isize, 1,
+                    sc.as_mut_ptr(),
+                    kmax as isize,
+                    1,
                 );
             }
             for r in 0..rows {
@@ -416,11 +501,20 @@ pub fn dense_attention(kv: &LayerKv, q: &[f32], t0: usize, n: usize, hq: usize, 
             // SAFETY: P [rows, kmax] · V [kmax, dh] of head h → out rows (stride hq·dh).
             unsafe {
                 matrixmultiply::sgemm(
-                    rows, kmax, dh, 1.0,
-                    sc.as_ptr(), kmax as isize, 1,
-                    kv.v.as_ptr().add(h * dh), kvd as isize, 1,
+                    rows,
+                    kmax,
+                    dh,
+                    1.0,
+                    sc.as_ptr(),
+                    kmax as isize,
+                    1,
+                    kv.v.as_ptr().add(h * dh),
+                    kvd as isize,
+                    1,
                     0.0,
-                    out.as_mut_ptr().add((i0 * hq + head) * dh), (hq * dh) as isize, 1,
+                    out.as_mut_ptr().add((i0 * hq + head) * dh),
+                    (hq * dh) as isize,
+                    1,
                 );
             }
         }

@@ -32,15 +32,29 @@ pub fn linear(x: &[f32], n: usize, w: &[f32], bias: Option<&[f32]>, out: usize) 
     assert_eq!(w.len(), out * k, "weight is not [out, in]");
     assert_eq!(x.len(), n * k, "input is not [n, in]");
     let mut y = vec![0.0f32; n * out];
-    if n > 0 && out > 0 {
+    if n <= MATVEC_ROWS {
+        // Decode shapes: one dot product per (row, output) over contiguous
+        // weight rows, outputs split across threads. GEMM packing would copy
+        // the whole weight matrix per call.
+        matvec(x, n, w, k, out, &mut y);
+    } else if out > 0 {
         // SAFETY: the pointers cover n·k, out·k and n·out floats with the given strides.
         unsafe {
             matrixmultiply::sgemm(
-                n, k, out, 1.0,
-                x.as_ptr(), k as isize, 1,
-                w.as_ptr(), 1, k as isize,
+                n,
+                k,
+                out,
+                1.0,
+                x.as_ptr(),
+                k as isize,
+                1,
+                w.as_ptr(),
+                1,
+                k as isize,
                 0.0,
-                y.as_mut_ptr(), out as isize, 1,
+                y.as_mut_ptr(),
+                out as isize,
+                1,
             );
         }
     }
@@ -52,6 +66,50 @@ pub fn linear(x: &[f32], n: usize, w: &[f32], bias: Option<&[f32]>, out: usize) 
         }
     }
     y
+}
+
+/// Inputs of at most this many rows go through [`matvec`] instead of GEMM.
+pub const MATVEC_ROWS: usize = 4;
+
+/// y[n, out] = x[n, k] · W[out, k]ᵀ by dot products, output columns split
+/// over the available cores (each output computed by one thread, in one
+/// order: the result does not depend on the thread count).
+fn matvec(x: &[f32], n: usize, w: &[f32], k: usize, out: usize, y: &mut [f32]) {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |t| t.get())
+        .min(16);
+    let per = out.div_ceil(threads).max(256);
+    let mut cols: Vec<Vec<f32>> = Vec::new();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..out)
+            .step_by(per)
+            .map(|o0| {
+                let o1 = (o0 + per).min(out);
+                s.spawn(move || {
+                    let mut part = vec![0.0f32; n * (o1 - o0)];
+                    for o in o0..o1 {
+                        let wr = &w[o * k..(o + 1) * k];
+                        for r in 0..n {
+                            part[r * (o1 - o0) + (o - o0)] = dot(&x[r * k..(r + 1) * k], wr);
+                        }
+                    }
+                    part
+                })
+            })
+            .collect();
+        cols = handles
+            .into_iter()
+            .map(|h| h.join().expect("matvec worker"))
+            .collect();
+    });
+    for (ci, part) in cols.iter().enumerate() {
+        let o0 = ci * per;
+        let width = part.len() / n.max(1);
+        for r in 0..n {
+            y[r * out + o0..r * out + o0 + width]
+                .copy_from_slice(&part[r * width..(r + 1) * width]);
+        }
+    }
 }
 
 /// RMSNorm of each row of `x` ([n, d]): x / sqrt(mean(x²) + eps) · w, in f32 (spec §7).

@@ -1,8 +1,72 @@
 //! The CUDA backend (issue 3). Built with cudarc's `dynamic-loading`, so the
 //! binary builds and runs on machines without CUDA; there, asking for the GPU
 //! is a clear error, never a panic (spec/device.md).
+//!
+//! Layout:
+//! - [`context`]: the device context, its one compute stream, NVRTC
+//!   compilation of `kernels/*.cu` with an on-disk cubin cache, the cuBLAS
+//!   handle and the bf16 GEMM;
+//! - [`ops`]: one typed wrapper per kernel (shape checks at the boundary);
+//! - [`check`]: `gpu_check`, every kernel against the CPU reference
+//!   (spec/testing.md), with a JSON report.
+//!
+//! Device tensors are `CudaSlice<T>` from cudarc. bf16 values travel as
+//! [`Bf16`] (their 16 raw bits), since cudarc's own `half` support is a
+//! feature this crate does not enable.
+
+pub mod check;
+pub mod context;
+pub mod ops;
+
+pub use context::{DeviceInfo, GemmOut, Gpu};
 
 use crate::{Error, Result};
+
+/// One bf16 value on the device, as its raw bits (the layout of
+/// `half::bf16` and of CUDA's `__nv_bfloat16`). Convert with
+/// [`Bf16::from_f32`] / [`Bf16::to_f32`] or from/into `half::bf16`;
+/// [`bf16_bits`] reinterprets a whole `&[half::bf16]` without copying.
+#[repr(transparent)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Bf16(pub u16);
+
+// SAFETY: a plain 2-byte value with no padding and no invalid bit patterns.
+unsafe impl cudarc::driver::DeviceRepr for Bf16 {}
+// SAFETY: all-zero bits are +0.0.
+unsafe impl cudarc::driver::ValidAsZeroBits for Bf16 {}
+// SAFETY: repr(transparent) over u16: every bit pattern is valid, no padding.
+unsafe impl bytemuck::Zeroable for Bf16 {}
+// SAFETY: as above.
+unsafe impl bytemuck::Pod for Bf16 {}
+
+impl Bf16 {
+    /// Rounds an f32 to bf16 (round to nearest even, as `half::bf16::from_f32`).
+    pub fn from_f32(x: f32) -> Self {
+        Bf16(half::bf16::from_f32(x).to_bits())
+    }
+    /// The exact f32 value of this bf16.
+    pub fn to_f32(self) -> f32 {
+        half::bf16::from_bits(self.0).to_f32()
+    }
+}
+
+impl From<half::bf16> for Bf16 {
+    fn from(x: half::bf16) -> Self {
+        Bf16(x.to_bits())
+    }
+}
+
+impl From<Bf16> for half::bf16 {
+    fn from(x: Bf16) -> Self {
+        half::bf16::from_bits(x.0)
+    }
+}
+
+/// Reinterprets host bf16 values (e.g. a safetensors tensor) as [`Bf16`]
+/// without copying, ready for `CudaStream::clone_htod`.
+pub fn bf16_bits(x: &[half::bf16]) -> &[Bf16] {
+    bytemuck::cast_slice(x)
+}
 
 /// Which CUDA libraries can be loaded on this machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,23 +98,34 @@ pub fn is_available() -> bool {
     l.driver && l.nvrtc && l.cublas
 }
 
+/// The libraries this machine lacks, by name (empty when all are present).
+pub fn missing_libraries() -> Vec<&'static str> {
+    let l = libraries();
+    [
+        (l.driver, "libcuda (driver)"),
+        (l.nvrtc, "libnvrtc"),
+        (l.cublas, "libcublas"),
+    ]
+    .iter()
+    .filter(|(ok, _)| !ok)
+    .map(|(_, n)| *n)
+    .collect()
+}
+
 /// Checks that the CUDA backend can run here.
 ///
 /// Errors: [`Error::Cuda`] naming the missing libraries; while the GPU
 /// engine is not built yet (issue 3), an error saying so even when CUDA is
 /// present.
 pub fn require() -> Result<()> {
-    let l = libraries();
-    let missing: Vec<&str> = [(l.driver, "libcuda (driver)"), (l.nvrtc, "libnvrtc"), (l.cublas, "libcublas")]
-        .iter()
-        .filter(|(ok, _)| !ok)
-        .map(|(_, n)| *n)
-        .collect();
+    let missing = missing_libraries();
     if !missing.is_empty() {
         return Err(Error::Cuda(format!(
             "--backend cuda needs an NVIDIA GPU with CUDA 13 libraries; not found: {} (set LD_LIBRARY_PATH=/usr/local/cuda/lib64, or use --backend cpu)",
             missing.join(", ")
         )));
     }
-    Err(Error::Cuda("the CUDA engine is not built yet (issue 3); use --backend cpu".into()))
+    Err(Error::Cuda(
+        "the CUDA engine is not built yet (issue 3); use --backend cpu".into(),
+    ))
 }

@@ -52,7 +52,11 @@ impl AttentionPlan {
     ///
     /// Errors: NOSA selection asked for a checkpoint without eviction heads;
     /// a budget override that breaks the §1 validation rules.
-    pub fn resolve(cfg: &ModelConfig, eviction_heads: bool, ov: AttentionOverrides) -> Result<Self> {
+    pub fn resolve(
+        cfg: &ModelConfig,
+        eviction_heads: bool,
+        ov: AttentionOverrides,
+    ) -> Result<Self> {
         let mut sparse = cfg.sparse.unwrap_or_default();
         if let Some(s) = ov.budget_blocks {
             let w = sparse.window_blocks();
@@ -94,7 +98,11 @@ impl AttentionPlan {
             (Some(true), None) if default_mode == AttentionMode::Dense => AttentionMode::InfLlmV2,
             _ => default_mode,
         };
-        Ok(AttentionPlan { mode, sparse, budget: Budget::new(&sparse) })
+        Ok(AttentionPlan {
+            mode,
+            sparse,
+            budget: Budget::new(&sparse),
+        })
     }
 
     /// The selection rule for a sparse mode (`None` for dense).

@@ -108,7 +108,13 @@ pub fn pool_blocks(budget: &Budget, window_scores: &[f32], n_blocks: usize) -> V
 /// by the lower index, spec §4.7), in ranking order. NaN ranks lowest.
 pub fn top_k(scores: &[f32], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..scores.len()).collect();
-    let key = |i: usize| if scores[i].is_nan() { f32::NEG_INFINITY } else { scores[i] };
+    let key = |i: usize| {
+        if scores[i].is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            scores[i]
+        }
+    };
     let cmp = |a: &usize, b: &usize| key(*b).total_cmp(&key(*a)).then(a.cmp(b));
     if k < idx.len() {
         idx.select_nth_unstable_by(k, cmp);
@@ -133,12 +139,16 @@ pub fn select(budget: &Budget, rule: SelectionRule, r: &[f32], e: &[f32]) -> Vec
     }
     let q = n_blocks - 1;
     let forced = |m: usize| budget.is_forced(m, q);
-    let r: Vec<f32> = (0..n_blocks).map(|m| if forced(m) { f32::INFINITY } else { r[m] }).collect();
+    let r: Vec<f32> = (0..n_blocks)
+        .map(|m| if forced(m) { f32::INFINITY } else { r[m] })
+        .collect();
     let mut chosen = match rule {
         SelectionRule::InfLlmV2 => top_k(&r, budget.attended),
         SelectionRule::Nosa => {
             assert_eq!(e.len(), n_blocks, "eviction scores must cover blocks 0..=q");
-            let mut e: Vec<f32> = (0..n_blocks).map(|m| if forced(m) { f32::INFINITY } else { e[m] }).collect();
+            let mut e: Vec<f32> = (0..n_blocks)
+                .map(|m| if forced(m) { f32::INFINITY } else { e[m] })
+                .collect();
             for m in top_k(&r, budget.shortlist) {
                 e[m] = f32::INFINITY;
             }
@@ -156,7 +166,13 @@ pub fn select(budget: &Budget, rule: SelectionRule, r: &[f32], e: &[f32]) -> Vec
 /// - `kc`: compressed keys of this head, `mc` rows at stride `kc_stride`
 ///   floats (row i starts at i·kc_stride), D values each;
 /// - returns `mc` scores (empty when mc = 0).
-pub fn query_window_scores(q: &[f32], head_dim: usize, kc: &[f32], kc_stride: usize, mc: usize) -> Vec<f32> {
+pub fn query_window_scores(
+    q: &[f32],
+    head_dim: usize,
+    kc: &[f32],
+    kc_stride: usize,
+    mc: usize,
+) -> Vec<f32> {
     let mut s = vec![0.0f32; mc];
     if mc == 0 {
         return s;

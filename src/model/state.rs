@@ -27,7 +27,11 @@ pub struct LayerKv {
 impl LayerKv {
     /// Empty state for `kv_heads` heads of `head_dim`.
     pub fn new(kv_heads: usize, head_dim: usize) -> Self {
-        LayerKv { kv_dim: kv_heads * head_dim, kv_heads, ..Default::default() }
+        LayerKv {
+            kv_dim: kv_heads * head_dim,
+            kv_heads,
+            ..Default::default()
+        }
     }
 
     /// T: tokens stored.

@@ -1,0 +1,748 @@
+//! `gpu_check`: every GPU kernel against the CPU reference on fresh random
+//! inputs at the shapes of spec/testing.md ("Shapes every kernel test
+//! covers"), compared by relative L2 error (≤ 2e-2 for the bf16 paths),
+//! with a JSON report (GPU, driver, date, commit, each case's shape and
+//! error).
+//!
+//! The oracles are the CPU reference's own functions ([`crate::cpu::ops`],
+//! [`crate::cpu::dense_attention`], [`crate::cpu::sparse_attention`]) fed
+//! with the same bf16-rounded inputs, converted to f32. Outputs are poisoned
+//! with NaN before each launch, so an element the kernel fails to write
+//! fails the case.
+
+use super::ops::{self, BlockSelection, EvictionWeights, KvBatch, RopeTables, SeqKv};
+use super::{Bf16, Gpu};
+use crate::config::{AttentionMode, RopeScaling, SparseConfig};
+use crate::cpu::ops as cpu_ops;
+use crate::model::select::Budget;
+use crate::model::state::LayerKv;
+use crate::model::AttentionPlan;
+use crate::{Error, Result};
+use cudarc::driver::CudaSlice;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, StandardNormal};
+use serde_json::{json, Value};
+use std::path::Path;
+
+/// Relative L2 tolerance of every bf16 GPU path against the CPU reference
+/// (spec/testing.md "Tolerances").
+pub const TOLERANCE_BF16: f64 = 2e-2;
+
+/// The outcome of one check case.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CaseResult {
+    /// Kernel (or wrapper) under test.
+    pub kernel: String,
+    /// The case's shape and settings.
+    pub shape: Value,
+    /// ‖gpu − cpu‖₂ / ‖cpu‖₂ (NaN when the case did not run or produced NaN).
+    pub rel_l2: f64,
+    /// max |gpu − cpu|.
+    pub max_abs_err: f64,
+    /// The tolerance applied to `rel_l2`.
+    pub tolerance: f64,
+    /// Finite output, every element written, and rel_l2 ≤ tolerance.
+    pub pass: bool,
+    /// Why the case failed to run, if it did.
+    pub error: Option<String>,
+}
+
+/// Relative L2 error and max abs error of `got` against `want` (f64 sums).
+/// Any non-finite `got` element gives NaN (a fail).
+pub fn rel_l2(got: &[f32], want: &[f32]) -> (f64, f64) {
+    if got.len() != want.len() {
+        return (f64::NAN, f64::NAN);
+    }
+    let (mut num, mut den, mut mx) = (0.0f64, 0.0f64, 0.0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        if !g.is_finite() {
+            return (f64::NAN, f64::NAN);
+        }
+        let e = g as f64 - w as f64;
+        num += e * e;
+        den += (w as f64) * (w as f64);
+        mx = mx.max(e.abs());
+    }
+    let r = if den > 0.0 {
+        (num / den).sqrt()
+    } else {
+        num.sqrt()
+    };
+    (r, mx)
+}
+
+/// Current UTC time as `YYYY-MM-DDTHH:MM:SSZ` (civil-from-days on the Unix clock).
+pub fn utc_now_iso() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0) as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Days since 1970-01-01 → (y, m, d), proleptic Gregorian (H. Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        (rem / 60) % 60,
+        rem % 60
+    )
+}
+
+/// Random inputs for the checks: normal values rounded to bf16, kept both as
+/// device bits and as the exact f32 the oracle sees.
+struct Inputs {
+    rng: SmallRng,
+}
+
+impl Inputs {
+    fn normal(&mut self, n: usize, std: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| StandardNormal.sample(&mut self.rng))
+            .map(|x: f32| x * std)
+            .collect()
+    }
+    /// bf16-rounded normal values: (device bits, exact f32 values).
+    fn bf16(&mut self, n: usize, std: f32) -> (Vec<Bf16>, Vec<f32>) {
+        let bits: Vec<Bf16> = self
+            .normal(n, std)
+            .into_iter()
+            .map(Bf16::from_f32)
+            .collect();
+        let f = bits.iter().map(|b| b.to_f32()).collect();
+        (bits, f)
+    }
+    fn uniform(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..n).map(|_| self.rng.random_range(lo..hi)).collect()
+    }
+}
+
+/// NaN-filled device buffer (poison), so unwritten outputs fail.
+fn poison_bf16(gpu: &Gpu, n: usize) -> Result<CudaSlice<Bf16>> {
+    gpu.upload(&vec![Bf16(0x7fc0); n])
+}
+
+fn poison_f32(gpu: &Gpu, n: usize) -> Result<CudaSlice<f32>> {
+    gpu.upload(&vec![f32::NAN; n])
+}
+
+fn to_f32(x: &[Bf16]) -> Vec<f32> {
+    x.iter().map(|b| b.to_f32()).collect()
+}
+
+/// Runs the cases and collects results; a case that errors is recorded as a
+/// failure and the rest still run.
+struct Checker<'g> {
+    gpu: &'g Gpu,
+    inp: Inputs,
+    results: Vec<CaseResult>,
+}
+
+impl Checker<'_> {
+    fn record(
+        &mut self,
+        kernel: &str,
+        shape: Value,
+        run: impl FnOnce(&Gpu, &mut Inputs) -> Result<(Vec<f32>, Vec<f32>)>,
+    ) {
+        let r = run(self.gpu, &mut self.inp).and_then(|v| self.gpu.synchronize().map(|()| v));
+        let res = match r {
+            Ok((got, want)) => {
+                let (e, mx) = rel_l2(&got, &want);
+                CaseResult {
+                    kernel: kernel.into(),
+                    shape,
+                    rel_l2: e,
+                    max_abs_err: mx,
+                    tolerance: TOLERANCE_BF16,
+                    pass: e.is_finite() && e <= TOLERANCE_BF16,
+                    error: None,
+                }
+            }
+            Err(err) => CaseResult {
+                kernel: kernel.into(),
+                shape,
+                rel_l2: f64::NAN,
+                max_abs_err: f64::NAN,
+                tolerance: TOLERANCE_BF16,
+                pass: false,
+                error: Some(err.to_string()),
+            },
+        };
+        println!(
+            "{:<26} {:<70} rel_l2 {:>10.3e}  {}",
+            res.kernel,
+            compact(&res.shape),
+            res.rel_l2,
+            if res.pass { "ok" } else { "FAIL" }
+        );
+        if let Some(e) = &res.error {
+            println!("    error: {e}");
+        }
+        self.results.push(res);
+    }
+}
+
+/// One-line rendering of a shape object, cut to 70 characters.
+fn compact(v: &Value) -> String {
+    let s = v.to_string();
+    if s.chars().count() > 70 {
+        s.chars().take(67).collect::<String>() + "..."
+    } else {
+        s
+    }
+}
+
+fn check_gemm(c: &mut Checker<'_>) {
+    for &(n, k, out, f32_out) in &[
+        (1usize, 256usize, 384usize, false),
+        (5, 576, 1728, false),
+        (16, 2048, 4608, false),
+        (64, 4096, 512, false),
+        (3, 576, 4000, true),
+    ] {
+        c.record(
+            "linear (cuBLAS gemm_ex)",
+            json!({"n": n, "in": k, "out": out, "y": if f32_out {"f32"} else {"bf16"}}),
+            |gpu, inp| {
+                let (xb, xf) = inp.bf16(n * k, 1.0);
+                let (wb, wf) = inp.bf16(out * k, 1.0 / (k as f32).sqrt());
+                let (x, w) = (gpu.upload(&xb)?, gpu.upload(&wb)?);
+                let want = cpu_ops::linear(&xf, n, &wf, None, out);
+                let got = if f32_out {
+                    let mut y = poison_f32(gpu, n * out)?;
+                    gpu.linear(&x, n, k, &w, out, &mut y)?;
+                    gpu.download(&y)?
+                } else {
+                    let mut y = poison_bf16(gpu, n * out)?;
+                    gpu.linear(&x, n, k, &w, out, &mut y)?;
+                    to_f32(&gpu.download(&y)?)
+                };
+                Ok((got, want))
+            },
+        );
+    }
+}
+
+fn check_embedding(c: &mut Checker<'_>) {
+    for &(vocab, d, n, scale) in &[(1000usize, 576usize, 7usize, 1.0f32), (4099, 4096, 3, 12.0)] {
+        c.record(
+            "embed_gather",
+            json!({"vocab": vocab, "d": d, "n": n, "scale": scale}),
+            |gpu, inp| {
+                let (tb, tf) = inp.bf16(vocab * d, 0.05);
+                let ids: Vec<u32> = (0..n)
+                    .map(|_| inp.rng.random_range(0..vocab as u32))
+                    .collect();
+                let (table, idd) = (gpu.upload(&tb)?, gpu.upload(&ids)?);
+                let mut out = poison_bf16(gpu, n * d)?;
+                ops::embed_gather(gpu, &table, vocab, d, &idd, scale, &mut out)?;
+                let want: Vec<f32> = ids
+                    .iter()
+                    .flat_map(|&i| {
+                        tf[i as usize * d..(i as usize + 1) * d]
+                            .iter()
+                            .map(|v| v * scale)
+                    })
+                    .collect();
+                Ok((to_f32(&gpu.download(&out)?), want))
+            },
+        );
+    }
+}
+
+fn check_rmsnorm(c: &mut Checker<'_>) {
+    let eps = 1e-6f32;
+    for &(n, d, fused) in &[(1usize, 576usize, false), (4, 4096, true), (3, 2560, true)] {
+        let dscale = if fused { 1.4 / (32.0f32).sqrt() } else { 1.0 };
+        let shape =
+            json!({"n": n, "d": d, "residual_add": fused, "delta_scale": dscale, "eps": eps});
+        // The normalised output.
+        c.record("rmsnorm_residual (out)", shape.clone(), |gpu, inp| {
+            let resid = inp.normal(n * d, 1.0);
+            let (wb, wf) = inp.bf16(d, 1.0);
+            let (db, df) = inp.bf16(n * d, 0.5);
+            let mut r = gpu.upload(&resid)?;
+            let w = gpu.upload(&wb)?;
+            let mut out = poison_bf16(gpu, n * d)?;
+            let mut x = resid.clone();
+            if fused {
+                let delta = gpu.upload(&db)?;
+                ops::add_rmsnorm(gpu, &mut r, &delta, dscale, &w, eps, &mut out)?;
+                x.iter_mut().zip(&df).for_each(|(a, b)| *a += b * dscale);
+            } else {
+                ops::rmsnorm(gpu, &r, &w, eps, &mut out)?;
+            }
+            let want = cpu_ops::rms_norm(&x, &wf, eps);
+            Ok((to_f32(&gpu.download(&out)?), want))
+        });
+        if fused {
+            // The updated f32 residual stream.
+            c.record("rmsnorm_residual (resid)", shape, |gpu, inp| {
+                let resid = inp.normal(n * d, 1.0);
+                let (wb, _) = inp.bf16(d, 1.0);
+                let (db, df) = inp.bf16(n * d, 0.5);
+                let (mut r, w, delta) = (gpu.upload(&resid)?, gpu.upload(&wb)?, gpu.upload(&db)?);
+                let mut out = poison_bf16(gpu, n * d)?;
+                ops::add_rmsnorm(gpu, &mut r, &delta, dscale, &w, eps, &mut out)?;
+                let want: Vec<f32> = resid.iter().zip(&df).map(|(a, b)| a + b * dscale).collect();
+                Ok((gpu.download(&r)?, want))
+            });
+        }
+    }
+}
+
+fn check_rope(c: &mut Checker<'_>) {
+    let positions = [0usize, 17, 4095];
+    for &(hq, hk, d) in &[
+        (6usize, 2usize, 64usize),
+        (16, 2, 80),
+        (32, 2, 128),
+        (16, 1, 128),
+    ] {
+        let row = (hq + 2 * hk) * d;
+        c.record(
+            "rope_neox (fused q|k|v row)",
+            json!({"H": hq, "Hkv": hk, "D": d, "rows": positions.len(), "positions": positions, "theta": 10000.0}),
+            |gpu, inp| {
+                let rope = crate::config::Rope::new(d, 10_000.0, 8192, RopeScaling::Default);
+                let tables = RopeTables::from_rope(gpu, &rope, d, 4096, 4096)?;
+                let (xb, xf) = inp.bf16(positions.len() * row, 1.0);
+                let mut x = gpu.upload(&xb)?;
+                let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+                let pd = gpu.upload(&pos)?;
+                ops::rope_neox(gpu, &mut x, positions.len(), row, 0, hq + hk, d, &pd, &tables)?;
+                let mut want = xf.clone();
+                let (mut cs, mut sn) = (vec![0.0f32; d / 2], vec![0.0f32; d / 2]);
+                for (i, &p) in positions.iter().enumerate() {
+                    rope.cos_sin(p, 4096, &mut cs, &mut sn);
+                    cpu_ops::rope_in_place(&mut want[i * row..i * row + (hq + hk) * d], &cs, &sn);
+                }
+                Ok((to_f32(&gpu.download(&x)?), want))
+            },
+        );
+    }
+}
+
+fn check_swiglu(c: &mut Checker<'_>) {
+    for &(n, inter) in &[(1usize, 1536usize), (3, 16384)] {
+        c.record("swiglu", json!({"n": n, "I": inter}), |gpu, inp| {
+            let (gb, gf) = inp.bf16(n * 2 * inter, 2.0);
+            let g = gpu.upload(&gb)?;
+            let mut out = poison_bf16(gpu, n * inter)?;
+            ops::swiglu(gpu, &g, n, inter, &mut out)?;
+            let want: Vec<f32> = (0..n * inter)
+                .map(|i| {
+                    let (r, j) = (i / inter, i % inter);
+                    cpu_ops::silu(gf[r * 2 * inter + j]) * gf[r * 2 * inter + inter + j]
+                })
+                .collect();
+            Ok((to_f32(&gpu.download(&out)?), want))
+        });
+    }
+}
+
+fn check_eviction(c: &mut Checker<'_>) {
+    for &(n, hq, hk, d, bias) in &[
+        (1usize, 32usize, 2usize, 128usize, false),
+        (4, 16, 2, 64, true),
+        (3, 24, 8, 80, true),
+    ] {
+        c.record(
+            "eviction_score",
+            json!({"n": n, "Hkv": hk, "D": d, "bias": bias, "v_row_stride": (hq + 2 * hk) * d}),
+            |gpu, inp| {
+                let kvd = hk * d;
+                let row = (hq + 2 * hk) * d;
+                let v_off = (hq + hk) * d;
+                let (qkv_b, qkv_f) = inp.bf16(n * row, 1.0);
+                let (db, df) = inp.bf16(hk * kvd, 1.0 / (kvd as f32).sqrt());
+                let a = inp.uniform(hk, 0.2, 2.0);
+                let b = if bias {
+                    Some(inp.uniform(hk, -1.0, 1.0))
+                } else {
+                    None
+                };
+                let head = EvictionWeights::new(gpu, &a, &db, b.as_deref(), hk, d)?;
+                let qkv = gpu.upload(&qkv_b)?;
+                let mut cc = poison_f32(gpu, n * hk)?;
+                ops::eviction_score(gpu, &qkv.slice(v_off..), n, row, &head, &mut cc)?;
+                let v: Vec<f32> = (0..n)
+                    .flat_map(|i| {
+                        qkv_f[i * row + v_off..i * row + v_off + kvd]
+                            .iter()
+                            .copied()
+                    })
+                    .collect();
+                let mut want = cpu_ops::linear(&v, n, &df, b.as_deref(), hk);
+                for r in want.chunks_exact_mut(hk) {
+                    for (h, z) in r.iter_mut().enumerate() {
+                        *z = a[h] * cpu_ops::softplus(*z);
+                    }
+                }
+                Ok((gpu.download(&cc)?, want))
+            },
+        );
+    }
+}
+
+/// One sequence's random KV state for the attention checks: the CPU
+/// reference's [`LayerKv`] (f32 of the bf16-rounded values, compressed
+/// state completed) plus the device copies.
+struct SeqData {
+    kv: LayerKv,
+    k: CudaSlice<Bf16>,
+    v: CudaSlice<Bf16>,
+    c: CudaSlice<f32>,
+}
+
+fn make_seq(
+    gpu: &Gpu,
+    inp: &mut Inputs,
+    budget: &Budget,
+    len: usize,
+    hk: usize,
+    d: usize,
+) -> Result<SeqData> {
+    let (kb, kf) = inp.bf16(len * hk * d, 1.0);
+    let (vb, vf) = inp.bf16(len * hk * d, 1.0);
+    // c = A·softplus(z): positive, a few units at most, as the eviction head makes it.
+    let z = inp.normal(len * hk, 1.5);
+    let a = inp.uniform(hk, 0.5, 2.0);
+    let cvals: Vec<f32> = z
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| a[i % hk] * cpu_ops::softplus(x))
+        .collect();
+    let mut kv = LayerKv::new(hk, d);
+    kv.append(budget, &kf, &vf, &cvals);
+    Ok(SeqData {
+        kv,
+        k: gpu.upload(&kb)?,
+        v: gpu.upload(&vb)?,
+        c: gpu.upload(&cvals)?,
+    })
+}
+
+fn check_dense_attention(c: &mut Checker<'_>) {
+    let budget = Budget::new(&SparseConfig::default());
+    let batches: [&[usize]; 3] = [&[17], &[5, 31, 48, 49, 63, 64, 65, 1500], &[4200, 300]];
+    for &g in &[3usize, 8, 16] {
+        for &d in &[64usize, 80, 128] {
+            for (bi, lens) in batches.iter().enumerate() {
+                if bi == 2 && !(g == 16 && d == 128) {
+                    continue; // the long batch once, at NOSA-8B's shape
+                }
+                let hk = 2usize;
+                let hq = g * hk;
+                c.record(
+                    "attention_dense_decode",
+                    json!({"G": g, "H": hq, "Hkv": hk, "D": d, "lens": lens}),
+                    |gpu, inp| {
+                        let seqs: Vec<SeqData> = lens
+                            .iter()
+                            .map(|&l| make_seq(gpu, inp, &budget, l, hk, d))
+                            .collect::<Result<_>>()?;
+                        let (qb, qf) = inp.bf16(lens.len() * hq * d, 1.5);
+                        let q = gpu.upload(&qb)?;
+                        let views: Vec<SeqKv<'_>> = seqs
+                            .iter()
+                            .zip(lens.iter())
+                            .map(|(s, &l)| SeqKv {
+                                k: s.k.as_view(),
+                                v: s.v.as_view(),
+                                c: None,
+                                len: l,
+                            })
+                            .collect();
+                        let batch = KvBatch::new(gpu, &views, hk, d)?;
+                        let mut out = poison_bf16(gpu, lens.len() * hq * d)?;
+                        let scale = 1.0 / (d as f32).sqrt();
+                        ops::attention_dense_decode(
+                            gpu,
+                            &q,
+                            hq * d,
+                            hq,
+                            &batch,
+                            scale,
+                            &mut out,
+                            hq * d,
+                        )?;
+                        let mut want = vec![0.0f32; lens.len() * hq * d];
+                        for (b, s) in seqs.iter().enumerate() {
+                            let qrow = &qf[b * hq * d..(b + 1) * hq * d];
+                            crate::cpu::dense_attention(
+                                &s.kv,
+                                qrow,
+                                lens[b] - 1,
+                                1,
+                                hq,
+                                d,
+                                &mut want[b * hq * d..(b + 1) * hq * d],
+                            );
+                        }
+                        Ok((to_f32(&gpu.download(&out)?), want))
+                    },
+                );
+            }
+        }
+    }
+}
+
+/// A sparse case: the CPU reference selects blocks and attends; the GPU
+/// attends over the CPU's selection (the selection kernels are later work).
+fn sparse_case(
+    c: &mut Checker<'_>,
+    sc: SparseConfig,
+    mode: AttentionMode,
+    g: usize,
+    d: usize,
+    lens: &[usize],
+) {
+    let hk = 2usize;
+    let hq = g * hk;
+    let plan = AttentionPlan {
+        mode,
+        sparse: sc,
+        budget: Budget::new(&sc),
+    };
+    let shape_base = json!({
+        "mode": format!("{mode:?}"), "G": g, "H": hq, "Hkv": hk, "D": d, "lens": lens,
+        "block_size": sc.block_size, "attended_blocks_S": plan.budget.attended, "shortlist_n": plan.budget.shortlist,
+    });
+    let lens = lens.to_vec();
+    c.record("attention_sparse_decode", shape_base, move |gpu, inp| {
+        let seqs: Vec<SeqData> = lens
+            .iter()
+            .map(|&l| make_seq(gpu, inp, &plan.budget, l, hk, d))
+            .collect::<Result<_>>()?;
+        let (qb, qf) = inp.bf16(lens.len() * hq * d, 1.5);
+        let mut want = vec![0.0f32; lens.len() * hq * d];
+        let mut selections = Vec::new();
+        for (b, s) in seqs.iter().enumerate() {
+            let qrow = &qf[b * hq * d..(b + 1) * hq * d];
+            let sel = crate::cpu::sparse_attention(
+                &plan,
+                &s.kv,
+                qrow,
+                lens[b] - 1,
+                1,
+                hq,
+                &mut want[b * hq * d..(b + 1) * hq * d],
+            );
+            selections.push(sel);
+        }
+        let q = gpu.upload(&qb)?;
+        let nosa = mode == AttentionMode::Nosa;
+        let views: Vec<SeqKv<'_>> = seqs
+            .iter()
+            .zip(lens.iter())
+            .map(|(s, &l)| SeqKv {
+                k: s.k.as_view(),
+                v: s.v.as_view(),
+                c: if nosa { Some(s.c.as_view()) } else { None },
+                len: l,
+            })
+            .collect();
+        let batch = KvBatch::new(gpu, &views, hk, d)?;
+        let sel = BlockSelection::from_host(gpu, &selections, &lens, sc.block_size)?;
+        let mut out = poison_bf16(gpu, lens.len() * hq * d)?;
+        let scale = 1.0 / (d as f32).sqrt();
+        ops::attention_sparse_decode(
+            gpu,
+            &q,
+            hq * d,
+            hq,
+            &batch,
+            &sel,
+            sc.block_size,
+            scale,
+            &mut out,
+            hq * d,
+        )?;
+        Ok((to_f32(&gpu.download(&out)?), want))
+    });
+}
+
+fn check_sparse_attention(c: &mut Checker<'_>) {
+    // A small budget (S = 12 blocks = 768 tokens, W = 4, shortlist 9) so that
+    // short contexts already run past it; lengths: < one window, 16-token
+    // boundary and just past it, < one block, at and past a block, under the
+    // budget, beyond it.
+    let small = SparseConfig {
+        window_size: 256,
+        topk: 8,
+        select_blocks: 4,
+        ..SparseConfig::default()
+    };
+    let lens: &[usize] = &[20, 48, 49, 63, 64, 65, 700, 3000];
+    for &g in &[3usize, 8, 16] {
+        for &d in &[64usize, 80, 128] {
+            sparse_case(c, small, AttentionMode::Nosa, g, d, &[20]);
+            sparse_case(c, small, AttentionMode::Nosa, g, d, lens);
+        }
+    }
+    // The default budget (S = 64) past it, at NOSA-8B's shape.
+    sparse_case(
+        c,
+        SparseConfig::default(),
+        AttentionMode::Nosa,
+        16,
+        128,
+        &[4200, 5000],
+    );
+    // InfLLM-V2 (no bias).
+    sparse_case(c, small, AttentionMode::InfLlmV2, 8, 128, &[100, 3000]);
+}
+
+/// Runs every kernel of the CUDA backend against the CPU reference on fresh
+/// random inputs at the shapes of spec/testing.md (GQA G ∈ {3, 8, 16}, D ∈
+/// {64, 80, 128}, batch 1 and > 1 with different lengths, T < 32, T < 64,
+/// at and past 16- and 64-token boundaries, shorter and longer than the
+/// attended budget), prints one line per case, and writes a JSON report to
+/// `out_json`: GPU name, compute capability, driver and NVRTC versions, UTC
+/// date, `$SPARDA_COMMIT` (if set), the RNG seed (`$SPARDA_CHECK_SEED`
+/// reproduces a run; otherwise drawn from the clock), kernel build info, and
+/// per case: kernel, shape, rel_l2, max_abs_err, tolerance, pass.
+///
+/// Returns whether every case passed (relative L2 ≤ [`TOLERANCE_BF16`],
+/// finite, fully written).
+///
+/// Errors: [`Error::Cuda`] when CUDA is absent (never a panic) or the
+/// context cannot be set up; [`Error::Io`] when the report cannot be
+/// written. Kernel failures are not errors: they are failed cases.
+pub fn gpu_check(out_json: &Path) -> Result<bool> {
+    let missing = super::missing_libraries();
+    if !missing.is_empty() {
+        return Err(Error::Cuda(format!(
+            "gpu-check needs an NVIDIA GPU with the CUDA 13 libraries; not found: {} (on a GPU machine set LD_LIBRARY_PATH=/usr/local/cuda/lib64)",
+            missing.join(", ")
+        )));
+    }
+    let gpu = Gpu::new(0)?;
+    let seed = std::env::var("SPARDA_CHECK_SEED")
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        });
+    let info = gpu.info().clone();
+    println!(
+        "gpu-check on {} ({}, {} SMs, driver CUDA {}, NVRTC {}.{}), seed {seed}",
+        info.name,
+        info.arch,
+        info.sm_count,
+        info.driver_version_string(),
+        info.nvrtc_version.0,
+        info.nvrtc_version.1
+    );
+    let builds = gpu.kernel_builds();
+    println!(
+        "kernels: {} sources, {} from the disk cache, {:.0} ms to compile/load",
+        builds.len(),
+        builds.iter().filter(|b| b.cached).count(),
+        builds.iter().map(|b| b.ms).sum::<f64>()
+    );
+    let mut c = Checker {
+        gpu: &gpu,
+        inp: Inputs {
+            rng: SmallRng::seed_from_u64(seed),
+        },
+        results: Vec::new(),
+    };
+    check_gemm(&mut c);
+    check_embedding(&mut c);
+    check_rmsnorm(&mut c);
+    check_rope(&mut c);
+    check_swiglu(&mut c);
+    check_eviction(&mut c);
+    check_dense_attention(&mut c);
+    check_sparse_attention(&mut c);
+    let results = c.results;
+    let failed = results.iter().filter(|r| !r.pass).count();
+    let mut by_kernel: std::collections::BTreeMap<String, (usize, usize, f64)> = Default::default();
+    for r in &results {
+        let e = by_kernel.entry(r.kernel.clone()).or_insert((0, 0, 0.0));
+        e.0 += 1;
+        e.1 += usize::from(r.pass);
+        e.2 = if r.rel_l2.is_nan() {
+            f64::NAN
+        } else {
+            e.2.max(r.rel_l2)
+        };
+    }
+    let summary: Value = by_kernel
+        .iter()
+        .map(|(k, (n, p, mx))| {
+            (
+                k.clone(),
+                json!({"cases": n, "passed": p, "max_rel_l2": mx}),
+            )
+        })
+        .collect::<serde_json::Map<_, _>>()
+        .into();
+    let report = json!({
+        "what": "sparda gpu-check: CUDA kernels vs the CPU reference (spec/testing.md)",
+        "gpu": info.name,
+        "compute_capability": format!("{}.{}", info.compute_capability.0, info.compute_capability.1),
+        "arch": info.arch,
+        "sm_count": info.sm_count,
+        "total_mem_bytes": info.total_mem_bytes,
+        "driver_cuda_version": info.driver_version_string(),
+        "driver_version_raw": info.driver_version,
+        "nvrtc_version": format!("{}.{}", info.nvrtc_version.0, info.nvrtc_version.1),
+        "date_utc": utc_now_iso(),
+        "commit": std::env::var("SPARDA_COMMIT").ok(),
+        "seed": seed,
+        "tolerance_rel_l2": TOLERANCE_BF16,
+        "kernel_builds": gpu.kernel_builds(),
+        "summary": summary,
+        "cases_total": results.len(),
+        "cases_failed": failed,
+        "passed": failed == 0,
+        "cases": results,
+    });
+    println!("{} cases, {} failed", results.len(), failed);
+    for (k, (n, p, mx)) in &by_kernel {
+        println!("  {k:<26} {p}/{n} passed, max rel_l2 {mx:.3e}");
+    }
+    let text = serde_json::to_string_pretty(&report)
+        .map_err(|e| Error::Cuda(format!("serialising the report: {e}")))?;
+    if let Some(dir) = out_json.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    }
+    std::fs::write(out_json, text).map_err(|e| Error::io(out_json, e))?;
+    Ok(failed == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rel_l2_basics() {
+        assert_eq!(rel_l2(&[1.0, 2.0], &[1.0, 2.0]).0, 0.0);
+        let (e, mx) = rel_l2(&[1.0, 0.0], &[0.0, 1.0]);
+        assert!((e - 2f64.sqrt()).abs() < 1e-12 && mx == 1.0);
+        assert!(rel_l2(&[f32::NAN], &[1.0]).0.is_nan());
+        assert!(rel_l2(&[1.0], &[1.0, 2.0]).0.is_nan());
+    }
+
+    #[test]
+    fn iso_date_shape() {
+        let s = utc_now_iso();
+        assert_eq!(s.len(), 20, "{s}");
+        assert!(s.ends_with('Z') && s.as_bytes()[10] == b'T');
+    }
+}

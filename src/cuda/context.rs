@@ -1,0 +1,673 @@
+//! The GPU context of the CUDA backend (issue 3, spec/device.md): one device
+//! context with cudarc's event tracking turned off, one compute stream, the
+//! `kernels/*.cu` sources compiled at run time with NVRTC for the device's
+//! architecture (cubins cached on disk), and a cuBLAS handle on that stream
+//! with the bf16 GEMM of every linear layer.
+
+use super::Bf16;
+use crate::{Error, Result};
+use cudarc::cublas::{sys as cublas_sys, CudaBlas};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    DeviceRepr, ValidAsZeroBits,
+};
+use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys, Ptx};
+use std::collections::HashMap;
+use std::ffi::{CStr, CString};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Turns any cudarc error into [`Error::Cuda`] naming what was being done.
+pub(crate) trait CudaResultExt<T> {
+    /// `Err(e)` → `Error::Cuda("{what}: {e}")`.
+    fn cuda(self, what: &str) -> Result<T>;
+}
+
+impl<T, E: std::fmt::Display> CudaResultExt<T> for std::result::Result<T, E> {
+    fn cuda(self, what: &str) -> Result<T> {
+        self.map_err(|e| Error::Cuda(format!("{what}: {e}")))
+    }
+}
+
+/// One kernel source file: compiled as `common.cuh`, then the listed
+/// preludes, then the file's own text, into one module.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelSource {
+    /// File name under `kernels/` (also the NVRTC program name).
+    pub file: &'static str,
+    /// The file's text (embedded at build time).
+    pub text: &'static str,
+    /// Shared headers prepended after `common.cuh`, in order.
+    pub preludes: &'static [&'static str],
+    /// The `extern "C"` kernels the file defines.
+    pub functions: &'static [&'static str],
+}
+
+/// `kernels/common.cuh`: bf16 conversions and reductions, prepended to every source.
+pub const COMMON_PRELUDE: &str = include_str!("../../kernels/common.cuh");
+/// `kernels/attention.cuh`: the decode-attention warp/partial helpers.
+pub const ATTENTION_PRELUDE: &str = include_str!("../../kernels/attention.cuh");
+
+/// Every kernel source of the backend (one concern per file).
+pub const KERNEL_SOURCES: &[KernelSource] = &[
+    KernelSource {
+        file: "embedding.cu",
+        text: include_str!("../../kernels/embedding.cu"),
+        preludes: &[],
+        functions: &["embed_gather"],
+    },
+    KernelSource {
+        file: "rmsnorm.cu",
+        text: include_str!("../../kernels/rmsnorm.cu"),
+        preludes: &[],
+        functions: &["rmsnorm_residual"],
+    },
+    KernelSource {
+        file: "rope.cu",
+        text: include_str!("../../kernels/rope.cu"),
+        preludes: &[],
+        functions: &["rope_neox"],
+    },
+    KernelSource {
+        file: "swiglu.cu",
+        text: include_str!("../../kernels/swiglu.cu"),
+        preludes: &[],
+        functions: &["swiglu"],
+    },
+    KernelSource {
+        file: "eviction.cu",
+        text: include_str!("../../kernels/eviction.cu"),
+        preludes: &[],
+        functions: &["eviction_score"],
+    },
+    KernelSource {
+        file: "attn_dense.cu",
+        text: include_str!("../../kernels/attn_dense.cu"),
+        preludes: &[ATTENTION_PRELUDE],
+        functions: &["attn_dense_partial"],
+    },
+    KernelSource {
+        file: "attn_sparse.cu",
+        text: include_str!("../../kernels/attn_sparse.cu"),
+        preludes: &[ATTENTION_PRELUDE],
+        functions: &["attn_sparse_partial"],
+    },
+    KernelSource {
+        file: "attn_combine.cu",
+        text: include_str!("../../kernels/attn_combine.cu"),
+        preludes: &[],
+        functions: &["attn_combine"],
+    },
+];
+
+impl KernelSource {
+    /// The full text NVRTC compiles: common prelude, preludes, the file.
+    pub fn full_text(&self) -> String {
+        let mut s = String::with_capacity(COMMON_PRELUDE.len() + self.text.len() + 4096);
+        s.push_str(COMMON_PRELUDE);
+        for p in self.preludes {
+            s.push('\n');
+            s.push_str(p);
+        }
+        s.push('\n');
+        s.push_str(self.text);
+        s
+    }
+}
+
+/// What the device and its software are.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DeviceInfo {
+    /// Device ordinal.
+    pub ordinal: usize,
+    /// `cuDeviceGetName`, e.g. "NVIDIA H200".
+    pub name: String,
+    /// Compute capability (major, minor), e.g. (9, 0).
+    pub compute_capability: (i32, i32),
+    /// The NVRTC target, e.g. "sm_90".
+    pub arch: String,
+    /// Streaming multiprocessors.
+    pub sm_count: i32,
+    /// Device memory in bytes.
+    pub total_mem_bytes: usize,
+    /// `cuDriverGetVersion` (e.g. 13000 for CUDA 13.0).
+    pub driver_version: i32,
+    /// `nvrtcVersion` (major, minor).
+    pub nvrtc_version: (i32, i32),
+}
+
+impl DeviceInfo {
+    /// The driver's CUDA version as "major.minor".
+    pub fn driver_version_string(&self) -> String {
+        format!(
+            "{}.{}",
+            self.driver_version / 1000,
+            (self.driver_version % 1000) / 10
+        )
+    }
+}
+
+/// How one kernel source was obtained when the context was built.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct KernelBuild {
+    /// File under `kernels/`.
+    pub file: String,
+    /// Loaded from the disk cache (true) or compiled with NVRTC (false).
+    pub cached: bool,
+    /// Wall time of compile (or cache read) plus module load, milliseconds.
+    pub ms: f64,
+    /// The cache file, when a cache directory is in use.
+    pub cache_path: Option<PathBuf>,
+}
+
+/// The output element type of [`Gpu::linear`]: [`Bf16`] activations or f32
+/// (logits, spec §7). Sealed: only these two.
+pub trait GemmOut: DeviceRepr + private::Sealed {
+    /// The cuBLAS data type of the output matrix.
+    const DTYPE: cublas_sys::cudaDataType;
+}
+
+impl GemmOut for Bf16 {
+    const DTYPE: cublas_sys::cudaDataType = cublas_sys::cudaDataType::CUDA_R_16BF;
+}
+
+impl GemmOut for f32 {
+    const DTYPE: cublas_sys::cudaDataType = cublas_sys::cudaDataType::CUDA_R_32F;
+}
+
+mod private {
+    pub trait Sealed {}
+    impl Sealed for super::Bf16 {}
+    impl Sealed for f32 {}
+}
+
+/// The GPU: context, one compute stream, compiled kernels, cuBLAS handle.
+///
+/// Everything the backend launches goes on [`Gpu::stream`], in order, so no
+/// cross-stream synchronisation is needed; cudarc's per-buffer event
+/// tracking is off (spec/device.md: with it on, cuBLAS on a non-default
+/// stream failed on the H200, and it would get in the way of graph capture).
+pub struct Gpu {
+    functions: HashMap<&'static str, CudaFunction>,
+    blas: CudaBlas,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+    info: DeviceInfo,
+    builds: Vec<KernelBuild>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu")
+            .field("info", &self.info)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The disk cache of compiled kernels: `$SPARDA_KERNEL_CACHE` if set, else
+/// `$HOME/.cache/sparda-rt/kernels`; `None` when neither can be formed (the
+/// kernels are then compiled every time).
+pub fn kernel_cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("SPARDA_KERNEL_CACHE") {
+        if !d.is_empty() {
+            return Some(PathBuf::from(d));
+        }
+    }
+    std::env::var_os("HOME")
+        .filter(|h| !h.is_empty())
+        .map(|h| PathBuf::from(h).join(".cache/sparda-rt/kernels"))
+}
+
+/// The CUDA include directory handed to NVRTC: `$CUDA_HOME/include` or
+/// `$CUDA_PATH/include` when set, else `/usr/local/cuda/include`. (The
+/// current kernels need no CUDA header; the path is there for later ones.)
+pub fn cuda_include_dir() -> String {
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(d) = std::env::var_os(var) {
+            if !d.is_empty() {
+                return PathBuf::from(d)
+                    .join("include")
+                    .to_string_lossy()
+                    .into_owned();
+            }
+        }
+    }
+    "/usr/local/cuda/include".to_string()
+}
+
+/// NVRTC options for `arch` (e.g. "sm_90"): a real architecture, so NVRTC
+/// emits a cubin and the driver does no JIT at load time.
+pub fn compile_options(arch: &str) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        format!("--include-path={}", cuda_include_dir()),
+        "-std=c++17".to_string(),
+    ]
+}
+
+/// 128-bit FNV-1a (two 64-bit lanes with different offsets) of the parts,
+/// each part length-prefixed; hex. Stable across Rust versions, unlike
+/// `DefaultHasher`.
+fn cache_key(parts: &[&[u8]]) -> String {
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut a: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut b: u64 = 0x6c62_272e_07bb_0142;
+    let mut feed = |bytes: &[u8]| {
+        for &x in bytes {
+            a = (a ^ x as u64).wrapping_mul(PRIME);
+            b = (b ^ (x as u64).rotate_left(3)).wrapping_mul(PRIME);
+            b = b.rotate_left(17);
+        }
+    };
+    for p in parts {
+        feed(&(p.len() as u64).to_le_bytes());
+        feed(p);
+    }
+    format!("{a:016x}{b:016x}")
+}
+
+/// Compiles `src` with NVRTC and returns the cubin. Errors carry the NVRTC log.
+fn nvrtc_compile(src: &str, name: &str, options: &[String]) -> Result<Vec<u8>> {
+    let csrc = CString::new(src)
+        .map_err(|_| Error::Cuda(format!("{name}: kernel source contains a NUL byte")))?;
+    let cname = CString::new(name).map_err(|_| Error::Cuda(format!("{name}: bad program name")))?;
+    let prog = nvrtc_result::create_program(&csrc, Some(&cname))
+        .cuda(&format!("nvrtcCreateProgram({name})"))?;
+    // SAFETY: `prog` was just created and is destroyed once below, on every path.
+    let out = unsafe {
+        let compiled = nvrtc_result::compile_program(prog, options);
+        let log = nvrtc_result::get_program_log(prog)
+            .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
+            .unwrap_or_default();
+        match compiled {
+            Err(e) => Err(Error::Cuda(format!(
+                "NVRTC failed to compile kernels/{name} ({e}) with options {options:?}:\n{log}"
+            ))),
+            Ok(()) => {
+                let mut size = 0usize;
+                let r = nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size);
+                if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+                    Err(Error::Cuda(format!(
+                        "nvrtcGetCUBINSize({name}): {r:?}, size {size}"
+                    )))
+                } else {
+                    let mut bin = vec![0u8; size];
+                    let r = nvrtc_sys::nvrtcGetCUBIN(prog, bin.as_mut_ptr().cast());
+                    if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+                        Err(Error::Cuda(format!("nvrtcGetCUBIN({name}): {r:?}")))
+                    } else {
+                        Ok(bin)
+                    }
+                }
+            }
+        }
+    };
+    // SAFETY: created above, not destroyed yet.
+    unsafe { nvrtc_result::destroy_program(prog) }.cuda("nvrtcDestroyProgram")?;
+    out
+}
+
+/// The NVRTC library version (major, minor).
+fn nvrtc_version() -> Result<(i32, i32)> {
+    let (mut major, mut minor) = (0i32, 0i32);
+    // SAFETY: two valid out-pointers.
+    let r = unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) };
+    if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(Error::Cuda(format!("nvrtcVersion: {r:?}")));
+    }
+    Ok((major, minor))
+}
+
+/// Compiles every kernel source for `arch` (e.g. "sm_90") with NVRTC alone
+/// (no driver or GPU needed) and returns (file, cubin) pairs. Used to check
+/// the sources on machines with libnvrtc but no GPU.
+///
+/// Errors: [`Error::Cuda`] when libnvrtc is absent, or NVRTC's log for the
+/// first source that fails.
+pub fn compile_all(arch: &str) -> Result<Vec<(&'static str, Vec<u8>)>> {
+    if !super::libraries().nvrtc {
+        return Err(Error::Cuda("libnvrtc not found".into()));
+    }
+    let options = compile_options(arch);
+    KERNEL_SOURCES
+        .iter()
+        .map(|s| Ok((s.file, nvrtc_compile(&s.full_text(), s.file, &options)?)))
+        .collect()
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename, so a
+/// concurrent reader never sees a partial cubin.
+fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
+}
+
+impl Gpu {
+    /// Opens device `ordinal`: context (event tracking off), one stream,
+    /// every kernel of [`KERNEL_SOURCES`] (from the disk cache, or compiled
+    /// for the device's `sm_XY` and cached), and a cuBLAS handle.
+    ///
+    /// Errors ([`Error::Cuda`]): a missing CUDA library (checked before any
+    /// CUDA call, so never a panic), no such device, an NVRTC error (with its
+    /// log), a module or cuBLAS failure. A cache directory that cannot be
+    /// written is only a warning.
+    pub fn new(ordinal: usize) -> Result<Gpu> {
+        let missing = super::missing_libraries();
+        if !missing.is_empty() {
+            return Err(Error::Cuda(format!(
+                "the GPU backend needs the CUDA 13 libraries; not found: {} (on a GPU machine set LD_LIBRARY_PATH=/usr/local/cuda/lib64)",
+                missing.join(", ")
+            )));
+        }
+        let ctx = CudaContext::new(ordinal)
+            .cuda(&format!("creating a context on CUDA device {ordinal}"))?;
+        // SAFETY: nothing was allocated or launched on this context yet, and this
+        // backend keeps all work on one stream (spec/device.md).
+        unsafe { ctx.disable_event_tracking() };
+        let cc = ctx
+            .compute_capability()
+            .cuda("cuDeviceGetAttribute(compute capability)")?;
+        let mut driver_version = 0i32;
+        // SAFETY: one valid out-pointer; the driver is loaded (context created).
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) }
+            .result()
+            .cuda("cuDriverGetVersion")?;
+        let info = DeviceInfo {
+            ordinal,
+            name: ctx.name().cuda("cuDeviceGetName")?,
+            compute_capability: cc,
+            arch: format!("sm_{}{}", cc.0, cc.1),
+            sm_count: ctx
+                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .cuda("cuDeviceGetAttribute(SM count)")?,
+            total_mem_bytes: ctx.total_mem().cuda("cuDeviceTotalMem")?,
+            driver_version,
+            nvrtc_version: nvrtc_version()?,
+        };
+        let stream = ctx.new_stream().cuda("cuStreamCreate")?;
+        let (functions, builds) = Self::load_kernels(&ctx, &info)?;
+        let blas = CudaBlas::new(stream.clone()).cuda("cublasCreate")?;
+        Ok(Gpu {
+            functions,
+            blas,
+            stream,
+            ctx,
+            info,
+            builds,
+        })
+    }
+
+    /// Compiles (or reads from the cache) and loads every kernel source.
+    fn load_kernels(
+        ctx: &Arc<CudaContext>,
+        info: &DeviceInfo,
+    ) -> Result<(HashMap<&'static str, CudaFunction>, Vec<KernelBuild>)> {
+        let options = compile_options(&info.arch);
+        let cache = kernel_cache_dir();
+        let nvrtc = format!("nvrtc {}.{}", info.nvrtc_version.0, info.nvrtc_version.1);
+        let mut functions = HashMap::new();
+        let mut builds = Vec::new();
+        for src in KERNEL_SOURCES {
+            let t = Instant::now();
+            let text = src.full_text();
+            let opts = options.join("\u{1f}");
+            let key = cache_key(&[
+                text.as_bytes(),
+                info.arch.as_bytes(),
+                opts.as_bytes(),
+                nvrtc.as_bytes(),
+            ]);
+            let stem = src.file.trim_end_matches(".cu");
+            let path = cache
+                .as_ref()
+                .map(|d| d.join(format!("{stem}-{}-{key}.cubin", info.arch)));
+            let mut cached = false;
+            let mut module: Option<Arc<CudaModule>> = None;
+            if let Some(p) = &path {
+                if let Ok(bytes) = std::fs::read(p) {
+                    match ctx.load_module(Ptx::from_binary(bytes)) {
+                        Ok(m) => {
+                            module = Some(m);
+                            cached = true;
+                        }
+                        Err(e) => tracing::warn!(
+                            "kernel cache {}: unusable ({e}); recompiling",
+                            p.display()
+                        ),
+                    }
+                }
+            }
+            let module = match module {
+                Some(m) => m,
+                None => {
+                    let cubin = nvrtc_compile(&text, src.file, &options)?;
+                    if let Some(p) = &path {
+                        if let Err(e) = write_atomic(p, &cubin) {
+                            tracing::warn!("kernel cache {}: cannot write ({e})", p.display());
+                        }
+                    }
+                    ctx.load_module(Ptx::from_binary(cubin))
+                        .cuda(&format!("cuModuleLoadData(kernels/{})", src.file))?
+                }
+            };
+            for &f in src.functions {
+                let func = module
+                    .load_function(f)
+                    .cuda(&format!("cuModuleGetFunction({f} in kernels/{})", src.file))?;
+                functions.insert(f, func);
+            }
+            builds.push(KernelBuild {
+                file: src.file.to_string(),
+                cached,
+                ms: t.elapsed().as_secs_f64() * 1e3,
+                cache_path: path,
+            });
+        }
+        Ok((functions, builds))
+    }
+
+    /// What the device is.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// How each kernel source was obtained (cache hit or compile, time).
+    pub fn kernel_builds(&self) -> &[KernelBuild] {
+        &self.builds
+    }
+
+    /// The device context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The one compute stream every operation of this backend runs on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The cuBLAS handle (bound to [`Gpu::stream`]).
+    pub fn blas(&self) -> &CudaBlas {
+        &self.blas
+    }
+
+    /// A loaded kernel by its `extern "C"` name.
+    ///
+    /// Errors: [`Error::Cuda`] for an unknown name.
+    pub fn function(&self, name: &str) -> Result<&CudaFunction> {
+        self.functions
+            .get(name)
+            .ok_or_else(|| Error::Cuda(format!("no kernel named `{name}` is loaded")))
+    }
+
+    /// Waits for all work on the stream; surfaces asynchronous kernel errors.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .cuda("cuStreamSynchronize (an earlier kernel or copy failed)")
+    }
+
+    /// Copies host data to a new device buffer (stream-ordered).
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        self.stream.clone_htod(host).cuda("host→device copy")
+    }
+
+    /// A new zero-filled device buffer of `len` elements.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
+        self.stream
+            .alloc_zeros(len)
+            .cuda(&format!("allocating {len} elements"))
+    }
+
+    /// Copies a device buffer (or view) to the host, after all earlier work
+    /// on the stream; synchronises.
+    pub fn download<T: DeviceRepr, S: DevicePtr<T>>(&self, dev: &S) -> Result<Vec<T>> {
+        let v = self.stream.clone_dtoh(dev).cuda("device→host copy")?;
+        self.synchronize()?;
+        Ok(v)
+    }
+
+    /// bf16 linear layer through cuBLAS `gemm_ex`, f32 accumulation:
+    /// y[n, out] = x[n, in] · W[out, in]ᵀ, all row-major (W in the Hugging
+    /// Face `[out_features, in_features]` layout, as stored).
+    ///
+    /// cuBLAS is column-major. A row-major [r, c] matrix is the column-major
+    /// [c, r] matrix with leading dimension c, i.e. its transpose. So the
+    /// call computes yᵀ[out, n] = W[out, in] · xᵀ[in, n] in column-major
+    /// terms: A = W seen as column-major [in, out] (lda = in) with op(A) = Aᵀ
+    /// (CUBLAS_OP_T), B = x seen as column-major [in, n] (ldb = in) with
+    /// op(B) = B (CUBLAS_OP_N), C = y seen as column-major [out, n]
+    /// (ldc = out); m = out, n = n, k = in. No copy or transpose is made.
+    ///
+    /// `y` is [`Bf16`] (activations, rounded from the f32 accumulator) or
+    /// f32 (logits). `n = 0` is a no-op.
+    ///
+    /// Errors: [`Error::Input`] when x is not n·in, W not out·in or y not
+    /// n·out elements, or a dimension exceeds i32; [`Error::Cuda`] on a
+    /// cuBLAS failure.
+    pub fn linear<O: GemmOut, X: DevicePtr<Bf16>, W: DevicePtr<Bf16>, Y: DevicePtrMut<O>>(
+        &self,
+        x: &X,
+        n: usize,
+        in_features: usize,
+        w: &W,
+        out_features: usize,
+        y: &mut Y,
+    ) -> Result<()> {
+        let bad = |what: &str, got: usize, want: usize| {
+            Error::Input(format!(
+                "linear [{n}, {in_features}] x [{out_features}, {in_features}]^T: {what} has {got} elements, expected {want}"
+            ))
+        };
+        if x.len() != n * in_features {
+            return Err(bad("x", x.len(), n * in_features));
+        }
+        if w.len() != out_features * in_features {
+            return Err(bad("W", w.len(), out_features * in_features));
+        }
+        if y.len() != n * out_features {
+            return Err(bad("y", y.len(), n * out_features));
+        }
+        if n == 0 || out_features == 0 {
+            return Ok(());
+        }
+        let (m_, n_, k_) = (
+            i32_dim(out_features, "out_features")?,
+            i32_dim(n, "n")?,
+            i32_dim(in_features, "in_features")?,
+        );
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (xp, _gx) = x.device_ptr(&self.stream);
+        let (wp, _gw) = w.device_ptr(&self.stream);
+        let (yp, _gy) = y.device_ptr_mut(&self.stream);
+        // SAFETY: the pointers are live device buffers of the checked sizes;
+        // alpha/beta are host f32 as the default pointer mode and the 32F
+        // compute type expect; the handle is bound to our stream.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                m_,
+                n_,
+                k_,
+                (&alpha as *const f32).cast(),
+                wp as *const std::ffi::c_void,
+                cublas_sys::cudaDataType::CUDA_R_16BF,
+                k_,
+                xp as *const std::ffi::c_void,
+                cublas_sys::cudaDataType::CUDA_R_16BF,
+                k_,
+                (&beta as *const f32).cast(),
+                yp as *mut std::ffi::c_void,
+                O::DTYPE,
+                m_,
+                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        }
+        .cuda(&format!(
+            "cublasGemmEx bf16 [{n}, {in_features}] x [{out_features}, {in_features}]^T"
+        ))
+    }
+}
+
+/// `x` as an i32 kernel/cuBLAS argument, or [`Error::Input`] naming it.
+pub(crate) fn i32_dim(x: usize, what: &str) -> Result<i32> {
+    i32::try_from(x).map_err(|_| {
+        Error::Input(format!(
+            "{what} = {x} exceeds the i32 range of the GPU kernels"
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_key_depends_on_every_part() {
+        let k = cache_key(&[b"src", b"sm_90", b"opts"]);
+        assert_eq!(k.len(), 32);
+        assert_eq!(k, cache_key(&[b"src", b"sm_90", b"opts"]));
+        assert_ne!(k, cache_key(&[b"src", b"sm_80", b"opts"]));
+        assert_ne!(k, cache_key(&[b"src ", b"sm_90", b"opts"]));
+        // Length prefixes keep part boundaries apart.
+        assert_ne!(cache_key(&[b"ab", b"c"]), cache_key(&[b"a", b"bc"]));
+    }
+
+    /// Runs only where libnvrtc loads (a CUDA machine, or LD_LIBRARY_PATH
+    /// pointing at an NVRTC install); elsewhere it checks nothing.
+    #[test]
+    fn nvrtc_compiles_every_kernel_when_available() {
+        if !crate::cuda::libraries().nvrtc {
+            eprintln!("libnvrtc not present: skipped");
+            return;
+        }
+        let bins = compile_all("sm_90").expect("kernels compile for sm_90");
+        assert_eq!(bins.len(), KERNEL_SOURCES.len());
+        for (f, b) in bins {
+            // ELF magic: a cubin, not PTX text.
+            assert_eq!(&b[..4], b"\x7fELF", "{f} did not produce a cubin");
+        }
+    }
+
+    #[test]
+    fn every_kernel_source_is_embedded_and_names_its_functions() {
+        for s in KERNEL_SOURCES {
+            for f in s.functions {
+                assert!(
+                    s.text.contains(&format!("void {f}(")),
+                    "{} lacks {f}",
+                    s.file
+                );
+            }
+            assert!(s.full_text().starts_with(COMMON_PRELUDE));
+        }
+    }
+}

@@ -1,0 +1,960 @@
+//! Typed wrappers of the `kernels/*.cu` kernels, one per kernel. Each checks
+//! shapes at the boundary (an [`Error::Input`] with the numbers on a
+//! mismatch, before anything is launched) and enqueues the kernel on
+//! [`Gpu::stream`]; nothing synchronises (asynchronous kernel errors show at
+//! the next [`Gpu::synchronize`] or download).
+//!
+//! Conventions: row-major tensors; bf16 as [`Bf16`]; buffers are any cudarc
+//! `CudaSlice` or view (`DevicePtr` / `DevicePtrMut`), whose element count
+//! must match the shape exactly unless a stride is given.
+//! Spec sections refer to spec/nosa-model.md.
+
+use super::context::{i32_dim, CudaResultExt};
+use super::{Bf16, Gpu};
+use crate::{Error, Result};
+use cudarc::driver::{
+    CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceSlice, LaunchConfig, PushKernelArg,
+};
+
+/// Raw device address of a buffer. Event tracking is off on this backend's
+/// context (see [`Gpu`]), so the returned guard does nothing and is dropped.
+fn dptr<T, S: DevicePtr<T>>(gpu: &Gpu, s: &S) -> u64 {
+    let (p, _guard) = s.device_ptr(gpu.stream());
+    p
+}
+
+/// Raw device address of a buffer the kernel writes.
+fn dptr_mut<T, S: DevicePtrMut<T>>(gpu: &Gpu, s: &mut S) -> u64 {
+    let (p, _guard) = s.device_ptr_mut(gpu.stream());
+    p
+}
+
+/// `Err(Error::Input)` unless `got == want`.
+fn expect_len(op: &str, what: &str, got: usize, want: usize) -> Result<()> {
+    if got != want {
+        return Err(Error::Input(format!(
+            "{op}: {what} has {got} elements, expected {want}"
+        )));
+    }
+    Ok(())
+}
+
+/// Grid-x size as u32 with a clear error.
+fn grid(x: usize, what: &str) -> Result<u32> {
+    u32::try_from(x).map_err(|_| Error::Input(format!("{what} = {x} exceeds the CUDA grid limit")))
+}
+
+/// Embedding gather (spec §1 `scale_emb`): out[i, :] = bf16(table[ids[i], :] · scale).
+///
+/// - `table`: [vocab, d] bf16; `ids`: [n] u32; `out`: [n, d] bf16.
+/// - Ids are not read on the host: the caller validates them (< vocab)
+///   before they reach the device; an out-of-range id yields a NaN row,
+///   never an out-of-bounds read.
+///
+/// Errors: [`Error::Input`] on a shape mismatch.
+pub fn embed_gather<T, I, O>(
+    gpu: &Gpu,
+    table: &T,
+    vocab: usize,
+    d: usize,
+    ids: &I,
+    scale: f32,
+    out: &mut O,
+) -> Result<()>
+where
+    T: DevicePtr<Bf16>,
+    I: DevicePtr<u32>,
+    O: DevicePtrMut<Bf16>,
+{
+    const OP: &str = "embed_gather";
+    expect_len(OP, "table", table.len(), vocab * d)?;
+    let n = ids.len();
+    expect_len(OP, "out", out.len(), n * d)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let (n_, d_, v_) = (i32_dim(n, "n")?, i32_dim(d, "d")?, i32_dim(vocab, "vocab")?);
+    let (tp, ip, op) = (dptr(gpu, table), dptr(gpu, ids), dptr_mut(gpu, out));
+    let f = gpu.function("embed_gather")?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid(n, "n")?, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(&tp)
+        .arg(&ip)
+        .arg(&op)
+        .arg(&n_)
+        .arg(&d_)
+        .arg(&v_)
+        .arg(&scale);
+    // SAFETY: argument list matches kernels/embedding.cu; sizes checked above.
+    unsafe { b.launch(cfg) }.cuda(OP).map(drop)
+}
+
+/// Shared launcher of `rmsnorm_residual`; `delta` = (address, scale) or none.
+#[allow(clippy::too_many_arguments)]
+fn rmsnorm_launch(
+    gpu: &Gpu,
+    resid: u64,
+    delta: Option<(u64, f32)>,
+    w: u64,
+    out: u64,
+    n: usize,
+    d: usize,
+    eps: f32,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let d_ = i32_dim(d, "d")?;
+    let (dp, ds) = delta.unwrap_or((0, 0.0));
+    let f = gpu.function("rmsnorm_residual")?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid(n, "rows")?, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(&resid)
+        .arg(&dp)
+        .arg(&ds)
+        .arg(&w)
+        .arg(&out)
+        .arg(&d_)
+        .arg(&eps);
+    // SAFETY: argument list matches kernels/rmsnorm.cu; sizes checked by the callers.
+    unsafe { b.launch(cfg) }.cuda("rmsnorm_residual").map(drop)
+}
+
+/// RMSNorm (spec §7) of each row of the f32 stream `x` ([n, d], d =
+/// `weight.len()`): out = bf16(bf16(x / √(mean(x²) + eps)) · w). `x` is not
+/// modified.
+///
+/// Errors: [`Error::Input`] when x is not a multiple of d or out ≠ x in size.
+pub fn rmsnorm<X, W, O>(gpu: &Gpu, x: &X, weight: &W, eps: f32, out: &mut O) -> Result<()>
+where
+    X: DevicePtr<f32>,
+    W: DevicePtr<Bf16>,
+    O: DevicePtrMut<Bf16>,
+{
+    let d = weight.len();
+    if d == 0 || !x.len().is_multiple_of(d) {
+        return Err(Error::Input(format!(
+            "rmsnorm: x has {} elements, not a multiple of d = {d}",
+            x.len()
+        )));
+    }
+    expect_len("rmsnorm", "out", out.len(), x.len())?;
+    let n = x.len() / d;
+    let (xp, wp, op) = (dptr(gpu, x), dptr(gpu, weight), dptr_mut(gpu, out));
+    rmsnorm_launch(gpu, xp, None, wp, op, n, d, eps)
+}
+
+/// Residual add fused with RMSNorm (spec §7), per row of [n, d] (d =
+/// `weight.len()`):
+/// `resid += delta · delta_scale` (f32 residual stream; `delta_scale` is
+/// scale_depth/√L under muP, else 1), then
+/// `out = bf16(bf16(resid / √(mean(resid²) + eps)) · w)`.
+/// For layer 0, a zeroed `resid` plus the embedding output as `delta`
+/// starts the stream.
+///
+/// Errors: [`Error::Input`] when resid is not a multiple of d, or delta/out
+/// differ from resid in size.
+pub fn add_rmsnorm<R, D, W, O>(
+    gpu: &Gpu,
+    resid: &mut R,
+    delta: &D,
+    delta_scale: f32,
+    weight: &W,
+    eps: f32,
+    out: &mut O,
+) -> Result<()>
+where
+    R: DevicePtrMut<f32>,
+    D: DevicePtr<Bf16>,
+    W: DevicePtr<Bf16>,
+    O: DevicePtrMut<Bf16>,
+{
+    let d = weight.len();
+    if d == 0 || !resid.len().is_multiple_of(d) {
+        return Err(Error::Input(format!(
+            "add_rmsnorm: resid has {} elements, not a multiple of d = {d}",
+            resid.len()
+        )));
+    }
+    expect_len("add_rmsnorm", "delta", delta.len(), resid.len())?;
+    expect_len("add_rmsnorm", "out", out.len(), resid.len())?;
+    let n = resid.len() / d;
+    let (rp, dp, wp, op) = (
+        dptr_mut(gpu, resid),
+        dptr(gpu, delta),
+        dptr(gpu, weight),
+        dptr_mut(gpu, out),
+    );
+    rmsnorm_launch(gpu, rp, Some((dp, delta_scale)), wp, op, n, d, eps)
+}
+
+/// Precomputed f32 RoPE tables on the device: cos and sin, [rows, D/2],
+/// row p for position p (spec §1: NeoX layout, cos/sin in f32, attention
+/// factor folded in).
+#[derive(Debug)]
+pub struct RopeTables {
+    /// cos, [rows, half].
+    pub cos: CudaSlice<f32>,
+    /// sin, [rows, half].
+    pub sin: CudaSlice<f32>,
+    /// Positions covered (0 … rows−1).
+    pub rows: usize,
+    /// D/2.
+    pub half: usize,
+}
+
+impl RopeTables {
+    /// Tables for positions 0 … `positions`−1 from the model's RoPE, at
+    /// sequence length `seq_len` (only dynamic scaling depends on it; see
+    /// [`crate::config::Rope::cos_sin`]).
+    ///
+    /// Errors: [`Error::Cuda`] on a copy failure.
+    pub fn from_rope(
+        gpu: &Gpu,
+        rope: &crate::config::Rope,
+        head_dim: usize,
+        positions: usize,
+        seq_len: usize,
+    ) -> Result<Self> {
+        let half = head_dim / 2;
+        let (mut cos, mut sin) = (
+            vec![0.0f32; positions * half],
+            vec![0.0f32; positions * half],
+        );
+        for p in 0..positions {
+            rope.cos_sin(
+                p,
+                seq_len,
+                &mut cos[p * half..(p + 1) * half],
+                &mut sin[p * half..(p + 1) * half],
+            );
+        }
+        Self::from_host(gpu, &cos, &sin, half)
+    }
+
+    /// Tables from host arrays cos/sin, [rows, half] each.
+    ///
+    /// Errors: [`Error::Input`] when the lengths differ or are not a
+    /// multiple of `half`; [`Error::Cuda`] on a copy failure.
+    pub fn from_host(gpu: &Gpu, cos: &[f32], sin: &[f32], half: usize) -> Result<Self> {
+        if half == 0 || cos.len() != sin.len() || !cos.len().is_multiple_of(half) {
+            return Err(Error::Input(format!(
+                "rope tables: cos {} and sin {} values must be equal multiples of D/2 = {half}",
+                cos.len(),
+                sin.len()
+            )));
+        }
+        Ok(RopeTables {
+            cos: gpu.upload(cos)?,
+            sin: gpu.upload(sin)?,
+            rows: cos.len() / half,
+            half,
+        })
+    }
+}
+
+/// NeoX RoPE in place (spec §1): in each of `rows` rows of `x` (bf16, row i
+/// at i·`row_stride`), the `n_heads` heads of `head_dim` starting at column
+/// `col_off` are rotated at position `pos[i]`: (x1, x2) → (x1·cos − x2·sin,
+/// x2·cos + x1·sin) in f32, rounded to bf16. With a fused [q | k | v] row,
+/// q and k are contiguous: `col_off = 0`, `n_heads = H + Hkv`.
+///
+/// Positions are not read on the host; one outside the table yields NaN.
+///
+/// Errors: [`Error::Input`] when head_dim is odd or ≠ 2·tables.half, the
+/// heads overrun the row, x is not rows·row_stride, or pos is not [rows].
+#[allow(clippy::too_many_arguments)]
+pub fn rope_neox<X, P>(
+    gpu: &Gpu,
+    x: &mut X,
+    rows: usize,
+    row_stride: usize,
+    col_off: usize,
+    n_heads: usize,
+    head_dim: usize,
+    pos: &P,
+    tables: &RopeTables,
+) -> Result<()>
+where
+    X: DevicePtrMut<Bf16>,
+    P: DevicePtr<i32>,
+{
+    const OP: &str = "rope_neox";
+    if !head_dim.is_multiple_of(2) || head_dim != 2 * tables.half {
+        return Err(Error::Input(format!(
+            "{OP}: head_dim {head_dim} must be even and equal 2 × table half {}",
+            tables.half
+        )));
+    }
+    if col_off + n_heads * head_dim > row_stride {
+        return Err(Error::Input(format!(
+            "{OP}: {n_heads} heads of {head_dim} from column {col_off} overrun the row of {row_stride}"
+        )));
+    }
+    expect_len(OP, "x", x.len(), rows * row_stride)?;
+    expect_len(OP, "pos", pos.len(), rows)?;
+    if rows == 0 || n_heads == 0 {
+        return Ok(());
+    }
+    let (rs, co, hd, tr) = (
+        i32_dim(row_stride, "row_stride")?,
+        i32_dim(col_off, "col_off")?,
+        i32_dim(head_dim, "head_dim")?,
+        i32_dim(tables.rows, "table rows")?,
+    );
+    let (xp, pp, cp, sp) = (
+        dptr_mut(gpu, x),
+        dptr(gpu, pos),
+        dptr(gpu, &tables.cos),
+        dptr(gpu, &tables.sin),
+    );
+    let f = gpu.function("rope_neox")?;
+    let threads = (tables.half.div_ceil(32) * 32).clamp(32, 256) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (grid(rows, "rows")?, grid(n_heads, "heads")?, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(&xp)
+        .arg(&rs)
+        .arg(&co)
+        .arg(&hd)
+        .arg(&pp)
+        .arg(&cp)
+        .arg(&sp)
+        .arg(&tr);
+    // SAFETY: argument list matches kernels/rope.cu; sizes checked above.
+    unsafe { b.launch(cfg) }.cuda(OP).map(drop)
+}
+
+/// SwiGLU on the fused gate|up GEMM output: `gate_up` is [n, 2·inter]
+/// (gate in columns [0, inter), up in [inter, 2·inter)); out[n, inter] =
+/// bf16(silu(gate) · up), computed in f32.
+///
+/// Errors: [`Error::Input`] on a shape mismatch.
+pub fn swiglu<G, O>(gpu: &Gpu, gate_up: &G, n: usize, inter: usize, out: &mut O) -> Result<()>
+where
+    G: DevicePtr<Bf16>,
+    O: DevicePtrMut<Bf16>,
+{
+    expect_len("swiglu", "gate_up", gate_up.len(), n * 2 * inter)?;
+    expect_len("swiglu", "out", out.len(), n * inter)?;
+    if n * inter == 0 {
+        return Ok(());
+    }
+    let (n_, i_) = (i32_dim(n, "n")?, i32_dim(inter, "inter")?);
+    let (gp, op) = (dptr(gpu, gate_up), dptr_mut(gpu, out));
+    let f = gpu.function("swiglu")?;
+    let blocks = (n * inter).div_ceil(256).min(65_535 * 4) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(&gp).arg(&op).arg(&n_).arg(&i_);
+    // SAFETY: argument list matches kernels/swiglu.cu; sizes checked above.
+    unsafe { b.launch(cfg) }.cuda("swiglu").map(drop)
+}
+
+/// One layer's NOSA eviction head on the device (spec §2–§3).
+#[derive(Debug)]
+pub struct EvictionWeights {
+    /// A, [Hkv] f32.
+    pub a: CudaSlice<f32>,
+    /// δ, [Hkv, Hkv·D] bf16.
+    pub delta: CudaSlice<Bf16>,
+    /// b, [Hkv] f32 (only with `attention_bias`).
+    pub bias: Option<CudaSlice<f32>>,
+    /// Hkv.
+    pub kv_heads: usize,
+    /// D.
+    pub head_dim: usize,
+}
+
+impl EvictionWeights {
+    /// Uploads A [Hkv], δ [Hkv, Hkv·D] and the optional bias [Hkv].
+    ///
+    /// Errors: [`Error::Input`] on a shape mismatch; [`Error::Cuda`] on a copy failure.
+    pub fn new(
+        gpu: &Gpu,
+        a: &[f32],
+        delta: &[Bf16],
+        bias: Option<&[f32]>,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Self> {
+        const OP: &str = "eviction weights";
+        expect_len(OP, "A", a.len(), kv_heads)?;
+        expect_len(OP, "delta", delta.len(), kv_heads * kv_heads * head_dim)?;
+        if let Some(b) = bias {
+            expect_len(OP, "delta.bias", b.len(), kv_heads)?;
+        }
+        Ok(EvictionWeights {
+            a: gpu.upload(a)?,
+            delta: gpu.upload(delta)?,
+            bias: bias.map(|b| gpu.upload(b)).transpose()?,
+            kv_heads,
+            head_dim,
+        })
+    }
+}
+
+/// Eviction scores (spec §3): c[i, h] = A[h] · softplus(δ_h · v_i + b_h),
+/// softplus linear above 20, f32 out [n, Hkv]. `v`: n rows of Hkv·D bf16
+/// values at stride `ld_v` (a view into a fused QKV output works: pass the
+/// view starting at the first row's v and its row width as `ld_v`).
+///
+/// Errors: [`Error::Input`] when ld_v < Hkv·D, v is shorter than
+/// (n−1)·ld_v + Hkv·D, or c is not [n, Hkv].
+pub fn eviction_score<V, C>(
+    gpu: &Gpu,
+    v: &V,
+    n: usize,
+    ld_v: usize,
+    head: &EvictionWeights,
+    c: &mut C,
+) -> Result<()>
+where
+    V: DevicePtr<Bf16>,
+    C: DevicePtrMut<f32>,
+{
+    const OP: &str = "eviction_score";
+    let kvd = head.kv_heads * head.head_dim;
+    if ld_v < kvd {
+        return Err(Error::Input(format!(
+            "{OP}: row stride {ld_v} < Hkv·D = {kvd}"
+        )));
+    }
+    expect_len(OP, "c", c.len(), n * head.kv_heads)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let need = (n - 1) * ld_v + kvd;
+    if v.len() < need {
+        return Err(Error::Input(format!(
+            "{OP}: v has {} elements, needs at least {need} for {n} rows at stride {ld_v}",
+            v.len()
+        )));
+    }
+    let (ld, n_, hk, kd) = (
+        i32_dim(ld_v, "ld_v")?,
+        i32_dim(n, "n")?,
+        i32_dim(head.kv_heads, "Hkv")?,
+        i32_dim(kvd, "Hkv·D")?,
+    );
+    let vp = dptr(gpu, v);
+    let dp = dptr(gpu, &head.delta);
+    let bp = head.bias.as_ref().map_or(0u64, |b| dptr(gpu, b));
+    let ap = dptr(gpu, &head.a);
+    let cp = dptr_mut(gpu, c);
+    let warps = n * head.kv_heads;
+    let f = gpu.function("eviction_score")?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid(warps.div_ceil(4), "warps")?, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(&vp)
+        .arg(&ld)
+        .arg(&dp)
+        .arg(&bp)
+        .arg(&ap)
+        .arg(&cp)
+        .arg(&n_)
+        .arg(&hk)
+        .arg(&kd);
+    // SAFETY: argument list matches kernels/eviction.cu; sizes checked above.
+    unsafe { b.launch(cfg) }.cuda(OP).map(drop)
+}
+
+/// One sequence's KV state for decode attention: post-RoPE K and V, bf16
+/// [T, Hkv, D] (at least `len` tokens), and the eviction scores c, f32
+/// [T, Hkv], when the attention uses the bias.
+#[derive(Debug)]
+pub struct SeqKv<'a> {
+    /// K, [≥ len, Hkv, D].
+    pub k: CudaView<'a, Bf16>,
+    /// V, [≥ len, Hkv, D].
+    pub v: CudaView<'a, Bf16>,
+    /// c, [≥ len, Hkv] (NOSA bias), or none.
+    pub c: Option<CudaView<'a, f32>>,
+    /// Tokens to attend to: 0 … len−1 (the current token, at len−1, included).
+    pub len: usize,
+}
+
+/// A batch of B sequences' KV state, as device pointer tables the attention
+/// kernels read (built once per call here; an engine can keep one per layer).
+#[derive(Debug)]
+pub struct KvBatch<'a> {
+    kptr: CudaSlice<u64>,
+    vptr: CudaSlice<u64>,
+    cptr: Option<CudaSlice<u64>>,
+    lens: CudaSlice<i32>,
+    host_lens: Vec<usize>,
+    kv_heads: usize,
+    head_dim: usize,
+    _borrow: std::marker::PhantomData<&'a ()>,
+}
+
+impl<'a> KvBatch<'a> {
+    /// Validates the sequences and uploads their pointer tables.
+    ///
+    /// Errors: [`Error::Input`] for an empty batch, head_dim of 0 or above
+    /// 128 (the attention kernels' limit), a K/V/c view shorter than its
+    /// `len`, or c given for some sequences only; [`Error::Cuda`] on a copy
+    /// failure.
+    pub fn new(gpu: &Gpu, seqs: &[SeqKv<'a>], kv_heads: usize, head_dim: usize) -> Result<Self> {
+        const OP: &str = "kv batch";
+        if seqs.is_empty() {
+            return Err(Error::Input(format!("{OP}: no sequences")));
+        }
+        if head_dim == 0 || head_dim > 128 || kv_heads == 0 {
+            return Err(Error::Input(format!(
+                "{OP}: head_dim {head_dim} (1 … 128) and Hkv {kv_heads} (≥ 1) unsupported"
+            )));
+        }
+        let with_c = seqs.iter().filter(|s| s.c.is_some()).count();
+        if with_c != 0 && with_c != seqs.len() {
+            return Err(Error::Input(format!(
+                "{OP}: eviction scores given for {with_c} of {} sequences",
+                seqs.len()
+            )));
+        }
+        let kvd = kv_heads * head_dim;
+        let (mut kp, mut vp, mut cp, mut lens) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (i, s) in seqs.iter().enumerate() {
+            i32_dim(s.len, "sequence length")?;
+            if s.k.len() < s.len * kvd || s.v.len() < s.len * kvd {
+                return Err(Error::Input(format!(
+                    "{OP}: sequence {i} of {} tokens needs {} K and V elements, has {} and {}",
+                    s.len,
+                    s.len * kvd,
+                    s.k.len(),
+                    s.v.len()
+                )));
+            }
+            kp.push(dptr(gpu, &s.k));
+            vp.push(dptr(gpu, &s.v));
+            if let Some(c) = &s.c {
+                if c.len() < s.len * kv_heads {
+                    return Err(Error::Input(format!(
+                        "{OP}: sequence {i} of {} tokens needs {} eviction scores, has {}",
+                        s.len,
+                        s.len * kv_heads,
+                        c.len()
+                    )));
+                }
+                cp.push(dptr(gpu, c));
+            }
+            lens.push(s.len as i32);
+        }
+        Ok(KvBatch {
+            kptr: gpu.upload(&kp)?,
+            vptr: gpu.upload(&vp)?,
+            cptr: if with_c > 0 {
+                Some(gpu.upload(&cp)?)
+            } else {
+                None
+            },
+            lens: gpu.upload(&lens)?,
+            host_lens: seqs.iter().map(|s| s.len).collect(),
+            kv_heads,
+            head_dim,
+            _borrow: std::marker::PhantomData,
+        })
+    }
+
+    /// B.
+    pub fn batch(&self) -> usize {
+        self.host_lens.len()
+    }
+
+    /// Each sequence's length.
+    pub fn lens(&self) -> &[usize] {
+        &self.host_lens
+    }
+
+    /// Whether eviction scores (the NOSA bias) are attached.
+    pub fn has_bias(&self) -> bool {
+        self.cptr.is_some()
+    }
+}
+
+/// The blocks each (sequence, KV head) attends to, on the device:
+/// i32 [B, Hkv, s_max] ids (ascending per row, padded with −1) and i32
+/// [B, Hkv] counts.
+#[derive(Debug)]
+pub struct BlockSelection {
+    sel: CudaSlice<i32>,
+    nsel: CudaSlice<i32>,
+    batch: usize,
+    kv_heads: usize,
+    s_max: usize,
+}
+
+impl BlockSelection {
+    /// From host lists `blocks[b][h]` (ascending block ids, as
+    /// [`crate::model::select::select`] returns them), checked against each
+    /// sequence's length: every id must be an existing block,
+    /// id·block_size < lens[b].
+    ///
+    /// Errors: [`Error::Input`] on a ragged batch, a non-ascending list or a
+    /// block past the sequence; [`Error::Cuda`] on a copy failure.
+    pub fn from_host(
+        gpu: &Gpu,
+        blocks: &[Vec<Vec<usize>>],
+        lens: &[usize],
+        block_size: usize,
+    ) -> Result<Self> {
+        const OP: &str = "block selection";
+        if blocks.len() != lens.len() || blocks.is_empty() || block_size == 0 {
+            return Err(Error::Input(format!(
+                "{OP}: {} selection rows for {} sequences (block size {block_size})",
+                blocks.len(),
+                lens.len()
+            )));
+        }
+        let kv_heads = blocks[0].len();
+        let s_max = blocks
+            .iter()
+            .flatten()
+            .map(Vec::len)
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let mut sel = vec![-1i32; blocks.len() * kv_heads * s_max];
+        let mut nsel = vec![0i32; blocks.len() * kv_heads];
+        for (b, per_head) in blocks.iter().enumerate() {
+            if per_head.len() != kv_heads {
+                return Err(Error::Input(format!(
+                    "{OP}: sequence {b} has {} KV heads, sequence 0 has {kv_heads}",
+                    per_head.len()
+                )));
+            }
+            for (h, list) in per_head.iter().enumerate() {
+                for (i, &m) in list.iter().enumerate() {
+                    if i > 0 && list[i - 1] >= m {
+                        return Err(Error::Input(format!(
+                            "{OP}: sequence {b} head {h}: block ids not ascending ({list:?})"
+                        )));
+                    }
+                    if m * block_size >= lens[b] {
+                        return Err(Error::Input(format!(
+                            "{OP}: sequence {b} head {h}: block {m} starts past the {} tokens",
+                            lens[b]
+                        )));
+                    }
+                    sel[(b * kv_heads + h) * s_max + i] = i32_dim(m, "block id")?;
+                }
+                nsel[b * kv_heads + h] = list.len() as i32;
+            }
+        }
+        Ok(BlockSelection {
+            sel: gpu.upload(&sel)?,
+            nsel: gpu.upload(&nsel)?,
+            batch: blocks.len(),
+            kv_heads,
+            s_max,
+        })
+    }
+
+    /// From device arrays (e.g. written by a GPU selection kernel): `sel`
+    /// [batch, kv_heads, s_max] and `nsel` [batch, kv_heads]. Contents are
+    /// not read on the host; the attention kernel skips negative ids and
+    /// tokens past each sequence's length.
+    ///
+    /// Errors: [`Error::Input`] on a size mismatch.
+    pub fn from_device(
+        sel: CudaSlice<i32>,
+        nsel: CudaSlice<i32>,
+        batch: usize,
+        kv_heads: usize,
+        s_max: usize,
+    ) -> Result<Self> {
+        expect_len(
+            "block selection",
+            "sel",
+            sel.len(),
+            batch * kv_heads * s_max,
+        )?;
+        expect_len("block selection", "nsel", nsel.len(), batch * kv_heads)?;
+        Ok(BlockSelection {
+            sel,
+            nsel,
+            batch,
+            kv_heads,
+            s_max,
+        })
+    }
+
+    /// Capacity per (sequence, KV head).
+    pub fn s_max(&self) -> usize {
+        self.s_max
+    }
+}
+
+/// Tokens per split of dense decode attention.
+pub const DENSE_SPLIT_TOKENS: usize = 256;
+/// Selected blocks per split of sparse decode attention.
+pub const SPARSE_SPLIT_BLOCKS: usize = 4;
+
+/// Checks the q/out layout shared by both attention entry points; returns
+/// (B, H, D, G).
+fn attn_shapes<Q: DeviceSlice<Bf16>, O: DeviceSlice<Bf16>>(
+    op: &str,
+    q: &Q,
+    q_stride: usize,
+    heads: usize,
+    kv: &KvBatch<'_>,
+    out: &O,
+    out_stride: usize,
+) -> Result<(usize, usize, usize)> {
+    let (b, d, hk) = (kv.batch(), kv.head_dim, kv.kv_heads);
+    if heads == 0 || !heads.is_multiple_of(hk) {
+        return Err(Error::Input(format!(
+            "{op}: {heads} query heads is not a multiple of {hk} KV heads"
+        )));
+    }
+    let row = heads * d;
+    if q_stride < row || out_stride < row {
+        return Err(Error::Input(format!(
+            "{op}: q stride {q_stride} / out stride {out_stride} below H·D = {row}"
+        )));
+    }
+    let need_q = (b - 1) * q_stride + row;
+    let need_o = (b - 1) * out_stride + row;
+    if q.len() < need_q || out.len() < need_o {
+        return Err(Error::Input(format!(
+            "{op}: q has {} and out {} elements; {b} sequences need {need_q} and {need_o}",
+            q.len(),
+            out.len()
+        )));
+    }
+    Ok((b, heads, d))
+}
+
+/// Launches the split-K combine and leaves out [B, H, D] (rows at out_stride).
+#[allow(clippy::too_many_arguments)]
+fn attn_combine(
+    gpu: &Gpu,
+    part_o: &CudaSlice<f32>,
+    part_ml: &CudaSlice<f32>,
+    out: u64,
+    out_stride: usize,
+    b: usize,
+    h: usize,
+    d: usize,
+    nsplit: usize,
+) -> Result<()> {
+    let (os, h_, d_, ns) = (
+        i32_dim(out_stride, "out_stride")?,
+        i32_dim(h, "H")?,
+        i32_dim(d, "D")?,
+        i32_dim(nsplit, "splits")?,
+    );
+    let (po, pm) = (dptr(gpu, part_o), dptr(gpu, part_ml));
+    let f = gpu.function("attn_combine")?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid(b * h, "B·H")?, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut bld = gpu.stream().launch_builder(f);
+    bld.arg(&po)
+        .arg(&pm)
+        .arg(&out)
+        .arg(&os)
+        .arg(&h_)
+        .arg(&d_)
+        .arg(&ns);
+    // SAFETY: argument list matches kernels/attn_combine.cu; sizes checked by the callers.
+    unsafe { bld.launch(cfg) }.cuda("attn_combine").map(drop)
+}
+
+/// Dense decode attention without bias (spec §5 "Dense"): for each of the B
+/// sequences one query token (at position len−1), each query head g
+/// attending to all tokens 0 … len−1 of KV head g / G (any GQA group G =
+/// H / Hkv), softmax(q·k·scale) · V accumulated in f32, split-K over chunks
+/// of [`DENSE_SPLIT_TOKENS`] tokens, then combined in chunk order.
+///
+/// - `q`: bf16, sequence b's H·D query values at b·`q_stride` (post-RoPE);
+/// - `out`: bf16, sequence b's H·D outputs at b·`out_stride`;
+/// - `scale`: 1/√D normally.
+///
+/// A sequence of length 0 gets zeros.
+///
+/// Errors: [`Error::Input`] when H is not a multiple of Hkv or q/out are too
+/// short for their strides; [`Error::Cuda`] on a launch failure.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_dense_decode<Q, O>(
+    gpu: &Gpu,
+    q: &Q,
+    q_stride: usize,
+    heads: usize,
+    kv: &KvBatch<'_>,
+    scale: f32,
+    out: &mut O,
+    out_stride: usize,
+) -> Result<()>
+where
+    Q: DevicePtr<Bf16>,
+    O: DevicePtrMut<Bf16>,
+{
+    const OP: &str = "attention_dense_decode";
+    let (b, h, d) = attn_shapes(OP, q, q_stride, heads, kv, out, out_stride)?;
+    let max_len = kv.lens().iter().copied().max().unwrap_or(0);
+    let nsplit = max_len.div_ceil(DENSE_SPLIT_TOKENS).max(1);
+    let rows = b * h * nsplit;
+    // SAFETY: every slot is written by attn_dense_partial before attn_combine reads it.
+    let part_o: CudaSlice<f32> =
+        unsafe { gpu.stream().alloc(rows * d) }.cuda("allocating attention partials")?;
+    let part_ml: CudaSlice<f32> =
+        unsafe { gpu.stream().alloc(rows * 2) }.cuda("allocating attention partials")?;
+    let (qs, h_, hk, d_, ch, ns) = (
+        i32_dim(q_stride, "q_stride")?,
+        i32_dim(h, "H")?,
+        i32_dim(kv.kv_heads, "Hkv")?,
+        i32_dim(d, "D")?,
+        i32_dim(DENSE_SPLIT_TOKENS, "chunk")?,
+        i32_dim(nsplit, "splits")?,
+    );
+    let (qp, kp, vp, lp) = (
+        dptr(gpu, q),
+        dptr(gpu, &kv.kptr),
+        dptr(gpu, &kv.vptr),
+        dptr(gpu, &kv.lens),
+    );
+    let (pop, pmp) = (dptr(gpu, &part_o), dptr(gpu, &part_ml));
+    let f = gpu.function("attn_dense_partial")?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid(nsplit, "splits")?, grid(h, "H")?, grid(b, "B")?),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut bld = gpu.stream().launch_builder(f);
+    bld.arg(&qp)
+        .arg(&qs)
+        .arg(&kp)
+        .arg(&vp)
+        .arg(&lp)
+        .arg(&pop)
+        .arg(&pmp)
+        .arg(&h_)
+        .arg(&hk)
+        .arg(&d_)
+        .arg(&ch)
+        .arg(&ns)
+        .arg(&scale);
+    // SAFETY: argument list matches kernels/attn_dense.cu; sizes checked above
+    // and by KvBatch::new.
+    unsafe { bld.launch(cfg) }.cuda(OP)?;
+    let op = dptr_mut(gpu, out);
+    attn_combine(gpu, &part_o, &part_ml, op, out_stride, b, h, d, nsplit)
+}
+
+/// Sparse block attention decode with additive bias (spec §5): for each of
+/// the B sequences one query token at t = len−1; query head g (KV head
+/// h = g / G) attends to the tokens j ≤ t of the blocks `sel` lists for
+/// (sequence, h), in list order (ascending block ids), with logit
+/// q·k_j·scale + c[j, h] — the bias added to the *scaled* logit — when `kv`
+/// carries eviction scores, no bias otherwise (InfLLM-V2). f32
+/// accumulation, split-K over groups of [`SPARSE_SPLIT_BLOCKS`] listed
+/// blocks, combined in list order. Layouts of q/out as
+/// [`attention_dense_decode`].
+///
+/// Errors: [`Error::Input`] on shape mismatches (including a selection of
+/// another batch size or KV-head count, or block_size 0); [`Error::Cuda`]
+/// on a launch failure.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_sparse_decode<Q, O>(
+    gpu: &Gpu,
+    q: &Q,
+    q_stride: usize,
+    heads: usize,
+    kv: &KvBatch<'_>,
+    sel: &BlockSelection,
+    block_size: usize,
+    scale: f32,
+    out: &mut O,
+    out_stride: usize,
+) -> Result<()>
+where
+    Q: DevicePtr<Bf16>,
+    O: DevicePtrMut<Bf16>,
+{
+    const OP: &str = "attention_sparse_decode";
+    let (b, h, d) = attn_shapes(OP, q, q_stride, heads, kv, out, out_stride)?;
+    if sel.batch != b || sel.kv_heads != kv.kv_heads || block_size == 0 {
+        return Err(Error::Input(format!(
+            "{OP}: selection for {} sequences × {} KV heads, batch has {b} × {} (block size {block_size})",
+            sel.batch, sel.kv_heads, kv.kv_heads
+        )));
+    }
+    let nsplit = sel.s_max.div_ceil(SPARSE_SPLIT_BLOCKS).max(1);
+    let rows = b * h * nsplit;
+    // SAFETY: every slot is written by attn_sparse_partial before attn_combine reads it.
+    let part_o: CudaSlice<f32> =
+        unsafe { gpu.stream().alloc(rows * d) }.cuda("allocating attention partials")?;
+    let part_ml: CudaSlice<f32> =
+        unsafe { gpu.stream().alloc(rows * 2) }.cuda("allocating attention partials")?;
+    let (qs, smax, bs, bps, h_, hk, d_, ns) = (
+        i32_dim(q_stride, "q_stride")?,
+        i32_dim(sel.s_max, "s_max")?,
+        i32_dim(block_size, "block_size")?,
+        i32_dim(SPARSE_SPLIT_BLOCKS, "blocks per split")?,
+        i32_dim(h, "H")?,
+        i32_dim(kv.kv_heads, "Hkv")?,
+        i32_dim(d, "D")?,
+        i32_dim(nsplit, "splits")?,
+    );
+    let (qp, kp, vp, lp) = (
+        dptr(gpu, q),
+        dptr(gpu, &kv.kptr),
+        dptr(gpu, &kv.vptr),
+        dptr(gpu, &kv.lens),
+    );
+    let cp = kv.cptr.as_ref().map_or(0u64, |c| dptr(gpu, c));
+    let (sp, np) = (dptr(gpu, &sel.sel), dptr(gpu, &sel.nsel));
+    let (pop, pmp) = (dptr(gpu, &part_o), dptr(gpu, &part_ml));
+    let f = gpu.function("attn_sparse_partial")?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid(nsplit, "splits")?, grid(h, "H")?, grid(b, "B")?),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut bld = gpu.stream().launch_builder(f);
+    bld.arg(&qp)
+        .arg(&qs)
+        .arg(&kp)
+        .arg(&vp)
+        .arg(&cp)
+        .arg(&lp)
+        .arg(&sp)
+        .arg(&np)
+        .arg(&smax)
+        .arg(&bs)
+        .arg(&bps)
+        .arg(&pop)
+        .arg(&pmp)
+        .arg(&h_)
+        .arg(&hk)
+        .arg(&d_)
+        .arg(&ns)
+        .arg(&scale);
+    // SAFETY: argument list matches kernels/attn_sparse.cu; sizes checked above,
+    // by KvBatch::new and by BlockSelection.
+    unsafe { bld.launch(cfg) }.cuda(OP)?;
+    let op = dptr_mut(gpu, out);
+    attn_combine(gpu, &part_o, &part_ml, op, out_stride, b, h, d, nsplit)
+}

@@ -1,0 +1,114 @@
+//! Sampling: greedy, temperature, top-k, top-p, seeds (issue 2 item 7).
+
+use sparda::sample::{argmax, Sampler, SamplingParams};
+
+#[test]
+fn greedy_is_argmax_with_ties_to_the_lower_id() {
+    assert_eq!(argmax(&[0.5, 2.0, -1.0, 2.0]), 1);
+    assert_eq!(argmax(&[f32::NAN, 1.0, 3.0]), 2);
+    let mut s = Sampler::new(SamplingParams::default());
+    assert_eq!(s.sample(&[0.1, 0.3, 0.2]), 1);
+}
+
+#[test]
+fn top_k_one_and_tiny_top_p_are_greedy() {
+    let logits = [1.0, 4.0, 3.9, -2.0];
+    let mut k1 = Sampler::new(SamplingParams {
+        temperature: 1.0,
+        top_k: 1,
+        top_p: 1.0,
+        seed: 3,
+    });
+    let mut p0 = Sampler::new(SamplingParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1e-6,
+        seed: 3,
+    });
+    for _ in 0..100 {
+        assert_eq!(k1.sample(&logits), 1);
+        assert_eq!(p0.sample(&logits), 1);
+    }
+}
+
+#[test]
+fn top_k_never_leaves_the_k_best() {
+    let logits: Vec<f32> = (0..50).map(|i| (i % 7) as f32).collect(); // best: ids with i%7 == 6
+    let mut s = Sampler::new(SamplingParams {
+        temperature: 5.0,
+        top_k: 3,
+        top_p: 1.0,
+        seed: 9,
+    });
+    let allowed = [6u32, 13, 20]; // ties at the cut go to the lower ids
+    for _ in 0..500 {
+        assert!(allowed.contains(&s.sample(&logits)));
+    }
+}
+
+#[test]
+fn top_p_keeps_the_smallest_nucleus() {
+    // probabilities ≈ 0.6, 0.3, 0.1 at T = 1 → top_p 0.8 keeps ids 0 and 1 only
+    let logits = [0.6f32.ln(), 0.3f32.ln(), 0.1f32.ln()];
+    let mut s = Sampler::new(SamplingParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 0.8,
+        seed: 1,
+    });
+    let mut counts = [0usize; 3];
+    for _ in 0..4000 {
+        counts[s.sample(&logits) as usize] += 1;
+    }
+    assert_eq!(counts[2], 0);
+    let frac = counts[0] as f64 / 4000.0; // renormalised: 0.6 / 0.9 = 0.667
+    assert!((frac - 0.667).abs() < 0.03, "{counts:?}");
+}
+
+#[test]
+fn temperature_sampling_follows_softmax_and_seed() {
+    let logits = [0.0f32, 1.0, 2.0];
+    let run = |seed| {
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 2.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed,
+        });
+        (0..6000).map(|_| s.sample(&logits)).collect::<Vec<u32>>()
+    };
+    let a = run(5);
+    assert_eq!(a, run(5));
+    assert_ne!(a, run(6));
+    // softmax([0, .5, 1]) = [0.186, 0.307, 0.506]
+    let want = [0.186, 0.307, 0.506];
+    for (id, w) in want.iter().enumerate() {
+        let f = a.iter().filter(|&&t| t as usize == id).count() as f64 / a.len() as f64;
+        assert!((f - w).abs() < 0.02, "id {id}: {f} vs {w}");
+    }
+}
+
+#[test]
+fn bad_parameters_are_errors() {
+    for p in [
+        SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: f32::NAN,
+            ..Default::default()
+        },
+        SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        },
+        SamplingParams {
+            top_p: 1.5,
+            ..Default::default()
+        },
+    ] {
+        assert!(p.validate().is_err(), "{p:?}");
+    }
+    assert!(SamplingParams::default().validate().is_ok());
+}
