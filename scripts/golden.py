@@ -9,7 +9,7 @@ How to run (from the repo root; torch from PyPI is large, ~3 GB with its CUDA wh
     python3 -m venv .venv-golden
     .venv-golden/bin/pip install torch==2.15.0 transformers==5.24.0 gguf==0.19.0 \
         accelerate==1.15.0 tokenizers==0.23.3
-    .venv-golden/bin/python scripts/golden.py   # ~1 minute on 2 cores
+    .venv-golden/bin/python scripts/golden.py   # 2-4 minutes on 2 cores
     .venv-golden/bin/python scripts/check_fixture.py   # optional: our converted fixture == transformers'
 
 What it does: transformers loads the GGUF itself (it dequantizes with the `gguf` package and undoes
