@@ -30,6 +30,9 @@ struct Golden {
     steps: Vec<Step>,
 }
 
+/// Top-1/top-2 margin below which free-run token equality is not asked (spec/testing.md).
+const NEAR_TIE: f32 = 1e-2;
+
 fn fixture_dir() -> PathBuf {
     let dir = std::env::var_os("SPARDA_FIXTURE_DIR")
         .map(PathBuf::from)
@@ -90,8 +93,9 @@ fn compare(ours: &[f32], step: &Step) -> (f64, f64, f64) {
 
 /// Under teacher forcing (the golden's greedy tokens fed to our model), our
 /// logits match transformers' at every one of the 33 steps (relative L2 ≤
-/// 1e-3) and our argmax equals its greedy token at each of the 32 steps —
-/// which is the same as our own free-run greedy continuation being equal.
+/// 1e-3) and our argmax equals its greedy token at each of the 32 steps
+/// (the same as our free-run greedy continuation being equal), except at
+/// near-ties (margin ≤ 1e-2), where it must be one of the top two.
 #[test]
 fn smollm2_matches_transformers_under_teacher_forcing() {
     let dir = fixture_dir();
@@ -130,11 +134,21 @@ fn smollm2_matches_transformers_under_teacher_forcing() {
             worst = (worst.0.max(rel), worst.1.max(l2), worst.2.max(lse));
             let ours = sparda::sample::argmax(&logits);
             if k < g.generated.len() {
-                assert_eq!(
-                    ours, g.generated[k],
-                    "{} step {k}: greedy token (golden margin {})",
-                    g.name, step.margin
-                );
+                if step.margin > NEAR_TIE {
+                    assert_eq!(
+                        ours, g.generated[k],
+                        "{} step {k}: greedy token (golden margin {})",
+                        g.name, step.margin
+                    );
+                } else {
+                    // spec/testing.md: token equality is asked only where the
+                    // reference's top-1/top-2 margin exceeds 1e-2.
+                    assert!(
+                        step.top_ids[..2].contains(&ours),
+                        "{} step {k}: near-tie token {ours}",
+                        g.name
+                    );
+                }
                 assert_eq!(step.argmax, g.generated[k]);
                 logits = model.decode(&mut seq, g.generated[k]).unwrap();
             }
@@ -159,6 +173,11 @@ fn cli_generate_on_book_prompt_equals_transformers_greedy() {
         .into_iter()
         .max_by_key(|g| g.prompt_ids.len())
         .unwrap();
+    assert!(g
+        .steps
+        .iter()
+        .take(g.generated.len())
+        .all(|s| s.margin > NEAR_TIE));
     let prompt =
         std::env::temp_dir().join(format!("sparda-golden-prompt-{}.txt", std::process::id()));
     let json = prompt.with_extension("json");
