@@ -3,6 +3,8 @@
 //! block selected = attention over all tokens with the bias, state growth,
 //! determinism per seed.
 
+mod common;
+use common::{max_abs_err, rel_l2};
 use rand::{Rng, SeedableRng};
 use sparda::config::{AttentionMode, SparseConfig};
 use sparda::cpu::{self, CpuModel, EngineOptions, Logits, Phase};
@@ -20,12 +22,6 @@ fn tiny(opts: EngineOptions) -> CpuModel {
 fn random_tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     (0..n).map(|_| rng.random_range(0..vocab as u32)).collect()
-}
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den).sqrt()
 }
 
 /// Prefill of the first `split` tokens then one-token decode steps must give
@@ -176,20 +172,12 @@ fn nosa_with_every_block_selected_equals_biased_full_attention() {
             let sel = cpu::sparse_attention(&plan, &kv, &q, t, 1, hq, &mut out);
             assert!(sel.iter().all(|s| s.len() == t / 64 + 1));
             let want = naive(&kv, &q, t, hq, dh, true);
-            let err = out
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (*a as f64 - b).abs())
-                .fold(0.0, f64::max);
+            let err = max_abs_err(&out, &want);
             assert!(err < 1e-5, "g {g} d {dh} T {t_len}: max err {err:e}");
             let mut dense = vec![0.0f32; hq * dh];
             cpu::dense_attention(&kv, &q, t, 1, hq, dh, &mut dense);
             let want = naive(&kv, &q, t, hq, dh, false);
-            let err = dense
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (*a as f64 - b).abs())
-                .fold(0.0, f64::max);
+            let err = max_abs_err(&dense, &want);
             assert!(err < 1e-5, "dense g {g} d {dh} T {t_len}: max err {err:e}");
             // the bias matters: NOSA ≠ dense unless c is constant
             let diff = out

@@ -2,6 +2,8 @@
 //! determinism, weight scales, write → open round trip, sharding; and the
 //! tokenizer a synthetic checkpoint carries (encode, decode, streaming).
 
+mod common;
+use common::TmpDir;
 use std::path::{Path, PathBuf};
 
 use serde_json::json;
@@ -10,24 +12,6 @@ use sparda::synth::{self, Preset};
 use sparda::tokenizer::Tokenizer;
 use sparda::weights::{expected_tensors, names, names::LayerTensor, parameter_count, Checkpoint};
 use sparda::Error;
-
-struct TmpDir(PathBuf);
-impl TmpDir {
-    fn new(tag: &str) -> TmpDir {
-        let d = std::env::temp_dir().join(format!("sparda-synth-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        TmpDir(d)
-    }
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-impl Drop for TmpDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// GPT-2's byte → printable character map used by byte-level BPE.
 fn byte_chars() -> Vec<char> {
@@ -309,7 +293,7 @@ fn assert_same_tensors(a: &Checkpoint, b: &Checkpoint) {
 
 #[test]
 fn tiny_write_then_open_round_trip() {
-    let dir = TmpDir::new("roundtrip");
+    let dir = TmpDir::new("synth-roundtrip");
     let tok = tokenizer_json(dir.path());
     let out = dir.path().join("tiny");
     synth::write(Preset::Tiny, 3, &out, &tok).unwrap();
@@ -339,7 +323,7 @@ fn tiny_write_then_open_round_trip() {
 
 #[test]
 fn sharded_write_round_trip() {
-    let dir = TmpDir::new("shards");
+    let dir = TmpDir::new("synth-shards");
     let tok = tokenizer_json(dir.path());
     let out = dir.path().join("tiny-sharded");
     // Tiny is ≈ 40 MB: 8 MiB shards give several files; the 18.9 MB embedding gets its own.
@@ -369,7 +353,7 @@ fn sharded_write_round_trip() {
 
 #[test]
 fn write_without_tokenizer_is_io_error_naming_it() {
-    let dir = TmpDir::new("notok");
+    let dir = TmpDir::new("synth-notok");
     let missing = dir.path().join("no-such-tokenizer.json");
     let out = dir.path().join("out");
     match synth::write(Preset::Tiny, 1, &out, &missing) {
@@ -384,7 +368,7 @@ fn write_without_tokenizer_is_io_error_naming_it() {
 
 #[test]
 fn tokenizer_encode_decode_and_errors() {
-    let dir = TmpDir::new("tok");
+    let dir = TmpDir::new("synth-tok");
     let t = Tokenizer::from_file(tokenizer_json(dir.path())).unwrap();
     assert_eq!(t.vocab_size(), 261);
     assert_eq!(t.token_to_id("<|im_start|>"), Some(1));
@@ -411,7 +395,7 @@ fn tokenizer_encode_decode_and_errors() {
 
 #[test]
 fn text_stream_holds_back_split_utf8_characters() {
-    let dir = TmpDir::new("stream");
+    let dir = TmpDir::new("synth-stream");
     let t = Tokenizer::from_file(tokenizer_json(dir.path())).unwrap();
     let text = "héllo, 世界 🙂!";
     let ids = t.encode(text).unwrap();

@@ -1,7 +1,9 @@
 //! Safetensors loading (single, sharded, in memory), dtype conversion and
 //! checkpoint validation (spec/nosa-model.md §2).
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::TmpDir;
+use std::path::Path;
 
 use serde_json::json;
 use sparda::config::{AttentionMode, ModelConfig};
@@ -37,24 +39,6 @@ fn tensors_for(cfg: &ModelConfig, eviction: bool) -> Vec<OwnedTensor> {
         .collect()
 }
 
-struct TmpDir(PathBuf);
-impl TmpDir {
-    fn new(tag: &str) -> TmpDir {
-        let d = std::env::temp_dir().join(format!("sparda-weights-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        TmpDir(d)
-    }
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-impl Drop for TmpDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn write_config(dir: &Path, v: &serde_json::Value) {
     std::fs::write(dir.join("config.json"), v.to_string()).unwrap();
 }
@@ -69,7 +53,7 @@ fn checkpoint_msg(r: sparda::Result<Checkpoint>) -> String {
 
 #[test]
 fn single_file_dtype_conversion() {
-    let dir = TmpDir::new("dtypes");
+    let dir = TmpDir::new("weights-dtypes");
     let vals = [1.5f32, -2.25, 0.0078125, 29952.0, -0.0, 65280.0];
     let f32v = [0.1f32, -1.0e-20, 3.4e38, 7.0, 1.0 / 3.0, -123.456];
     let ts = vec![
@@ -135,7 +119,7 @@ fn in_memory_store() {
 
 #[test]
 fn single_file_checkpoint_opens() {
-    let dir = TmpDir::new("single");
+    let dir = TmpDir::new("weights-single");
     let v = small_config(false, false, false);
     write_config(dir.path(), &v);
     let cfg = cfg_of(&v);
@@ -188,7 +172,7 @@ fn write_index(dir: &Path, map: &serde_json::Map<String, serde_json::Value>) {
 
 #[test]
 fn sharded_checkpoint_opens() {
-    let dir = TmpDir::new("sharded");
+    let dir = TmpDir::new("weights-sharded");
     let v = small_config(true, false, false);
     write_config(dir.path(), &v);
     let cfg = cfg_of(&v);
@@ -208,7 +192,7 @@ fn sharded_checkpoint_opens() {
 
 #[test]
 fn missing_index_shard_is_io_error_naming_it() {
-    let dir = TmpDir::new("missing-shard");
+    let dir = TmpDir::new("weights-missing-shard");
     let v = small_config(false, false, false);
     write_config(dir.path(), &v);
     let ts = tensors_for(&cfg_of(&v), false);
@@ -225,7 +209,7 @@ fn missing_index_shard_is_io_error_naming_it() {
 
 #[test]
 fn index_pointing_at_wrong_shard_is_error() {
-    let dir = TmpDir::new("wrong-shard");
+    let dir = TmpDir::new("weights-wrong-shard");
     let v = small_config(false, false, false);
     write_config(dir.path(), &v);
     let ts = tensors_for(&cfg_of(&v), false);
@@ -255,7 +239,7 @@ fn index_pointing_at_wrong_shard_is_error() {
 
 #[test]
 fn corrupted_safetensors_header_is_error_naming_file() {
-    let dir = TmpDir::new("corrupt");
+    let dir = TmpDir::new("weights-corrupt");
     let v = small_config(false, false, false);
     write_config(dir.path(), &v);
     let file = dir.path().join("model.safetensors");
@@ -276,7 +260,7 @@ fn corrupted_safetensors_header_is_error_naming_file() {
     let msg = checkpoint_msg(Checkpoint::open(dir.path()));
     assert!(msg.contains(&file.display().to_string()), "{msg}");
     // Truncated data: a valid file minus its last bytes.
-    let good = TmpDir::new("corrupt-good");
+    let good = TmpDir::new("weights-corrupt-good");
     let t = OwnedTensor::from_f32("x", vec![4], &[1.0, 2.0, 3.0, 4.0], DType::F32).unwrap();
     write_safetensors(&good.path().join("model.safetensors"), &[t]).unwrap();
     let full = std::fs::read(good.path().join("model.safetensors")).unwrap();
@@ -290,7 +274,7 @@ fn corrupted_safetensors_header_is_error_naming_file() {
 
 #[test]
 fn unsupported_dtype_names_tensor_and_dtype() {
-    let dir = TmpDir::new("dtype");
+    let dir = TmpDir::new("weights-dtype");
     let header = br#"{"pos_ids":{"dtype":"I64","shape":[2],"data_offsets":[0,16]}}"#;
     let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
     bytes.extend_from_slice(header);
@@ -304,7 +288,7 @@ fn unsupported_dtype_names_tensor_and_dtype() {
 
 #[test]
 fn missing_files_are_io_errors_naming_path() {
-    let dir = TmpDir::new("nofiles");
+    let dir = TmpDir::new("weights-nofiles");
     match Checkpoint::open(dir.path()) {
         Err(Error::Io { path, .. }) => assert_eq!(path, dir.path().join("config.json")),
         other => panic!("{other:?}"),
