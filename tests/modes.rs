@@ -107,6 +107,17 @@ fn attention_mode_follows_heads_and_sparse_config() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("--budget-blocks 2"), "{err}");
+    // a huge --select-blocks must not wrap around the budget check
+    let huge = AttentionOverrides {
+        select_blocks: Some(usize::MAX),
+        ..ov
+    };
+    assert!(AttentionPlan::resolve(&cfg, true, huge).is_err());
+    // nor a huge --max-new-tokens the length check
+    let err = sparda::generate::check_length(10, usize::MAX, 8192)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("8192"), "{err}");
 }
 
 #[test]

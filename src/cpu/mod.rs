@@ -221,6 +221,12 @@ impl CpuModel {
                 c.vocab_size
             )));
         }
+        // Sequence length for length-dependent RoPE (dynamic NTK): the whole
+        // prompt during prefill, so the result does not depend on chunking.
+        let rope_len = match phase {
+            Phase::Prefill { prompt_len } => prompt_len.max(t0 + n),
+            Phase::Decode => t0 + n,
+        };
         let sparse = match phase {
             Phase::Prefill { prompt_len } => {
                 self.plan.sparse_at(prompt_len) && self.prefill != PrefillMode::Dense
@@ -239,7 +245,7 @@ impl CpuModel {
         }
         let res_scale = self.residual_scale();
         for (li, layer) in self.layers.iter().enumerate() {
-            let attn = self.attention(li, layer, seq, &x, n, sparse);
+            let attn = self.attention(li, layer, seq, &x, n, sparse, rope_len);
             for (xi, ai) in x.iter_mut().zip(&attn) {
                 *xi += ai * res_scale;
             }
@@ -320,6 +326,7 @@ impl CpuModel {
         x: &[f32],
         n: usize,
         sparse: bool,
+        rope_len: usize,
     ) -> Vec<f32> {
         let c = &self.config;
         let (hq, hk, dh) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
@@ -344,7 +351,7 @@ impl CpuModel {
         let (mut cos, mut sin) = (vec![0.0f32; half], vec![0.0f32; half]);
         for i in 0..n {
             let pos = t0 + i;
-            self.rope.cos_sin(pos, t0 + n, &mut cos, &mut sin);
+            self.rope.cos_sin(pos, rope_len, &mut cos, &mut sin);
             ops::rope_in_place(&mut q[i * hq * dh..(i + 1) * hq * dh], &cos, &sin);
             ops::rope_in_place(&mut k[i * hk * dh..(i + 1) * hk * dh], &cos, &sin);
         }

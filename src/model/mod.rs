@@ -71,7 +71,12 @@ impl AttentionPlan {
         if let Some(n) = ov.select_blocks {
             sparse.select_blocks = n;
         }
-        if sparse.select_blocks == 0 || sparse.init_blocks + sparse.select_blocks > sparse.topk {
+        if sparse.select_blocks == 0
+            || sparse
+                .init_blocks
+                .checked_add(sparse.select_blocks)
+                .is_none_or(|x| x > sparse.topk)
+        {
             return Err(Error::Input(format!(
                 "sparse budget: need 1 ≤ select_blocks and init_blocks + select_blocks ≤ topk, got init_blocks {} select_blocks {} topk {}",
                 sparse.init_blocks, sparse.select_blocks, sparse.topk
