@@ -2,6 +2,7 @@
 //! token at a time with sampling, until EOS or the token limit.
 
 use crate::cpu::{CpuModel, Sequence};
+use crate::cuda::engine::{GpuModel, GpuSequence};
 use crate::sample::{Sampler, SamplingParams};
 use crate::{Error, Result};
 use std::time::Instant;
@@ -71,30 +72,45 @@ pub fn check_length(prompt_len: usize, max_new_tokens: usize, max_position: usiz
     Ok(())
 }
 
-/// Generates on the CPU reference. `progress(done, total)` is called during
-/// prefill; `on_token(id)` for every generated token as soon as it is sampled.
-pub fn generate_cpu(
-    model: &CpuModel,
+/// One backend's side of the generation loop ([`run_loop`]): prefill a
+/// prompt, decode one token, and pick the next token from the logits the
+/// last call left.
+pub trait Stepper {
+    /// Runs the prompt; `progress(done, total)` after each chunk.
+    fn prefill(&mut self, prompt: &[u32], progress: &mut dyn FnMut(usize, usize)) -> Result<()>;
+    /// Feeds one generated token.
+    fn decode(&mut self, token: u32) -> Result<()>;
+    /// The next token from the last call's logits: greedy (argmax) when
+    /// `greedy`, else drawn by `sampler`.
+    fn next_token(&mut self, sampler: &mut Sampler, greedy: bool) -> Result<u32>;
+}
+
+/// The generation loop shared by every backend: validation, prefill (timed),
+/// then sample → report → stop check → decode until a stop id or
+/// `max_new_tokens` (timed). `on_token(id)` sees every token as soon as it
+/// is chosen.
+///
+/// Errors: bad sampling parameters, a request past the model's context
+/// (`max_position`), or any backend error.
+pub fn run_loop(
+    engine: &mut dyn Stepper,
     req: &Request,
-    progress: impl FnMut(usize, usize),
+    max_position: usize,
+    mut progress: impl FnMut(usize, usize),
     mut on_token: impl FnMut(u32) -> Result<()>,
-) -> Result<(Output, Sequence)> {
+) -> Result<Output> {
     req.sampling.validate()?;
-    check_length(
-        req.prompt.len(),
-        req.max_new_tokens,
-        model.config.max_position_embeddings,
-    )?;
+    check_length(req.prompt.len(), req.max_new_tokens, max_position)?;
+    let greedy = req.sampling.temperature == 0.0 || req.sampling.top_k == 1;
     let mut sampler = Sampler::new(req.sampling);
-    let mut seq = model.new_sequence();
     let t = Instant::now();
-    let mut logits = model.prefill(&mut seq, &req.prompt, progress)?;
+    engine.prefill(&req.prompt, &mut progress)?;
     let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
     let t = Instant::now();
     let mut tokens = Vec::new();
     let mut stop = StopReason::MaxTokens;
     while tokens.len() < req.max_new_tokens {
-        let tok = sampler.sample(&logits);
+        let tok = engine.next_token(&mut sampler, greedy)?;
         tokens.push(tok);
         on_token(tok)?;
         if req.stop_ids.contains(&tok) {
@@ -104,16 +120,104 @@ pub fn generate_cpu(
         if tokens.len() == req.max_new_tokens {
             break;
         }
-        logits = model.decode(&mut seq, tok)?;
+        engine.decode(tok)?;
     }
     let decode_ms = t.elapsed().as_secs_f64() * 1e3;
-    Ok((
-        Output {
-            tokens,
-            stop,
-            prefill_ms,
-            decode_ms,
-        },
-        seq,
-    ))
+    Ok(Output {
+        tokens,
+        stop,
+        prefill_ms,
+        decode_ms,
+    })
+}
+
+/// The CPU reference as a [`Stepper`]: one sequence, logits on the host.
+struct CpuStepper<'a> {
+    model: &'a CpuModel,
+    seq: Sequence,
+    logits: Vec<f32>,
+}
+
+impl Stepper for CpuStepper<'_> {
+    fn prefill(&mut self, prompt: &[u32], progress: &mut dyn FnMut(usize, usize)) -> Result<()> {
+        self.logits = self.model.prefill(&mut self.seq, prompt, progress)?;
+        Ok(())
+    }
+    fn decode(&mut self, token: u32) -> Result<()> {
+        self.logits = self.model.decode(&mut self.seq, token)?;
+        Ok(())
+    }
+    fn next_token(&mut self, sampler: &mut Sampler, _greedy: bool) -> Result<u32> {
+        Ok(sampler.sample(&self.logits))
+    }
+}
+
+/// Generates on the CPU reference. `progress(done, total)` is called during
+/// prefill; `on_token(id)` for every generated token as soon as it is sampled.
+pub fn generate_cpu(
+    model: &CpuModel,
+    req: &Request,
+    progress: impl FnMut(usize, usize),
+    on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<(Output, Sequence)> {
+    let mut st = CpuStepper {
+        model,
+        seq: model.new_sequence(),
+        logits: Vec::new(),
+    };
+    let out = run_loop(
+        &mut st,
+        req,
+        model.config.max_position_embeddings,
+        progress,
+        on_token,
+    )?;
+    Ok((out, st.seq))
+}
+
+/// The GPU engine as a [`Stepper`]: one sequence; greedy picks run on the
+/// GPU (only the id is copied back), other sampling downloads the logits
+/// row and samples on the host (GPU sampling with temperature/top-k/top-p
+/// is not built yet).
+struct GpuStepper<'a> {
+    model: &'a mut GpuModel,
+    seq: GpuSequence,
+}
+
+impl Stepper for GpuStepper<'_> {
+    fn prefill(&mut self, prompt: &[u32], progress: &mut dyn FnMut(usize, usize)) -> Result<()> {
+        self.model.prefill(&mut self.seq, prompt, progress)
+    }
+    fn decode(&mut self, token: u32) -> Result<()> {
+        self.model
+            .decode(std::slice::from_mut(&mut self.seq), &[token])
+    }
+    fn next_token(&mut self, sampler: &mut Sampler, greedy: bool) -> Result<u32> {
+        if greedy {
+            let ids = self.model.argmax()?;
+            ids.first()
+                .copied()
+                .ok_or_else(|| Error::Cuda("argmax returned no token".into()))
+        } else {
+            Ok(sampler.sample(&self.model.download_logits()?))
+        }
+    }
+}
+
+/// Generates on the GPU engine (one sequence; its caches sized for prompt +
+/// max_new_tokens up front). Same loop, stop rules and timings as
+/// [`generate_cpu`]; decode time includes the per-step copy of the chosen id.
+///
+/// Errors: as [`run_loop`]; [`Error::Cuda`] on a device failure.
+pub fn generate_gpu(
+    model: &mut GpuModel,
+    req: &Request,
+    progress: impl FnMut(usize, usize),
+    on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<Output> {
+    let max_position = model.config.max_position_embeddings;
+    check_length(req.prompt.len(), req.max_new_tokens, max_position)?;
+    let seq = model.new_sequence(req.prompt.len() + req.max_new_tokens)?;
+    let mut st = GpuStepper { model, seq };
+    run_loop(&mut st, req, max_position, progress, on_token)
 }

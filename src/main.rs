@@ -3,6 +3,7 @@
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use sparda::cpu::{CpuModel, EngineOptions};
+use sparda::cuda::engine::GpuModel;
 use sparda::generate::{self, Request};
 use sparda::model::{AttentionOverrides, PrefillMode, SelectionRule};
 use sparda::sample::SamplingParams;
@@ -35,6 +36,21 @@ enum Cmd {
         /// Report path.
         #[arg(long, default_value = "gpu_check.json")]
         json: PathBuf,
+    },
+    /// Check the GPU engine end to end against the CPU reference under teacher
+    /// forcing (logits rel. L2 ≤ 2e-2 at every step; block selections compared):
+    /// the tiny synthetic model (dense, NOSA, InfLLM-V2), plus a checkpoint
+    /// (e.g. the SmolLM2 fixture) when --model is given. Exit 1 if a case fails.
+    GpuCheckE2e {
+        /// A dense checkpoint to check too (e.g. .fixtures/smollm2-135m-instruct).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Report path.
+        #[arg(long, default_value = "gpu_check_e2e.json")]
+        json: PathBuf,
+        /// Teacher-forced decode steps per case.
+        #[arg(long, default_value_t = sparda::cuda::check_e2e::DEFAULT_STEPS)]
+        steps: usize,
     },
 }
 
@@ -70,9 +86,15 @@ enum PrefillArg {
 
 #[derive(Args)]
 struct GenerateArgs {
-    /// Checkpoint directory (config.json, *.safetensors, tokenizer.json).
+    /// Checkpoint directory (config.json, *.safetensors, tokenizer.json), or
+    /// `synth:PRESET[:SEED]` for a random-weight model built in memory
+    /// (tiny, nosa-1b, nosa-3b, nosa-8b; nosa-8b needs ~17 GB of RAM).
     #[arg(long)]
     model: PathBuf,
+    /// tokenizer.json (default: the model directory's; for `synth:` models the
+    /// SmolLM2 fixture's, as `sparda synth` uses).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
     /// Prompt text.
     #[arg(long, conflicts_with = "prompt_file")]
     prompt: Option<String>,
@@ -166,6 +188,23 @@ fn main() {
                     a.seed
                 );
             }),
+        Cmd::GpuCheckE2e { model, json, steps } => {
+            sparda::cuda::check_e2e::gpu_check_e2e(model.as_deref(), &json, steps).and_then(|ok| {
+                eprintln!(
+                    "gpu-check-e2e {}; report in {}",
+                    if ok { "passed" } else { "FAILED" },
+                    json.display()
+                );
+                if ok {
+                    Ok(())
+                } else {
+                    Err(Error::Cuda(format!(
+                        "some end-to-end cases failed; see {}",
+                        json.display()
+                    )))
+                }
+            })
+        }
         Cmd::GpuCheck { json } => sparda::cuda::check::gpu_check(&json).and_then(|ok| {
             eprintln!(
                 "gpu-check {}; report in {}",
@@ -206,14 +245,32 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             ))
         }
     };
-    let mut ckpt = Checkpoint::open(&a.model)?;
+    let model_name = a.model.to_string_lossy().into_owned();
+    let (mut ckpt, default_tok) = match model_name.strip_prefix("synth:") {
+        Some(spec) => {
+            let mut it = spec.splitn(2, ':');
+            let preset = sparda::synth::Preset::from_name(it.next().unwrap_or(""))?;
+            let seed = match it.next() {
+                Some(x) => x.parse::<u64>().map_err(|_| {
+                    Error::Input(format!("--model synth:PRESET:SEED: bad seed `{x}`"))
+                })?,
+                None => 0,
+            };
+            eprintln!("building synthetic {} (seed {seed}) in memory…", preset.name());
+            (
+                sparda::synth::build(preset, seed)?,
+                PathBuf::from(".fixtures/smollm2-135m-instruct/tokenizer.json"),
+            )
+        }
+        None => (Checkpoint::open(&a.model)?, a.model.join("tokenizer.json")),
+    };
     if let Some(t) = a.rope_theta {
         ckpt.config = ckpt.config.with_rope_theta(t);
     }
     if let Some(m) = a.max_position {
         ckpt.config = ckpt.config.with_max_position(m);
     }
-    let tok_path = a.model.join("tokenizer.json");
+    let tok_path = a.tokenizer.clone().unwrap_or(default_tok);
     let tokenizer = Tokenizer::from_file(&tok_path)?;
     let mut prompt = tokenizer.encode(&text)?;
     if let Some(n) = a.prompt_tokens {
@@ -239,13 +296,36 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             _ => PrefillMode::Auto,
         },
     };
-    let model = CpuModel::new(&ckpt, opts)?;
+    enum Engine {
+        Cpu(Box<CpuModel>),
+        Cuda(Box<GpuModel>),
+    }
+    let engine = if backend == Backend::Cuda {
+        let gpu = std::sync::Arc::new(sparda::cuda::Gpu::new(0)?);
+        let t = std::time::Instant::now();
+        let m = GpuModel::new(gpu, &ckpt, opts)?;
+        eprintln!(
+            "weights on {} in {:.1} s",
+            m.gpu().info().name,
+            t.elapsed().as_secs_f64()
+        );
+        Engine::Cuda(Box::new(m))
+    } else {
+        Engine::Cpu(Box::new(CpuModel::new(&ckpt, opts)?))
+    };
+    let (mode, backend_name) = match &engine {
+        Engine::Cpu(m) => (m.plan.mode, "cpu".to_string()),
+        Engine::Cuda(m) => (
+            m.plan.mode,
+            format!("cuda (selection {:?})", m.selection_path()),
+        ),
+    };
     eprintln!(
-        "model {} ({} layers, d {}), attention {:?}, backend cpu, prompt {} tokens",
+        "model {} ({} layers, d {}), attention {:?}, backend {backend_name}, prompt {} tokens",
         a.model.display(),
         ckpt.config.num_hidden_layers,
         ckpt.config.hidden_size,
-        model.plan.mode,
+        mode,
         prompt.len()
     );
     let req = Request {
@@ -269,21 +349,21 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     );
     let mut stream = TextStream::new(&tokenizer);
     let mut stdout = std::io::stdout().lock();
-    let (out, _) = generate::generate_cpu(
-        &model,
-        &req,
-        |done, _| bar.set_position(done as u64),
-        |tok| {
-            if !bar.is_finished() {
-                bar.finish_and_clear();
-            }
-            let piece = stream.push(tok)?;
-            stdout
-                .write_all(piece.as_bytes())
-                .and_then(|_| stdout.flush())
-                .map_err(|e| Error::io("<stdout>", e))
-        },
-    )?;
+    let progress = |done: usize, _| bar.set_position(done as u64);
+    let on_token = |tok| {
+        if !bar.is_finished() {
+            bar.finish_and_clear();
+        }
+        let piece = stream.push(tok)?;
+        stdout
+            .write_all(piece.as_bytes())
+            .and_then(|_| stdout.flush())
+            .map_err(|e| Error::io("<stdout>", e))
+    };
+    let out = match engine {
+        Engine::Cpu(model) => generate::generate_cpu(&model, &req, progress, on_token)?.0,
+        Engine::Cuda(mut model) => generate::generate_gpu(&mut model, &req, progress, on_token)?,
+    };
     writeln!(stdout).ok();
     eprintln!(
         "prefill {} tokens in {:.0} ms ({:.1} tokens/s); decode {} tokens in {:.0} ms ({:.2} tokens/s); stop: {:?}",

@@ -669,6 +669,8 @@ pub fn gpu_check(out_json: &Path) -> Result<bool> {
     check_eviction(&mut c);
     check_dense_attention(&mut c);
     check_sparse_attention(&mut c);
+    c.results
+        .extend(super::check_select::check_selection(&gpu, &mut c.inp.rng));
     let results = c.results;
     let failed = results.iter().filter(|r| !r.pass).count();
     let mut by_kernel: std::collections::BTreeMap<String, (usize, usize, f64)> = Default::default();

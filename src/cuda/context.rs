@@ -99,6 +99,42 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         preludes: &[],
         functions: &["attn_combine"],
     },
+    KernelSource {
+        file: "kv_append.cu",
+        text: include_str!("../../kernels/kv_append.cu"),
+        preludes: &[],
+        functions: &["qkv_rope_append"],
+    },
+    KernelSource {
+        file: "argmax.cu",
+        text: include_str!("../../kernels/argmax.cu"),
+        preludes: &[],
+        functions: &["argmax_rows"],
+    },
+    KernelSource {
+        file: "bias.cu",
+        text: include_str!("../../kernels/bias.cu"),
+        preludes: &[],
+        functions: &["bias_add"],
+    },
+    KernelSource {
+        file: "sel_fill.cu",
+        text: include_str!("../../kernels/sel_fill.cu"),
+        preludes: &[],
+        functions: &["sel_fill_dense"],
+    },
+    KernelSource {
+        file: "compress.cu",
+        text: include_str!("../../kernels/compress.cu"),
+        preludes: &[],
+        functions: &["compress_windows"],
+    },
+    KernelSource {
+        file: "select.cu",
+        text: include_str!("../../kernels/select.cu"),
+        preludes: &[],
+        functions: &["qa_window_logits", "qa_window_scores", "select_blocks"],
+    },
 ];
 
 impl KernelSource {

@@ -8,15 +8,23 @@
 //!   handle and the bf16 GEMM;
 //! - [`ops`]: one typed wrapper per kernel (shape checks at the boundary);
 //! - [`check`]: `gpu_check`, every kernel against the CPU reference
-//!   (spec/testing.md), with a JSON report.
+//!   (spec/testing.md), with a JSON report;
+//! - [`engine`]: the GPU-resident engine ([`engine::GpuModel`]): weights,
+//!   growing K/V caches, chunked prefill, batched decode, logits, argmax;
+//! - [`check_e2e`]: `gpu_check_e2e`, the engine end to end against the CPU
+//!   reference under teacher forcing.
 //!
 //! Device tensors are `CudaSlice<T>` from cudarc. bf16 values travel as
 //! [`Bf16`] (their 16 raw bits), since cudarc's own `half` support is a
 //! feature this crate does not enable.
 
 pub mod check;
+pub mod check_e2e;
+pub mod check_select;
 pub mod context;
+pub mod engine;
 pub mod ops;
+pub mod select;
 
 pub use context::{DeviceInfo, GemmOut, Gpu};
 
@@ -112,11 +120,11 @@ pub fn missing_libraries() -> Vec<&'static str> {
     .collect()
 }
 
-/// Checks that the CUDA backend can run here.
+/// Checks that the CUDA backend can run here (driver, NVRTC and cuBLAS
+/// loadable), before any CUDA call: cudarc panics on first use of a missing
+/// library, so callers check this first.
 ///
-/// Errors: [`Error::Cuda`] naming the missing libraries; while the GPU
-/// engine is not built yet (issue 3), an error saying so even when CUDA is
-/// present.
+/// Errors: [`Error::Cuda`] naming the missing libraries.
 pub fn require() -> Result<()> {
     let missing = missing_libraries();
     if !missing.is_empty() {
@@ -125,7 +133,5 @@ pub fn require() -> Result<()> {
             missing.join(", ")
         )));
     }
-    Err(Error::Cuda(
-        "the CUDA engine is not built yet (issue 3); use --backend cpu".into(),
-    ))
+    Ok(())
 }

@@ -1,0 +1,48 @@
+// Greedy sampling on the GPU: out[r] = the index of the largest value of row r of
+// the f32 logits x [n, V] (ties to the lower index; NaN never wins; a row of only
+// NaN gives 0), matching sample.rs `argmax` on finite rows.
+// Grid: n blocks; blockDim.x a multiple of 32, at most 1024.
+
+__device__ __forceinline__ void am_better(float& bv, int& bi, float v, int i) {
+    if (v > bv || (v == bv && i < bi)) {
+        bv = v;
+        bi = i;
+    }
+}
+
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, int n, int V, u32* __restrict__ out) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const int r = blockIdx.x;
+    if (r >= n) return;
+    const float* row = x + (u64)r * V;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        const float v = row[j];
+        if (v == v) am_better(bv, bi, v, j);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        am_better(bv, bi, ov, oi);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (lane == 0) {
+        sv[warp] = bv;
+        si[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        bv = lane < nw ? sv[lane] : -INFINITY;
+        bi = lane < nw ? si[lane] : 0x7fffffff;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            am_better(bv, bi, ov, oi);
+        }
+        if (lane == 0) out[r] = bi == 0x7fffffff ? 0u : (u32)bi;
+    }
+}

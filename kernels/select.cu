@@ -1,0 +1,300 @@
+// Decode-time block selection (nosa-model.md §3-§4): query-aware window scores,
+// block pooling, forced blocks, query-aware shortlist and top-S, one query token
+// per sequence (position t = T-1), per (sequence, KV head).
+//
+// Shared conventions:
+//   lens[b] = T (tokens of sequence b, the current one included);
+//   Mc(T) = (T-ksize)/stride + 1 windows for T >= ksize, else 0;
+//   kcptr[b] -> f32 Kc [cap, hkv, D]; pptr[b] -> f32 p [cap, hkv];
+//   q: bf16, sequence b's H*D query values at b*q_stride, query head g of KV head h at
+//      (h*G + g)*D (G = H/hkv);
+//   window-score workspaces are per (b, h) rows of w_stride entries.
+
+#define QA_TILE 64   // windows per thread block in the scoring kernels
+#define QA_MAXE 8    // head dim up to 32*QA_MAXE = 256
+
+__device__ __forceinline__ int sel_windows(int T, int stride, int ksize) {
+    return T >= ksize ? (T - ksize) / stride + 1 : 0;
+}
+
+// Step 1a: logits[b, h, g, w] = (q_g . Kc[w, h]) * scale for the windows w of tile
+// blockIdx.x, plus the tile's softmax statistics per query head:
+// stats[((b*hkv + h)*G + g)*ntiles + tile] = (max, sum exp(logit - max)), (-inf, 0) when empty.
+// Grid (tiles, hkv, B); dynamic shared memory: (G*D + G*QA_TILE) floats.
+extern "C" __global__ void qa_window_logits(const bf16_t* __restrict__ q, int q_stride,
+                                            const u64* __restrict__ kcptr, const int* __restrict__ lens,
+                                            float* __restrict__ logits, float* __restrict__ stats, int H, int hkv,
+                                            int D, int w_stride, int ntiles, int stride, int ksize, float scale) {
+    extern __shared__ float qa_sh[];
+    const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int G = H / hkv;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float* sq = qa_sh;              // [G, D]
+    float* slg = qa_sh + G * D;     // [G, QA_TILE]
+    const int Mc = sel_windows(lens[b], stride, ksize);
+    const int w0 = tile * QA_TILE;
+    const u64 row = (u64)b * hkv + h;
+    if (w0 < Mc) {
+        const bf16_t* qb = q + (u64)b * q_stride + (u64)h * G * D;
+        for (int i = threadIdx.x; i < G * D; i += blockDim.x) sq[i] = bf2f(qb[i]);
+    }
+    __syncthreads();
+    const int kvd = hkv * D;
+    const float* Kc = (const float*)kcptr[b] + (u64)h * D;
+    for (int wi = warp; wi < QA_TILE; wi += nw) {
+        const int w = w0 + wi;
+        if (w < Mc) {
+            float kr[QA_MAXE];
+#pragma unroll
+            for (int e = 0; e < QA_MAXE; ++e) {
+                const int d = lane + 32 * e;
+                kr[e] = d < D ? Kc[(u64)w * kvd + d] : 0.0f;
+            }
+            for (int g = 0; g < G; ++g) {
+                float part = 0.0f;
+#pragma unroll
+                for (int e = 0; e < QA_MAXE; ++e) {
+                    const int d = lane + 32 * e;
+                    if (d < D) part += kr[e] * sq[g * D + d];
+                }
+                const float s = warp_sum(part) * scale;
+                if (lane == 0) {
+                    slg[g * QA_TILE + wi] = s;
+                    logits[(row * G + g) * w_stride + w] = s;
+                }
+            }
+        } else if (lane == 0) {
+            for (int g = 0; g < G; ++g) slg[g * QA_TILE + wi] = -INFINITY;
+        }
+    }
+    __syncthreads();
+    for (int g = warp; g < G; g += nw) {
+        float m = -INFINITY;
+        for (int i = lane; i < QA_TILE; i += 32) m = fmaxf(m, slg[g * QA_TILE + i]);
+        m = warp_max(m);
+        float l = 0.0f;
+        if (m != -INFINITY)
+            for (int i = lane; i < QA_TILE; i += 32) l += expf(slg[g * QA_TILE + i] - m);
+        l = warp_sum(l);
+        if (lane == 0) {
+            const u64 o = ((row * G + g) * ntiles + tile) * 2;
+            stats[o] = m;
+            stats[o + 1] = l;
+        }
+    }
+}
+
+// Step 1b: s[b, h, w] = sum over g (ascending) of exp(logit[g, w] - M_g) / L_g, where
+// (M_g, L_g) combine the tile statistics of query head g over all windows (the softmax
+// over all existing windows, per query head, no mask). Grid (tiles, hkv, B);
+// dynamic shared memory: 2*G floats.
+extern "C" __global__ void qa_window_scores(const float* __restrict__ logits, const float* __restrict__ stats,
+                                            const int* __restrict__ lens, float* __restrict__ s_out, int H,
+                                            int hkv, int w_stride, int ntiles, int stride, int ksize) {
+    extern __shared__ float qs_sh[];
+    const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int G = H / hkv;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int Mc = sel_windows(lens[b], stride, ksize);
+    const int w0 = tile * QA_TILE;
+    if (w0 >= Mc) return;  // uniform over the block
+    const int used = (Mc + QA_TILE - 1) / QA_TILE;
+    const u64 row = (u64)b * hkv + h;
+    float* sM = qs_sh;
+    float* sL = qs_sh + G;
+    for (int g = warp; g < G; g += nw) {
+        const float* st = stats + (row * G + g) * ntiles * 2;
+        float m = -INFINITY;
+        for (int t = lane; t < used; t += 32) m = fmaxf(m, st[2 * t]);
+        m = warp_max(m);
+        float l = 0.0f;
+        for (int t = lane; t < used; t += 32) {
+            const float mt = st[2 * t];
+            if (mt != -INFINITY) l += st[2 * t + 1] * expf(mt - m);
+        }
+        l = warp_sum(l);
+        if (lane == 0) {
+            sM[g] = m;
+            sL[g] = l;
+        }
+    }
+    __syncthreads();
+    for (int wi = threadIdx.x; wi < QA_TILE; wi += blockDim.x) {
+        const int w = w0 + wi;
+        if (w >= Mc) continue;
+        float acc = 0.0f;
+        for (int g = 0; g < G; ++g) acc += expf(logits[(row * G + g) * w_stride + w] - sM[g]) / sL[g];
+        s_out[row * w_stride + w] = acc;
+    }
+}
+
+// ---- block selection -------------------------------------------------------------------------
+
+// Order-preserving map of an f32 score to u32 (larger score -> larger key; -0 < +0 as in
+// Rust's total_cmp); NaN ranks as -inf, as in model::select::top_k.
+__device__ __forceinline__ u32 score_key(float x) {
+    if (x != x) x = -INFINITY;
+    const u32 u = __float_as_uint(x);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+#define KEY_INF 0xff800000u  // score_key(+inf)
+
+// The cut of a top-k over keys[0, n) (1 <= k <= n) under the order (key descending, index
+// ascending): the k-th largest key `thr` (radix select, 8 bits per pass) and how many of
+// the elements equal to thr belong to the top k (the lowest-index ones). Every thread of
+// the block calls it and gets the result. hist: 256 u32 of shared memory; bc: 2 u32.
+__device__ void radix_cut(const u32* keys, int n, u32 k, u32* hist, u32* bc, u32& thr, u32& take_eq) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 prefix = 0, mask = 0, kk = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const u32 key = keys[i];
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (warp == 0) {
+            // Lane l owns bins [8l, 8l+8); counts above a bin are those of higher bins.
+            u32 c[8], tot = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                c[j] = hist[lane * 8 + j];
+                tot += c[j];
+            }
+            u32 incl = tot;  // sum over lanes >= lane
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const u32 v = __shfl_down_sync(0xffffffffu, incl, o);
+                if (lane + o < 32) incl += v;
+            }
+            const u32 above = incl - tot;
+            if (above < kk && kk <= incl) {
+                u32 acc = above;
+                for (int j = 7; j >= 0; --j) {
+                    if (acc + c[j] >= kk) {
+                        bc[0] = (u32)(lane * 8 + j);
+                        bc[1] = kk - acc;
+                        break;
+                    }
+                    acc += c[j];
+                }
+            }
+        }
+        __syncthreads();
+        prefix |= bc[0] << shift;
+        mask |= 0xffu << shift;
+        kk = bc[1];
+    }
+    thr = prefix;
+    take_eq = kk;
+}
+
+// Exclusive count of `flag` over the block's threads before this one (thread order) and the
+// block total. Every thread of the block must call it. ws: 32 u32 of shared memory.
+__device__ __forceinline__ u32 block_flag_scan(bool flag, u32* ws, u32& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const u32 ballot = __ballot_sync(0xffffffffu, flag);
+    const u32 before = __popc(ballot & ((1u << lane) - 1u));
+    if (lane == 0) ws[warp] = __popc(ballot);
+    __syncthreads();
+    u32 off = 0, tot = 0;
+    for (int w = 0; w < nw; ++w) {
+        const u32 x = ws[w];
+        if (w < warp) off += x;
+        tot += x;
+    }
+    __syncthreads();
+    total = tot;
+    return off + before;
+}
+
+// Step 2-6 per (sequence b = blockIdx.y, KV head h = blockIdx.x):
+//   q = (T-1) / block_size, blocks 0..q exist (nb = q+1);
+//   r[m] = max of s over windows [wpb*m - ov, wpb*m + wpb) ∩ [0, Mc), -inf if empty
+//          (wpb = block_size/stride, ov = ksize/stride - 1), e[m] the same over p;
+//   forced (m < init_blocks or q-W <= m <= q) -> +inf in r and e;
+//   nosa: QA = top-`shortlist` of r, e[QA] = +inf, selected = top-`attended` of e;
+//   otherwise (InfLLM-V2): selected = top-`attended` of r;
+//   nb <= attended: every block. Ties go to the lower block index.
+// Output: sel[(b*hkv + h)*s_max + i] ascending block ids, padded with -1; nsel[b*hkv + h].
+// pooled_r / pooled_e (nullable): the pooled scores before forcing, rows of nb_stride.
+// pptr null: e = -inf (InfLLM-V2). Dynamic shared memory: 2*nb_cap u32 (nb <= nb_cap).
+extern "C" __global__ void select_blocks(const float* __restrict__ s, int w_stride, const u64* __restrict__ pptr,
+                                         const int* __restrict__ lens, int* __restrict__ sel,
+                                         int* __restrict__ nsel, int s_max, float* __restrict__ pooled_r,
+                                         float* __restrict__ pooled_e, int nb_stride, int nb_cap, int hkv,
+                                         int block_size, int stride, int ksize, int init_blocks,
+                                         int window_blocks, int attended, int shortlist, int nosa) {
+    extern __shared__ u32 sel_keys[];
+    __shared__ u32 hist[256];
+    __shared__ u32 ws[32];
+    __shared__ u32 bc[2];
+    const int h = blockIdx.x, b = blockIdx.y;
+    const u64 row = (u64)b * hkv + h;
+    int* out = sel + row * s_max;
+    const int T = lens[b];
+    const int nb = T > 0 ? (T - 1) / block_size + 1 : 0;
+    if (nb == 0 || nb > nb_cap) {  // no query, or more blocks than the launch allowed for
+        for (int i = threadIdx.x; i < s_max; i += blockDim.x) out[i] = -1;
+        if (threadIdx.x == 0) nsel[row] = 0;
+        return;
+    }
+    const int q = nb - 1;
+    const int Mc = sel_windows(T, stride, ksize);
+    const int wpb = block_size / stride, ov = ksize / stride - 1;
+    u32* rkey = sel_keys;
+    u32* ekey = sel_keys + nb;
+    const float* S = s + row * w_stride;
+    const float* P = pptr != nullptr ? (const float*)pptr[b] : nullptr;
+    for (int m = threadIdx.x; m < nb; m += blockDim.x) {
+        const int lo = max(wpb * m - ov, 0), hi = min(wpb * m + wpb, Mc);
+        float r = -INFINITY, e = -INFINITY;
+        for (int w = lo; w < hi; ++w) {
+            r = fmaxf(r, S[w]);
+            if (P != nullptr) e = fmaxf(e, P[(u64)w * hkv + h]);
+        }
+        if (pooled_r != nullptr) pooled_r[row * nb_stride + m] = r;
+        if (pooled_e != nullptr) pooled_e[row * nb_stride + m] = e;
+        const bool forced = m < init_blocks || (m + window_blocks >= q && m <= q);
+        rkey[m] = forced ? KEY_INF : score_key(r);
+        ekey[m] = forced ? KEY_INF : score_key(e);
+    }
+    __syncthreads();
+    if (nb <= attended) {
+        for (int i = threadIdx.x; i < s_max; i += blockDim.x) out[i] = i < nb ? i : -1;
+        if (threadIdx.x == 0) nsel[row] = nb;
+        return;
+    }
+    u32 thr, take;
+    if (nosa) {
+        // Query-aware shortlist: its members get e = +inf.
+        radix_cut(rkey, nb, (u32)shortlist, hist, bc, thr, take);
+        u32 eq_base = 0;
+        for (int base = 0; base < nb; base += blockDim.x) {
+            const int m = base + threadIdx.x;
+            const u32 key = m < nb ? rkey[m] : 0u;
+            u32 eq_tot;
+            const u32 eq_rank = eq_base + block_flag_scan(m < nb && key == thr, ws, eq_tot);
+            if (m < nb && (key > thr || (key == thr && eq_rank < take))) ekey[m] = KEY_INF;
+            eq_base += eq_tot;
+        }
+        __syncthreads();
+    }
+    const u32* fkey = nosa ? ekey : rkey;
+    radix_cut(fkey, nb, (u32)attended, hist, bc, thr, take);
+    u32 eq_base = 0, out_base = 0;
+    for (int base = 0; base < nb; base += blockDim.x) {
+        const int m = base + threadIdx.x;
+        const u32 key = m < nb ? fkey[m] : 0u;
+        u32 eq_tot, ch_tot;
+        const u32 eq_rank = eq_base + block_flag_scan(m < nb && key == thr, ws, eq_tot);
+        const bool chosen = m < nb && (key > thr || (key == thr && eq_rank < take));
+        const u32 pos = out_base + block_flag_scan(chosen, ws, ch_tot);
+        if (chosen && pos < (u32)s_max) out[pos] = m;
+        eq_base += eq_tot;
+        out_base += ch_tot;
+    }
+    for (int i = attended + threadIdx.x; i < s_max; i += blockDim.x) out[i] = -1;
+    if (threadIdx.x == 0) nsel[row] = attended;
+}

@@ -1,0 +1,1911 @@
+//! The GPU-resident decode engine (issue 3): a model's weights on the GPU in
+//! bf16, K/V caches on the GPU that grow with the sequences, prefill (chunked,
+//! one sequence at a time) and batched decode (one token for each of B
+//! sequences of different lengths), f32 logits and greedy argmax on the GPU.
+//!
+//! It computes what [`crate::cpu::CpuModel::forward`] computes
+//! (spec/nosa-model.md §1–§6), with bf16 activations and f32 accumulation:
+//!
+//! ```text
+//! x = embed[tok] · scale_emb                      (bf16)        embed_gather
+//! per layer:
+//!   resid += x·s ; x̂ = RMSNorm(resid)                           rmsnorm_residual
+//!   [q | k | v | z] = x̂ · Wqkvzᵀ                   one GEMM      cuBLAS
+//!   RoPE(q, k); K/V cache[pos] = k, v;                           qkv_rope_append
+//!   c[pos] = A · softplus(z + zb)
+//!   attention: dense (no bias) or sparse over the selected blocks (+c bias)
+//!   o = attn · Woᵀ ; resid += o·s ; x̂ = RMSNorm(resid)          cuBLAS, rmsnorm_residual
+//!   x = down(silu(gate) · up), gate|up one GEMM                  cuBLAS, swiglu, cuBLAS
+//! h = RMSNorm(resid + x·s) / logit_divisor ; logits = h · lm_headᵀ (f32)
+//! ```
+//!
+//! with s = scale_depth/√L under muP (else 1). Fusions and layouts:
+//! - `Wqkvz` stacks q_proj, k_proj, v_proj and, for NOSA checkpoints, the
+//!   eviction head folded into the value projection: z = δ·(W_v x̂ + b_v) =
+//!   (δ·W_v) x̂ + δ·b_v, so the Hkv rows δ·W_v (computed in f32 at load, then
+//!   rounded to bf16) ride in the same GEMM; rows are padded to a multiple of
+//!   8. The eviction score c = A·softplus(z + b + δ·b_v) is computed in f32
+//!   by the append kernel.
+//! - gate_proj and up_proj are stacked into one [2I, d] GEMM weight.
+//! - The muP logit divisor is folded into the final norm weight at load
+//!   (w / divisor, rounded to bf16; exact when the divisor is a power of two,
+//!   as for NOSA-8B's 4096/256 = 16).
+//!
+//! Attention reuses the split-K kernels checked by `gpu-check`
+//! (`attn_dense_partial`, `attn_sparse_partial`, `attn_combine`) through
+//! per-row pointer tables: a "row" is one query token (a prompt token during
+//! prefill, one sequence's token during decode) with its own K/V/c pointers
+//! and length `pos + 1`, so a prefill chunk is causal attention for free and
+//! a decode batch mixes sequence lengths freely.
+//!
+//! Sparse selection (spec §4) plugs in per layer after the append; see
+//! [`SelectionPath`]. Until the GPU selection kernels land, the engine runs
+//! a clearly labelled host fallback: it mirrors each sequence's K and c on
+//! the host (downloaded row by row as they are appended), computes Kc/p and
+//! the selection with the CPU reference's own functions on the GPU's
+//! post-RoPE bf16 queries, and uploads the block lists. That path
+//! synchronises every layer and is for correctness checks only.
+
+use super::context::{i32_dim, CudaResultExt};
+use super::ops::{self, RopeTables};
+use super::{bf16_bits, Bf16, Gpu};
+use crate::config::{AttentionMode, ModelConfig, Rope, RopeScaling};
+use crate::cpu::EngineOptions;
+use crate::model::select::{self, Budget};
+use crate::model::state::LayerKv;
+use crate::model::{AttentionPlan, PrefillMode};
+use crate::weights::names::{self, LayerTensor};
+use crate::weights::Checkpoint;
+use crate::{Error, Result};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+/// Prompt tokens per prefill forward call at most (fewer when the attention
+/// partials of a long context would exceed [`PARTIALS_BUDGET_BYTES`]).
+pub const PREFILL_CHUNK: usize = 512;
+
+/// Upper bound on the split-K attention workspace of one forward call, bytes;
+/// bounds the prefill chunk for long contexts (a dense 128K-token context
+/// then runs in chunks of a few dozen rows).
+pub const PARTIALS_BUDGET_BYTES: usize = 512 << 20;
+
+/// Tokens per split of dense attention (the kernel's chunk; see
+/// [`ops::DENSE_SPLIT_TOKENS`]).
+const DENSE_SPLIT: usize = ops::DENSE_SPLIT_TOKENS;
+/// Listed blocks per split of sparse attention ([`ops::SPARSE_SPLIT_BLOCKS`]).
+const SPARSE_SPLIT: usize = ops::SPARSE_SPLIT_BLOCKS;
+/// Rows of the fused QKV(+z) weight are padded to a multiple of this.
+const QKV_ROW_ALIGN: usize = 8;
+/// Per-layer pointer-table entries per row: K, V, c (state), c (bias), Kc, p.
+const PTRS_PER_ROW: usize = 6;
+/// Per-layer pointer-table entries per sequence: K, c, Kc, p (compression).
+const PTRS_PER_SEQ: usize = 4;
+/// Threads per block of `select_blocks` (as [`super::select`]).
+const SELECT_THREADS: u32 = 512;
+/// Static shared memory of `select_blocks` (hist 256 + ws 32 + bc 2 u32), bytes.
+const SELECT_STATIC_SMEM: usize = (256 + 32 + 2) * 4;
+/// Shared memory a block may use without opting in, bytes.
+const DEFAULT_SMEM: usize = 48 * 1024;
+/// Cap on the grid of `compress_windows` (it loops over further windows).
+const COMPRESS_MAX_GRID_X: usize = 8192;
+
+/// The selection path from `$SPARDA_SELECTION` (`host` → the host fallback),
+/// else [`SelectionPath::Gpu`].
+pub fn default_selection_path() -> SelectionPath {
+    match std::env::var("SPARDA_SELECTION").as_deref() {
+        Ok("host") => SelectionPath::HostFallback,
+        _ => SelectionPath::Gpu,
+    }
+}
+
+/// Lets `f` take `dynamic` bytes of dynamic shared memory next to
+/// `static_bytes` of static (opting in above 48 KiB).
+///
+/// Errors: [`Error::Input`] past the device's opt-in limit; [`Error::Cuda`].
+fn smem_optin(
+    gpu: &Gpu,
+    f: &cudarc::driver::CudaFunction,
+    dynamic: usize,
+    static_bytes: usize,
+    op: &str,
+) -> Result<u32> {
+    use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+    if dynamic + static_bytes > DEFAULT_SMEM {
+        let optin = gpu
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .cuda("cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)")?
+            as usize;
+        if dynamic + static_bytes > optin {
+            return Err(Error::Input(format!(
+                "{op}: needs {} bytes of shared memory per block, the device allows {optin}",
+                dynamic + static_bytes
+            )));
+        }
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            dynamic as i32,
+        )
+        .cuda("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
+    }
+    u32::try_from(dynamic).map_err(|_| Error::Input(format!("{op}: shared memory {dynamic} bytes")))
+}
+
+/// Raw device address of a buffer (event tracking is off on this backend's
+/// context, so the guard cudarc returns does nothing).
+fn addr<T, S: DevicePtr<T>>(gpu: &Gpu, s: &S) -> u64 {
+    let (p, _guard) = s.device_ptr(gpu.stream());
+    p
+}
+
+/// Grid dimension as u32, or [`Error::Input`].
+fn grid(x: usize, what: &str) -> Result<u32> {
+    u32::try_from(x).map_err(|_| Error::Input(format!("{what} = {x} exceeds the CUDA grid limit")))
+}
+
+/// How sparse-attention rows get their selected blocks (spec §4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum SelectionPath {
+    /// On the GPU (the default): per layer, `compress_windows` completes Kc
+    /// and p (f32) of each sequence from its K/c caches, then
+    /// `qa_window_logits` / `qa_window_scores` / `select_blocks`
+    /// (kernels/compress.cu, kernels/select.cu, see [`super::select`]) choose
+    /// the blocks of every sparse row, through the engine's per-row pointer
+    /// tables (so a prefill chunk's rows each select over their own prefix).
+    Gpu,
+    /// TEMPORARY FALLBACK: K and c mirrored on the host, Kc/p and selection
+    /// computed by [`crate::model::select`] on the GPU's own post-RoPE
+    /// queries (downloaded every layer), block lists uploaded. Correct but
+    /// synchronous: for checks, not for speed.
+    HostFallback,
+}
+
+/// One decoder layer's weights on the GPU (bf16 matrices in the Hugging Face
+/// `[out, in]` layout; biases f32).
+struct LayerWeights {
+    /// input_layernorm, [d].
+    input_norm: CudaSlice<Bf16>,
+    /// post_attention_layernorm, [d].
+    post_norm: CudaSlice<Bf16>,
+    /// [q; k; v; δ·W_v; 0-padding], [qkv_cols, d].
+    wqkv: CudaSlice<Bf16>,
+    /// Fused q|k|v bias (0 for the z and padding rows), [qkv_cols].
+    bqkv: Option<CudaSlice<f32>>,
+    /// Eviction head A, [Hkv] (NOSA).
+    evict_a: Option<CudaSlice<f32>>,
+    /// b + δ·b_v, [Hkv] (NOSA).
+    evict_zb: Option<CudaSlice<f32>>,
+    /// o_proj, [d, H·D].
+    wo: CudaSlice<Bf16>,
+    bo: Option<CudaSlice<f32>>,
+    /// [gate; up], [2I, d].
+    wgu: CudaSlice<Bf16>,
+    bgu: Option<CudaSlice<f32>>,
+    /// down_proj, [d, I].
+    wdown: CudaSlice<Bf16>,
+    bdown: Option<CudaSlice<f32>>,
+}
+
+/// One layer's state of one sequence on the GPU (spec §3): post-RoPE K and V,
+/// bf16 [cap, Hkv, D]; eviction scores c, f32 [cap, Hkv] (eviction heads
+/// only); for sparse plans on [`SelectionPath::Gpu`], compressed keys Kc,
+/// f32 [capw, Hkv, D], and pooled eviction scores p, f32 [capw, Hkv]
+/// (eviction heads only), capw = Mc(cap) windows.
+struct SeqLayer {
+    k: CudaSlice<Bf16>,
+    v: CudaSlice<Bf16>,
+    c: Option<CudaSlice<f32>>,
+    kc: Option<CudaSlice<f32>>,
+    p: Option<CudaSlice<f32>>,
+}
+
+/// One sequence's state on the GPU: every layer's K/V/c cache with room for
+/// `capacity()` tokens (a multiple of the block size), grown by reallocation
+/// (double, copy) whenever a forward call needs more — never silently
+/// overflowed (runtime.md §3 fault 1). Create with
+/// [`GpuModel::new_sequence`]; a sequence belongs to the model that made it.
+pub struct GpuSequence {
+    len: usize,
+    cap: usize,
+    layers: Vec<SeqLayer>,
+    /// Host mirror of K, V, c, Kc, p per layer for [`SelectionPath::HostFallback`].
+    mirror: Option<Vec<LayerKv>>,
+}
+
+impl std::fmt::Debug for GpuSequence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuSequence")
+            .field("len", &self.len)
+            .field("capacity", &self.cap)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GpuSequence {
+    /// T: tokens processed so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether no token was processed yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Tokens the caches hold without growing.
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+}
+
+/// Scratch buffers of a forward call, sized for `rows` query rows; grown
+/// (reallocated) when a call needs more.
+struct Workspace {
+    rows: usize,
+    /// f32 residual stream, [rows, d].
+    resid: CudaSlice<f32>,
+    /// Branch output (embedding, o_proj, down_proj), bf16 [rows, d].
+    delta: CudaSlice<Bf16>,
+    /// Normed activations, bf16 [rows, d].
+    xn: CudaSlice<Bf16>,
+    /// Fused QKV(+z) output, bf16 [rows, qkv_cols].
+    qkv: CudaSlice<Bf16>,
+    /// Attention output, bf16 [rows, H·D].
+    attn: CudaSlice<Bf16>,
+    /// gate|up output, bf16 [rows, 2I].
+    gu: CudaSlice<Bf16>,
+    /// SwiGLU output, bf16 [rows, I].
+    act: CudaSlice<Bf16>,
+    /// Logits, f32 [rows, V].
+    logits: CudaSlice<f32>,
+    /// Token ids, [rows].
+    ids: CudaSlice<u32>,
+    /// Positions, [rows].
+    pos: CudaSlice<i32>,
+    /// pos + 1, [rows].
+    lens: CudaSlice<i32>,
+    /// Argmax output, [rows].
+    argmax: CudaSlice<u32>,
+    /// Per-layer row pointer tables, u64 [L, 4, rows]: K, V, c (state), c (attention bias).
+    ptrs: CudaSlice<u64>,
+    /// Split-K partial outputs, f32.
+    part_o: CudaSlice<f32>,
+    /// Split-K partial (max, sum) pairs, f32.
+    part_ml: CudaSlice<f32>,
+    /// Selected block ids, i32 [rows, Hkv, s_max].
+    sel: CudaSlice<i32>,
+    /// Selected counts, i32 [rows, Hkv].
+    nsel: CudaSlice<i32>,
+    /// 1 for dense rows of a sparse call, i32 [rows].
+    dense: CudaSlice<i32>,
+    /// Each sequence's length after the call, i32 [sequences] (compression).
+    seq_lens: CudaSlice<i32>,
+    /// Query-aware window logits, f32 [rows, H, w_stride] (GPU selection).
+    qa_logits: CudaSlice<f32>,
+    /// Per-tile softmax statistics, f32 [rows, H, tiles, 2].
+    qa_stats: CudaSlice<f32>,
+    /// Window scores s, f32 [rows, Hkv, w_stride].
+    qa_scores: CudaSlice<f32>,
+}
+
+/// One query row of a forward call.
+#[derive(Debug, Clone, Copy)]
+struct Row {
+    /// Index into the call's sequences.
+    seq: usize,
+    token: u32,
+    /// Position in its sequence (0-based).
+    pos: usize,
+    /// Sparse attention for this row (else dense, no bias).
+    sparse: bool,
+}
+
+/// Which rows a forward call computes logits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LogitRows {
+    /// None (a prefill chunk before the last).
+    None,
+    /// The last row only (end of a prefill).
+    Last,
+    /// Every row (decode: one per sequence).
+    All,
+}
+
+/// A model on the GPU. See the module doc for what it computes.
+pub struct GpuModel {
+    gpu: Arc<Gpu>,
+    /// The model's config (overrides applied).
+    pub config: ModelConfig,
+    /// The attention in force (as [`crate::cpu::CpuModel::plan`]).
+    pub plan: AttentionPlan,
+    prefill_mode: PrefillMode,
+    rope: Rope,
+    rope_tables: Option<RopeTables>,
+    embed: CudaSlice<Bf16>,
+    /// `None` when tied to `embed`.
+    lm_head: Option<CudaSlice<Bf16>>,
+    /// Final norm weight divided by the muP logit divisor, bf16 [d].
+    final_norm: CudaSlice<Bf16>,
+    layers: Vec<LayerWeights>,
+    eviction: bool,
+    /// Row width of the fused QKV(+z) output (padded).
+    qkv_cols: usize,
+    /// Column of the first eviction logit z in a fused row.
+    z_off: usize,
+    ws: Option<Workspace>,
+    selection: SelectionPath,
+    record_selections: bool,
+    /// `[layer][row][kv_head]`: the blocks each row attended in the last
+    /// forward call (empty for dense rows), when recording.
+    last_selections: Vec<Vec<Vec<Vec<usize>>>>,
+    /// Rows of valid logits after the last call (row r of [`Self::logits`]).
+    logit_rows: usize,
+}
+
+impl std::fmt::Debug for GpuModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuModel")
+            .field("layers", &self.layers.len())
+            .field("plan", &self.plan)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Uploads tensor `name` as bf16.
+fn upload_bf16(gpu: &Gpu, ckpt: &Checkpoint, name: &str) -> Result<CudaSlice<Bf16>> {
+    let v = ckpt.store.to_bf16(name)?;
+    gpu.upload(bf16_bits(&v))
+}
+
+/// Tensor `name` as f32 if present.
+fn opt_f32(ckpt: &Checkpoint, name: &str) -> Result<Option<Vec<f32>>> {
+    if ckpt.store.get(name).is_some() {
+        Ok(Some(ckpt.store.to_f32(name)?))
+    } else {
+        Ok(None)
+    }
+}
+
+impl GpuModel {
+    /// Uploads a validated checkpoint's weights (bf16, fused as in the module
+    /// doc) and resolves the attention plan exactly as the CPU reference
+    /// does ([`AttentionPlan::resolve`]).
+    ///
+    /// Errors: [`Error::Input`] for overrides the checkpoint cannot honour or
+    /// a head dim the attention kernels do not support (odd, or above 128);
+    /// [`Error::Checkpoint`] for an unreadable tensor; [`Error::Cuda`] on an
+    /// allocation or copy failure (e.g. out of device memory).
+    pub fn new(gpu: Arc<Gpu>, ckpt: &Checkpoint, opts: EngineOptions) -> Result<Self> {
+        let cfg = ckpt.config.clone();
+        let plan = AttentionPlan::resolve(&cfg, ckpt.eviction_heads, opts.attention)?;
+        let (h, hk, dh, d) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.hidden_size,
+        );
+        if dh == 0 || dh % 2 != 0 || dh > 128 {
+            return Err(Error::Input(format!(
+                "the CUDA backend supports even head dims up to 128; this model has head_dim {dh}"
+            )));
+        }
+        if hk == 0 || h % hk != 0 {
+            return Err(Error::Input(format!(
+                "{h} query heads is not a multiple of {hk} KV heads"
+            )));
+        }
+        let kvd = hk * dh;
+        let eviction = ckpt.eviction_heads;
+        let z_off = (h + 2 * hk) * dh;
+        let qkv_rows = z_off + if eviction { hk } else { 0 };
+        let qkv_cols = qkv_rows.div_ceil(QKV_ROW_ALIGN) * QKV_ROW_ALIGN;
+        let g = &*gpu;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            use LayerTensor as T;
+            let n = |t: T| names::layer(i, t);
+            // Fused [q; k; v; δ·W_v; pad] rows.
+            let mut w: Vec<half::bf16> = Vec::with_capacity(qkv_cols * d);
+            for t in [T::QProj, T::KProj, T::VProj] {
+                w.extend_from_slice(&ckpt.store.to_bf16(&n(t))?);
+            }
+            let bv = opt_f32(ckpt, &n(T::VBias))?;
+            let (mut evict_a, mut evict_zb) = (None, None);
+            if eviction {
+                let delta = ckpt.store.to_f32(&n(T::EvictDelta))?; // [Hkv, kvd]
+                let wv = ckpt.store.to_f32(&n(T::VProj))?; // [kvd, d]
+                let mut zw = vec![0.0f32; hk * d];
+                for hh in 0..hk {
+                    let row = &mut zw[hh * d..(hh + 1) * d];
+                    for j in 0..kvd {
+                        let c = delta[hh * kvd + j];
+                        if c != 0.0 {
+                            for (r, x) in row.iter_mut().zip(&wv[j * d..(j + 1) * d]) {
+                                *r += c * x;
+                            }
+                        }
+                    }
+                }
+                w.extend(zw.iter().map(|&x| half::bf16::from_f32(x)));
+                let b = opt_f32(ckpt, &n(T::EvictDeltaBias))?;
+                let zb: Vec<f32> = (0..hk)
+                    .map(|hh| {
+                        let mut s = b.as_ref().map_or(0.0, |b| b[hh]);
+                        if let Some(bv) = &bv {
+                            s += (0..kvd).map(|j| delta[hh * kvd + j] * bv[j]).sum::<f32>();
+                        }
+                        s
+                    })
+                    .collect();
+                evict_a = Some(g.upload(&ckpt.store.to_f32(&n(T::EvictA))?)?);
+                evict_zb = Some(g.upload(&zb)?);
+            }
+            w.resize(qkv_cols * d, half::bf16::ZERO);
+            let bq = opt_f32(ckpt, &n(T::QBias))?;
+            let bk = opt_f32(ckpt, &n(T::KBias))?;
+            let bqkv = if bq.is_some() || bk.is_some() || bv.is_some() {
+                let mut b = vec![0.0f32; qkv_cols];
+                for (off, src) in [(0, &bq), (h * dh, &bk), ((h + hk) * dh, &bv)] {
+                    if let Some(s) = src {
+                        b[off..off + s.len()].copy_from_slice(s);
+                    }
+                }
+                Some(g.upload(&b)?)
+            } else {
+                None
+            };
+            let mut wgu = ckpt.store.to_bf16(&n(T::GateProj))?;
+            wgu.extend_from_slice(&ckpt.store.to_bf16(&n(T::UpProj))?);
+            let bgu = match (
+                opt_f32(ckpt, &n(T::GateBias))?,
+                opt_f32(ckpt, &n(T::UpBias))?,
+            ) {
+                (None, None) => None,
+                (gb, ub) => {
+                    let i_ = cfg.intermediate_size;
+                    let mut b = gb.unwrap_or_else(|| vec![0.0; i_]);
+                    b.extend(ub.unwrap_or_else(|| vec![0.0; i_]));
+                    Some(g.upload(&b)?)
+                }
+            };
+            let up_opt = |name: String| -> Result<Option<CudaSlice<f32>>> {
+                opt_f32(ckpt, &name)?.map(|v| g.upload(&v)).transpose()
+            };
+            layers.push(LayerWeights {
+                input_norm: upload_bf16(g, ckpt, &n(T::InputNorm))?,
+                post_norm: upload_bf16(g, ckpt, &n(T::PostAttnNorm))?,
+                wqkv: g.upload(bf16_bits(&w))?,
+                bqkv,
+                evict_a,
+                evict_zb,
+                wo: upload_bf16(g, ckpt, &n(T::OProj))?,
+                bo: up_opt(n(T::OBias))?,
+                wgu: g.upload(bf16_bits(&wgu))?,
+                bgu,
+                wdown: upload_bf16(g, ckpt, &n(T::DownProj))?,
+                bdown: up_opt(n(T::DownBias))?,
+            });
+        }
+        let embed = upload_bf16(g, ckpt, &names::embed())?;
+        let lm_head = if ckpt.lm_head_tied {
+            None
+        } else {
+            Some(upload_bf16(g, ckpt, &names::lm_head())?)
+        };
+        let div = cfg.logit_divisor();
+        let fnorm: Vec<Bf16> = ckpt
+            .store
+            .to_f32(&names::final_norm())?
+            .into_iter()
+            .map(|x| Bf16::from_f32(x / div))
+            .collect();
+        let final_norm = g.upload(&fnorm)?;
+        Ok(GpuModel {
+            rope: cfg.rope(),
+            rope_tables: None,
+            embed,
+            lm_head,
+            final_norm,
+            layers,
+            eviction,
+            qkv_cols,
+            z_off,
+            ws: None,
+            selection: default_selection_path(),
+            record_selections: false,
+            last_selections: Vec::new(),
+            logit_rows: 0,
+            prefill_mode: opts.prefill,
+            plan,
+            config: cfg,
+            gpu,
+        })
+    }
+
+    /// The GPU this model lives on.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// How sparse rows get their block selection.
+    pub fn selection_path(&self) -> SelectionPath {
+        self.selection
+    }
+
+    /// This model with selection path `path`. Sequences carry the state of
+    /// the path they were made under: create them after this call.
+    pub fn with_selection_path(mut self, path: SelectionPath) -> Self {
+        self.selection = path;
+        self
+    }
+
+    /// Whether sparse attention runs anywhere in this plan (NOSA or InfLLM-V2).
+    fn sparse_plan(&self) -> bool {
+        self.plan.mode != AttentionMode::Dense
+    }
+
+    /// Keep (true) or drop the per-layer block selections of each forward
+    /// call, for [`GpuModel::last_selections`] (tests; costs a download per
+    /// layer on GPU selection paths).
+    pub fn set_record_selections(&mut self, on: bool) {
+        self.record_selections = on;
+        self.last_selections.clear();
+    }
+
+    /// `[layer][row][kv_head]`: ascending block ids each row of the last
+    /// forward call attended (empty for dense rows), when recording is on.
+    /// Rows are prompt tokens of the last prefill chunk, or sequences of the
+    /// last decode step, in order.
+    pub fn last_selections(&self) -> &[Vec<Vec<Vec<usize>>>] {
+        &self.last_selections
+    }
+
+    /// A new, empty sequence with room for `capacity_tokens` tokens (rounded
+    /// up to whole blocks; e.g. prompt + max_new_tokens). It grows when a
+    /// call needs more.
+    ///
+    /// Errors: [`Error::Cuda`] when device memory runs out.
+    pub fn new_sequence(&self, capacity_tokens: usize) -> Result<GpuSequence> {
+        let bs = self.plan.budget.block_size.max(1);
+        let cap = capacity_tokens.max(1).div_ceil(bs) * bs;
+        let layers = (0..self.layers.len())
+            .map(|_| self.alloc_layer(cap))
+            .collect::<Result<Vec<_>>>()?;
+        let c = &self.config;
+        let mirror =
+            (self.sparse_plan() && self.selection == SelectionPath::HostFallback).then(|| {
+                (0..c.num_hidden_layers)
+                    .map(|_| LayerKv::new(c.num_key_value_heads, c.head_dim))
+                    .collect()
+            });
+        Ok(GpuSequence {
+            len: 0,
+            cap,
+            layers,
+            mirror,
+        })
+    }
+
+    fn alloc_layer(&self, cap: usize) -> Result<SeqLayer> {
+        let c = &self.config;
+        let kvd = c.num_key_value_heads * c.head_dim;
+        let what = |x: &str| format!("allocating the {x} cache of {cap} tokens");
+        let s = self.gpu.stream();
+        let gpu_sel = self.sparse_plan() && self.selection == SelectionPath::Gpu;
+        let capw = self.plan.budget.windows(cap).max(1);
+        Ok(SeqLayer {
+            kc: if gpu_sel {
+                Some(s.alloc_zeros(capw * kvd).cuda(&what("compressed-key"))?)
+            } else {
+                None
+            },
+            p: if gpu_sel && self.eviction {
+                Some(
+                    s.alloc_zeros(capw * c.num_key_value_heads)
+                        .cuda(&what("pooled-score"))?,
+                )
+            } else {
+                None
+            },
+            k: s.alloc_zeros(cap * kvd).cuda(&what("K"))?,
+            v: s.alloc_zeros(cap * kvd).cuda(&what("V"))?,
+            c: if self.eviction {
+                Some(
+                    s.alloc_zeros(cap * c.num_key_value_heads)
+                        .cuda(&what("eviction-score"))?,
+                )
+            } else {
+                None
+            },
+        })
+    }
+
+    /// Grows `seq`'s caches to hold at least `need` tokens (capacity
+    /// doubled, at least `need`, whole blocks), copying the stored tokens.
+    fn ensure_capacity(&self, seq: &mut GpuSequence, need: usize) -> Result<()> {
+        if need <= seq.cap {
+            return Ok(());
+        }
+        let bs = self.plan.budget.block_size.max(1);
+        let cap = need.max(2 * seq.cap).div_ceil(bs) * bs;
+        let c = &self.config;
+        let (kvd, hk) = (c.num_key_value_heads * c.head_dim, c.num_key_value_heads);
+        let s = self.gpu.stream();
+        for l in seq.layers.iter_mut() {
+            let mut n = self.alloc_layer(cap)?;
+            let used = seq.len * kvd;
+            if used > 0 {
+                s.memcpy_dtod(&l.k.slice(0..used), &mut n.k.slice_mut(0..used))
+                    .cuda("growing the K cache")?;
+                s.memcpy_dtod(&l.v.slice(0..used), &mut n.v.slice_mut(0..used))
+                    .cuda("growing the V cache")?;
+                if let (Some(old), Some(new)) = (&l.c, &mut n.c) {
+                    s.memcpy_dtod(
+                        &old.slice(0..seq.len * hk),
+                        &mut new.slice_mut(0..seq.len * hk),
+                    )
+                    .cuda("growing the eviction-score cache")?;
+                }
+                let mc = self.plan.budget.windows(seq.len);
+                if mc > 0 {
+                    if let (Some(old), Some(new)) = (&l.kc, &mut n.kc) {
+                        s.memcpy_dtod(&old.slice(0..mc * kvd), &mut new.slice_mut(0..mc * kvd))
+                            .cuda("growing the compressed-key cache")?;
+                    }
+                    if let (Some(old), Some(new)) = (&l.p, &mut n.p) {
+                        s.memcpy_dtod(&old.slice(0..mc * hk), &mut new.slice_mut(0..mc * hk))
+                            .cuda("growing the pooled-score cache")?;
+                    }
+                }
+            }
+            *l = n;
+        }
+        seq.cap = cap;
+        Ok(())
+    }
+
+    /// Makes the RoPE tables cover positions 0 … need−1.
+    fn ensure_rope(&mut self, need: usize) -> Result<()> {
+        if self.rope_tables.as_ref().is_some_and(|t| t.rows >= need) {
+            return Ok(());
+        }
+        let max = self.config.max_position_embeddings;
+        if let RopeScaling::Dynamic {
+            original_max_position_embeddings: orig,
+            ..
+        } = self.config.rope_scaling
+        {
+            if need > orig {
+                return Err(Error::Input(format!(
+                    "dynamic NTK RoPE past original_max_position_embeddings {orig} (needed {need} positions) is not supported by the CUDA backend yet; use --backend cpu"
+                )));
+            }
+        }
+        let have = self.rope_tables.as_ref().map_or(0, |t| t.rows);
+        let rows = need.max(2 * have).max(4096).min(max.max(need));
+        // seq_len only matters for dynamic NTK, refused above past its original maximum.
+        self.rope_tables = Some(RopeTables::from_rope(
+            &self.gpu,
+            &self.rope,
+            self.config.head_dim,
+            rows,
+            1,
+        )?);
+        Ok(())
+    }
+
+    /// Makes the workspace hold `rows` rows.
+    fn ensure_workspace(&mut self, rows: usize) -> Result<()> {
+        if self.ws.as_ref().is_some_and(|w| w.rows >= rows) {
+            return Ok(());
+        }
+        let c = &self.config;
+        let (d, hq, dh, i_, v, l, hk) = (
+            c.hidden_size,
+            c.num_attention_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.vocab_size,
+            c.num_hidden_layers,
+            c.num_key_value_heads,
+        );
+        let s = self.gpu.stream();
+        let what = format!("allocating the workspace for {rows} rows");
+        // SAFETY (each `alloc`): every buffer is written by a kernel or copy
+        // before it is read in a forward call.
+        let ws = unsafe {
+            Workspace {
+                rows,
+                resid: s.alloc(rows * d).cuda(&what)?,
+                delta: s.alloc(rows * d).cuda(&what)?,
+                xn: s.alloc(rows * d).cuda(&what)?,
+                qkv: s.alloc(rows * self.qkv_cols).cuda(&what)?,
+                attn: s.alloc(rows * hq * dh).cuda(&what)?,
+                gu: s.alloc(rows * 2 * i_).cuda(&what)?,
+                act: s.alloc(rows * i_).cuda(&what)?,
+                logits: s.alloc(rows * v).cuda(&what)?,
+                ids: s.alloc(rows).cuda(&what)?,
+                pos: s.alloc(rows).cuda(&what)?,
+                lens: s.alloc(rows).cuda(&what)?,
+                argmax: s.alloc(rows).cuda(&what)?,
+                ptrs: s
+                    .alloc(l * (PTRS_PER_ROW * rows + PTRS_PER_SEQ))
+                    .cuda(&what)?,
+                part_o: s.alloc(1).cuda(&what)?,
+                part_ml: s.alloc(1).cuda(&what)?,
+                sel: s.alloc(rows * hk).cuda(&what)?,
+                nsel: s.alloc(rows * hk).cuda(&what)?,
+                dense: s.alloc(rows).cuda(&what)?,
+                seq_lens: s.alloc(1).cuda(&what)?,
+                qa_logits: s.alloc(1).cuda(&what)?,
+                qa_stats: s.alloc(1).cuda(&what)?,
+                qa_scores: s.alloc(1).cuda(&what)?,
+            }
+        };
+        self.ws = Some(ws);
+        Ok(())
+    }
+
+    /// Prefills `prompt` into `seq` (positions T … T+n−1), in chunks of at
+    /// most [`PREFILL_CHUNK`] tokens (fewer for long contexts), calling
+    /// `progress(done, total)` after each chunk. Afterwards
+    /// [`GpuModel::logits`] holds the last prompt token's logits ([1, V]).
+    ///
+    /// Dense or sparse as the CPU reference decides (spec §6): sparse iff the
+    /// plan is sparse, the whole prompt (T + n tokens) reaches dense_len, and
+    /// the prefill mode is not `Dense`.
+    ///
+    /// Errors: an empty prompt, a token id ≥ V, a length past
+    /// `max_position_embeddings` ([`Error::Input`] / [`Error::Limit`]);
+    /// [`Error::Cuda`] on a device failure.
+    pub fn prefill(
+        &mut self,
+        seq: &mut GpuSequence,
+        prompt: &[u32],
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(Error::Input("empty prompt: give at least one token".into()));
+        }
+        let t0 = seq.len;
+        let prompt_len = t0 + prompt.len();
+        self.check_tokens(prompt, prompt_len)?;
+        let sparse = self.plan.sparse_at(prompt_len) && self.prefill_mode != PrefillMode::Dense;
+        let mut done = 0;
+        while done < prompt.len() {
+            let t_end = t0 + done;
+            let n = self
+                .prefill_rows(t_end + PREFILL_CHUNK, sparse)
+                .min(prompt.len() - done);
+            let rows: Vec<Row> = prompt[done..done + n]
+                .iter()
+                .enumerate()
+                .map(|(i, &token)| Row {
+                    seq: 0,
+                    token,
+                    pos: t0 + done + i,
+                    sparse,
+                })
+                .collect();
+            done += n;
+            let which = if done == prompt.len() {
+                LogitRows::Last
+            } else {
+                LogitRows::None
+            };
+            self.forward(std::slice::from_mut(seq), &rows, which)?;
+            progress(done, prompt.len());
+        }
+        Ok(())
+    }
+
+    /// Rows per prefill chunk so the attention partials of a context of up
+    /// to `t_len` tokens stay within [`PARTIALS_BUDGET_BYTES`].
+    fn prefill_rows(&self, t_len: usize, sparse: bool) -> usize {
+        let c = &self.config;
+        let nsplit = if sparse {
+            self.plan.budget.attended.div_ceil(SPARSE_SPLIT)
+        } else {
+            t_len.div_ceil(DENSE_SPLIT)
+        }
+        .max(1);
+        let mut per_row = c.num_attention_heads * nsplit * (c.head_dim + 2) * 4;
+        if sparse && self.selection == SelectionPath::Gpu {
+            // Query-aware logits, tile statistics and window scores.
+            let w_stride = self
+                .plan
+                .budget
+                .windows(t_len)
+                .max(1)
+                .div_ceil(super::select::QA_TILE)
+                * super::select::QA_TILE;
+            let tiles = w_stride / super::select::QA_TILE;
+            per_row += (c.num_attention_heads * (w_stride + 2 * tiles)
+                + c.num_key_value_heads * w_stride)
+                * 4;
+        }
+        (PARTIALS_BUDGET_BYTES / per_row.max(1)).clamp(1, PREFILL_CHUNK)
+    }
+
+    /// One decode step for a batch: `tokens[b]` goes to `seqs[b]` at its
+    /// next position; afterwards [`GpuModel::logits`] holds [B, V]. Each
+    /// sequence is sparse or dense by its own length (dense_len, spec §1).
+    ///
+    /// Errors: B = 0, `tokens.len() != seqs.len()`, a token id ≥ V, a length
+    /// past `max_position_embeddings`; [`Error::Cuda`] on a device failure.
+    pub fn decode(&mut self, seqs: &mut [GpuSequence], tokens: &[u32]) -> Result<()> {
+        if seqs.is_empty() || tokens.len() != seqs.len() {
+            return Err(Error::Input(format!(
+                "decode: {} tokens for {} sequences (need one per sequence, at least one)",
+                tokens.len(),
+                seqs.len()
+            )));
+        }
+        for (s, &t) in seqs.iter().zip(tokens) {
+            self.check_tokens(&[t], s.len + 1)?;
+        }
+        let rows: Vec<Row> = seqs
+            .iter()
+            .zip(tokens)
+            .enumerate()
+            .map(|(b, (s, &token))| Row {
+                seq: b,
+                token,
+                pos: s.len,
+                sparse: self.plan.sparse_at(s.len + 1),
+            })
+            .collect();
+        self.forward(seqs, &rows, LogitRows::All)
+    }
+
+    /// Token ids < V and the length `t_len` within max_position_embeddings.
+    fn check_tokens(&self, tokens: &[u32], t_len: usize) -> Result<()> {
+        let c = &self.config;
+        if t_len > c.max_position_embeddings {
+            return Err(Error::Limit(format!(
+                "sequence of {t_len} tokens exceeds max_position_embeddings {} (override with --max-position / --rope-theta)",
+                c.max_position_embeddings
+            )));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(Error::Input(format!(
+                "token id {bad} is outside the vocabulary of {} ids",
+                c.vocab_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// The logits of the last call, f32 [rows, V] on the device (rows = 1
+    /// after a prefill, B after a decode step; see [`GpuModel::logit_rows`]).
+    ///
+    /// Errors: [`Error::Input`] before any call produced logits.
+    pub fn logits(&self) -> Result<cudarc::driver::CudaView<'_, f32>> {
+        match &self.ws {
+            Some(ws) if self.logit_rows > 0 => {
+                Ok(ws.logits.slice(0..self.logit_rows * self.config.vocab_size))
+            }
+            _ => Err(Error::Input(
+                "no logits yet: run prefill or decode first".into(),
+            )),
+        }
+    }
+
+    /// Rows of [`GpuModel::logits`].
+    pub fn logit_rows(&self) -> usize {
+        self.logit_rows
+    }
+
+    /// The logits of the last call copied to the host, [rows, V] (synchronises).
+    ///
+    /// Errors: as [`GpuModel::logits`]; [`Error::Cuda`] on a copy failure.
+    pub fn download_logits(&self) -> Result<Vec<f32>> {
+        let l = self.logits()?;
+        self.gpu.download(&l)
+    }
+
+    /// Greedy sampling on the GPU: the argmax of each logits row (ties to the
+    /// lower id, NaN never wins), [rows] (synchronises; only the ids travel).
+    ///
+    /// Errors: as [`GpuModel::logits`]; [`Error::Cuda`] on a failure.
+    pub fn argmax(&mut self) -> Result<Vec<u32>> {
+        let rows = self.logit_rows;
+        if rows == 0 {
+            return Err(Error::Input(
+                "no logits yet: run prefill or decode first".into(),
+            ));
+        }
+        let gpu = self.gpu.clone();
+        let ws = self
+            .ws
+            .as_mut()
+            .expect("logit_rows > 0 implies a workspace");
+        let v = i32_dim(self.config.vocab_size, "vocab")?;
+        let n = i32_dim(rows, "rows")?;
+        let (lp, op) = (addr(&gpu, &ws.logits), addr(&gpu, &ws.argmax));
+        let f = gpu.function("argmax_rows")?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid(rows, "rows")?, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(&lp).arg(&n).arg(&v).arg(&op);
+        // SAFETY: argument list matches kernels/argmax.cu; logits hold rows·V
+        // values, argmax at least rows.
+        unsafe { b.launch(cfg) }.cuda("argmax_rows")?;
+        gpu.download(&ws.argmax.slice(0..rows))
+    }
+
+    /// Adds an f32 bias to the first `cols` columns of `n` bf16 rows at stride `ld`.
+    fn bias_add(
+        gpu: &Gpu,
+        y: u64,
+        ld: usize,
+        b: &CudaSlice<f32>,
+        n: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let (ld_, n_, c_) = (i32_dim(ld, "ld")?, i32_dim(n, "n")?, i32_dim(cols, "cols")?);
+        let bp = addr(gpu, b);
+        let f = gpu.function("bias_add")?;
+        let blocks = (n * cols).div_ceil(256).clamp(1, 65_535) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut bl = gpu.stream().launch_builder(f);
+        bl.arg(&y).arg(&ld_).arg(&bp).arg(&n_).arg(&c_);
+        // SAFETY: argument list matches kernels/bias.cu; y holds n rows of ld ≥ cols.
+        unsafe { bl.launch(cfg) }.cuda("bias_add").map(drop)
+    }
+
+    /// One forward call over `rows` (see [`Row`]) of `seqs`: appends every
+    /// row's token to its sequence and computes the logits `which` asks for.
+    /// Rows of one sequence must be at consecutive positions starting at its
+    /// length (the public entry points guarantee it).
+    fn forward(&mut self, seqs: &mut [GpuSequence], rows: &[Row], which: LogitRows) -> Result<()> {
+        let n = rows.len();
+        if n == 0 {
+            return Err(Error::Input("forward called with no tokens".into()));
+        }
+        let cfg = self.config.clone();
+        let (d, hq, hk, dh, inter, vocab, nl) = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.vocab_size,
+            cfg.num_hidden_layers,
+        );
+        let ns = seqs.len();
+        let sparse_plan = self.sparse_plan();
+        let path = self.selection;
+        // Each row extends its sequence; every sequence carries its path's state.
+        let mut new_len = seqs.iter().map(|s| s.len).collect::<Vec<_>>();
+        for r in rows {
+            if r.seq >= ns || r.pos != new_len[r.seq] {
+                return Err(Error::Input(format!(
+                    "forward: row for sequence {} at position {} does not extend it (length {})",
+                    r.seq,
+                    r.pos,
+                    new_len.get(r.seq).copied().unwrap_or(0)
+                )));
+            }
+            new_len[r.seq] += 1;
+        }
+        if sparse_plan {
+            for (i, sq) in seqs.iter().enumerate() {
+                let ok = match path {
+                    SelectionPath::HostFallback => sq.mirror.is_some(),
+                    SelectionPath::Gpu => sq.layers.iter().all(|l| l.kc.is_some()),
+                };
+                if !ok {
+                    return Err(Error::Input(format!(
+                        "forward: sequence {i} was not made by this model's selection path {path:?} (create sequences after with_selection_path)"
+                    )));
+                }
+            }
+        }
+        // Room for every row, RoPE tables, workspace.
+        for (sq, &len) in seqs.iter_mut().zip(&new_len) {
+            self.ensure_capacity(sq, len)?;
+        }
+        let max_pos = rows.iter().map(|r| r.pos + 1).max().unwrap_or(1);
+        self.ensure_rope(max_pos)?;
+        self.ensure_workspace(n)?;
+        let any_sparse = rows.iter().any(|r| r.sparse);
+        let any_dense_in_sparse = any_sparse && rows.iter().any(|r| !r.sparse);
+        let nosa = self.plan.mode == AttentionMode::Nosa;
+        let budget = self.plan.budget;
+        // Block-list width: S for sparse rows; a dense row of a sparse call lists all its blocks.
+        let s_max = if any_sparse {
+            rows.iter()
+                .map(|r| {
+                    if r.sparse {
+                        budget.attended
+                    } else {
+                        budget.blocks(r.pos)
+                    }
+                })
+                .max()
+                .unwrap_or(1)
+                .max(budget.attended)
+                .max(1)
+        } else {
+            1
+        };
+        let nsplit = if any_sparse {
+            s_max.div_ceil(SPARSE_SPLIT).max(1)
+        } else {
+            max_pos.div_ceil(DENSE_SPLIT).max(1)
+        };
+        // Query-aware scoring workspace (GPU selection): every row of a sparse
+        // call is scored (dense rows' lists are overwritten afterwards), so
+        // the widths cover them all.
+        let mc_max = if any_sparse {
+            rows.iter()
+                .map(|r| budget.windows(r.pos + 1))
+                .max()
+                .unwrap_or(0)
+        } else {
+            0
+        };
+        let qa_tile = super::select::QA_TILE;
+        let w_stride = mc_max.max(1).div_ceil(qa_tile) * qa_tile;
+        let ntiles = w_stride / qa_tile;
+        let gpu = self.gpu.clone();
+        let s = gpu.stream().clone();
+        let per_layer = PTRS_PER_ROW * n + PTRS_PER_SEQ * ns;
+        {
+            let ws = self.ws.as_mut().expect("workspace allocated above");
+            let part = n * hq * nsplit;
+            // SAFETY (each `alloc` below): written by a kernel or copy before it is read.
+            if ws.part_o.len() < part * dh {
+                ws.part_o = unsafe { s.alloc(part * dh) }.cuda("allocating attention partials")?;
+            }
+            if ws.part_ml.len() < part * 2 {
+                ws.part_ml = unsafe { s.alloc(part * 2) }.cuda("allocating attention partials")?;
+            }
+            if ws.sel.len() < n * hk * s_max {
+                ws.sel = unsafe { s.alloc(n * hk * s_max) }.cuda("allocating block lists")?;
+            }
+            if ws.ptrs.len() < nl * per_layer {
+                ws.ptrs = unsafe { s.alloc(nl * per_layer) }.cuda("allocating pointer tables")?;
+            }
+            if ws.seq_lens.len() < ns {
+                ws.seq_lens = unsafe { s.alloc(ns) }.cuda("allocating sequence lengths")?;
+            }
+            if any_sparse && path == SelectionPath::Gpu {
+                if ws.qa_logits.len() < n * hq * w_stride {
+                    ws.qa_logits = unsafe { s.alloc(n * hq * w_stride) }
+                        .cuda("allocating the window-score workspace")?;
+                }
+                if ws.qa_stats.len() < n * hq * ntiles * 2 {
+                    ws.qa_stats = unsafe { s.alloc(n * hq * ntiles * 2) }
+                        .cuda("allocating the window-score workspace")?;
+                }
+                if ws.qa_scores.len() < n * hk * w_stride {
+                    ws.qa_scores = unsafe { s.alloc(n * hk * w_stride) }
+                        .cuda("allocating the window-score workspace")?;
+                }
+            }
+            // Row inputs and pointer tables.
+            let ids: Vec<u32> = rows.iter().map(|r| r.token).collect();
+            let pos: Vec<i32> = rows.iter().map(|r| r.pos as i32).collect();
+            let lens: Vec<i32> = rows.iter().map(|r| r.pos as i32 + 1).collect();
+            let dense: Vec<i32> = rows.iter().map(|r| i32::from(!r.sparse)).collect();
+            let slens: Vec<i32> = new_len.iter().map(|&l| l as i32).collect();
+            s.memcpy_htod(&ids, &mut ws.ids.slice_mut(0..n))
+                .cuda("uploading token ids")?;
+            s.memcpy_htod(&pos, &mut ws.pos.slice_mut(0..n))
+                .cuda("uploading positions")?;
+            s.memcpy_htod(&lens, &mut ws.lens.slice_mut(0..n))
+                .cuda("uploading lengths")?;
+            s.memcpy_htod(&dense, &mut ws.dense.slice_mut(0..n))
+                .cuda("uploading row modes")?;
+            s.memcpy_htod(&slens, &mut ws.seq_lens.slice_mut(0..ns))
+                .cuda("uploading sequence lengths")?;
+            let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |c| addr(&gpu, c));
+            let mut table = vec![0u64; nl * per_layer];
+            for l in 0..nl {
+                let t = &mut table[l * per_layer..(l + 1) * per_layer];
+                for (i, r) in rows.iter().enumerate() {
+                    let sl = &seqs[r.seq].layers[l];
+                    let c = opt(&sl.c);
+                    t[i] = addr(&gpu, &sl.k);
+                    t[n + i] = addr(&gpu, &sl.v);
+                    t[2 * n + i] = c;
+                    t[3 * n + i] = if r.sparse && nosa { c } else { 0 };
+                    t[4 * n + i] = opt(&sl.kc);
+                    t[5 * n + i] = opt(&sl.p);
+                }
+                for (j, sq) in seqs.iter().enumerate() {
+                    let sl = &sq.layers[l];
+                    t[6 * n + j] = addr(&gpu, &sl.k);
+                    t[6 * n + ns + j] = opt(&sl.c);
+                    t[6 * n + 2 * ns + j] = opt(&sl.kc);
+                    t[6 * n + 3 * ns + j] = opt(&sl.p);
+                }
+            }
+            s.memcpy_htod(&table, &mut ws.ptrs.slice_mut(0..nl * per_layer))
+                .cuda("uploading KV pointer tables")?;
+            // Embedding; the residual stream starts at zero and takes it as layer 0's delta.
+            ops::embed_gather(
+                &gpu,
+                &self.embed,
+                vocab,
+                d,
+                &ws.ids.slice(0..n),
+                cfg.embed_scale(),
+                &mut ws.delta.slice_mut(0..n * d),
+            )?;
+            s.memset_zeros(&mut ws.resid.slice_mut(0..n * d))
+                .cuda("zeroing the residual stream")?;
+        }
+        // Tokens each sequence gains in this call (compression recomputes at most
+        // that many tokens' windows; recomputing a complete window is idempotent).
+        let n_new = seqs
+            .iter()
+            .zip(&new_len)
+            .map(|(sq, &l)| l - sq.len)
+            .max()
+            .unwrap_or(0);
+        let new_windows = new_len
+            .iter()
+            .map(|&t| budget.windows(t) - budget.windows(t.saturating_sub(n_new)))
+            .max()
+            .unwrap_or(0);
+        let res_scale = cfg.residual_scale();
+        if self.record_selections {
+            self.last_selections = vec![Vec::new(); nl];
+        }
+        for l in 0..nl {
+            let ws = self.ws.as_mut().expect("workspace");
+            let lw = &self.layers[l];
+            let w = self.qkv_cols;
+            ops::add_rmsnorm(
+                &gpu,
+                &mut ws.resid.slice_mut(0..n * d),
+                &ws.delta.slice(0..n * d),
+                if l == 0 { 1.0 } else { res_scale },
+                &lw.input_norm,
+                cfg.rms_norm_eps,
+                &mut ws.xn.slice_mut(0..n * d),
+            )?;
+            gpu.linear(
+                &ws.xn.slice(0..n * d),
+                n,
+                d,
+                &lw.wqkv,
+                w,
+                &mut ws.qkv.slice_mut(0..n * w),
+            )?;
+            if let Some(b) = &lw.bqkv {
+                Self::bias_add(&gpu, addr(&gpu, &ws.qkv), w, b, n, w)?;
+            }
+            let tab = Tables::new(addr(&gpu, &ws.ptrs) + (l * per_layer * 8) as u64, n, ns);
+            // RoPE + append (+ eviction score).
+            {
+                let t = self.rope_tables.as_ref().expect("rope tables ensured");
+                let (qp, pp, cosp, sinp) = (
+                    addr(&gpu, &ws.qkv),
+                    addr(&gpu, &ws.pos),
+                    addr(&gpu, &t.cos),
+                    addr(&gpu, &t.sin),
+                );
+                let (ap, zbp) = match (&lw.evict_a, &lw.evict_zb) {
+                    (Some(a), Some(zb)) => (addr(&gpu, a), addr(&gpu, zb)),
+                    _ => (0u64, 0u64),
+                };
+                let cstate = if self.eviction { tab.c_state } else { 0u64 };
+                let (w_, h_, hk_, d_, tr, zo) = (
+                    i32_dim(w, "qkv row")?,
+                    i32_dim(hq, "H")?,
+                    i32_dim(hk, "Hkv")?,
+                    i32_dim(dh, "D")?,
+                    i32_dim(t.rows, "rope rows")?,
+                    i32_dim(self.z_off, "z offset")?,
+                );
+                let f = gpu.function("qkv_rope_append")?;
+                let lc = LaunchConfig {
+                    grid_dim: (grid(n, "rows")?, grid(hq + 2 * hk, "heads")?, 1),
+                    block_dim: (((dh / 2).div_ceil(32) * 32).clamp(32, 128) as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = s.launch_builder(f);
+                b.arg(&qp)
+                    .arg(&w_)
+                    .arg(&h_)
+                    .arg(&hk_)
+                    .arg(&d_)
+                    .arg(&pp)
+                    .arg(&cosp)
+                    .arg(&sinp)
+                    .arg(&tr)
+                    .arg(&tab.k)
+                    .arg(&tab.v)
+                    .arg(&cstate)
+                    .arg(&zo)
+                    .arg(&ap)
+                    .arg(&zbp);
+                // SAFETY: argument list matches kernels/kv_append.cu; every row's
+                // position is below its sequence's capacity (ensure_capacity) and
+                // the RoPE table's rows (ensure_rope); pointer tables hold n rows.
+                unsafe { b.launch(lc) }.cuda("qkv_rope_append")?;
+            }
+            // Selection state and block lists (spec §3–§4).
+            let mut host_lists = None;
+            if sparse_plan {
+                match path {
+                    SelectionPath::HostFallback => {
+                        // The mirror takes every token (dense phases included).
+                        host_lists =
+                            host_select(&gpu, &self.plan, &cfg, ws, seqs, rows, l, w, any_sparse)?;
+                    }
+                    SelectionPath::Gpu => {
+                        if new_windows > 0 {
+                            compress(
+                                &gpu,
+                                &budget,
+                                &tab,
+                                ws,
+                                ns,
+                                n_new,
+                                new_windows,
+                                hk,
+                                dh,
+                                self.eviction,
+                            )?;
+                        }
+                        if any_sparse {
+                            gpu_select(
+                                &gpu,
+                                &self.plan,
+                                &tab,
+                                ws,
+                                n,
+                                hq,
+                                hk,
+                                dh,
+                                w,
+                                mc_max,
+                                w_stride,
+                                s_max,
+                                rows,
+                                any_dense_in_sparse,
+                            )?;
+                        }
+                    }
+                }
+            }
+            // Attention.
+            let scale = cfg.attn_scale();
+            let (h_, hk_, d_) = (i32_dim(hq, "H")?, i32_dim(hk, "Hkv")?, i32_dim(dh, "D")?);
+            let qs = i32_dim(w, "q stride")?;
+            let (qp, lp) = (addr(&gpu, &ws.qkv), addr(&gpu, &ws.lens));
+            let (pop, pmp) = (addr(&gpu, &ws.part_o), addr(&gpu, &ws.part_ml));
+            if any_sparse {
+                if let Some(lists) = host_lists {
+                    let mut sel = vec![-1i32; n * hk * s_max];
+                    let mut nsel = vec![0i32; n * hk];
+                    for (i, per) in lists.iter().enumerate() {
+                        for (h, list) in per.iter().enumerate() {
+                            for (j, &m) in list.iter().enumerate() {
+                                sel[(i * hk + h) * s_max + j] = m as i32;
+                            }
+                            nsel[i * hk + h] = list.len() as i32;
+                        }
+                    }
+                    s.memcpy_htod(&sel, &mut ws.sel.slice_mut(0..sel.len()))
+                        .cuda("uploading block lists")?;
+                    s.memcpy_htod(&nsel, &mut ws.nsel.slice_mut(0..nsel.len()))
+                        .cuda("uploading block counts")?;
+                }
+                if self.record_selections {
+                    let sel = gpu.download(&ws.sel.slice(0..n * hk * s_max))?;
+                    let nsel = gpu.download(&ws.nsel.slice(0..n * hk))?;
+                    self.last_selections[l] = rows
+                        .iter()
+                        .enumerate()
+                        .map(|(i, r)| {
+                            (0..hk)
+                                .map(|h| {
+                                    if !r.sparse {
+                                        return Vec::new();
+                                    }
+                                    let k = nsel[i * hk + h].clamp(0, s_max as i32) as usize;
+                                    let row = &sel[(i * hk + h) * s_max..];
+                                    row[..k].iter().map(|&m| m.max(0) as usize).collect()
+                                })
+                                .collect()
+                        })
+                        .collect();
+                }
+                let nsp = s_max.div_ceil(SPARSE_SPLIT).max(1);
+                let (sm, bs, bps, ns_) = (
+                    i32_dim(s_max, "s_max")?,
+                    i32_dim(budget.block_size, "block size")?,
+                    i32_dim(SPARSE_SPLIT, "blocks per split")?,
+                    i32_dim(nsp, "splits")?,
+                );
+                let (sp, np) = (addr(&gpu, &ws.sel), addr(&gpu, &ws.nsel));
+                let f = gpu.function("attn_sparse_partial")?;
+                let lc = LaunchConfig {
+                    grid_dim: (grid(nsp, "splits")?, grid(hq, "H")?, grid(n, "rows")?),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = s.launch_builder(f);
+                b.arg(&qp)
+                    .arg(&qs)
+                    .arg(&tab.k)
+                    .arg(&tab.v)
+                    .arg(&tab.c_attn)
+                    .arg(&lp)
+                    .arg(&sp)
+                    .arg(&np)
+                    .arg(&sm)
+                    .arg(&bs)
+                    .arg(&bps)
+                    .arg(&pop)
+                    .arg(&pmp)
+                    .arg(&h_)
+                    .arg(&hk_)
+                    .arg(&d_)
+                    .arg(&ns_)
+                    .arg(&scale);
+                // SAFETY: argument list matches kernels/attn_sparse.cu; lists hold
+                // n·Hkv·s_max ids of existing blocks or −1, partials n·H·nsp ≤ the
+                // allocated n·H·nsplit slots.
+                unsafe { b.launch(lc) }.cuda("attn_sparse_partial")?;
+                combine(&gpu, ws, n, hq, dh, nsp)?;
+            } else {
+                if self.record_selections {
+                    self.last_selections[l] = vec![vec![Vec::new(); hk]; n];
+                }
+                let nsp = nsplit;
+                let (ch, ns_) = (i32_dim(DENSE_SPLIT, "chunk")?, i32_dim(nsp, "splits")?);
+                let f = gpu.function("attn_dense_partial")?;
+                let lc = LaunchConfig {
+                    grid_dim: (grid(nsp, "splits")?, grid(hq, "H")?, grid(n, "rows")?),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = s.launch_builder(f);
+                b.arg(&qp)
+                    .arg(&qs)
+                    .arg(&tab.k)
+                    .arg(&tab.v)
+                    .arg(&lp)
+                    .arg(&pop)
+                    .arg(&pmp)
+                    .arg(&h_)
+                    .arg(&hk_)
+                    .arg(&d_)
+                    .arg(&ch)
+                    .arg(&ns_)
+                    .arg(&scale);
+                // SAFETY: argument list matches kernels/attn_dense.cu; every row's
+                // cache holds lens[r] = pos+1 tokens; partials hold n·H·nsp slots.
+                unsafe { b.launch(lc) }.cuda("attn_dense_partial")?;
+                combine(&gpu, ws, n, hq, dh, nsp)?;
+            }
+            // O projection, MLP.
+            let ws = self.ws.as_mut().expect("workspace");
+            let lw = &self.layers[l];
+            gpu.linear(
+                &ws.attn.slice(0..n * hq * dh),
+                n,
+                hq * dh,
+                &lw.wo,
+                d,
+                &mut ws.delta.slice_mut(0..n * d),
+            )?;
+            if let Some(b) = &lw.bo {
+                Self::bias_add(&gpu, addr(&gpu, &ws.delta), d, b, n, d)?;
+            }
+            ops::add_rmsnorm(
+                &gpu,
+                &mut ws.resid.slice_mut(0..n * d),
+                &ws.delta.slice(0..n * d),
+                res_scale,
+                &lw.post_norm,
+                cfg.rms_norm_eps,
+                &mut ws.xn.slice_mut(0..n * d),
+            )?;
+            gpu.linear(
+                &ws.xn.slice(0..n * d),
+                n,
+                d,
+                &lw.wgu,
+                2 * inter,
+                &mut ws.gu.slice_mut(0..n * 2 * inter),
+            )?;
+            if let Some(b) = &lw.bgu {
+                Self::bias_add(&gpu, addr(&gpu, &ws.gu), 2 * inter, b, n, 2 * inter)?;
+            }
+            ops::swiglu(
+                &gpu,
+                &ws.gu.slice(0..n * 2 * inter),
+                n,
+                inter,
+                &mut ws.act.slice_mut(0..n * inter),
+            )?;
+            gpu.linear(
+                &ws.act.slice(0..n * inter),
+                n,
+                inter,
+                &lw.wdown,
+                d,
+                &mut ws.delta.slice_mut(0..n * d),
+            )?;
+            if let Some(b) = &lw.bdown {
+                Self::bias_add(&gpu, addr(&gpu, &ws.delta), d, b, n, d)?;
+            }
+        }
+        for (sq, len) in seqs.iter_mut().zip(new_len) {
+            sq.len = len;
+        }
+        // Final norm (÷ logit divisor folded into its weight), lm_head in f32.
+        let ws = self.ws.as_mut().expect("workspace");
+        ops::add_rmsnorm(
+            &gpu,
+            &mut ws.resid.slice_mut(0..n * d),
+            &ws.delta.slice(0..n * d),
+            res_scale,
+            &self.final_norm,
+            cfg.rms_norm_eps,
+            &mut ws.xn.slice_mut(0..n * d),
+        )?;
+        let (first, m) = match which {
+            LogitRows::None => {
+                self.logit_rows = 0;
+                return Ok(());
+            }
+            LogitRows::Last => (n - 1, 1),
+            LogitRows::All => (0, n),
+        };
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        gpu.linear(
+            &ws.xn.slice(first * d..(first + m) * d),
+            m,
+            d,
+            head,
+            vocab,
+            &mut ws.logits.slice_mut(0..m * vocab),
+        )?;
+        self.logit_rows = m;
+        Ok(())
+    }
+}
+
+/// Device addresses of one layer's pointer tables (see [`PTRS_PER_ROW`],
+/// [`PTRS_PER_SEQ`]): u64 arrays of n rows / ns sequences.
+struct Tables {
+    /// Per row: K cache, V cache, c (state, for the append), c (attention
+    /// bias: 0 for dense rows and InfLLM-V2), Kc, p.
+    k: u64,
+    v: u64,
+    c_state: u64,
+    c_attn: u64,
+    kc: u64,
+    p: u64,
+    /// Per sequence: K, c, Kc, p (compression).
+    seq_k: u64,
+    seq_c: u64,
+    seq_kc: u64,
+    seq_p: u64,
+}
+
+impl Tables {
+    /// The tables of a layer block starting at device address `base`.
+    fn new(base: u64, n: usize, ns: usize) -> Self {
+        let at = |i: usize| base + (i * 8) as u64;
+        Tables {
+            k: at(0),
+            v: at(n),
+            c_state: at(2 * n),
+            c_attn: at(3 * n),
+            kc: at(4 * n),
+            p: at(5 * n),
+            seq_k: at(6 * n),
+            seq_c: at(6 * n + ns),
+            seq_kc: at(6 * n + 2 * ns),
+            seq_p: at(6 * n + 3 * ns),
+        }
+    }
+}
+
+/// Completes each sequence's compressed windows (spec §3) made whole by the
+/// last `n_new` tokens: `compress_windows` (kernels/compress.cu) over the
+/// per-sequence tables, lengths `ws.seq_lens`. p is written only with
+/// eviction heads.
+#[allow(clippy::too_many_arguments)]
+fn compress(
+    gpu: &Gpu,
+    budget: &Budget,
+    tab: &Tables,
+    ws: &Workspace,
+    ns: usize,
+    n_new: usize,
+    new_windows: usize,
+    hk: usize,
+    dh: usize,
+    eviction: bool,
+) -> Result<()> {
+    let (nn, hk_, d_, st, ks) = (
+        i32_dim(n_new, "new tokens")?,
+        i32_dim(hk, "Hkv")?,
+        i32_dim(dh, "D")?,
+        i32_dim(budget.kernel_stride, "kernel_stride")?,
+        i32_dim(budget.kernel_size, "kernel_size")?,
+    );
+    let inv = 1.0 / budget.kernel_size as f32;
+    let (cp, pp) = if eviction {
+        (tab.seq_c, tab.seq_p)
+    } else {
+        (0u64, 0u64)
+    };
+    let lp = addr(gpu, &ws.seq_lens);
+    let f = gpu.function("compress_windows")?;
+    let lc = LaunchConfig {
+        grid_dim: (
+            grid(new_windows.min(COMPRESS_MAX_GRID_X), "windows")?,
+            grid(ns, "sequences")?,
+            1,
+        ),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(&tab.seq_k)
+        .arg(&cp)
+        .arg(&tab.seq_kc)
+        .arg(&pp)
+        .arg(&lp)
+        .arg(&nn)
+        .arg(&hk_)
+        .arg(&d_)
+        .arg(&st)
+        .arg(&ks)
+        .arg(&inv);
+    // SAFETY: argument list matches kernels/compress.cu; every sequence's Kc/p
+    // hold Mc(capacity) ≥ Mc(T) windows and its K/c caches T ≤ capacity tokens.
+    unsafe { b.launch(lc) }.cuda("compress_windows").map(drop)
+}
+
+/// GPU block selection of every row of a sparse call (spec §4), through the
+/// per-row tables: `qa_window_logits` + `qa_window_scores` (query-aware
+/// window scores over the windows each row sees, Mc(pos+1)), then
+/// `select_blocks` (pooling, forced blocks, NOSA shortlist and top-S, or
+/// InfLLM-V2 top-S) into `ws.sel` [n, Hkv, s_max] / `ws.nsel`; then dense
+/// rows of the call (dense_len) get every block via `sel_fill_dense`.
+#[allow(clippy::too_many_arguments)]
+fn gpu_select(
+    gpu: &Gpu,
+    plan: &AttentionPlan,
+    tab: &Tables,
+    ws: &mut Workspace,
+    n: usize,
+    hq: usize,
+    hk: usize,
+    dh: usize,
+    q_stride: usize,
+    mc_max: usize,
+    w_stride: usize,
+    s_max: usize,
+    rows: &[Row],
+    any_dense: bool,
+) -> Result<()> {
+    let budget = &plan.budget;
+    let g = hq / hk;
+    let qa_tile = super::select::QA_TILE;
+    let ntiles = w_stride / qa_tile;
+    let (qs, h_, hk_, d_, wst, nt, st, ks) = (
+        i32_dim(q_stride, "q_stride")?,
+        i32_dim(hq, "H")?,
+        i32_dim(hk, "Hkv")?,
+        i32_dim(dh, "D")?,
+        i32_dim(w_stride, "w_stride")?,
+        i32_dim(ntiles, "tiles")?,
+        i32_dim(budget.kernel_stride, "kernel_stride")?,
+        i32_dim(budget.kernel_size, "kernel_size")?,
+    );
+    let (qp, lp) = (addr(gpu, &ws.qkv), addr(gpu, &ws.lens));
+    let (lgp, stp, sp) = (
+        addr(gpu, &ws.qa_logits),
+        addr(gpu, &ws.qa_stats),
+        addr(gpu, &ws.qa_scores),
+    );
+    if mc_max > 0 {
+        let tiles = mc_max.div_ceil(qa_tile);
+        let grid3 = (grid(tiles, "tiles")?, grid(hk, "Hkv")?, grid(n, "rows")?);
+        let scale = 1.0 / (dh as f32).sqrt();
+        let f1 = gpu.function("qa_window_logits")?;
+        let smem1 = smem_optin(gpu, f1, (g * dh + g * qa_tile) * 4, 0, "qa_window_logits")?;
+        let mut l1 = gpu.stream().launch_builder(f1);
+        l1.arg(&qp)
+            .arg(&qs)
+            .arg(&tab.kc)
+            .arg(&lp)
+            .arg(&lgp)
+            .arg(&stp)
+            .arg(&h_)
+            .arg(&hk_)
+            .arg(&d_)
+            .arg(&wst)
+            .arg(&nt)
+            .arg(&st)
+            .arg(&ks)
+            .arg(&scale);
+        let cfg1 = LaunchConfig {
+            grid_dim: grid3,
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem1,
+        };
+        // SAFETY: argument list matches qa_window_logits (kernels/select.cu); each
+        // row's Kc holds ≥ Mc(pos+1) windows (compressed above); the workspace
+        // holds n·H·w_stride logits and n·H·ntiles·2 statistics.
+        unsafe { l1.launch(cfg1) }.cuda("qa_window_logits")?;
+        let f2 = gpu.function("qa_window_scores")?;
+        let smem2 = smem_optin(gpu, f2, 2 * g * 4, 0, "qa_window_scores")?;
+        let mut l2 = gpu.stream().launch_builder(f2);
+        l2.arg(&lgp)
+            .arg(&stp)
+            .arg(&lp)
+            .arg(&sp)
+            .arg(&h_)
+            .arg(&hk_)
+            .arg(&wst)
+            .arg(&nt)
+            .arg(&st)
+            .arg(&ks);
+        let cfg2 = LaunchConfig {
+            grid_dim: grid3,
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem2,
+        };
+        // SAFETY: argument list matches qa_window_scores; reads what the
+        // previous kernel wrote for windows < Mc; scores hold n·Hkv·w_stride.
+        unsafe { l2.launch(cfg2) }.cuda("qa_window_scores")?;
+    }
+    let nb_max = rows
+        .iter()
+        .map(|r| budget.blocks(r.pos))
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let nosa = plan.mode == AttentionMode::Nosa;
+    let f = gpu.function("select_blocks")?;
+    let smem = smem_optin(gpu, f, nb_max * 8, SELECT_STATIC_SMEM, "select_blocks")?;
+    let ints = [
+        (w_stride, "w_stride"),
+        (s_max, "s_max"),
+        (0, "nb_stride"),
+        (nb_max, "blocks"),
+        (hk, "Hkv"),
+        (budget.block_size, "block_size"),
+        (budget.kernel_stride, "kernel_stride"),
+        (budget.kernel_size, "kernel_size"),
+        (budget.init_blocks, "init_blocks"),
+        (budget.window_blocks, "window_blocks"),
+        (budget.attended, "attended"),
+        (budget.shortlist, "shortlist"),
+    ]
+    .iter()
+    .map(|&(x, w)| i32_dim(x, w))
+    .collect::<Result<Vec<i32>>>()?;
+    let nosa_i = i32::from(nosa);
+    let pp = if nosa { tab.p } else { 0u64 };
+    let (selp, nselp) = (addr(gpu, &ws.sel), addr(gpu, &ws.nsel));
+    let null = 0u64;
+    let mut l = gpu.stream().launch_builder(f);
+    l.arg(&sp)
+        .arg(&ints[0])
+        .arg(&pp)
+        .arg(&lp)
+        .arg(&selp)
+        .arg(&nselp)
+        .arg(&ints[1])
+        .arg(&null)
+        .arg(&null)
+        .arg(&ints[2])
+        .arg(&ints[3])
+        .arg(&ints[4])
+        .arg(&ints[5])
+        .arg(&ints[6])
+        .arg(&ints[7])
+        .arg(&ints[8])
+        .arg(&ints[9])
+        .arg(&ints[10])
+        .arg(&ints[11])
+        .arg(&nosa_i);
+    let cfg = LaunchConfig {
+        grid_dim: (grid(hk, "Hkv")?, grid(n, "rows")?, 1),
+        block_dim: (SELECT_THREADS, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    // SAFETY: argument list matches select_blocks (kernels/select.cu); every
+    // row has ≤ nb_max blocks and Mc(pos+1) ≤ w_stride windows, its p (NOSA)
+    // holds them; sel/nsel hold n·Hkv·s_max / n·Hkv entries.
+    unsafe { l.launch(cfg) }.cuda("select_blocks")?;
+    if any_dense {
+        let (sm, bs) = (
+            i32_dim(s_max, "s_max")?,
+            i32_dim(budget.block_size, "block size")?,
+        );
+        let dp = addr(gpu, &ws.dense);
+        let f = gpu.function("sel_fill_dense")?;
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(&selp)
+            .arg(&nselp)
+            .arg(&dp)
+            .arg(&lp)
+            .arg(&hk_)
+            .arg(&sm)
+            .arg(&bs);
+        let cfg = LaunchConfig {
+            grid_dim: (grid(n, "rows")?, grid(hk, "Hkv")?, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument list matches kernels/sel_fill.cu; s_max ≥ every dense
+        // row's block count (sized by the caller).
+        unsafe { b.launch(cfg) }.cuda("sel_fill_dense")?;
+    }
+    Ok(())
+}
+
+/// Launches `attn_combine` from the workspace partials into `ws.attn` ([n, H·D]).
+fn combine(gpu: &Gpu, ws: &Workspace, n: usize, hq: usize, dh: usize, ns: usize) -> Result<()> {
+    let (os, h_, d_, ns_) = (
+        i32_dim(hq * dh, "out stride")?,
+        i32_dim(hq, "H")?,
+        i32_dim(dh, "D")?,
+        i32_dim(ns, "splits")?,
+    );
+    let (po, pm, op) = (
+        addr(gpu, &ws.part_o),
+        addr(gpu, &ws.part_ml),
+        addr(gpu, &ws.attn),
+    );
+    let f = gpu.function("attn_combine")?;
+    let lc = LaunchConfig {
+        grid_dim: (grid(n * hq, "rows·H")?, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(&po)
+        .arg(&pm)
+        .arg(&op)
+        .arg(&os)
+        .arg(&h_)
+        .arg(&d_)
+        .arg(&ns_);
+    // SAFETY: argument list matches kernels/attn_combine.cu; partials hold
+    // n·H·ns slots written by the partial kernel; attn holds n·H·D values.
+    unsafe { b.launch(lc) }.cuda("attn_combine").map(drop)
+}
+
+/// TEMPORARY FALLBACK selection ([`SelectionPath::HostFallback`]) for layer
+/// `l`: downloads the fused QKV rows (post-RoPE q and k, v) and the new
+/// eviction scores, appends them to each sequence's host mirror (which
+/// completes Kc and p as [`LayerKv::append`] does), then selects per row
+/// and KV head with [`crate::model::select`] (spec §4; for a prompt row at
+/// position t only the windows visible to it, Mc(t+1)). Dense rows of a
+/// sparse call get every existing block (their attention has no bias).
+/// Returns `[row][kv_head]` ascending block ids when `select`, else only
+/// appends (a dense call: the mirror must still see every token).
+#[allow(clippy::too_many_arguments)]
+fn host_select(
+    gpu: &Gpu,
+    plan: &AttentionPlan,
+    cfg: &ModelConfig,
+    ws: &Workspace,
+    seqs: &mut [GpuSequence],
+    rows: &[Row],
+    l: usize,
+    w: usize,
+    select: bool,
+) -> Result<Option<Vec<Vec<Vec<usize>>>>> {
+    let (hq, hk, dh) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    );
+    let kvd = hk * dh;
+    let n = rows.len();
+    let qkv: Vec<f32> = gpu
+        .download(&ws.qkv.slice(0..n * w))?
+        .into_iter()
+        .map(Bf16::to_f32)
+        .collect();
+    let budget: &Budget = &plan.budget;
+    // Append this call's tokens to the mirrors, sequence by sequence.
+    for (si, seq) in seqs.iter_mut().enumerate() {
+        let mine: Vec<usize> = (0..n).filter(|&i| rows[i].seq == si).collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let p0 = rows[mine[0]].pos;
+        let cnt = mine.len();
+        let c: Vec<f32> = match &seq.layers[l].c {
+            Some(cbuf) => gpu.download(&cbuf.slice(p0 * hk..(p0 + cnt) * hk))?,
+            None => vec![0.0; cnt * hk],
+        };
+        let (mut k, mut v) = (Vec::with_capacity(cnt * kvd), Vec::with_capacity(cnt * kvd));
+        for &i in &mine {
+            let row = &qkv[i * w..(i + 1) * w];
+            k.extend_from_slice(&row[hq * dh..hq * dh + kvd]);
+            v.extend_from_slice(&row[hq * dh + kvd..hq * dh + 2 * kvd]);
+        }
+        let mirror = seq.mirror.as_mut().ok_or_else(|| {
+            Error::Input("sequence has no host mirror for fallback selection".into())
+        })?;
+        mirror[l].append(budget, &k, &v, &c);
+    }
+    if !select {
+        return Ok(None);
+    }
+    let rule = plan.rule();
+    let g = hq / hk;
+    let mut out = Vec::with_capacity(n);
+    for (i, r) in rows.iter().enumerate() {
+        let t = r.pos;
+        let nb = budget.blocks(t);
+        let rule = match rule {
+            Some(rule) if r.sparse => rule,
+            _ => {
+                out.push(vec![(0..nb).collect::<Vec<usize>>(); hk]);
+                continue;
+            }
+        };
+        let kv = &seqs[r.seq].mirror.as_ref().expect("mirror checked above")[l];
+        let q = &qkv[i * w..i * w + hq * dh];
+        let mc = budget.windows(t + 1);
+        let mut per = Vec::with_capacity(hk);
+        for h in 0..hk {
+            let qh = &q[h * g * dh..(h + 1) * g * dh];
+            let kch = if mc > 0 { &kv.kc[h * dh..] } else { &[][..] };
+            let s = select::query_window_scores(qh, dh, kch, kvd, mc);
+            let rr = select::pool_blocks(budget, &s, nb);
+            let p: Vec<f32> = (0..mc).map(|x| kv.p[x * hk + h]).collect();
+            let e = select::pool_blocks(budget, &p, nb);
+            per.push(select::select(budget, rule, &rr, &e));
+        }
+        out.push(per);
+    }
+    Ok(Some(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pointer_tables_are_laid_out_back_to_back() {
+        let (n, ns) = (5usize, 3usize);
+        let t = Tables::new(1000, n, ns);
+        let got = [
+            t.k, t.v, t.c_state, t.c_attn, t.kc, t.p, t.seq_k, t.seq_c, t.seq_kc, t.seq_p,
+        ];
+        let want: Vec<u64> = [0, n, 2 * n, 3 * n, 4 * n, 5 * n]
+            .into_iter()
+            .chain((0..PTRS_PER_SEQ).map(|j| PTRS_PER_ROW * n + j * ns))
+            .map(|i| 1000 + 8 * i as u64)
+            .collect();
+        assert_eq!(got.to_vec(), want);
+    }
+
+    #[test]
+    fn selection_path_follows_the_environment_variable() {
+        // Only reads the variable; the default (unset or any other value) is the GPU path.
+        let p = default_selection_path();
+        match std::env::var("SPARDA_SELECTION").as_deref() {
+            Ok("host") => assert_eq!(p, SelectionPath::HostFallback),
+            _ => assert_eq!(p, SelectionPath::Gpu),
+        }
+    }
+}
