@@ -256,7 +256,10 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
                 })?,
                 None => 0,
             };
-            eprintln!("building synthetic {} (seed {seed}) in memory…", preset.name());
+            eprintln!(
+                "building synthetic {} (seed {seed}) in memory…",
+                preset.name()
+            );
             (
                 sparda::synth::build(preset, seed)?,
                 PathBuf::from(".fixtures/smollm2-135m-instruct/tokenizer.json"),

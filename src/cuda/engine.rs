@@ -336,6 +336,9 @@ pub struct GpuModel {
     /// `[layer][row][kv_head]`: the blocks each row attended in the last
     /// forward call (empty for dense rows), when recording.
     last_selections: Vec<Vec<Vec<Vec<usize>>>>,
+    /// `[layer][row]`: each row's post-RoPE query (H·D, f32 from bf16) in
+    /// the last sparse forward call, when recording.
+    last_queries: Vec<Vec<Vec<f32>>>,
     /// Rows of valid logits after the last call (row r of [`Self::logits`]).
     logit_rows: usize,
 }
@@ -512,6 +515,7 @@ impl GpuModel {
             selection: default_selection_path(),
             record_selections: false,
             last_selections: Vec::new(),
+            last_queries: Vec::new(),
             logit_rows: 0,
             prefill_mode: opts.prefill,
             plan,
@@ -548,6 +552,7 @@ impl GpuModel {
     pub fn set_record_selections(&mut self, on: bool) {
         self.record_selections = on;
         self.last_selections.clear();
+        self.last_queries.clear();
     }
 
     /// `[layer][row][kv_head]`: ascending block ids each row of the last
@@ -556,6 +561,14 @@ impl GpuModel {
     /// last decode step, in order.
     pub fn last_selections(&self) -> &[Vec<Vec<Vec<usize>>>] {
         &self.last_selections
+    }
+
+    /// `[layer][row]`: the post-RoPE query (H·D values, bf16 widened to f32)
+    /// each row used for selection in the last forward call, when recording
+    /// is on and the call had sparse rows (empty otherwise). For explaining
+    /// selection differences against the CPU reference.
+    pub fn last_queries(&self) -> &[Vec<Vec<f32>>] {
+        &self.last_queries
     }
 
     /// A new, empty sequence with room for `capacity_tokens` tokens (rounded
@@ -1159,6 +1172,7 @@ impl GpuModel {
         let res_scale = cfg.residual_scale();
         if self.record_selections {
             self.last_selections = vec![Vec::new(); nl];
+            self.last_queries = vec![Vec::new(); nl];
         }
         for l in 0..nl {
             let ws = self.ws.as_mut().expect("workspace");
@@ -1303,6 +1317,15 @@ impl GpuModel {
                         .cuda("uploading block counts")?;
                 }
                 if self.record_selections {
+                    let qkv = gpu.download(&ws.qkv.slice(0..n * w))?;
+                    self.last_queries[l] = (0..n)
+                        .map(|i| {
+                            qkv[i * w..i * w + hq * dh]
+                                .iter()
+                                .map(|x| x.to_f32())
+                                .collect()
+                        })
+                        .collect();
                     let sel = gpu.download(&ws.sel.slice(0..n * hk * s_max))?;
                     let nsel = gpu.download(&ws.nsel.slice(0..n * hk))?;
                     self.last_selections[l] = rows
