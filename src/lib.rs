@@ -11,7 +11,8 @@
 //! - [`cuda`]: the GPU backend;
 //! - [`sample`]: token sampling;
 //! - [`synth`]: random-weight checkpoints for tests and benchmarks;
-//! - [`generate`]: the text-generation loop behind `sparda generate`.
+//! - [`generate`]: the text-generation loop behind `sparda generate`;
+//! - [`trace`]: Chrome/Perfetto traces of copy/compute overlap and their summary.
 
 pub mod config;
 pub mod cpu;
@@ -22,6 +23,7 @@ pub mod model;
 pub mod sample;
 pub mod synth;
 pub mod tokenizer;
+pub mod trace;
 pub mod weights;
 
 pub use error::{Error, Result};

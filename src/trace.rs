@@ -1,0 +1,435 @@
+//! Chrome/Perfetto traces that show copy/compute overlap, and their summary
+//! (issue 6; runtime.md §3 fault 10: idle waiting is not transfer time).
+//!
+//! A trace is the Chrome trace-event JSON (`{"traceEvents": [...]}`) that
+//! Perfetto and chrome://tracing read. Host spans come from `tracing` +
+//! `tracing-chrome`; GPU spans are measured with CUDA events and placed on
+//! one track per stream ([`Track`]), aligned to the host clock through an
+//! anchor: a CUDA event recorded at a known host time (µs).
+//!
+//! The summary works on intervals, so it counts what really happened:
+//! - **H2D total**: the union of `fetch` spans on the copy track (the copy
+//!   itself, measured by events around it, never the time anyone waited);
+//! - **hidden**: the part of that union during which the compute track was
+//!   busy with any span other than `wait`;
+//! - **exposed**: the rest (transfer while compute was idle or waiting);
+//! - **overlap %** = hidden / H2D total.
+
+use crate::{Error, Result};
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Where a span ran. GPU tracks get fixed thread ids in the trace so that
+/// viewers show one row per stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub enum Track {
+    /// The compute stream.
+    Compute,
+    /// The host-to-device fetch (prefetch) stream.
+    Copy,
+    /// The device-to-host write-back stream.
+    WriteBack,
+}
+
+impl Track {
+    /// Thread id used for this track in the trace (host threads use small ids).
+    pub fn tid(self) -> u64 {
+        match self {
+            Track::Compute => 1_000_001,
+            Track::Copy => 1_000_002,
+            Track::WriteBack => 1_000_003,
+        }
+    }
+    /// Track name shown by the viewer.
+    pub fn name(self) -> &'static str {
+        match self {
+            Track::Compute => "gpu: compute stream",
+            Track::Copy => "gpu: copy stream (H2D fetch)",
+            Track::WriteBack => "gpu: write-back stream (D2H)",
+        }
+    }
+    fn from_tid(tid: u64) -> Option<Track> {
+        [Track::Compute, Track::Copy, Track::WriteBack]
+            .into_iter()
+            .find(|t| t.tid() == tid)
+    }
+}
+
+/// One GPU span, timed by CUDA events relative to the anchor event.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GpuSpan {
+    /// Stream it ran on.
+    pub track: Track,
+    /// Phase: qkv, prep, select, diff, fetch, wait, attention, o_proj, ffn, write-back, …
+    pub name: String,
+    /// Start, ms after the anchor event (`cuEventElapsedTime(anchor, start)`).
+    pub start_ms: f64,
+    /// Duration, ms.
+    pub dur_ms: f64,
+    /// Decoder layer, if any.
+    pub layer: Option<u32>,
+    /// Decode step, if any.
+    pub step: Option<u32>,
+    /// Bytes moved (fetch / write-back), if any.
+    pub bytes: Option<u64>,
+    /// Blocks fetched, if any.
+    pub blocks: Option<u32>,
+}
+
+/// Process id used for GPU tracks.
+pub const GPU_PID: u64 = 1;
+
+/// Chrome trace events (`ph: "X"`, times in µs) for GPU spans, placed on the
+/// host clock: ts = `anchor_host_us` + start_ms·1000. Adds one thread-name
+/// metadata event per track.
+pub fn gpu_events(spans: &[GpuSpan], anchor_host_us: f64) -> Vec<Value> {
+    let mut out: Vec<Value> = [Track::Compute, Track::Copy, Track::WriteBack]
+        .iter()
+        .map(|t| json!({"ph": "M", "name": "thread_name", "pid": GPU_PID, "tid": t.tid(), "args": {"name": t.name()}}))
+        .collect();
+    for s in spans {
+        let mut args = serde_json::Map::new();
+        for (k, v) in [
+            ("layer", s.layer.map(u64::from)),
+            ("step", s.step.map(u64::from)),
+            ("bytes", s.bytes),
+            ("blocks", s.blocks.map(u64::from)),
+        ] {
+            if let Some(v) = v {
+                args.insert(k.into(), json!(v));
+            }
+        }
+        out.push(json!({
+            "ph": "X", "cat": "gpu", "name": s.name, "pid": GPU_PID, "tid": s.track.tid(),
+            "ts": anchor_host_us + s.start_ms * 1e3, "dur": s.dur_ms * 1e3, "args": Value::Object(args),
+        }));
+    }
+    out
+}
+
+/// Merges GPU spans into a host trace (the JSON that tracing-chrome wrote,
+/// either `{"traceEvents": [...]}` or a bare array).
+///
+/// Errors: a host trace that is neither form.
+pub fn merge(host: Value, spans: &[GpuSpan], anchor_host_us: f64) -> Result<Value> {
+    let mut events = match host {
+        Value::Array(a) => a,
+        Value::Object(mut o) => match o.remove("traceEvents") {
+            Some(Value::Array(a)) => a,
+            _ => {
+                return Err(Error::Input(
+                    "host trace: object without a `traceEvents` array".into(),
+                ))
+            }
+        },
+        _ => {
+            return Err(Error::Input(
+                "host trace: expected a JSON array or {\"traceEvents\": [...]}".into(),
+            ))
+        }
+    };
+    events.extend(gpu_events(spans, anchor_host_us));
+    Ok(json!({"traceEvents": events, "displayTimeUnit": "ms"}))
+}
+
+/// One complete span read back from a trace, µs.
+#[derive(Debug, Clone, PartialEq)]
+struct Ev {
+    track: Option<Track>,
+    name: String,
+    ts: f64,
+    dur: f64,
+    layer: Option<u64>,
+    step: Option<u64>,
+    bytes: Option<u64>,
+}
+
+/// Per-phase totals.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct PhaseStats {
+    /// Spans seen.
+    pub count: usize,
+    /// Sum of durations, ms.
+    pub total_ms: f64,
+    /// total_ms / number of distinct steps (ms per step; 0 when no step args).
+    pub per_step_ms: f64,
+}
+
+/// Per-layer fetch/overlap figures.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct LayerStats {
+    /// Union of this layer's fetch spans, ms.
+    pub h2d_ms: f64,
+    /// Part of it overlapped by compute, ms.
+    pub hidden_ms: f64,
+    /// Bytes fetched.
+    pub bytes: u64,
+    /// Compute-stream `wait` time attributed to this layer, ms.
+    pub wait_ms: f64,
+}
+
+/// What `sparda trace summarize` prints.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Summary {
+    /// Distinct decode steps seen (from `args.step`).
+    pub steps: usize,
+    /// Per phase (span name, GPU and host alike; host names prefixed `host:`).
+    pub phases: BTreeMap<String, PhaseStats>,
+    /// Union of fetch spans on the copy track, ms.
+    pub h2d_total_ms: f64,
+    /// Transfer time during which compute was busy, ms.
+    pub h2d_hidden_ms: f64,
+    /// Transfer time during which compute was idle or waiting, ms.
+    pub h2d_exposed_ms: f64,
+    /// hidden / total, percent (0 when no transfer).
+    pub overlap_pct: f64,
+    /// Union of compute-stream `wait` spans, ms (idle waiting; not transfer).
+    pub compute_wait_ms: f64,
+    /// Bytes fetched in all.
+    pub h2d_bytes: u64,
+    /// Achieved H2D rate over the real transfer time, GB/s (1e9 bytes/s).
+    pub h2d_gb_per_s: f64,
+    /// Per layer (from `args.layer`).
+    pub layers: BTreeMap<u64, LayerStats>,
+}
+
+/// Sorted, merged union of intervals [start, end).
+fn union(mut iv: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
+    iv.retain(|(a, b)| b > a);
+    iv.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let mut out: Vec<(f64, f64)> = Vec::with_capacity(iv.len());
+    for (a, b) in iv {
+        match out.last_mut() {
+            Some(last) if a <= last.1 => last.1 = last.1.max(b),
+            _ => out.push((a, b)),
+        }
+    }
+    out
+}
+
+fn length(iv: &[(f64, f64)]) -> f64 {
+    iv.iter().map(|(a, b)| b - a).sum()
+}
+
+/// Length of the intersection of two unions (each sorted and disjoint).
+fn intersect_len(a: &[(f64, f64)], b: &[(f64, f64)]) -> f64 {
+    let (mut i, mut j, mut total) = (0, 0, 0.0);
+    while i < a.len() && j < b.len() {
+        let lo = a[i].0.max(b[j].0);
+        let hi = a[i].1.min(b[j].1);
+        if hi > lo {
+            total += hi - lo;
+        }
+        if a[i].1 < b[j].1 {
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+    total
+}
+
+fn parse_events(trace: &Value) -> Result<Vec<Ev>> {
+    let arr = match trace {
+        Value::Array(a) => a,
+        Value::Object(o) => o
+            .get("traceEvents")
+            .and_then(Value::as_array)
+            .ok_or_else(|| Error::Input("trace: object without a `traceEvents` array".into()))?,
+        _ => {
+            return Err(Error::Input(
+                "trace: expected a JSON array or {\"traceEvents\": [...]}".into(),
+            ))
+        }
+    };
+    let mut out = Vec::new();
+    // tracing-chrome may write B/E pairs; pair them per (pid, tid, name).
+    let mut open: BTreeMap<(u64, u64, String), Vec<f64>> = BTreeMap::new();
+    for (i, e) in arr.iter().enumerate() {
+        let ph = e.get("ph").and_then(Value::as_str).unwrap_or("");
+        let name = e
+            .get("name")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
+        let pid = e.get("pid").and_then(Value::as_u64).unwrap_or(0);
+        let tid = e.get("tid").and_then(Value::as_u64).unwrap_or(0);
+        let ts = e.get("ts").and_then(Value::as_f64);
+        let arg = |k: &str| e.get("args").and_then(|a| a.get(k)).and_then(Value::as_u64);
+        let track = if pid == GPU_PID {
+            Track::from_tid(tid)
+        } else {
+            None
+        };
+        let shown = if track.is_some() {
+            name.clone()
+        } else {
+            format!("host:{name}")
+        };
+        match ph {
+            "X" => {
+                let (Some(ts), Some(dur)) = (ts, e.get("dur").and_then(Value::as_f64)) else {
+                    return Err(Error::Input(format!(
+                        "trace event {i} (`{name}`): complete event without ts/dur"
+                    )));
+                };
+                out.push(Ev {
+                    track,
+                    name: shown,
+                    ts,
+                    dur,
+                    layer: arg("layer"),
+                    step: arg("step"),
+                    bytes: arg("bytes"),
+                });
+            }
+            "B" => open
+                .entry((pid, tid, name))
+                .or_default()
+                .push(ts.unwrap_or(0.0)),
+            "E" => {
+                if let Some(start) = open.get_mut(&(pid, tid, name.clone())).and_then(Vec::pop) {
+                    let end = ts.unwrap_or(start);
+                    out.push(Ev {
+                        track,
+                        name: shown,
+                        ts: start,
+                        dur: end - start,
+                        layer: None,
+                        step: None,
+                        bytes: None,
+                    });
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+/// Summarizes a trace (see the module doc for the definitions).
+///
+/// Errors: a JSON value that is not a trace, or complete events without times.
+pub fn summarize(trace: &Value) -> Result<Summary> {
+    let evs = parse_events(trace)?;
+    let mut s = Summary::default();
+    let steps: std::collections::BTreeSet<u64> = evs.iter().filter_map(|e| e.step).collect();
+    s.steps = steps.len();
+    for e in &evs {
+        let p = s.phases.entry(e.name.clone()).or_default();
+        p.count += 1;
+        p.total_ms += e.dur / 1e3;
+    }
+    for p in s.phases.values_mut() {
+        p.per_step_ms = if s.steps > 0 {
+            p.total_ms / s.steps as f64
+        } else {
+            0.0
+        };
+    }
+    let iv = |f: &dyn Fn(&Ev) -> bool| {
+        union(
+            evs.iter()
+                .filter(|e| f(e))
+                .map(|e| (e.ts, e.ts + e.dur))
+                .collect(),
+        )
+    };
+    let is_fetch = |e: &Ev| e.track == Some(Track::Copy) && e.name == "fetch";
+    let fetch = iv(&is_fetch);
+    let busy = iv(&|e: &Ev| e.track == Some(Track::Compute) && e.name != "wait");
+    let wait = iv(&|e: &Ev| e.track == Some(Track::Compute) && e.name == "wait");
+    s.h2d_total_ms = length(&fetch) / 1e3;
+    s.h2d_hidden_ms = intersect_len(&fetch, &busy) / 1e3;
+    s.h2d_exposed_ms = s.h2d_total_ms - s.h2d_hidden_ms;
+    s.overlap_pct = if s.h2d_total_ms > 0.0 {
+        100.0 * s.h2d_hidden_ms / s.h2d_total_ms
+    } else {
+        0.0
+    };
+    s.compute_wait_ms = length(&wait) / 1e3;
+    s.h2d_bytes = evs
+        .iter()
+        .filter(|e| is_fetch(e))
+        .filter_map(|e| e.bytes)
+        .sum();
+    s.h2d_gb_per_s = if s.h2d_total_ms > 0.0 {
+        s.h2d_bytes as f64 / (s.h2d_total_ms * 1e6)
+    } else {
+        0.0
+    };
+    let layers: std::collections::BTreeSet<u64> = evs.iter().filter_map(|e| e.layer).collect();
+    for l in layers {
+        let f = iv(&|e: &Ev| is_fetch(e) && e.layer == Some(l));
+        let w =
+            iv(&|e: &Ev| e.track == Some(Track::Compute) && e.name == "wait" && e.layer == Some(l));
+        s.layers.insert(
+            l,
+            LayerStats {
+                h2d_ms: length(&f) / 1e3,
+                hidden_ms: intersect_len(&f, &busy) / 1e3,
+                bytes: evs
+                    .iter()
+                    .filter(|e| is_fetch(e) && e.layer == Some(l))
+                    .filter_map(|e| e.bytes)
+                    .sum(),
+                wait_ms: length(&w) / 1e3,
+            },
+        );
+    }
+    Ok(s)
+}
+
+/// Reads and summarizes a trace file.
+///
+/// Errors: the file cannot be read ([`Error::Io`]) or is not a trace JSON
+/// ([`Error::Input`] naming the file).
+pub fn summarize_file(path: &Path) -> Result<Summary> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let v: Value = serde_json::from_str(&text)
+        .map_err(|e| Error::Input(format!("{}: not JSON: {e}", path.display())))?;
+    summarize(&v).map_err(|e| Error::Input(format!("{}: {e}", path.display())))
+}
+
+impl Summary {
+    /// Human-readable report: phase table, transfer figures, per-layer table.
+    pub fn to_text(&self) -> String {
+        use std::fmt::Write;
+        let mut o = String::new();
+        let _ = writeln!(o, "steps: {}", self.steps);
+        let _ = writeln!(
+            o,
+            "{:<28} {:>8} {:>12} {:>12}",
+            "phase", "count", "total ms", "ms/step"
+        );
+        for (name, p) in &self.phases {
+            let _ = writeln!(
+                o,
+                "{:<28} {:>8} {:>12.3} {:>12.3}",
+                name, p.count, p.total_ms, p.per_step_ms
+            );
+        }
+        let _ = writeln!(
+            o,
+            "H2D: total {:.3} ms, hidden {:.3} ms, exposed {:.3} ms, overlap {:.1}%, {} bytes, {:.1} GB/s; compute waited {:.3} ms",
+            self.h2d_total_ms, self.h2d_hidden_ms, self.h2d_exposed_ms, self.overlap_pct, self.h2d_bytes, self.h2d_gb_per_s, self.compute_wait_ms
+        );
+        if !self.layers.is_empty() {
+            let _ = writeln!(
+                o,
+                "{:>6} {:>10} {:>10} {:>12} {:>10}",
+                "layer", "h2d ms", "hidden ms", "bytes", "wait ms"
+            );
+            for (l, s) in &self.layers {
+                let _ = writeln!(
+                    o,
+                    "{:>6} {:>10.3} {:>10.3} {:>12} {:>10.3}",
+                    l, s.h2d_ms, s.hidden_ms, s.bytes, s.wait_ms
+                );
+            }
+        }
+        o
+    }
+}
