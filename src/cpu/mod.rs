@@ -74,6 +74,151 @@ pub struct EngineOptions {
     pub prefill: PrefillMode,
 }
 
+/// Opt-in bf16 activation emulation of the CPU reference
+/// ([`CpuModel::set_bf16_emulation`]): the points where the CUDA engine
+/// (src/cuda/engine.rs and kernels/) stores an activation in bf16, each a
+/// switch, so that the reference can reproduce the engine's rounding (round
+/// to nearest even, as `half::bf16::from_f32` and kernels/common.cuh
+/// `f2bf`) and tell rounding error from an engine bug. Everything else stays
+/// f32 as in the engine: the residual stream, attention scores and softmax,
+/// the eviction score c, Kc/p, and the logits. Off (the default, `None`), the
+/// reference is the plain f32 path, untouched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bf16Points {
+    /// `embed_gather` (kernels/embedding.cu): x = bf16(embed[tok] · scale_emb),
+    /// the engine's layer-0 `delta`.
+    pub embed: bool,
+    /// Input/post-attention RMSNorm (kernels/rmsnorm.cu `rmsnorm_residual`):
+    /// the normalised value bf16(x · inv) before the weight multiply (spec §7).
+    pub norm_normed: bool,
+    /// Input/post-attention RMSNorm: its output bf16(· w), the engine's `xn`.
+    pub norm_out: bool,
+    /// The fused QKV(+z) GEMM's bf16 output (`gpu.linear` into `ws.qkv`,
+    /// cuBLAS bf16 C), and again after `bias_add` for biased checkpoints.
+    pub qkv: bool,
+    /// q and k after RoPE (kernels/kv_append.cu `qkv_rope_append`: rotated
+    /// in f32, stored bf16 in `ws.qkv` and the K cache). V goes to the cache
+    /// unchanged (already bf16 from the GEMM).
+    pub rope: bool,
+    /// NOSA: the eviction logit z from the fused row bf16(δ·W_v) of the QKV
+    /// GEMM (bf16 output when `qkv`), plus the f32 b + δ·b_v, as
+    /// `GpuModel::new` builds it, instead of δ·v + b on the f32 v.
+    pub evict_fused: bool,
+    /// Attention output (kernels/attn_combine.cu: bf16 `ws.attn`).
+    pub attn_out: bool,
+    /// o_proj output (`gpu.linear` into bf16 `ws.delta`, (+`bias_add`)).
+    pub o_proj: bool,
+    /// gate|up GEMM output (bf16 `ws.gu`, (+`bias_add`)).
+    pub gate_up: bool,
+    /// SwiGLU output bf16(silu(g)·u) (kernels/swiglu.cu, `ws.act`).
+    pub act: bool,
+    /// down_proj output (bf16 `ws.delta`, (+`bias_add`)).
+    pub down: bool,
+    /// Final RMSNorm: the normalised value bf16(x · inv).
+    pub final_normed: bool,
+    /// Final RMSNorm: its output bf16(· w′), with the muP logit divisor
+    /// folded into the weight as the engine does (w′ = bf16(w / divisor)).
+    pub final_out: bool,
+}
+
+impl Bf16Points {
+    /// Every point on: what the CUDA engine does.
+    pub const ALL: Bf16Points = Bf16Points {
+        embed: true,
+        norm_normed: true,
+        norm_out: true,
+        qkv: true,
+        rope: true,
+        evict_fused: true,
+        attn_out: true,
+        o_proj: true,
+        gate_up: true,
+        act: true,
+        down: true,
+        final_normed: true,
+        final_out: true,
+    };
+    /// Every point off (the f32 path, through the emulation code).
+    pub const NONE: Bf16Points = Bf16Points {
+        embed: false,
+        norm_normed: false,
+        norm_out: false,
+        qkv: false,
+        rope: false,
+        evict_fused: false,
+        attn_out: false,
+        o_proj: false,
+        gate_up: false,
+        act: false,
+        down: false,
+        final_normed: false,
+        final_out: false,
+    };
+    /// The names of the points (the field names), for ablations.
+    pub const NAMES: [&'static str; 13] = [
+        "embed",
+        "norm_normed",
+        "norm_out",
+        "qkv",
+        "rope",
+        "evict_fused",
+        "attn_out",
+        "o_proj",
+        "gate_up",
+        "act",
+        "down",
+        "final_normed",
+        "final_out",
+    ];
+
+    /// The switch named `name` (one of [`Self::NAMES`]).
+    pub fn get_mut(&mut self, name: &str) -> Option<&mut bool> {
+        Some(match name {
+            "embed" => &mut self.embed,
+            "norm_normed" => &mut self.norm_normed,
+            "norm_out" => &mut self.norm_out,
+            "qkv" => &mut self.qkv,
+            "rope" => &mut self.rope,
+            "evict_fused" => &mut self.evict_fused,
+            "attn_out" => &mut self.attn_out,
+            "o_proj" => &mut self.o_proj,
+            "gate_up" => &mut self.gate_up,
+            "act" => &mut self.act,
+            "down" => &mut self.down,
+            "final_normed" => &mut self.final_normed,
+            "final_out" => &mut self.final_out,
+            _ => return None,
+        })
+    }
+
+    /// These points with `name` switched to `on`; `None` for an unknown name.
+    pub fn with(mut self, name: &str, on: bool) -> Option<Self> {
+        *self.get_mut(name)? = on;
+        Some(self)
+    }
+}
+
+/// Rounds every value to bf16 and back (round to nearest even) when `on`.
+fn round_bf16(v: &mut [f32], on: bool) {
+    if on {
+        for x in v.iter_mut() {
+            *x = half::bf16::from_f32(*x).to_f32();
+        }
+    }
+}
+
+/// State of the bf16 emulation: the points, and the fused weights the
+/// engine builds at load.
+#[derive(Debug, Clone)]
+struct Bf16Emulation {
+    points: Bf16Points,
+    /// Final norm weight bf16(w / logit divisor) (`GpuModel::new` `fnorm`).
+    final_norm: Vec<f32>,
+    /// NOSA, per layer: the fused eviction rows bf16(δ·W_v), [Hkv, d], and
+    /// b + δ·b_v, [Hkv] (`GpuModel::new`, `zw` / `zb`).
+    evict: Vec<Option<(Vec<f32>, Vec<f32>)>>,
+}
+
 /// One sequence's state: the §3 state of every layer, plus the blocks the
 /// last sparse query selected per (layer, KV head), for tests and for
 /// comparing backends.
@@ -110,6 +255,8 @@ pub struct CpuModel {
     /// `None` when tied to `embed`.
     lm_head: Option<Vec<f32>>,
     layers: Vec<Layer>,
+    /// bf16 activation emulation, off (`None`) by default.
+    bf16: Option<Bf16Emulation>,
 }
 
 impl CpuModel {
@@ -172,8 +319,119 @@ impl CpuModel {
             norm: get(names::final_norm())?,
             lm_head,
             layers,
+            bf16: None,
             config: cfg,
         })
+    }
+
+    /// Switches the bf16 activation emulation on at `points` (`Some`) or off
+    /// (`None`, the default f32 reference). See [`Bf16Points`]: with
+    /// [`Bf16Points::ALL`] the reference rounds where the CUDA engine stores
+    /// bf16, so the two differ by accumulation order only. Not an oracle
+    /// mode: for explaining GPU-vs-CPU differences.
+    pub fn set_bf16_emulation(&mut self, points: Option<Bf16Points>) {
+        self.bf16 = points.map(|points| {
+            let c = &self.config;
+            let (hk, d) = (c.num_key_value_heads, c.hidden_size);
+            let kvd = hk * c.head_dim;
+            let div = c.logit_divisor();
+            let final_norm = self
+                .norm
+                .iter()
+                .map(|&x| half::bf16::from_f32(x / div).to_f32())
+                .collect();
+            // As GpuModel::new: zw[h] = Σ_j δ[h, j] · W_v[j] in f32, in j order, then bf16.
+            let evict = self
+                .layers
+                .iter()
+                .map(|l| {
+                    l.evict.as_ref().map(|ev| {
+                        let wv = &l.v.0;
+                        let mut zw = vec![0.0f32; hk * d];
+                        for h in 0..hk {
+                            let row = &mut zw[h * d..(h + 1) * d];
+                            for j in 0..kvd {
+                                let cf = ev.delta[h * kvd + j];
+                                if cf != 0.0 {
+                                    for (r, x) in row.iter_mut().zip(&wv[j * d..(j + 1) * d]) {
+                                        *r += cf * x;
+                                    }
+                                }
+                            }
+                        }
+                        round_bf16(&mut zw, true);
+                        let zb = (0..hk)
+                            .map(|h| {
+                                let mut s = ev.bias.as_ref().map_or(0.0, |b| b[h]);
+                                if let Some(bv) = &l.v.1 {
+                                    s += (0..kvd)
+                                        .map(|j| ev.delta[h * kvd + j] * bv[j])
+                                        .sum::<f32>();
+                                }
+                                s
+                            })
+                            .collect();
+                        (zw, zb)
+                    })
+                })
+                .collect();
+            Bf16Emulation {
+                points,
+                final_norm,
+                evict,
+            }
+        });
+    }
+
+    /// The bf16 emulation points in force, if on.
+    pub fn bf16_emulation(&self) -> Option<Bf16Points> {
+        self.bf16.as_ref().map(|e| e.points)
+    }
+
+    /// A linear layer as [`ops::linear`]; under bf16 emulation with `round`
+    /// as the engine does it: a bias-free bf16-output GEMM, then `bias_add`
+    /// (kernels/bias.cu: bf16(y + b)).
+    fn linear(
+        &self,
+        x: &[f32],
+        n: usize,
+        w: &(Vec<f32>, Option<Vec<f32>>),
+        out: usize,
+        round: impl Fn(&Bf16Points) -> bool,
+    ) -> Vec<f32> {
+        match &self.bf16 {
+            Some(e) if round(&e.points) => {
+                let mut y = ops::linear(x, n, &w.0, None, out);
+                round_bf16(&mut y, true);
+                if let Some(b) = &w.1 {
+                    for row in y.chunks_exact_mut(out) {
+                        for (yi, bi) in row.iter_mut().zip(b) {
+                            *yi += bi;
+                        }
+                    }
+                    round_bf16(&mut y, true);
+                }
+                y
+            }
+            _ => ops::linear(x, n, &w.0, w.1.as_deref(), out),
+        }
+    }
+
+    /// RMSNorm of a layer ([`ops::rms_norm`]; under bf16 emulation
+    /// [`ops::rms_norm_rounded`] at the `norm_*` points).
+    fn layer_norm(&self, x: &[f32], w: &[f32]) -> Vec<f32> {
+        let eps = self.config.rms_norm_eps;
+        match &self.bf16 {
+            Some(e) => ops::rms_norm_rounded(x, w, eps, e.points.norm_normed, e.points.norm_out),
+            None => ops::rms_norm(x, w, eps),
+        }
+    }
+
+    /// Rounds `v` to bf16 when the emulation is on at the point `at` picks.
+    fn round_at(&self, v: &mut [f32], at: impl Fn(&Bf16Points) -> bool) {
+        if let Some(e) = &self.bf16 {
+            round_bf16(v, at(&e.points));
+        }
     }
 
     /// A new, empty sequence.
@@ -243,6 +501,8 @@ impl CpuModel {
                     .map(|v| v * emb_scale),
             );
         }
+        // bf16 emulation: embed_gather writes bf16(embed · scale_emb) (kernels/embedding.cu).
+        self.round_at(&mut x, |p| p.embed);
         let res_scale = self.residual_scale();
         for (li, layer) in self.layers.iter().enumerate() {
             let attn = self.attention(li, layer, seq, &x, n, sparse, rope_len);
@@ -259,11 +519,29 @@ impl CpuModel {
             Logits::All => &x,
         };
         let m = rows.len() / d;
-        let mut h = ops::rms_norm(rows, &self.norm, c.rms_norm_eps);
-        if let Some(mup) = c.mup {
-            let div = c.hidden_size as f32 / mup.dim_model_base;
-            h.iter_mut().for_each(|v| *v /= div);
-        }
+        let h = if let Some(e) = &self.bf16 {
+            // The engine's final add_rmsnorm: bf16(bf16(x · inv) · bf16(w / divisor)),
+            // the muP divisor folded into the weight (GpuModel::new `fnorm`).
+            let p = e.points;
+            if p.final_out {
+                ops::rms_norm_rounded(rows, &e.final_norm, c.rms_norm_eps, p.final_normed, true)
+            } else {
+                let mut h =
+                    ops::rms_norm_rounded(rows, &self.norm, c.rms_norm_eps, p.final_normed, false);
+                if let Some(mup) = c.mup {
+                    let div = c.hidden_size as f32 / mup.dim_model_base;
+                    h.iter_mut().for_each(|v| *v /= div);
+                }
+                h
+            }
+        } else {
+            let mut h = ops::rms_norm(rows, &self.norm, c.rms_norm_eps);
+            if let Some(mup) = c.mup {
+                let div = c.hidden_size as f32 / mup.dim_model_base;
+                h.iter_mut().for_each(|v| *v /= div);
+            }
+            h
+        };
         let head = self.lm_head.as_deref().unwrap_or(&self.embed);
         Ok(ops::linear(&h, m, head, None, c.vocab_size))
     }
@@ -308,12 +586,16 @@ impl CpuModel {
     /// SwiGLU MLP of n rows: down(silu(gate(x̂)) · up(x̂)).
     fn mlp(&self, layer: &Layer, x: &[f32], n: usize) -> Vec<f32> {
         let c = &self.config;
-        let xn = ops::rms_norm(x, &layer.post_norm, c.rms_norm_eps);
+        let xn = self.layer_norm(x, &layer.post_norm);
         let i = c.intermediate_size;
-        let g = ops::linear(&xn, n, &layer.gate.0, layer.gate.1.as_deref(), i);
-        let u = ops::linear(&xn, n, &layer.up.0, layer.up.1.as_deref(), i);
-        let h: Vec<f32> = g.iter().zip(&u).map(|(a, b)| ops::silu(*a) * b).collect();
-        ops::linear(&h, n, &layer.down.0, layer.down.1.as_deref(), c.hidden_size)
+        // bf16 emulation: the gate|up GEMM stores bf16 (`ws.gu`).
+        let g = self.linear(&xn, n, &layer.gate, i, |p| p.gate_up);
+        let u = self.linear(&xn, n, &layer.up, i, |p| p.gate_up);
+        let mut h: Vec<f32> = g.iter().zip(&u).map(|(a, b)| ops::silu(*a) * b).collect();
+        // kernels/swiglu.cu stores bf16(silu(g) · u) (`ws.act`).
+        self.round_at(&mut h, |p| p.act);
+        // down_proj stores bf16 (`ws.delta`), added to the f32 residual by the next add_rmsnorm.
+        self.linear(&h, n, &layer.down, c.hidden_size, |p| p.down)
     }
 
     /// Attention block of n rows: projections, eviction score, RoPE, state
@@ -331,13 +613,34 @@ impl CpuModel {
         let c = &self.config;
         let (hq, hk, dh) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let t0 = seq.layers[li].len();
-        let xn = ops::rms_norm(x, &layer.input_norm, c.rms_norm_eps);
-        let mut q = ops::linear(&xn, n, &layer.q.0, layer.q.1.as_deref(), hq * dh);
-        let mut k = ops::linear(&xn, n, &layer.k.0, layer.k.1.as_deref(), hk * dh);
-        let v = ops::linear(&xn, n, &layer.v.0, layer.v.1.as_deref(), hk * dh);
+        let xn = self.layer_norm(x, &layer.input_norm);
+        // bf16 emulation: the fused QKV GEMM stores bf16 (`ws.qkv`).
+        let mut q = self.linear(&xn, n, &layer.q, hq * dh, |p| p.qkv);
+        let mut k = self.linear(&xn, n, &layer.k, hk * dh, |p| p.qkv);
+        let v = self.linear(&xn, n, &layer.v, hk * dh, |p| p.qkv);
+        // bf16 emulation: z from the fused bf16(δ·W_v) rows of the QKV GEMM,
+        // plus b + δ·b_v in f32 (GpuModel::new; kernels/kv_append.cu).
+        let fused = self.bf16.as_ref().and_then(|e| {
+            e.evict[li]
+                .as_ref()
+                .filter(|_| e.points.evict_fused)
+                .map(|f| (f, e.points.qkv))
+        });
         let cvals = match &layer.evict {
             Some(ev) => {
-                let mut z = ops::linear(&v, n, &ev.delta, ev.bias.as_deref(), hk);
+                let mut z = match fused {
+                    Some(((zw, zb), round)) => {
+                        let mut z = ops::linear(&xn, n, zw, None, hk);
+                        round_bf16(&mut z, round);
+                        for row in z.chunks_exact_mut(hk) {
+                            for (zi, b) in row.iter_mut().zip(zb) {
+                                *zi += b;
+                            }
+                        }
+                        z
+                    }
+                    None => ops::linear(&v, n, &ev.delta, ev.bias.as_deref(), hk),
+                };
                 for row in z.chunks_exact_mut(hk) {
                     for (h, zh) in row.iter_mut().enumerate() {
                         *zh = ev.a[h] * ops::softplus(*zh);
@@ -355,6 +658,10 @@ impl CpuModel {
             ops::rope_in_place(&mut q[i * hq * dh..(i + 1) * hq * dh], &cos, &sin);
             ops::rope_in_place(&mut k[i * hk * dh..(i + 1) * hk * dh], &cos, &sin);
         }
+        // bf16 emulation: qkv_rope_append stores the rotated q and k as bf16
+        // (`ws.qkv` and the K cache); V is cached as the GEMM left it.
+        self.round_at(&mut q, |p| p.rope);
+        self.round_at(&mut k, |p| p.rope);
         let kv = &mut seq.layers[li];
         kv.append(&self.plan.budget, &k, &v, &cvals);
         let mut out = vec![0.0f32; n * hq * dh];
@@ -365,7 +672,10 @@ impl CpuModel {
             dense_attention(kv, &q, t0, n, hq, dh, &mut out);
             seq.selections[li].iter_mut().for_each(Vec::clear);
         }
-        ops::linear(&out, n, &layer.o.0, layer.o.1.as_deref(), c.hidden_size)
+        // bf16 emulation: attn_combine stores bf16 (`ws.attn`); o_proj stores
+        // bf16 (`ws.delta`), added to the f32 residual by add_rmsnorm.
+        self.round_at(&mut out, |p| p.attn_out);
+        self.linear(&out, n, &layer.o, c.hidden_size, |p| p.o_proj)
     }
 }
 

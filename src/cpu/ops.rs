@@ -124,6 +124,37 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     y
 }
 
+/// [`rms_norm`] with the bf16 roundings of the CUDA engine's
+/// `rmsnorm_residual` (kernels/rmsnorm.cu, spec §7): bf16(bf16(x · inv) · w),
+/// each rounding when its flag is set (bf16 emulation of the CPU reference).
+pub fn rms_norm_rounded(
+    x: &[f32],
+    w: &[f32],
+    eps: f32,
+    round_normed: bool,
+    round_out: bool,
+) -> Vec<f32> {
+    let rb = |v: f32, on: bool| {
+        if on {
+            half::bf16::from_f32(v).to_f32()
+        } else {
+            v
+        }
+    };
+    let d = w.len();
+    let mut y = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(d) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let r = 1.0 / (ms + eps).sqrt();
+        y.extend(
+            row.iter()
+                .zip(w)
+                .map(|(v, wi)| rb(rb(v * r, round_normed) * wi, round_out)),
+        );
+    }
+    y
+}
+
 /// Applies NeoX (rotate-half) RoPE in place to `heads` vectors of `cos.len()·2`
 /// values: (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin), spec §1.
 pub fn rope_in_place(x: &mut [f32], cos: &[f32], sin: &[f32]) {

@@ -13,7 +13,11 @@
 //! are that close; the attention output of that step then differs by a
 //! whole block and its logits can exceed 2e-2 (measured on the H200: every
 //! step past 2e-2 was such a step). So a step counts as follows:
-//! - all sets equal: its logits must be within [`TOLERANCE`];
+//! - all sets equal: its logits must be within [`TOLERANCE`] of the CPU
+//!   reference with bf16 emulation (rounding where the engine stores bf16;
+//!   [`crate::cpu::Bf16Points::ALL`]); the error against the f32 reference is
+//!   reported beside it, unbounded (on SmolLM2 the emulation itself is
+//!   5.9e-2 from f32 at low-norm steps);
 //! - a set differs: each differing set must be *explained*, either as a
 //!   near-tie — every block in the symmetric difference scores within
 //!   [`NEAR_TIE`] (relative) of the cut that decided it (the query-aware
@@ -33,7 +37,7 @@
 use super::check::{rel_l2, utc_now_iso};
 use super::engine::{GpuModel, GpuSequence, SelectionPath};
 use super::Gpu;
-use crate::cpu::{CpuModel, EngineOptions};
+use crate::cpu::{Bf16Points, CpuModel, EngineOptions};
 use crate::model::{AttentionOverrides, PrefillMode, SelectionRule};
 use crate::sample::argmax;
 use crate::synth::{self, Preset};
@@ -113,10 +117,37 @@ pub struct E2eCase {
     pub selection_examples: Vec<Value>,
     /// Some sequence's cache grew (reallocated) during the run.
     pub grew: bool,
+    /// Per-step diagnostics, `[sequence][step]` (step 0 = after prefill):
+    /// rel L2 of the GPU logits against the f32 CPU reference (the figure
+    /// bounded by the tolerance). NaN where logits were not finite.
+    pub rel_l2_per_step: Vec<Vec<f64>>,
+    /// `[sequence][step]`: ‖reference logits‖₂ (rel L2 spikes sit where it is small).
+    pub ref_norm_per_step: Vec<Vec<f64>>,
+    /// `[sequence][step]`: rel L2 of the CPU reference with bf16 activation
+    /// emulation ([`Bf16Points::ALL`]: rounding where the engine stores bf16)
+    /// against the f32 reference, same teacher-forced tokens: the error bf16
+    /// arithmetic alone explains.
+    pub emulation_rel_l2_per_step: Vec<Vec<f64>>,
+    /// `[sequence][step]`: rel L2 of the GPU logits against the bf16-emulating
+    /// CPU reference (small when the engine rounds where the emulation does).
+    pub gpu_vs_emulation_rel_l2_per_step: Vec<Vec<f64>>,
+    /// Largest / mean of [`Self::emulation_rel_l2_per_step`].
+    pub emulation_max_rel_l2: f64,
+    /// Mean of [`Self::emulation_rel_l2_per_step`].
+    pub emulation_mean_rel_l2: f64,
+    /// Largest GPU-vs-emulated-reference error over steps whose block sets
+    /// all equal the CPU reference's: the bounded figure (≤ [`TOLERANCE`]).
+    pub max_rel_l2_same_selection_vs_emulation: f64,
+    /// Largest of [`Self::gpu_vs_emulation_rel_l2_per_step`].
+    pub gpu_vs_emulation_max_rel_l2: f64,
+    /// Mean of [`Self::gpu_vs_emulation_rel_l2_per_step`].
+    pub gpu_vs_emulation_mean_rel_l2: f64,
     /// Wall time of the GPU side, ms.
     pub gpu_ms: f64,
     /// Wall time of the CPU reference, ms.
     pub cpu_ms: f64,
+    /// Wall time of the bf16-emulating CPU reference, ms.
+    pub cpu_emulation_ms: f64,
     /// No error, finite logits, max_rel_l2_same_selection ≤ tolerance, every
     /// differing set explained, argmax kernel exact.
     pub pass: bool,
@@ -153,6 +184,17 @@ fn cpu_run(cpu: &CpuModel, prompt: &[u32], steps: usize) -> Result<CpuRun> {
         selections,
         seq,
     })
+}
+
+/// Logits of `cpu` teacher-forced on `prompt` then `tokens` (after prefill
+/// and after each decode step).
+fn teacher_forced(cpu: &CpuModel, prompt: &[u32], tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+    let mut seq = cpu.new_sequence();
+    let mut logits = vec![cpu.prefill(&mut seq, prompt, |_, _| {})?];
+    for &t in tokens {
+        logits.push(cpu.decode(&mut seq, t)?);
+    }
+    Ok(logits)
 }
 
 /// The largest relative gap, over `blocks`, between a block's score and the
@@ -341,8 +383,18 @@ fn run_case(gpu: &Arc<Gpu>, spec: &CaseSpec<'_>, steps: usize) -> E2eCase {
         selection_max_gap: 0.0,
         selection_examples: Vec::new(),
         grew: false,
+        rel_l2_per_step: Vec::new(),
+        ref_norm_per_step: Vec::new(),
+        emulation_rel_l2_per_step: Vec::new(),
+        gpu_vs_emulation_rel_l2_per_step: Vec::new(),
+        emulation_max_rel_l2: f64::NAN,
+        emulation_mean_rel_l2: f64::NAN,
+        gpu_vs_emulation_max_rel_l2: f64::NAN,
+        max_rel_l2_same_selection_vs_emulation: f64::NAN,
+        gpu_vs_emulation_mean_rel_l2: f64::NAN,
         gpu_ms: 0.0,
         cpu_ms: 0.0,
+        cpu_emulation_ms: 0.0,
         pass: false,
         error: None,
     };
@@ -374,6 +426,35 @@ fn run_case_inner(
         .map(|p| cpu_run(&cpu, p, steps))
         .collect::<Result<Vec<_>>>()?;
     out.cpu_ms = t.elapsed().as_secs_f64() * 1e3;
+    // Diagnostics: the reference with bf16 activation emulation on the same tokens.
+    let t = Instant::now();
+    let mut emu = CpuModel::new(spec.ckpt, spec.opts)?;
+    emu.set_bf16_emulation(Some(Bf16Points::ALL));
+    let emu_logits = prompts
+        .iter()
+        .zip(&runs)
+        .map(|(p, r)| teacher_forced(&emu, p, &r.tokens))
+        .collect::<Result<Vec<_>>>()?;
+    out.cpu_emulation_ms = t.elapsed().as_secs_f64() * 1e3;
+    let nan_as_inf = |e: f64| if e.is_nan() { f64::INFINITY } else { e };
+    let norm = |l: &[f32]| l.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+    out.ref_norm_per_step = runs
+        .iter()
+        .map(|r| r.logits.iter().map(|l| norm(l)).collect())
+        .collect();
+    out.emulation_rel_l2_per_step = runs
+        .iter()
+        .zip(&emu_logits)
+        .map(|(r, e)| {
+            r.logits
+                .iter()
+                .zip(e)
+                .map(|(w, g)| nan_as_inf(rel_l2(g, w).0))
+                .collect()
+        })
+        .collect();
+    out.rel_l2_per_step = vec![vec![f64::NAN; steps + 1]; prompts.len()];
+    out.gpu_vs_emulation_rel_l2_per_step = vec![vec![f64::NAN; steps + 1]; prompts.len()];
 
     let t = Instant::now();
     let mut model =
@@ -423,6 +504,8 @@ fn run_case_inner(
             out,
         );
         let e = rel_l2(&got, &runs[b].logits[0]).0;
+        out.rel_l2_per_step[b][0] = e;
+        out.gpu_vs_emulation_rel_l2_per_step[b][0] = rel_l2(&got, &emu_logits[b][0]).0;
         errs.push((if e.is_nan() { f64::INFINITY } else { e }, b, 0, differs));
     }
     // Batched teacher-forced decode.
@@ -439,6 +522,10 @@ fn run_case_inner(
             let t_len = prompts[b].len() + step;
             let differs = tally(compare_step(&model, b, run, &plan, hq, b, step, t_len), out);
             let e = rel_l2(row, &run.logits[step]).0;
+            out.rel_l2_per_step[b][step] = e;
+            out.gpu_vs_emulation_rel_l2_per_step[b][step] = emu_logits[b]
+                .get(step)
+                .map_or(f64::NAN, |w| rel_l2(row, w).0);
             errs.push((if e.is_nan() { f64::INFINITY } else { e }, b, step, differs));
         }
     }
@@ -469,9 +556,32 @@ fn run_case_inner(
         .collect();
     out.mean_rel_l2 = errs.iter().map(|e| e.0).sum::<f64>() / errs.len().max(1) as f64;
     out.compared = errs.len();
+    let max_mean = |v: &[Vec<f64>]| {
+        let all: Vec<f64> = v.iter().flatten().map(|&e| nan_as_inf(e)).collect();
+        (
+            all.iter().copied().fold(0.0f64, f64::max),
+            all.iter().sum::<f64>() / all.len().max(1) as f64,
+        )
+    };
+    (out.emulation_max_rel_l2, out.emulation_mean_rel_l2) =
+        max_mean(&out.emulation_rel_l2_per_step);
+    (
+        out.gpu_vs_emulation_max_rel_l2,
+        out.gpu_vs_emulation_mean_rel_l2,
+    ) = max_mean(&out.gpu_vs_emulation_rel_l2_per_step);
     out.argmax_kernel_exact = argmax_exact;
     let finite = errs.iter().all(|e| e.0.is_finite());
-    out.pass = finite && same <= TOLERANCE && unexplained == 0 && argmax_exact;
+    // The bound applies against the bf16-emulated reference (same rounding
+    // points as the engine): with bf16 activations the f32 reference is out
+    // of reach at low-norm steps (SmolLM2: the emulation itself differs from
+    // f32 by up to 5.9e-2), so f32 errors are reported, not bounded.
+    let same_emu = errs
+        .iter()
+        .filter(|e| !e.3)
+        .map(|e| nan_as_inf(out.gpu_vs_emulation_rel_l2_per_step[e.1][e.2]))
+        .fold(0.0f64, f64::max);
+    out.max_rel_l2_same_selection_vs_emulation = same_emu;
+    out.pass = finite && same_emu <= TOLERANCE && unexplained == 0 && argmax_exact;
     Ok(())
 }
 
@@ -575,12 +685,17 @@ pub fn gpu_check_e2e(model_dir: Option<&Path>, out_json: &Path, steps: usize) ->
     for spec in &specs {
         let c = run_case(&gpu, spec, steps);
         println!(
-            "  {:<34} {:<5} rel_l2 max {:.3e} (same-selection steps {:.3e}) mean {:.3e}, greedy {}/{}, selections {}/{} equal ({} near-ties, max gap {:.1e}; {} cascades), grew {}{}",
+            "  {:<34} {:<5} rel_l2 max {:.3e} at {:?} (same-selection steps {:.3e}) mean {:.3e}; bf16-emulated CPU vs f32 max {:.3e} mean {:.3e}; GPU vs emulated max {:.3e} mean {:.3e}; greedy {}/{}, selections {}/{} equal ({} near-ties, max gap {:.1e}; {} cascades), grew {}{}",
             c.name,
             if c.pass { "pass" } else { "FAIL" },
             c.max_rel_l2,
+            c.worst_at,
             c.max_rel_l2_same_selection,
             c.mean_rel_l2,
+            c.emulation_max_rel_l2,
+            c.emulation_mean_rel_l2,
+            c.gpu_vs_emulation_max_rel_l2,
+            c.gpu_vs_emulation_mean_rel_l2,
             c.greedy_agree,
             c.compared,
             c.selection_equal,
@@ -606,7 +721,8 @@ pub fn gpu_check_e2e(model_dir: Option<&Path>, out_json: &Path, steps: usize) ->
         "tolerance_rel_l2": TOLERANCE,
         "fixture": model_dir.map(|p| p.display().to_string()),
         "near_tie_rel": NEAR_TIE,
-        "criteria": "pass = finite logits; rel_l2 <= tolerance at every step whose per-layer/per-KV-head block sets all equal the CPU reference's; every differing set explained as a near-tie (each differing block within near_tie_rel of the cut that decided it, scored with the CPU reference's Kc/p and the GPU's own query) or as a cascade of a lower layer's difference at the same step; GPU argmax kernel == host argmax of the GPU logits. Steps with a differing set report their rel_l2 (selection_diff_steps) unbounded: one block of a small budget differs there.",
+        "diagnostics": "per case, [sequence][step] arrays (step 0 = after prefill): rel_l2_per_step (GPU vs f32 CPU, the bounded figure), ref_norm_per_step (|CPU logits|_2), emulation_rel_l2_per_step (CPU with bf16 activation emulation, rounding where the engine stores bf16, vs f32 CPU: what bf16 arithmetic alone gives), gpu_vs_emulation_rel_l2_per_step (GPU vs the bf16-emulating CPU). Not part of the pass criteria.",
+        "criteria": "pass = finite logits; GPU-vs-bf16-emulated-CPU rel_l2 <= tolerance at every step whose per-layer/per-KV-head block sets all equal the CPU reference's (GPU-vs-f32 rel_l2 reported unbounded); every differing set explained as a near-tie (each differing block within near_tie_rel of the cut that decided it, scored with the CPU reference's Kc/p and the GPU's own query) or as a cascade of a lower layer's difference at the same step; GPU argmax kernel == host argmax of the GPU logits. Steps with a differing set report their rel_l2 (selection_diff_steps) unbounded: one block of a small budget differs there.",
         "passed": passed,
         "cases": cases,
     });
