@@ -34,7 +34,10 @@ extern "C" __global__ void qa_window_logits(const bf16_t* __restrict__ q, int q_
     const int Mc = sel_windows(lens[b], stride, ksize);
     const int w0 = tile * QA_TILE;
     const u64 row = (u64)b * hkv + h;
-    if (w0 < Mc) {
+    // Tiles past this row's windows are never read (qa_window_scores reads the first
+    // ceil(Mc/QA_TILE) tiles): the launch may size its grid by a capacity.
+    if (w0 >= Mc) return;  // uniform over the block
+    {
         const bf16_t* qb = q + (u64)b * q_stride + (u64)h * G * D;
         for (int i = threadIdx.x; i < G * D; i += blockDim.x) sq[i] = bf2f(qb[i]);
     }

@@ -12,8 +12,10 @@
 //! - [`sample`]: token sampling;
 //! - [`synth`]: random-weight checkpoints for tests and benchmarks;
 //! - [`generate`]: the text-generation loop behind `sparda generate`;
+//! - [`bench`]: the decode benchmark behind `sparda bench`;
 //! - [`trace`]: Chrome/Perfetto traces of copy/compute overlap and their summary.
 
+pub mod bench;
 pub mod config;
 pub mod cpu;
 pub mod cuda;

@@ -37,6 +37,10 @@ enum Cmd {
         #[arg(long, default_value = "gpu_check.json")]
         json: PathBuf,
     },
+    /// Decode-throughput benchmark of the GPU-resident engine (runtime.md §5):
+    /// runs every attention × batch × context case in one process (weights
+    /// loaded once) and writes a JSON report; prints a table.
+    Bench(BenchArgs),
     /// Check the GPU engine end to end against the CPU reference under teacher
     /// forcing (logits rel. L2 ≤ 2e-2 at every step; block selections compared):
     /// the tiny synthetic model (dense, NOSA, InfLLM-V2), plus a checkpoint
@@ -51,6 +55,22 @@ enum Cmd {
         /// Teacher-forced decode steps per case.
         #[arg(long, default_value_t = sparda::cuda::check_e2e::DEFAULT_STEPS)]
         steps: usize,
+    },
+    /// Chrome/Perfetto trace tools.
+    #[command(subcommand)]
+    Trace(TraceCmd),
+}
+
+#[derive(Subcommand)]
+enum TraceCmd {
+    /// Per-phase totals and per-step means, H2D total / exposed / hidden,
+    /// overlap % and a per-layer table of a trace written by --trace.
+    Summarize {
+        /// Trace JSON file.
+        file: PathBuf,
+        /// Print the summary as JSON instead of tables.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -151,6 +171,69 @@ struct GenerateArgs {
     json: Option<PathBuf>,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum BenchPrefillArg {
+    /// Real dense prefill (NOSA_F), then decode.
+    Dense,
+    /// Real prefill as the attention mode says.
+    #[value(alias = "real")]
+    Sparse,
+    /// Random K/V with c, Kc and p computed from them; the model is not run.
+    Synthetic,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Checkpoint directory, or `synth:PRESET[:SEED]` (e.g. synth:nosa-8b).
+    #[arg(long)]
+    model: String,
+    /// Attention modes, each run in turn (comma-separated or repeated).
+    #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "dense")]
+    attention: Vec<AttentionArg>,
+    /// Selection rule for sparse attention.
+    #[arg(long, value_enum)]
+    selection: Option<SelectionArg>,
+    /// Attended blocks S per (sequence, KV head).
+    #[arg(long)]
+    budget_blocks: Option<usize>,
+    /// Query-aware shortlist parameter select_blocks.
+    #[arg(long)]
+    select_blocks: Option<usize>,
+    /// Batch sizes B (comma-separated or repeated).
+    #[arg(long, value_delimiter = ',', num_args = 1.., default_value = "1")]
+    batch: Vec<usize>,
+    /// Context lengths L: tokens per sequence before decoding (e.g. 4K,32K).
+    #[arg(long, value_delimiter = ',', num_args = 1.., default_value = "4K")]
+    context: Vec<String>,
+    /// Timed decode steps per case (≥ 64 per runtime.md §5).
+    #[arg(long, default_value_t = 64)]
+    steps: usize,
+    /// Untimed warm-up decode steps per case (build, graph capture).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// How sequences are filled before decoding.
+    #[arg(long, value_enum, default_value_t = BenchPrefillArg::Synthetic)]
+    prefill: BenchPrefillArg,
+    /// tokenizer.json: prompts from the books in --texts (else random ids).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Directory of .txt books for prompts.
+    #[arg(long, default_value = "data/texts")]
+    texts: PathBuf,
+    /// Seed of random ids and synthetic state.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Replays per layer-GEMM ceiling measurement (0 skips it).
+    #[arg(long, default_value_t = 20)]
+    ceiling_reps: usize,
+    /// Replays per step-piece timing (0 skips it).
+    #[arg(long, default_value_t = 10)]
+    profile_reps: usize,
+    /// Report path.
+    #[arg(long)]
+    json: PathBuf,
+}
+
 #[derive(Args)]
 struct SynthArgs {
     /// tiny | nosa-1b | nosa-3b | nosa-8b.
@@ -205,6 +288,19 @@ fn main() {
                 }
             })
         }
+        Cmd::Bench(a) => cmd_bench(a),
+        Cmd::Trace(TraceCmd::Summarize { file, json }) => {
+            sparda::trace::summarize_file(&file).map(|s| {
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&s).expect("summary serializes")
+                    );
+                } else {
+                    print!("{}", s.to_text());
+                }
+            })
+        }
         Cmd::GpuCheck { json } => sparda::cuda::check::gpu_check(&json).and_then(|ok| {
             eprintln!(
                 "gpu-check {}; report in {}",
@@ -225,6 +321,51 @@ fn main() {
         eprintln!("error: {e}");
         std::process::exit(1);
     }
+}
+
+fn cmd_bench(a: BenchArgs) -> Result<()> {
+    let contexts = a
+        .context
+        .iter()
+        .map(|c| sparda::bench::parse_tokens(c))
+        .collect::<Result<Vec<_>>>()?;
+    let spec = sparda::bench::BenchSpec {
+        model: a.model,
+        sparse: a
+            .attention
+            .iter()
+            .map(|x| matches!(x, AttentionArg::Sparse))
+            .collect(),
+        selection: a.selection.map(|s| match s {
+            SelectionArg::Nosa => SelectionRule::Nosa,
+            SelectionArg::Infllmv2 => SelectionRule::InfLlmV2,
+        }),
+        budget_blocks: a.budget_blocks,
+        select_blocks: a.select_blocks,
+        batches: a.batch,
+        contexts,
+        steps: a.steps,
+        warmup: a.warmup,
+        prefill: match a.prefill {
+            BenchPrefillArg::Synthetic => sparda::bench::BenchPrefill::Synthetic,
+            BenchPrefillArg::Dense => sparda::bench::BenchPrefill::Real(PrefillMode::Dense),
+            BenchPrefillArg::Sparse => sparda::bench::BenchPrefill::Real(PrefillMode::Auto),
+        },
+        tokenizer: a.tokenizer,
+        texts: a.texts,
+        seed: a.seed,
+        ceiling_reps: a.ceiling_reps,
+        profile_reps: a.profile_reps,
+    };
+    let report = sparda::bench::run(&spec)?;
+    std::fs::write(
+        &a.json,
+        serde_json::to_string_pretty(&report).expect("json"),
+    )
+    .map_err(|e| Error::io(&a.json, e))?;
+    print!("{}", sparda::bench::table(&report));
+    eprintln!("bench: report in {}", a.json.display());
+    Ok(())
 }
 
 fn cmd_generate(a: GenerateArgs) -> Result<()> {

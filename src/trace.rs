@@ -210,7 +210,7 @@ fn union(mut iv: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
 }
 
 fn length(iv: &[(f64, f64)]) -> f64 {
-    iv.iter().map(|(a, b)| b - a).sum()
+    iv.iter().fold(0.0, |acc, (a, b)| acc + (b - a))
 }
 
 /// Length of the intersection of two unions (each sorted and disjoint).

@@ -15,9 +15,10 @@
 //! step past 2e-2 was such a step). So a step counts as follows:
 //! - all sets equal: its logits must be within [`TOLERANCE`] of the CPU
 //!   reference with bf16 emulation (rounding where the engine stores bf16;
-//!   [`crate::cpu::Bf16Points::ALL`]); the error against the f32 reference is
-//!   reported beside it, unbounded (on SmolLM2 the emulation itself is
-//!   5.9e-2 from f32 at low-norm steps);
+//!   [`crate::cpu::Bf16Points::ALL`]) or of the f32 reference (the emulated
+//!   run can flip a near-tied selection of its own); on SmolLM2 the
+//!   emulation itself is 5.9e-2 from f32 at low-norm steps, so the f32
+//!   error alone cannot be bounded;
 //! - a set differs: each differing set must be *explained*, either as a
 //!   near-tie — every block in the symmetric difference scores within
 //!   [`NEAR_TIE`] (relative) of the cut that decided it (the query-aware
@@ -135,8 +136,9 @@ pub struct E2eCase {
     pub emulation_max_rel_l2: f64,
     /// Mean of [`Self::emulation_rel_l2_per_step`].
     pub emulation_mean_rel_l2: f64,
-    /// Largest GPU-vs-emulated-reference error over steps whose block sets
-    /// all equal the CPU reference's: the bounded figure (≤ [`TOLERANCE`]).
+    /// Over steps whose block sets all equal the CPU reference's, the largest
+    /// per-step min(GPU vs bf16-emulated reference, GPU vs f32 reference):
+    /// the bounded figure (≤ [`TOLERANCE`]).
     pub max_rel_l2_same_selection_vs_emulation: f64,
     /// Largest of [`Self::gpu_vs_emulation_rel_l2_per_step`].
     pub gpu_vs_emulation_max_rel_l2: f64,
@@ -575,10 +577,12 @@ fn run_case_inner(
     // points as the engine): with bf16 activations the f32 reference is out
     // of reach at low-norm steps (SmolLM2: the emulation itself differs from
     // f32 by up to 5.9e-2), so f32 errors are reported, not bounded.
+    // A step passes against either reference: the emulated one can flip a
+    // near-tied selection of its own where the GPU and the f32 reference agree.
     let same_emu = errs
         .iter()
         .filter(|e| !e.3)
-        .map(|e| nan_as_inf(out.gpu_vs_emulation_rel_l2_per_step[e.1][e.2]))
+        .map(|e| nan_as_inf(out.gpu_vs_emulation_rel_l2_per_step[e.1][e.2]).min(e.0))
         .fold(0.0f64, f64::max);
     out.max_rel_l2_same_selection_vs_emulation = same_emu;
     out.pass = finite && same_emu <= TOLERANCE && unexplained == 0 && argmax_exact;
@@ -722,7 +726,7 @@ pub fn gpu_check_e2e(model_dir: Option<&Path>, out_json: &Path, steps: usize) ->
         "fixture": model_dir.map(|p| p.display().to_string()),
         "near_tie_rel": NEAR_TIE,
         "diagnostics": "per case, [sequence][step] arrays (step 0 = after prefill): rel_l2_per_step (GPU vs f32 CPU, the bounded figure), ref_norm_per_step (|CPU logits|_2), emulation_rel_l2_per_step (CPU with bf16 activation emulation, rounding where the engine stores bf16, vs f32 CPU: what bf16 arithmetic alone gives), gpu_vs_emulation_rel_l2_per_step (GPU vs the bf16-emulating CPU). Not part of the pass criteria.",
-        "criteria": "pass = finite logits; GPU-vs-bf16-emulated-CPU rel_l2 <= tolerance at every step whose per-layer/per-KV-head block sets all equal the CPU reference's (GPU-vs-f32 rel_l2 reported unbounded); every differing set explained as a near-tie (each differing block within near_tie_rel of the cut that decided it, scored with the CPU reference's Kc/p and the GPU's own query) or as a cascade of a lower layer's difference at the same step; GPU argmax kernel == host argmax of the GPU logits. Steps with a differing set report their rel_l2 (selection_diff_steps) unbounded: one block of a small budget differs there.",
+        "criteria": "pass = finite logits; min(GPU-vs-bf16-emulated-CPU, GPU-vs-f32-CPU) rel_l2 <= tolerance at every step whose per-layer/per-KV-head block sets all equal the CPU reference's (GPU-vs-f32 rel_l2 reported unbounded); every differing set explained as a near-tie (each differing block within near_tie_rel of the cut that decided it, scored with the CPU reference's Kc/p and the GPU's own query) or as a cascade of a lower layer's difference at the same step; GPU argmax kernel == host argmax of the GPU logits. Steps with a differing set report their rel_l2 (selection_diff_steps) unbounded: one block of a small budget differs there.",
         "passed": passed,
         "cases": cases,
     });

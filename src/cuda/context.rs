@@ -8,8 +8,8 @@ use super::Bf16;
 use crate::{Error, Result};
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
-    DeviceRepr, ValidAsZeroBits,
+    CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    DevicePtrMut, DeviceRepr, ValidAsZeroBits,
 };
 use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys, Ptx};
 use std::collections::HashMap;
@@ -46,8 +46,6 @@ pub struct KernelSource {
 
 /// `kernels/common.cuh`: bf16 conversions and reductions, prepended to every source.
 pub const COMMON_PRELUDE: &str = include_str!("../../kernels/common.cuh");
-/// `kernels/attention.cuh`: the decode-attention warp/partial helpers.
-pub const ATTENTION_PRELUDE: &str = include_str!("../../kernels/attention.cuh");
 
 /// Every kernel source of the backend (one concern per file).
 pub const KERNEL_SOURCES: &[KernelSource] = &[
@@ -82,16 +80,10 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         functions: &["eviction_score"],
     },
     KernelSource {
-        file: "attn_dense.cu",
-        text: include_str!("../../kernels/attn_dense.cu"),
-        preludes: &[ATTENTION_PRELUDE],
-        functions: &["attn_dense_partial"],
-    },
-    KernelSource {
-        file: "attn_sparse.cu",
-        text: include_str!("../../kernels/attn_sparse.cu"),
-        preludes: &[ATTENTION_PRELUDE],
-        functions: &["attn_sparse_partial"],
+        file: "attn_decode.cu",
+        text: include_str!("../../kernels/attn_decode.cu"),
+        preludes: &[],
+        functions: &["attn_partial"],
     },
     KernelSource {
         file: "attn_combine.cu",
@@ -109,7 +101,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         file: "argmax.cu",
         text: include_str!("../../kernels/argmax.cu"),
         preludes: &[],
-        functions: &["argmax_rows"],
+        functions: &["argmax_rows", "argmax_advance"],
     },
     KernelSource {
         file: "bias.cu",
@@ -134,6 +126,18 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         text: include_str!("../../kernels/select.cu"),
         preludes: &[],
         functions: &["qa_window_logits", "qa_window_scores", "select_blocks"],
+    },
+    KernelSource {
+        file: "gemv.cu",
+        text: include_str!("../../kernels/gemv.cu"),
+        preludes: &[],
+        functions: &["gemv_small"],
+    },
+    KernelSource {
+        file: "synth.cu",
+        text: include_str!("../../kernels/synth.cu"),
+        preludes: &[],
+        functions: &["fill_normal_bf16"],
     },
 ];
 
@@ -202,15 +206,30 @@ pub struct KernelBuild {
 pub trait GemmOut: DeviceRepr + private::Sealed {
     /// The cuBLAS data type of the output matrix.
     const DTYPE: cublas_sys::cudaDataType;
+    /// Whether the output is f32 (else bf16).
+    const IS_F32: bool;
 }
 
 impl GemmOut for Bf16 {
     const DTYPE: cublas_sys::cudaDataType = cublas_sys::cudaDataType::CUDA_R_16BF;
+    const IS_F32: bool = false;
 }
 
 impl GemmOut for f32 {
     const DTYPE: cublas_sys::cudaDataType = cublas_sys::cudaDataType::CUDA_R_32F;
+    const IS_F32: bool = true;
 }
+
+/// Largest batch [`Gpu::linear`] sends to the small-batch kernel
+/// (`GEMV_MAX_N` in kernels/gemv.cu).
+pub const GEMV_MAX_N: usize = 4;
+/// Largest weight (out·in elements) [`Gpu::linear`] sends to the
+/// small-batch kernel when it is on: NOSA-8B's QKV(+z) and O projections,
+/// not the larger gate|up, down and lm_head GEMMs, which cuBLAS reads near
+/// the memory ceiling.
+pub const GEMV_MAX_WEIGHTS: usize = 32 << 20;
+/// Output rows per block of `gemv_small` (GEMV_WARPS · GEMV_ROWS).
+const GEMV_ROWS_PER_BLOCK: usize = 16;
 
 mod private {
     pub trait Sealed {}
@@ -227,6 +246,11 @@ mod private {
 pub struct Gpu {
     functions: HashMap<&'static str, CudaFunction>,
     blas: CudaBlas,
+    /// cuBLAS's workspace, set explicitly so that GEMMs captured into a CUDA
+    /// graph never allocate ([`CUBLAS_WORKSPACE_BYTES`]).
+    _blas_workspace: CudaSlice<u8>,
+    /// Whether [`Gpu::linear`] may use the small-batch kernel.
+    small_gemv: std::sync::atomic::AtomicBool,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
     info: DeviceInfo,
@@ -240,6 +264,9 @@ impl std::fmt::Debug for Gpu {
             .finish_non_exhaustive()
     }
 }
+
+/// Bytes of the workspace handed to cuBLAS (`cublasSetWorkspace`), 32 MiB.
+pub const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
 /// The disk cache of compiled kernels: `$SPARDA_KERNEL_CACHE` if set, else
 /// `$HOME/.cache/sparda-rt/kernels`; `None` when neither can be formed (the
@@ -427,10 +454,54 @@ impl Gpu {
         };
         let stream = ctx.new_stream().cuda("cuStreamCreate")?;
         let (functions, builds) = Self::load_kernels(&ctx, &info)?;
+        // The decode attention kernel takes more than the default 48 KiB of shared
+        // memory at D = 128 (double-buffered K/V tiles): opt in once, here.
+        if let Some(f) = functions.get("attn_partial") {
+            let bytes = super::ops::attn_smem_bytes(super::ops::ATTN_MAX_HEAD_DIM);
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .cuda(&format!(
+                "cuFuncSetAttribute(attn_partial, {bytes} bytes of dynamic shared memory)"
+            ))?;
+        }
+        // Every kernel of this backend prefers the largest shared-memory carveout:
+        // the attention kernel needs it, and one carveout for all of them spares the
+        // SMs a reconfiguration between consecutive kernels of a decode step.
+        for f in functions.values() {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                100,
+            )
+            .cuda("cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)")?;
+        }
         let blas = CudaBlas::new(stream.clone()).cuda("cublasCreate")?;
+        // After CudaBlas::new (cublasSetStream resets the workspace to the default pool).
+        let blas_workspace: CudaSlice<u8> = stream
+            .alloc_zeros(CUBLAS_WORKSPACE_BYTES)
+            .cuda("allocating the cuBLAS workspace")?;
+        {
+            let (wp, _g) = blas_workspace.device_ptr(&stream);
+            // SAFETY: a live device buffer of the stated size, owned by the Gpu for
+            // as long as the handle; the handle is bound to `stream`.
+            unsafe {
+                cublas_sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    wp as *mut std::ffi::c_void,
+                    CUBLAS_WORKSPACE_BYTES,
+                )
+            }
+            .result()
+            .cuda("cublasSetWorkspace")?;
+        }
         Ok(Gpu {
             functions,
             blas,
+            _blas_workspace: blas_workspace,
+            small_gemv: std::sync::atomic::AtomicBool::new(
+                std::env::var("SPARDA_GEMV").is_ok_and(|v| v == "1"),
+            ),
             stream,
             ctx,
             info,
@@ -548,6 +619,59 @@ impl Gpu {
             .cuda("cuStreamSynchronize (an earlier kernel or copy failed)")
     }
 
+    /// Lets [`Gpu::linear`] use the small-batch kernel (`gemv_small`) where
+    /// it applies (default: off, on with `$SPARDA_GEMV=1`); off, every GEMM
+    /// goes to cuBLAS. Measured on the H200 (2026-11-30, NOSA-8B, B = 1):
+    /// the kernel took 15.3 µs for the QKV(+z) projection and 14.4 µs for
+    /// O, cuBLAS 13.8 µs and 12.6 µs, so cuBLAS is the default.
+    pub fn set_small_gemv(&self, on: bool) {
+        self.small_gemv
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether [`Gpu::linear`] may use the small-batch kernel.
+    pub fn small_gemv(&self) -> bool {
+        self.small_gemv.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Free and total device memory in bytes (`cuMemGetInfo`).
+    ///
+    /// Errors: [`Error::Cuda`] on a driver failure.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.ctx.mem_get_info().cuda("cuMemGetInfo")
+    }
+
+    /// An event that records timing (for [`CudaEvent::elapsed_ms`]).
+    ///
+    /// Errors: [`Error::Cuda`] on a driver failure.
+    pub fn timing_event(&self) -> Result<CudaEvent> {
+        self.ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .cuda("cuEventCreate")
+    }
+
+    /// Captures everything `enqueue` puts on [`Gpu::stream`] into a CUDA
+    /// graph (relaxed capture mode) and instantiates it; nothing runs until
+    /// the graph is launched. `enqueue` must not allocate, copy from the
+    /// host or synchronise. The capture is always ended, also when
+    /// `enqueue` fails.
+    ///
+    /// Errors: `enqueue`'s error; [`Error::Cuda`] when capture or
+    /// instantiation fails (e.g. an operation that cannot be captured).
+    pub fn capture(&self, enqueue: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .cuda("cuStreamBeginCapture")?;
+        let r = enqueue();
+        let g = self
+            .stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .cuda("cuStreamEndCapture / cuGraphInstantiate");
+        r?;
+        g?.ok_or_else(|| Error::Cuda("stream capture produced an empty graph".into()))
+    }
+
     /// Copies host data to a new device buffer (stream-ordered).
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
         self.stream.clone_htod(host).cuda("host→device copy")
@@ -582,6 +706,12 @@ impl Gpu {
     ///
     /// `y` is [`Bf16`] (activations, rounded from the f32 accumulator) or
     /// f32 (logits). `n = 0` is a no-op.
+    ///
+    /// When [`Gpu::set_small_gemv`] turned it on (off by default: cuBLAS
+    /// measured faster), small batches (n ≤ [`GEMV_MAX_N`]) with weights of
+    /// at most [`GEMV_MAX_WEIGHTS`] elements, `in` a multiple of 8 and
+    /// 16-byte aligned x and W go to the memory-bound kernel `gemv_small`
+    /// (kernels/gemv.cu; same result up to summation order).
     ///
     /// Errors: [`Error::Input`] when x is not n·in, W not out·in or y not
     /// n·out elements, or a dimension exceeds i32; [`Error::Cuda`] on a
@@ -621,6 +751,44 @@ impl Gpu {
         let (xp, _gx) = x.device_ptr(&self.stream);
         let (wp, _gw) = w.device_ptr(&self.stream);
         let (yp, _gy) = y.device_ptr_mut(&self.stream);
+        if self.small_gemv()
+            && n <= GEMV_MAX_N
+            && out_features * in_features <= GEMV_MAX_WEIGHTS
+            && in_features.is_multiple_of(8)
+            && n * in_features * 2 <= 48 * 1024
+            && xp.is_multiple_of(16)
+            && wp.is_multiple_of(16)
+        {
+            let f = self.function("gemv_small")?;
+            let cfg = cudarc::driver::LaunchConfig {
+                grid_dim: (
+                    u32::try_from(out_features.div_ceil(GEMV_ROWS_PER_BLOCK))
+                        .map_err(|_| Error::Input(format!("linear: {out_features} output rows")))?,
+                    1,
+                    1,
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: (n * in_features * 2) as u32,
+            };
+            let yf = i32::from(O::IS_F32);
+            use cudarc::driver::PushKernelArg;
+            let mut b = self.stream.launch_builder(f);
+            b.arg(&xp)
+                .arg(&wp)
+                .arg(&yp)
+                .arg(&n_)
+                .arg(&k_)
+                .arg(&m_)
+                .arg(&yf);
+            // SAFETY: argument list matches kernels/gemv.cu; x holds n·in, W out·in
+            // and y n·out elements (checked above), both inputs 16-byte aligned,
+            // in a multiple of 8, n ≤ GEMV_MAX_N, x fits the shared memory.
+            return unsafe { b.launch(cfg) }
+                .cuda(&format!(
+                    "gemv_small [{n}, {in_features}] x [{out_features}, {in_features}]^T"
+                ))
+                .map(drop);
+        }
         // SAFETY: the pointers are live device buffers of the checked sizes;
         // alpha/beta are host f32 as the default pointer mode and the 32F
         // compute type expect; the handle is bound to our stream.

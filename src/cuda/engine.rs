@@ -31,23 +31,37 @@
 //!   (w / divisor, rounded to bf16; exact when the divisor is a power of two,
 //!   as for NOSA-8B's 4096/256 = 16).
 //!
-//! Attention reuses the split-K kernels checked by `gpu-check`
-//! (`attn_dense_partial`, `attn_sparse_partial`, `attn_combine`) through
+//! Attention is one tensor-core kernel for dense and sparse rows
+//! (`attn_partial`, kernels/attn_decode.cu: each thread block reads a KV
+//! head's keys and values once for up to 16 of its query heads, split-K
+//! over tokens or listed blocks) plus `attn_combine`, reached through
 //! per-row pointer tables: a "row" is one query token (a prompt token during
 //! prefill, one sequence's token during decode) with its own K/V/c pointers
 //! and length `pos + 1`, so a prefill chunk is causal attention for free and
 //! a decode batch mixes sequence lengths freely.
 //!
+//! Decode steps (the hot path, runtime.md §5) keep everything they need on
+//! the device ([`GpuModel::decode`]): per-layer pointer tables, built once
+//! per batch and capacity; token ids, positions and lengths in one small
+//! buffer (one upload per step, or none when [`GpuModel::decode_greedy`]
+//! feeds each step the previous step's argmax, which the step's last kernel
+//! writes there); every scratch buffer allocated up front; grid sizes fixed
+//! by the batch's capacity, with blocks past a row's length exiting at
+//! once. The whole step — all layers, the lm_head GEMM and the argmax — is
+//! then captured once as a CUDA graph and replayed; it is captured again
+//! only when a capacity, the batch or its sequences change (see
+//! [`DecodeMode`]).
+//!
 //! Sparse selection (spec §4) plugs in per layer after the append; see
-//! [`SelectionPath`]. Until the GPU selection kernels land, the engine runs
-//! a clearly labelled host fallback: it mirrors each sequence's K and c on
-//! the host (downloaded row by row as they are appended), computes Kc/p and
-//! the selection with the CPU reference's own functions on the GPU's
-//! post-RoPE bf16 queries, and uploads the block lists. That path
-//! synchronises every layer and is for correctness checks only.
+//! [`SelectionPath`]. A clearly labelled host fallback mirrors each
+//! sequence's K and c on the host (downloaded row by row as they are
+//! appended), computes Kc/p and the selection with the CPU reference's own
+//! functions on the GPU's post-RoPE bf16 queries, and uploads the block
+//! lists. That path synchronises every layer and is for correctness checks
+//! only.
 
 use super::context::{i32_dim, CudaResultExt};
-use super::ops::{self, RopeTables};
+use super::ops::{self, AttnArgs, RopeTables};
 use super::{bf16_bits, Bf16, Gpu};
 use crate::config::{AttentionMode, ModelConfig, Rope, RopeScaling};
 use crate::cpu::EngineOptions;
@@ -57,7 +71,8 @@ use crate::model::{AttentionPlan, PrefillMode};
 use crate::weights::names::{self, LayerTensor};
 use crate::weights::Checkpoint;
 use crate::{Error, Result};
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaGraph, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Prompt tokens per prefill forward call at most (fewer when the attention
@@ -69,11 +84,6 @@ pub const PREFILL_CHUNK: usize = 512;
 /// then runs in chunks of a few dozen rows).
 pub const PARTIALS_BUDGET_BYTES: usize = 512 << 20;
 
-/// Tokens per split of dense attention (the kernel's chunk; see
-/// [`ops::DENSE_SPLIT_TOKENS`]).
-const DENSE_SPLIT: usize = ops::DENSE_SPLIT_TOKENS;
-/// Listed blocks per split of sparse attention ([`ops::SPARSE_SPLIT_BLOCKS`]).
-const SPARSE_SPLIT: usize = ops::SPARSE_SPLIT_BLOCKS;
 /// Rows of the fused QKV(+z) weight are padded to a multiple of this.
 const QKV_ROW_ALIGN: usize = 8;
 /// Per-layer pointer-table entries per row: K, V, c (state), c (bias), Kc, p.
@@ -89,6 +99,9 @@ const DEFAULT_SMEM: usize = 48 * 1024;
 /// Cap on the grid of `compress_windows` (it loops over further windows).
 const COMPRESS_MAX_GRID_X: usize = 8192;
 
+/// Source of [`GpuSequence`] identities (graph keys compare them).
+static NEXT_SEQ_UID: AtomicU64 = AtomicU64::new(1);
+
 /// The selection path from `$SPARDA_SELECTION` (`host` → the host fallback),
 /// else [`SelectionPath::Gpu`].
 pub fn default_selection_path() -> SelectionPath {
@@ -96,6 +109,97 @@ pub fn default_selection_path() -> SelectionPath {
         Ok("host") => SelectionPath::HostFallback,
         _ => SelectionPath::Gpu,
     }
+}
+
+/// How [`GpuModel::decode`] runs a decode step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum DecodeMode {
+    /// Device-resident step buffers, the step captured once as a CUDA graph
+    /// and replayed (the default). The first step after a (re)build runs
+    /// eagerly (it warms up cuBLAS and the kernels); the second is captured.
+    Graph,
+    /// The same device-resident step, launched kernel by kernel every time
+    /// (no graph): for comparisons and debugging.
+    Eager,
+    /// Every step through the general forward call (per-call pointer-table
+    /// and input uploads, grids sized by the current lengths), as prefill
+    /// runs: for comparisons.
+    Forward,
+}
+
+impl DecodeMode {
+    /// From `$SPARDA_DECODE` (`graph`, `eager`, `forward`); [`DecodeMode::Graph`]
+    /// when unset or unrecognised.
+    pub fn from_env() -> Self {
+        match std::env::var("SPARDA_DECODE").as_deref() {
+            Ok("eager") => DecodeMode::Eager,
+            Ok("forward") => DecodeMode::Forward,
+            _ => DecodeMode::Graph,
+        }
+    }
+}
+
+/// The pieces of a decode step, for [`GpuModel::profile_step`]: each is
+/// every launch of that kind in one step (per-layer pieces over all layers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum StepPart {
+    /// Embedding gather and the residual reset.
+    Embed,
+    /// Residual add + input RMSNorm.
+    NormIn,
+    /// Fused QKV(+z) GEMM (+bias).
+    Qkv,
+    /// RoPE, K/V append, eviction score.
+    RopeAppend,
+    /// Incremental compression (Kc, p).
+    Compress,
+    /// Query-aware window scores (logits, softmax statistics, scores).
+    WindowScores,
+    /// Block pooling and top-k selection.
+    Select,
+    /// Split-K attention partials.
+    Attention,
+    /// Split-K combine.
+    Combine,
+    /// O projection (+bias).
+    OProj,
+    /// Residual add + post-attention RMSNorm.
+    NormPost,
+    /// gate|up GEMM (+bias).
+    GateUp,
+    /// SwiGLU.
+    Swiglu,
+    /// down projection (+bias).
+    Down,
+    /// Final residual add + norm.
+    FinalNorm,
+    /// lm_head GEMM.
+    LmHead,
+    /// Greedy argmax and the advance of the step inputs.
+    Argmax,
+}
+
+impl StepPart {
+    /// Every piece, in step order.
+    pub const ALL: [StepPart; 17] = [
+        StepPart::Embed,
+        StepPart::NormIn,
+        StepPart::Qkv,
+        StepPart::RopeAppend,
+        StepPart::Compress,
+        StepPart::WindowScores,
+        StepPart::Select,
+        StepPart::Attention,
+        StepPart::Combine,
+        StepPart::OProj,
+        StepPart::NormPost,
+        StepPart::GateUp,
+        StepPart::Swiglu,
+        StepPart::Down,
+        StepPart::FinalNorm,
+        StepPart::LmHead,
+        StepPart::Argmax,
+    ];
 }
 
 /// Lets `f` take `dynamic` bytes of dynamic shared memory next to
@@ -175,6 +279,9 @@ struct LayerWeights {
     evict_a: Option<CudaSlice<f32>>,
     /// b + δ·b_v, [Hkv] (NOSA).
     evict_zb: Option<CudaSlice<f32>>,
+    /// The eviction head on values (A, δ bf16 [Hkv, Hkv·D], b), for scoring
+    /// synthetic K/V ([`GpuModel::fill_synthetic`]); NOSA only.
+    evict_head: Option<ops::EvictionWeights>,
     /// o_proj, [d, H·D].
     wo: CudaSlice<Bf16>,
     bo: Option<CudaSlice<f32>>,
@@ -210,6 +317,10 @@ pub struct GpuSequence {
     layers: Vec<SeqLayer>,
     /// Host mirror of K, V, c, Kc, p per layer for [`SelectionPath::HostFallback`].
     mirror: Option<Vec<LayerKv>>,
+    /// Unique per sequence object (never reused).
+    uid: u64,
+    /// Bumped whenever the device buffers move (growth).
+    generation: u64,
 }
 
 impl std::fmt::Debug for GpuSequence {
@@ -236,8 +347,10 @@ impl GpuSequence {
     }
 }
 
-/// Scratch buffers of a forward call, sized for `rows` query rows; grown
-/// (reallocated) when a call needs more.
+/// Scratch buffers of a forward call or of a decode step, sized for `rows`
+/// query rows. A forward call grows (reallocates) its workspace when it needs
+/// more; a decode step's is allocated once per (re)build and holds
+/// per-layer copies of `qkv`, `sel` and `nsel`.
 struct Workspace {
     rows: usize,
     /// f32 residual stream, [rows, d].
@@ -246,7 +359,7 @@ struct Workspace {
     delta: CudaSlice<Bf16>,
     /// Normed activations, bf16 [rows, d].
     xn: CudaSlice<Bf16>,
-    /// Fused QKV(+z) output, bf16 [rows, qkv_cols].
+    /// Fused QKV(+z) output, bf16 [layers, rows, qkv_cols] (layers = 1 in a forward call).
     qkv: CudaSlice<Bf16>,
     /// Attention output, bf16 [rows, H·D].
     attn: CudaSlice<Bf16>,
@@ -256,27 +369,27 @@ struct Workspace {
     act: CudaSlice<Bf16>,
     /// Logits, f32 [rows, V].
     logits: CudaSlice<f32>,
-    /// Token ids, [rows].
+    /// Token ids, [rows] (forward calls).
     ids: CudaSlice<u32>,
-    /// Positions, [rows].
+    /// Positions, [rows] (forward calls).
     pos: CudaSlice<i32>,
-    /// pos + 1, [rows].
+    /// pos + 1, [rows] (forward calls).
     lens: CudaSlice<i32>,
     /// Argmax output, [rows].
     argmax: CudaSlice<u32>,
-    /// Per-layer row pointer tables, u64 [L, 4, rows]: K, V, c (state), c (attention bias).
+    /// Per-layer pointer tables, u64 [L, PTRS_PER_ROW·rows + PTRS_PER_SEQ·sequences].
     ptrs: CudaSlice<u64>,
     /// Split-K partial outputs, f32.
     part_o: CudaSlice<f32>,
     /// Split-K partial (max, sum) pairs, f32.
     part_ml: CudaSlice<f32>,
-    /// Selected block ids, i32 [rows, Hkv, s_max].
+    /// Selected block ids, i32 [layers, rows, Hkv, s_max].
     sel: CudaSlice<i32>,
-    /// Selected counts, i32 [rows, Hkv].
+    /// Selected counts, i32 [layers, rows, Hkv].
     nsel: CudaSlice<i32>,
     /// 1 for dense rows of a sparse call, i32 [rows].
     dense: CudaSlice<i32>,
-    /// Each sequence's length after the call, i32 [sequences] (compression).
+    /// Each sequence's length after the call, i32 [sequences] (compression; forward calls).
     seq_lens: CudaSlice<i32>,
     /// Query-aware window logits, f32 [rows, H, w_stride] (GPU selection).
     qa_logits: CudaSlice<f32>,
@@ -284,6 +397,41 @@ struct Workspace {
     qa_stats: CudaSlice<f32>,
     /// Window scores s, f32 [rows, Hkv, w_stride].
     qa_scores: CudaSlice<f32>,
+}
+
+/// Device addresses of the per-row inputs the kernels read.
+#[derive(Debug, Clone, Copy)]
+struct RowInputs {
+    /// i32 [rows]: each row's position.
+    pos: u64,
+    /// i32 [rows]: pos + 1, the tokens each row attends to.
+    lens: u64,
+    /// i32 [sequences]: each sequence's length after the call (compression).
+    seq_lens: u64,
+}
+
+/// Geometry of the attention launch of one call or step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct AttnGeometry {
+    /// Sparse rows (block lists) or dense rows.
+    sparse: bool,
+    /// Tokens (dense) or list entries (sparse) per split.
+    span: usize,
+    /// Splits.
+    nsplit: usize,
+    /// Block-list width (sparse).
+    s_max: usize,
+}
+
+/// Geometry of GPU selection: query-aware scoring over up to `mc` windows
+/// (`w_stride` = mc rounded up to whole tiles) and pooling/selection over
+/// up to `nb_cap` blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SelGeometry {
+    mc: usize,
+    w_stride: usize,
+    nb_cap: usize,
+    s_max: usize,
 }
 
 /// One query row of a forward call.
@@ -309,6 +457,50 @@ enum LogitRows {
     All,
 }
 
+/// Where the logits of the last call are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LastLogits {
+    /// No logits (no call yet, or a prefill chunk before the last).
+    None,
+    /// The first n rows of the forward workspace.
+    Forward(usize),
+    /// The decode step's buffers (n rows; the argmax is computed too).
+    Step(usize),
+}
+
+/// What a captured decode step depends on besides its per-step inputs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct StepKey {
+    /// (uid, generation) of each row's sequence, in row order.
+    seqs: Vec<(u64, u64)>,
+    /// Every row sparse (else every row dense).
+    sparse: bool,
+    /// The batch's largest capacity, tokens: sizes every grid.
+    cap: usize,
+    /// Rows of the RoPE tables (their buffers move when they grow).
+    rope_rows: usize,
+}
+
+/// The device-resident decode step of one batch (see the module doc).
+struct DecodeStep {
+    key: StepKey,
+    /// B: rows = sequences.
+    n: usize,
+    attn: AttnGeometry,
+    sel: SelGeometry,
+    /// Step inputs, u32 [ids n | pos n | lens n | seq_lens n]; advanced on the
+    /// device by the step's last kernel (`argmax_advance`).
+    io: CudaSlice<u32>,
+    ws: Workspace,
+    graph: Option<CudaGraph>,
+    /// Capture failed once: stay eager for this build.
+    capture_failed: bool,
+    /// The sequence lengths the device inputs describe (the next step's positions).
+    dev_lens: Vec<usize>,
+    /// Steps run since the build.
+    steps: usize,
+}
+
 /// A model on the GPU. See the module doc for what it computes.
 pub struct GpuModel {
     gpu: Arc<Gpu>,
@@ -331,6 +523,10 @@ pub struct GpuModel {
     /// Column of the first eviction logit z in a fused row.
     z_off: usize,
     ws: Option<Workspace>,
+    step: Option<DecodeStep>,
+    decode_mode: DecodeMode,
+    /// When set, step enqueues launch only this piece ([`GpuModel::profile_step`]).
+    only_part: std::cell::Cell<Option<StepPart>>,
     selection: SelectionPath,
     record_selections: bool,
     /// `[layer][row][kv_head]`: the blocks each row attended in the last
@@ -339,8 +535,8 @@ pub struct GpuModel {
     /// `[layer][row]`: each row's post-RoPE query (H·D, f32 from bf16) in
     /// the last sparse forward call, when recording.
     last_queries: Vec<Vec<Vec<f32>>>,
-    /// Rows of valid logits after the last call (row r of [`Self::logits`]).
-    logit_rows: usize,
+    /// Where the logits of the last call are.
+    last: LastLogits,
 }
 
 impl std::fmt::Debug for GpuModel {
@@ -367,15 +563,39 @@ fn opt_f32(ckpt: &Checkpoint, name: &str) -> Result<Option<Vec<f32>>> {
     }
 }
 
+/// Per-layer figures of the layer-GEMM ceiling ([`GpuModel::gemm_ceiling`]).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct GemmCeiling {
+    /// Rows (batch size) of every GEMM.
+    pub batch: usize,
+    /// Median over replays of the graph of every layer's four GEMMs
+    /// (QKV+z, O, gate|up, down), all through cuBLAS, milliseconds: the
+    /// ceiling of spec/device.md.
+    pub layers_graph_ms: f64,
+    /// The same graph with the engine's own routing ([`Gpu::linear`]: the
+    /// small-batch kernel for the QKV and O projections at n ≤ 4 when
+    /// [`Gpu::set_small_gemv`] is on, else cuBLAS too), milliseconds.
+    pub layers_graph_ms_engine: f64,
+    /// Median of the lm_head GEMM alone (f32 logits), milliseconds.
+    pub lm_head_ms: f64,
+    /// Weight bytes the layer GEMMs read per replay.
+    pub layer_weight_bytes: usize,
+    /// layer_weight_bytes / layers_graph_ms, GB/s.
+    pub layers_gb_per_s: f64,
+    /// Replays timed.
+    pub reps: usize,
+}
+
 impl GpuModel {
     /// Uploads a validated checkpoint's weights (bf16, fused as in the module
     /// doc) and resolves the attention plan exactly as the CPU reference
     /// does ([`AttentionPlan::resolve`]).
     ///
     /// Errors: [`Error::Input`] for overrides the checkpoint cannot honour or
-    /// a head dim the attention kernels do not support (odd, or above 128);
-    /// [`Error::Checkpoint`] for an unreadable tensor; [`Error::Cuda`] on an
-    /// allocation or copy failure (e.g. out of device memory).
+    /// a head dim the attention kernel does not support (not a multiple of
+    /// 16, or above 128); [`Error::Checkpoint`] for an unreadable tensor;
+    /// [`Error::Cuda`] on an allocation or copy failure (e.g. out of device
+    /// memory).
     pub fn new(gpu: Arc<Gpu>, ckpt: &Checkpoint, opts: EngineOptions) -> Result<Self> {
         let cfg = ckpt.config.clone();
         let plan = AttentionPlan::resolve(&cfg, ckpt.eviction_heads, opts.attention)?;
@@ -385,11 +605,7 @@ impl GpuModel {
             cfg.head_dim,
             cfg.hidden_size,
         );
-        if dh == 0 || dh % 2 != 0 || dh > 128 {
-            return Err(Error::Input(format!(
-                "the CUDA backend supports even head dims up to 128; this model has head_dim {dh}"
-            )));
-        }
+        ops::check_attn_head_dim("the CUDA backend", dh)?;
         if hk == 0 || h % hk != 0 {
             return Err(Error::Input(format!(
                 "{h} query heads is not a multiple of {hk} KV heads"
@@ -411,7 +627,7 @@ impl GpuModel {
                 w.extend_from_slice(&ckpt.store.to_bf16(&n(t))?);
             }
             let bv = opt_f32(ckpt, &n(T::VBias))?;
-            let (mut evict_a, mut evict_zb) = (None, None);
+            let (mut evict_a, mut evict_zb, mut evict_head) = (None, None, None);
             if eviction {
                 let delta = ckpt.store.to_f32(&n(T::EvictDelta))?; // [Hkv, kvd]
                 let wv = ckpt.store.to_f32(&n(T::VProj))?; // [kvd, d]
@@ -438,7 +654,17 @@ impl GpuModel {
                         s
                     })
                     .collect();
-                evict_a = Some(g.upload(&ckpt.store.to_f32(&n(T::EvictA))?)?);
+                let a_host = ckpt.store.to_f32(&n(T::EvictA))?;
+                let delta_bf: Vec<Bf16> = delta.iter().map(|&x| Bf16::from_f32(x)).collect();
+                evict_head = Some(ops::EvictionWeights::new(
+                    g,
+                    &a_host,
+                    &delta_bf,
+                    b.as_deref(),
+                    hk,
+                    dh,
+                )?);
+                evict_a = Some(g.upload(&a_host)?);
                 evict_zb = Some(g.upload(&zb)?);
             }
             w.resize(qkv_cols * d, half::bf16::ZERO);
@@ -479,6 +705,7 @@ impl GpuModel {
                 bqkv,
                 evict_a,
                 evict_zb,
+                evict_head,
                 wo: upload_bf16(g, ckpt, &n(T::OProj))?,
                 bo: up_opt(n(T::OBias))?,
                 wgu: g.upload(bf16_bits(&wgu))?,
@@ -512,11 +739,14 @@ impl GpuModel {
             qkv_cols,
             z_off,
             ws: None,
+            step: None,
+            decode_mode: DecodeMode::from_env(),
+            only_part: std::cell::Cell::new(None),
             selection: default_selection_path(),
             record_selections: false,
             last_selections: Vec::new(),
             last_queries: Vec::new(),
-            logit_rows: 0,
+            last: LastLogits::None,
             prefill_mode: opts.prefill,
             plan,
             config: cfg,
@@ -538,12 +768,62 @@ impl GpuModel {
     /// the path they were made under: create them after this call.
     pub fn with_selection_path(mut self, path: SelectionPath) -> Self {
         self.selection = path;
+        self.step = None;
         self
+    }
+
+    /// Re-resolves the attention plan with `opts` (as [`GpuModel::new`]
+    /// does), keeping the weights: e.g. dense and sparse benchmarks on one
+    /// upload. Sequences carry the state of the plan they were made under:
+    /// create them after this call.
+    ///
+    /// Errors: [`Error::Input`] for overrides the checkpoint cannot honour.
+    pub fn set_options(&mut self, opts: EngineOptions) -> Result<()> {
+        self.plan = AttentionPlan::resolve(&self.config, self.eviction, opts.attention)?;
+        self.prefill_mode = opts.prefill;
+        self.step = None;
+        self.last = LastLogits::None;
+        Ok(())
+    }
+
+    /// Sets how decode steps run (default: `$SPARDA_DECODE`, else
+    /// [`DecodeMode::Graph`]); drops any captured step.
+    pub fn set_decode_mode(&mut self, mode: DecodeMode) {
+        self.decode_mode = mode;
+        self.step = None;
+    }
+
+    /// How decode steps run.
+    pub fn decode_mode(&self) -> DecodeMode {
+        self.decode_mode
+    }
+
+    /// Frees the decode step's and the forward call's scratch buffers (and
+    /// the captured graph); they are allocated again when next needed.
+    pub fn release_buffers(&mut self) {
+        self.step = None;
+        self.ws = None;
+        self.last = LastLogits::None;
+    }
+
+    /// Whether the last decode step ran as a replayed CUDA graph.
+    pub fn last_step_was_graph(&self) -> bool {
+        self.step.as_ref().is_some_and(|s| s.graph.is_some())
+    }
+
+    /// Whether piece `p` of a step is enqueued (always, unless profiling another piece).
+    fn on(&self, p: StepPart) -> bool {
+        self.only_part.get().is_none_or(|q| q == p)
     }
 
     /// Whether sparse attention runs anywhere in this plan (NOSA or InfLLM-V2).
     fn sparse_plan(&self) -> bool {
         self.plan.mode != AttentionMode::Dense
+    }
+
+    /// Whether this plan keeps Kc/p on the GPU (sparse plan, GPU selection).
+    fn gpu_selection(&self) -> bool {
+        self.sparse_plan() && self.selection == SelectionPath::Gpu
     }
 
     /// Keep (true) or drop the per-layer block selections of each forward
@@ -571,6 +851,56 @@ impl GpuModel {
         &self.last_queries
     }
 
+    /// Bytes of device memory the weights take.
+    pub fn weight_bytes(&self) -> usize {
+        let b16 = |s: &CudaSlice<Bf16>| s.len() * 2;
+        let f = |s: &Option<CudaSlice<f32>>| s.as_ref().map_or(0, |x| x.len() * 4);
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                b16(&l.input_norm)
+                    + b16(&l.post_norm)
+                    + b16(&l.wqkv)
+                    + b16(&l.wo)
+                    + b16(&l.wgu)
+                    + b16(&l.wdown)
+                    + f(&l.bqkv)
+                    + f(&l.bo)
+                    + f(&l.bgu)
+                    + f(&l.bdown)
+                    + f(&l.evict_a)
+                    + f(&l.evict_zb)
+                    + l.evict_head
+                        .as_ref()
+                        .map_or(0, |e| e.delta.len() * 2 + e.a.len() * 4)
+            })
+            .sum();
+        layers + b16(&self.embed) + self.lm_head.as_ref().map_or(0, b16) + b16(&self.final_norm)
+    }
+
+    /// Bytes of device memory one sequence with room for `capacity_tokens`
+    /// tokens takes under the current plan and selection path (K, V, c,
+    /// and Kc/p for GPU selection), every layer.
+    pub fn sequence_bytes(&self, capacity_tokens: usize) -> usize {
+        let c = &self.config;
+        let bs = self.plan.budget.block_size.max(1);
+        let cap = capacity_tokens.max(1).div_ceil(bs) * bs;
+        let (hk, kvd) = (c.num_key_value_heads, c.num_key_value_heads * c.head_dim);
+        let mut per = cap * kvd * 2 * 2;
+        if self.eviction {
+            per += cap * hk * 4;
+        }
+        if self.gpu_selection() {
+            let capw = self.plan.budget.windows(cap).max(1);
+            per += capw * kvd * 4;
+            if self.eviction {
+                per += capw * hk * 4;
+            }
+        }
+        per * self.layers.len()
+    }
+
     /// A new, empty sequence with room for `capacity_tokens` tokens (rounded
     /// up to whole blocks; e.g. prompt + max_new_tokens). It grows when a
     /// call needs more.
@@ -594,6 +924,8 @@ impl GpuModel {
             cap,
             layers,
             mirror,
+            uid: NEXT_SEQ_UID.fetch_add(1, Ordering::Relaxed),
+            generation: 0,
         })
     }
 
@@ -602,7 +934,7 @@ impl GpuModel {
         let kvd = c.num_key_value_heads * c.head_dim;
         let what = |x: &str| format!("allocating the {x} cache of {cap} tokens");
         let s = self.gpu.stream();
-        let gpu_sel = self.sparse_plan() && self.selection == SelectionPath::Gpu;
+        let gpu_sel = self.gpu_selection();
         let capw = self.plan.budget.windows(cap).max(1);
         Ok(SeqLayer {
             kc: if gpu_sel {
@@ -672,6 +1004,7 @@ impl GpuModel {
             *l = n;
         }
         seq.cap = cap;
+        seq.generation += 1;
         Ok(())
     }
 
@@ -705,11 +1038,9 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Makes the workspace hold `rows` rows.
-    fn ensure_workspace(&mut self, rows: usize) -> Result<()> {
-        if self.ws.as_ref().is_some_and(|w| w.rows >= rows) {
-            return Ok(());
-        }
+    /// A workspace for `rows` rows, with `layers` per-layer copies of the
+    /// QKV output and the block lists (of width `s_max`).
+    fn new_workspace(&self, rows: usize, layers: usize, s_max: usize) -> Result<Workspace> {
         let c = &self.config;
         let (d, hq, dh, i_, v, l, hk) = (
             c.hidden_size,
@@ -723,14 +1054,14 @@ impl GpuModel {
         let s = self.gpu.stream();
         let what = format!("allocating the workspace for {rows} rows");
         // SAFETY (each `alloc`): every buffer is written by a kernel or copy
-        // before it is read in a forward call.
-        let ws = unsafe {
-            Workspace {
+        // before it is read.
+        unsafe {
+            Ok(Workspace {
                 rows,
                 resid: s.alloc(rows * d).cuda(&what)?,
                 delta: s.alloc(rows * d).cuda(&what)?,
                 xn: s.alloc(rows * d).cuda(&what)?,
-                qkv: s.alloc(rows * self.qkv_cols).cuda(&what)?,
+                qkv: s.alloc(layers * rows * self.qkv_cols).cuda(&what)?,
                 attn: s.alloc(rows * hq * dh).cuda(&what)?,
                 gu: s.alloc(rows * 2 * i_).cuda(&what)?,
                 act: s.alloc(rows * i_).cuda(&what)?,
@@ -740,20 +1071,28 @@ impl GpuModel {
                 lens: s.alloc(rows).cuda(&what)?,
                 argmax: s.alloc(rows).cuda(&what)?,
                 ptrs: s
-                    .alloc(l * (PTRS_PER_ROW * rows + PTRS_PER_SEQ))
+                    .alloc(l * (PTRS_PER_ROW * rows + PTRS_PER_SEQ * rows).max(1))
                     .cuda(&what)?,
                 part_o: s.alloc(1).cuda(&what)?,
                 part_ml: s.alloc(1).cuda(&what)?,
-                sel: s.alloc(rows * hk).cuda(&what)?,
-                nsel: s.alloc(rows * hk).cuda(&what)?,
+                sel: s.alloc((layers * rows * hk * s_max).max(1)).cuda(&what)?,
+                nsel: s.alloc(layers * rows * hk).cuda(&what)?,
                 dense: s.alloc(rows).cuda(&what)?,
-                seq_lens: s.alloc(1).cuda(&what)?,
+                seq_lens: s.alloc(rows.max(1)).cuda(&what)?,
                 qa_logits: s.alloc(1).cuda(&what)?,
                 qa_stats: s.alloc(1).cuda(&what)?,
                 qa_scores: s.alloc(1).cuda(&what)?,
-            }
-        };
-        self.ws = Some(ws);
+            })
+        }
+    }
+
+    /// Makes the forward workspace hold `rows` rows.
+    fn ensure_workspace(&mut self, rows: usize) -> Result<()> {
+        if self.ws.as_ref().is_some_and(|w| w.rows >= rows) {
+            return Ok(());
+        }
+        self.ws = None;
+        self.ws = Some(self.new_workspace(rows, 1, 1)?);
         Ok(())
     }
 
@@ -811,13 +1150,14 @@ impl GpuModel {
     }
 
     /// Rows per prefill chunk so the attention partials of a context of up
-    /// to `t_len` tokens stay within [`PARTIALS_BUDGET_BYTES`].
+    /// to `t_len` tokens stay within [`PARTIALS_BUDGET_BYTES`] (counted at
+    /// the finest split, one per [`ops::ATTN_TILE`] tokens).
     fn prefill_rows(&self, t_len: usize, sparse: bool) -> usize {
         let c = &self.config;
         let nsplit = if sparse {
-            self.plan.budget.attended.div_ceil(SPARSE_SPLIT)
+            self.plan.budget.attended
         } else {
-            t_len.div_ceil(DENSE_SPLIT)
+            t_len.div_ceil(ops::ATTN_TILE)
         }
         .max(1);
         let mut per_row = c.num_attention_heads * nsplit * (c.head_dim + 2) * 4;
@@ -838,9 +1178,120 @@ impl GpuModel {
         (PARTIALS_BUDGET_BYTES / per_row.max(1)).clamp(1, PREFILL_CHUNK)
     }
 
+    /// Fills the empty sequence `seq` with `len` tokens of synthetic state
+    /// (runtime.md §5 `--prefill synthetic`, for decode benchmarks on
+    /// random-weight models): every layer's K and V random bf16 N(0, 1)
+    /// (kernels/synth.cu, from `seed`, the layer and the sequence's uid), the
+    /// eviction scores c = A·softplus(δ·v + b) of those values with the
+    /// layer's own eviction head (kernels/eviction.cu), and, for GPU
+    /// selection, Kc and p completed from K and c (kernels/compress.cu) —
+    /// the state a prefill would leave, minus the model. The next decode
+    /// token goes to position `len`. No logits are produced.
+    ///
+    /// Errors: [`Error::Input`] when `seq` is not empty, `len` is 0 or past
+    /// max_position_embeddings, or the sequence mirrors its state on the
+    /// host ([`SelectionPath::HostFallback`]); [`Error::Cuda`] on a device
+    /// failure (e.g. out of memory when growing).
+    pub fn fill_synthetic(&mut self, seq: &mut GpuSequence, len: usize, seed: u64) -> Result<()> {
+        if seq.len != 0 || len == 0 || seq.mirror.is_some() {
+            return Err(Error::Input(format!(
+                "fill_synthetic: needs an empty sequence on the GPU selection path and len ≥ 1 (sequence has {} tokens, len {len})",
+                seq.len
+            )));
+        }
+        if len >= self.config.max_position_embeddings {
+            return Err(Error::Limit(format!(
+                "synthetic context of {len} tokens leaves no position for decoding below max_position_embeddings {}",
+                self.config.max_position_embeddings
+            )));
+        }
+        self.ensure_capacity(seq, len)?;
+        let c = &self.config;
+        let (hk, dh) = (c.num_key_value_heads, c.head_dim);
+        let kvd = hk * dh;
+        let gpu = self.gpu.clone();
+        let s = gpu.stream().clone();
+        let fill = gpu.function("fill_normal_bf16")?;
+        let n_u64 = (len * kvd) as u64;
+        let blocks = (len * kvd).div_ceil(256).clamp(1, 16_384) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let scale = 1.0f32;
+        let budget = self.plan.budget;
+        // Per-sequence table for compression: K, c, Kc, p, and its length.
+        let mut tab_host = vec![0u64; PTRS_PER_SEQ];
+        let lens_dev = gpu.upload(&[i32_dim(len, "len")?])?;
+        let mut tab_dev: CudaSlice<u64> = gpu.zeros(PTRS_PER_SEQ)?;
+        for (l, sl) in seq.layers.iter_mut().enumerate() {
+            for (which, buf) in [(0u64, &sl.k), (1u64, &sl.v)] {
+                let ptr = addr(&gpu, buf);
+                let sd = seed
+                    .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                    .wrapping_add(seq.uid << 20)
+                    .wrapping_add((l as u64) << 2)
+                    .wrapping_add(which);
+                let mut b = s.launch_builder(fill);
+                b.arg(&ptr).arg(&n_u64).arg(&sd).arg(&scale);
+                // SAFETY: argument list matches kernels/synth.cu; the cache holds
+                // capacity ≥ len tokens of Hkv·D values.
+                unsafe { b.launch(cfg) }.cuda("fill_normal_bf16")?;
+            }
+            if let (Some(head), Some(cbuf)) = (&self.layers[l].evict_head, &mut sl.c) {
+                ops::eviction_score(
+                    &gpu,
+                    &sl.v.slice(0..len * kvd),
+                    len,
+                    kvd,
+                    head,
+                    &mut cbuf.slice_mut(0..len * hk),
+                )?;
+            }
+            if let Some(kc) = &sl.kc {
+                let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |b| addr(&gpu, b));
+                tab_host[0] = addr(&gpu, &sl.k);
+                tab_host[1] = opt(&sl.c);
+                tab_host[2] = addr(&gpu, kc);
+                tab_host[3] = opt(&sl.p);
+                s.memcpy_htod(&tab_host, &mut tab_dev)
+                    .cuda("uploading a compression table")?;
+                let base = addr(&gpu, &tab_dev);
+                let tab = Tables::new(base, 0, 1);
+                let windows = budget.windows(len);
+                if windows > 0 {
+                    compress(
+                        &gpu,
+                        &budget,
+                        &tab,
+                        addr(&gpu, &lens_dev),
+                        1,
+                        len,
+                        windows.min(COMPRESS_MAX_GRID_X),
+                        hk,
+                        dh,
+                        self.eviction,
+                    )?;
+                }
+                // The table is rewritten for the next layer: finish this one first.
+                gpu.synchronize()?;
+            }
+        }
+        seq.len = len;
+        gpu.synchronize()
+    }
+
     /// One decode step for a batch: `tokens[b]` goes to `seqs[b]` at its
-    /// next position; afterwards [`GpuModel::logits`] holds [B, V]. Each
+    /// next position; afterwards [`GpuModel::logits`] holds [B, V] and the
+    /// step's greedy argmax is computed (see [`GpuModel::argmax`]). Each
     /// sequence is sparse or dense by its own length (dense_len, spec §1).
+    ///
+    /// When every row is sparse (or every row dense), the step runs on the
+    /// device-resident step of the module doc ([`DecodeMode`]): one upload of
+    /// the B token ids, positions and lengths, then the captured graph. A
+    /// batch mixing dense and sparse rows, or the host selection fallback,
+    /// runs as a general forward call.
     ///
     /// Errors: B = 0, `tokens.len() != seqs.len()`, a token id ≥ V, a length
     /// past `max_position_embeddings`; [`Error::Cuda`] on a device failure.
@@ -866,7 +1317,71 @@ impl GpuModel {
                 sparse: self.plan.sparse_at(s.len + 1),
             })
             .collect();
-        self.forward(seqs, &rows, LogitRows::All)
+        if self.step_eligible(&rows) {
+            self.run_step(seqs, Some(tokens))
+        } else {
+            self.forward(seqs, &rows, LogitRows::All)
+        }
+    }
+
+    /// One greedy decode step fed on the device: each sequence's next token
+    /// is the argmax of its row of the previous step's logits, which that
+    /// step left in the device-resident step inputs — nothing is copied
+    /// between host and device (the benchmark loop, runtime.md §5).
+    /// Afterwards [`GpuModel::logits`] / [`GpuModel::argmax`] are as after
+    /// [`GpuModel::decode`].
+    ///
+    /// Errors: [`Error::Input`] unless the previous call was a
+    /// device-resident decode step of exactly these sequences with nothing
+    /// run on them since (call [`GpuModel::decode`] with tokens first); a
+    /// length past `max_position_embeddings` ([`Error::Limit`]);
+    /// [`Error::Cuda`] on a device failure.
+    pub fn decode_greedy(&mut self, seqs: &mut [GpuSequence]) -> Result<()> {
+        let ok = matches!(self.last, LastLogits::Step(n) if n == seqs.len())
+            && self.step.as_ref().is_some_and(|st| {
+                st.dev_lens.len() == seqs.len()
+                    && st
+                        .key
+                        .seqs
+                        .iter()
+                        .zip(seqs.iter())
+                        .all(|(&(uid, _), s)| uid == s.uid)
+                    && st
+                        .dev_lens
+                        .iter()
+                        .zip(seqs.iter())
+                        .all(|(&l, s)| l == s.len)
+            });
+        if !ok {
+            return Err(Error::Input(
+                "decode_greedy: the previous call was not a device-resident decode step of these sequences; call decode with tokens first".into(),
+            ));
+        }
+        for s in seqs.iter() {
+            self.check_tokens(&[], s.len + 1)?;
+        }
+        let sparse0 = self.plan.sparse_at(seqs[0].len + 1);
+        if seqs
+            .iter()
+            .any(|s| self.plan.sparse_at(s.len + 1) != sparse0)
+        {
+            return Err(Error::Input(
+                "decode_greedy: the batch now mixes dense and sparse rows (dense_len); call decode with tokens".into(),
+            ));
+        }
+        self.run_step(seqs, None)
+    }
+
+    /// Whether a decode call over `rows` can run on the device-resident step.
+    fn step_eligible(&self, rows: &[Row]) -> bool {
+        if self.decode_mode == DecodeMode::Forward {
+            return false;
+        }
+        if self.sparse_plan() && self.selection != SelectionPath::Gpu {
+            return false;
+        }
+        let s0 = rows[0].sparse;
+        rows.iter().all(|r| r.sparse == s0)
     }
 
     /// Token ids < V and the length `t_len` within max_position_embeddings.
@@ -892,10 +1407,10 @@ impl GpuModel {
     ///
     /// Errors: [`Error::Input`] before any call produced logits.
     pub fn logits(&self) -> Result<cudarc::driver::CudaView<'_, f32>> {
-        match &self.ws {
-            Some(ws) if self.logit_rows > 0 => {
-                Ok(ws.logits.slice(0..self.logit_rows * self.config.vocab_size))
-            }
+        let v = self.config.vocab_size;
+        match (self.last, &self.ws, &self.step) {
+            (LastLogits::Forward(n), Some(ws), _) => Ok(ws.logits.slice(0..n * v)),
+            (LastLogits::Step(n), _, Some(st)) => Ok(st.ws.logits.slice(0..n * v)),
             _ => Err(Error::Input(
                 "no logits yet: run prefill or decode first".into(),
             )),
@@ -904,7 +1419,10 @@ impl GpuModel {
 
     /// Rows of [`GpuModel::logits`].
     pub fn logit_rows(&self) -> usize {
-        self.logit_rows
+        match self.last {
+            LastLogits::None => 0,
+            LastLogits::Forward(n) | LastLogits::Step(n) => n,
+        }
     }
 
     /// The logits of the last call copied to the host, [rows, V] (synchronises).
@@ -917,35 +1435,38 @@ impl GpuModel {
 
     /// Greedy sampling on the GPU: the argmax of each logits row (ties to the
     /// lower id, NaN never wins), [rows] (synchronises; only the ids travel).
+    /// After a device-resident decode step the step computed it already.
     ///
     /// Errors: as [`GpuModel::logits`]; [`Error::Cuda`] on a failure.
     pub fn argmax(&mut self) -> Result<Vec<u32>> {
-        let rows = self.logit_rows;
-        if rows == 0 {
-            return Err(Error::Input(
+        match self.last {
+            LastLogits::Step(n) => {
+                let st = self.step.as_ref().expect("a step produced the logits");
+                self.gpu.download(&st.ws.argmax.slice(0..n))
+            }
+            LastLogits::Forward(rows) => {
+                let gpu = self.gpu.clone();
+                let ws = self.ws.as_mut().expect("logits imply a workspace");
+                let v = i32_dim(self.config.vocab_size, "vocab")?;
+                let n = i32_dim(rows, "rows")?;
+                let (lp, op) = (addr(&gpu, &ws.logits), addr(&gpu, &ws.argmax));
+                let f = gpu.function("argmax_rows")?;
+                let cfg = LaunchConfig {
+                    grid_dim: (grid(rows, "rows")?, 1, 1),
+                    block_dim: (1024, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = gpu.stream().launch_builder(f);
+                b.arg(&lp).arg(&n).arg(&v).arg(&op);
+                // SAFETY: argument list matches kernels/argmax.cu; logits hold rows·V
+                // values, argmax at least rows.
+                unsafe { b.launch(cfg) }.cuda("argmax_rows")?;
+                gpu.download(&ws.argmax.slice(0..rows))
+            }
+            LastLogits::None => Err(Error::Input(
                 "no logits yet: run prefill or decode first".into(),
-            ));
+            )),
         }
-        let gpu = self.gpu.clone();
-        let ws = self
-            .ws
-            .as_mut()
-            .expect("logit_rows > 0 implies a workspace");
-        let v = i32_dim(self.config.vocab_size, "vocab")?;
-        let n = i32_dim(rows, "rows")?;
-        let (lp, op) = (addr(&gpu, &ws.logits), addr(&gpu, &ws.argmax));
-        let f = gpu.function("argmax_rows")?;
-        let cfg = LaunchConfig {
-            grid_dim: (grid(rows, "rows")?, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = gpu.stream().launch_builder(f);
-        b.arg(&lp).arg(&n).arg(&v).arg(&op);
-        // SAFETY: argument list matches kernels/argmax.cu; logits hold rows·V
-        // values, argmax at least rows.
-        unsafe { b.launch(cfg) }.cuda("argmax_rows")?;
-        gpu.download(&ws.argmax.slice(0..rows))
     }
 
     /// Adds an f32 bias to the first `cols` columns of `n` bf16 rows at stride `ld`.
@@ -972,24 +1493,1017 @@ impl GpuModel {
         unsafe { bl.launch(cfg) }.cuda("bias_add").map(drop)
     }
 
-    /// One forward call over `rows` (see [`Row`]) of `seqs`: appends every
-    /// row's token to its sequence and computes the logits `which` asks for.
-    /// Rows of one sequence must be at consecutive positions starting at its
-    /// length (the public entry points guarantee it).
-    fn forward(&mut self, seqs: &mut [GpuSequence], rows: &[Row], which: LogitRows) -> Result<()> {
-        let n = rows.len();
-        if n == 0 {
-            return Err(Error::Input("forward called with no tokens".into()));
+    /// The RoPE rows a step over `seqs` needs: positions up to the batch's
+    /// capacity (device-fed steps advance without the host), or, for dynamic
+    /// NTK RoPE (tables limited to the original maximum), the next position.
+    fn step_rope_need(&self, seqs: &[GpuSequence], cap: usize) -> usize {
+        let next = seqs.iter().map(|s| s.len + 1).max().unwrap_or(1);
+        let want = cap.min(self.config.max_position_embeddings).max(next);
+        match self.config.rope_scaling {
+            RopeScaling::Dynamic {
+                original_max_position_embeddings: orig,
+                ..
+            } if want > orig => next,
+            _ => want,
         }
-        let cfg = self.config.clone();
-        let (d, hq, hk, dh, inter, vocab, nl) = (
+    }
+
+    /// Runs one device-resident decode step (see the module doc): grows
+    /// caches, (re)builds the step when its key changed, uploads the step
+    /// inputs (when `tokens` is given), then replays the graph (capturing it
+    /// on the second step of a build) or launches the kernels eagerly.
+    fn run_step(&mut self, seqs: &mut [GpuSequence], tokens: Option<&[u32]>) -> Result<()> {
+        let n = seqs.len();
+        for sq in seqs.iter_mut() {
+            let need = sq.len + 1;
+            self.ensure_capacity(sq, need)?;
+        }
+        let cap = seqs.iter().map(|s| s.cap).max().unwrap_or(1);
+        let need = self.step_rope_need(seqs, cap);
+        self.ensure_rope(need)?;
+        let rope_rows = self.rope_tables.as_ref().map_or(0, |t| t.rows);
+        let sparse = self.plan.sparse_at(seqs[0].len + 1);
+        let key = StepKey {
+            seqs: seqs.iter().map(|s| (s.uid, s.generation)).collect(),
+            sparse,
+            cap,
+            rope_rows,
+        };
+        if self.step.as_ref().is_none_or(|st| st.key != key) {
+            if tokens.is_none() {
+                return Err(Error::Input(
+                    "decode_greedy: the step must be rebuilt (capacity or batch changed); call decode with tokens".into(),
+                ));
+            }
+            self.step = None;
+            let st = self.build_step(seqs, key)?;
+            self.step = Some(st);
+        }
+        let gpu = self.gpu.clone();
+        let mut st = self.step.take().expect("built above");
+        let r = (|| -> Result<()> {
+            if let Some(toks) = tokens {
+                let mut io = Vec::with_capacity(4 * n);
+                io.extend_from_slice(toks);
+                io.extend(seqs.iter().map(|s| s.len as u32));
+                io.extend(seqs.iter().map(|s| s.len as u32 + 1));
+                io.extend(seqs.iter().map(|s| s.len as u32 + 1));
+                gpu.stream()
+                    .memcpy_htod(&io, &mut st.io)
+                    .cuda("uploading the decode step inputs")?;
+            }
+            let capture = self.decode_mode == DecodeMode::Graph
+                && st.graph.is_none()
+                && !st.capture_failed
+                && st.steps >= 1;
+            if capture {
+                match gpu.capture(|| self.enqueue_step(&mut st)) {
+                    Ok(g) => st.graph = Some(g),
+                    Err(e) => {
+                        tracing::warn!(
+                            "decode step: CUDA graph capture failed ({e}); running eagerly"
+                        );
+                        st.capture_failed = true;
+                    }
+                }
+            }
+            match &st.graph {
+                Some(g) => g.launch().cuda("cuGraphLaunch (decode step)"),
+                None => self.enqueue_step(&mut st),
+            }
+        })();
+        let ok = r.is_ok();
+        st.steps += 1;
+        st.dev_lens = seqs.iter().map(|s| s.len + 1).collect();
+        self.step = Some(st);
+        r?;
+        if ok {
+            for sq in seqs.iter_mut() {
+                sq.len += 1;
+            }
+            self.last = LastLogits::Step(n);
+            if self.record_selections {
+                self.record_step()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Allocates a decode step for `seqs` under `key` and uploads its
+    /// pointer tables (the only host→device copy besides the step inputs).
+    fn build_step(&self, seqs: &[GpuSequence], key: StepKey) -> Result<DecodeStep> {
+        let c = &self.config;
+        let (hq, hk, dh, nl) = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.num_hidden_layers,
+        );
+        let n = seqs.len();
+        let budget = self.plan.budget;
+        let hb = ops::attn_head_blocks(hq, hk);
+        let attn = if key.sparse {
+            let s_max = budget.attended.max(1);
+            let (span, nsplit) = ops::attn_sparse_split(n, hb, s_max);
+            AttnGeometry {
+                sparse: true,
+                span,
+                nsplit,
+                s_max,
+            }
+        } else {
+            let (span, nsplit) = ops::attn_dense_split(n, hb, key.cap);
+            AttnGeometry {
+                sparse: false,
+                span,
+                nsplit,
+                s_max: 1,
+            }
+        };
+        let mc = budget.windows(key.cap);
+        let qa_tile = super::select::QA_TILE;
+        let sel = SelGeometry {
+            mc,
+            w_stride: mc.max(1).div_ceil(qa_tile) * qa_tile,
+            nb_cap: budget.blocks(key.cap.saturating_sub(1)).max(1),
+            s_max: attn.s_max,
+        };
+        let mut ws = self.new_workspace(n, nl, attn.s_max)?;
+        let s = self.gpu.stream();
+        let part = n * hq * attn.nsplit;
+        // SAFETY (each `alloc`): written by a kernel before it is read.
+        unsafe {
+            ws.part_o = s.alloc(part * dh).cuda("allocating attention partials")?;
+            ws.part_ml = s.alloc(part * 2).cuda("allocating attention partials")?;
+            if key.sparse {
+                let tiles = sel.w_stride / qa_tile;
+                ws.qa_logits = s
+                    .alloc(n * hq * sel.w_stride)
+                    .cuda("allocating the window-score workspace")?;
+                ws.qa_stats = s
+                    .alloc(n * hq * tiles * 2)
+                    .cuda("allocating the window-score workspace")?;
+                ws.qa_scores = s
+                    .alloc(n * hk * sel.w_stride)
+                    .cuda("allocating the window-score workspace")?;
+            }
+        }
+        let rows: Vec<Row> = (0..n)
+            .map(|b| Row {
+                seq: b,
+                token: 0,
+                pos: seqs[b].len,
+                sparse: key.sparse,
+            })
+            .collect();
+        let table = self.pointer_tables(seqs, &rows);
+        s.memcpy_htod(&table, &mut ws.ptrs.slice_mut(0..table.len()))
+            .cuda("uploading KV pointer tables")?;
+        let io: CudaSlice<u32> = self.gpu.zeros(4 * n)?;
+        Ok(DecodeStep {
+            key,
+            n,
+            attn,
+            sel,
+            io,
+            ws,
+            graph: None,
+            capture_failed: false,
+            dev_lens: Vec::new(),
+            steps: 0,
+        })
+    }
+
+    /// Per-layer pointer tables of a call over `rows` of `seqs` (see
+    /// [`Tables`]): [L][PTRS_PER_ROW·n + PTRS_PER_SEQ·ns] u64.
+    fn pointer_tables(&self, seqs: &[GpuSequence], rows: &[Row]) -> Vec<u64> {
+        let gpu = &*self.gpu;
+        let (n, ns, nl) = (rows.len(), seqs.len(), self.layers.len());
+        let nosa = self.plan.mode == AttentionMode::Nosa;
+        let per_layer = PTRS_PER_ROW * n + PTRS_PER_SEQ * ns;
+        let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |c| addr(gpu, c));
+        let mut table = vec![0u64; nl * per_layer];
+        for l in 0..nl {
+            let t = &mut table[l * per_layer..(l + 1) * per_layer];
+            for (i, r) in rows.iter().enumerate() {
+                let sl = &seqs[r.seq].layers[l];
+                let c = opt(&sl.c);
+                t[i] = addr(gpu, &sl.k);
+                t[n + i] = addr(gpu, &sl.v);
+                t[2 * n + i] = c;
+                t[3 * n + i] = if r.sparse && nosa { c } else { 0 };
+                t[4 * n + i] = opt(&sl.kc);
+                t[5 * n + i] = opt(&sl.p);
+            }
+            for (j, sq) in seqs.iter().enumerate() {
+                let sl = &sq.layers[l];
+                t[6 * n + j] = addr(gpu, &sl.k);
+                t[6 * n + ns + j] = opt(&sl.c);
+                t[6 * n + 2 * ns + j] = opt(&sl.kc);
+                t[6 * n + 3 * ns + j] = opt(&sl.p);
+            }
+        }
+        table
+    }
+
+    /// Enqueues a whole decode step on the stream (no host work besides
+    /// launches, so it can be captured): embedding of the ids in `st.io`,
+    /// every layer, final norm, lm_head, argmax, and the advance of the step
+    /// inputs for the next step.
+    fn enqueue_step(&self, st: &mut DecodeStep) -> Result<()> {
+        let gpu = &*self.gpu;
+        let c = &self.config;
+        let (d, vocab, nl) = (c.hidden_size, c.vocab_size, c.num_hidden_layers);
+        let n = st.n;
+        let w = self.qkv_cols;
+        let io = addr(gpu, &st.io);
+        let inp = RowInputs {
+            pos: io + (4 * n) as u64,
+            lens: io + (8 * n) as u64,
+            seq_lens: io + (12 * n) as u64,
+        };
+        let per_layer = PTRS_PER_ROW * n + PTRS_PER_SEQ * n;
+        let hk = c.num_key_value_heads;
+        if self.on(StepPart::Embed) {
+            ops::embed_gather(
+                gpu,
+                &self.embed,
+                vocab,
+                d,
+                &st.io.slice(0..n),
+                c.embed_scale(),
+                &mut st.ws.delta.slice_mut(0..n * d),
+            )?;
+            gpu.stream()
+                .memset_zeros(&mut st.ws.resid.slice_mut(0..n * d))
+                .cuda("zeroing the residual stream")?;
+        }
+        let ptrs = addr(gpu, &st.ws.ptrs);
+        for l in 0..nl {
+            let tab = Tables::new(ptrs + (l * per_layer * 8) as u64, n, n);
+            let qkv_off = l * n * w;
+            let comp = self.gpu_selection().then_some((1usize, 1usize));
+            self.layer_front(l, &mut st.ws, n, n, qkv_off, &inp, &tab, comp)?;
+            let sel_off = l * n * hk * st.attn.s_max;
+            let nsel_off = l * n * hk;
+            if st.attn.sparse {
+                self.gpu_select(&st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.sel)?;
+            }
+            self.layer_back(
+                l, &mut st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.attn,
+            )?;
+        }
+        self.head(&mut st.ws, n, 0, n)?;
+        if !self.on(StepPart::Argmax) {
+            return Ok(());
+        }
+        let (v_, n_) = (i32_dim(vocab, "vocab")?, i32_dim(n, "rows")?);
+        let (lp, op) = (addr(gpu, &st.ws.logits), addr(gpu, &st.ws.argmax));
+        let f = gpu.function("argmax_advance")?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid(n, "rows")?, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(&lp).arg(&n_).arg(&v_).arg(&op).arg(&io);
+        // SAFETY: argument list matches kernels/argmax.cu; logits hold n·V values,
+        // argmax n, io 4n.
+        unsafe { b.launch(cfg) }.cuda("argmax_advance").map(drop)
+    }
+
+    /// Copies the last step's per-layer queries and block lists to the
+    /// recording ([`GpuModel::last_selections`] / [`GpuModel::last_queries`]).
+    fn record_step(&mut self) -> Result<()> {
+        let st = self.step.as_ref().expect("a step ran");
+        let c = &self.config;
+        let (hq, hk, dh, nl) = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.num_hidden_layers,
+        );
+        let (n, w, s_max) = (st.n, self.qkv_cols, st.attn.s_max);
+        if !st.attn.sparse {
+            self.last_selections = vec![vec![vec![Vec::new(); hk]; n]; nl];
+            self.last_queries = vec![Vec::new(); nl];
+            return Ok(());
+        }
+        let qkv = self.gpu.download(&st.ws.qkv.slice(0..nl * n * w))?;
+        let sel = self
+            .gpu
+            .download(&st.ws.sel.slice(0..nl * n * hk * s_max))?;
+        let nsel = self.gpu.download(&st.ws.nsel.slice(0..nl * n * hk))?;
+        self.last_queries = (0..nl)
+            .map(|l| {
+                (0..n)
+                    .map(|i| {
+                        let o = (l * n + i) * w;
+                        qkv[o..o + hq * dh].iter().map(|x| x.to_f32()).collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        self.last_selections = (0..nl)
+            .map(|l| {
+                (0..n)
+                    .map(|i| {
+                        (0..hk)
+                            .map(|h| {
+                                let r = (l * n + i) * hk + h;
+                                let k = nsel[r].clamp(0, s_max as i32) as usize;
+                                sel[r * s_max..r * s_max + k]
+                                    .iter()
+                                    .map(|&m| m.max(0) as usize)
+                                    .collect()
+                            })
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        Ok(())
+    }
+
+    /// First half of layer `l` over n rows: residual add + input RMSNorm,
+    /// the fused QKV(+z) GEMM (+bias) into `ws.qkv` at element `qkv_off`,
+    /// RoPE and the KV append (+ eviction score), and — `comp` = (new
+    /// tokens, grid width) — the compression of the windows this call
+    /// completes (GPU selection).
+    #[allow(clippy::too_many_arguments)]
+    fn layer_front(
+        &self,
+        l: usize,
+        ws: &mut Workspace,
+        n: usize,
+        ns: usize,
+        qkv_off: usize,
+        inp: &RowInputs,
+        tab: &Tables,
+        comp: Option<(usize, usize)>,
+    ) -> Result<()> {
+        let gpu = &*self.gpu;
+        let cfg = &self.config;
+        let (d, hq, hk, dh) = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let lw = &self.layers[l];
+        let w = self.qkv_cols;
+        if self.on(StepPart::NormIn) {
+            ops::add_rmsnorm(
+                gpu,
+                &mut ws.resid.slice_mut(0..n * d),
+                &ws.delta.slice(0..n * d),
+                if l == 0 { 1.0 } else { cfg.residual_scale() },
+                &lw.input_norm,
+                cfg.rms_norm_eps,
+                &mut ws.xn.slice_mut(0..n * d),
+            )?;
+        }
+        let qp = addr(gpu, &ws.qkv) + (qkv_off * 2) as u64;
+        if self.on(StepPart::Qkv) {
+            gpu.linear(
+                &ws.xn.slice(0..n * d),
+                n,
+                d,
+                &lw.wqkv,
+                w,
+                &mut ws.qkv.slice_mut(qkv_off..qkv_off + n * w),
+            )?;
+            if let Some(b) = &lw.bqkv {
+                Self::bias_add(gpu, qp, w, b, n, w)?;
+            }
+        }
+        // RoPE + append (+ eviction score).
+        let t = self.rope_tables.as_ref().expect("rope tables ensured");
+        let (cosp, sinp) = (addr(gpu, &t.cos), addr(gpu, &t.sin));
+        let (ap, zbp) = match (&lw.evict_a, &lw.evict_zb) {
+            (Some(a), Some(zb)) => (addr(gpu, a), addr(gpu, zb)),
+            _ => (0u64, 0u64),
+        };
+        let cstate = if self.eviction { tab.c_state } else { 0u64 };
+        let (w_, h_, hk_, d_, tr, zo) = (
+            i32_dim(w, "qkv row")?,
+            i32_dim(hq, "H")?,
+            i32_dim(hk, "Hkv")?,
+            i32_dim(dh, "D")?,
+            i32_dim(t.rows, "rope rows")?,
+            i32_dim(self.z_off, "z offset")?,
+        );
+        let f = gpu.function("qkv_rope_append")?;
+        let lc = LaunchConfig {
+            grid_dim: (grid(n, "rows")?, grid(hq + 2 * hk, "heads")?, 1),
+            block_dim: (((dh / 2).div_ceil(32) * 32).clamp(32, 128) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(&qp)
+            .arg(&w_)
+            .arg(&h_)
+            .arg(&hk_)
+            .arg(&d_)
+            .arg(&inp.pos)
+            .arg(&cosp)
+            .arg(&sinp)
+            .arg(&tr)
+            .arg(&tab.k)
+            .arg(&tab.v)
+            .arg(&cstate)
+            .arg(&zo)
+            .arg(&ap)
+            .arg(&zbp);
+        if self.on(StepPart::RopeAppend) {
+            // SAFETY: argument list matches kernels/kv_append.cu; every row's
+            // position is below its sequence's capacity (ensure_capacity) and the
+            // kernel skips positions past the RoPE table; pointer tables hold n rows.
+            unsafe { b.launch(lc) }.cuda("qkv_rope_append")?;
+        }
+        if let Some((n_new, gx)) = comp {
+            if gx > 0 && self.on(StepPart::Compress) {
+                compress(
+                    gpu,
+                    &self.plan.budget,
+                    tab,
+                    inp.seq_lens,
+                    ns,
+                    n_new,
+                    gx,
+                    hk,
+                    dh,
+                    self.eviction,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Second half of layer `l`: attention (dense, or sparse over the lists
+    /// at `sel_off` / `nsel_off`) and its combine into `ws.attn`, O
+    /// projection (+bias), residual add + post-attention RMSNorm, gate|up
+    /// GEMM (+bias), SwiGLU, down projection (+bias) into `ws.delta`.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_back(
+        &self,
+        l: usize,
+        ws: &mut Workspace,
+        n: usize,
+        qkv_off: usize,
+        sel_off: usize,
+        nsel_off: usize,
+        inp: &RowInputs,
+        tab: &Tables,
+        geo: &AttnGeometry,
+    ) -> Result<()> {
+        let gpu = &*self.gpu;
+        let cfg = &self.config;
+        let (d, hq, hk, dh, inter) = (
             cfg.hidden_size,
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
             cfg.intermediate_size,
-            cfg.vocab_size,
-            cfg.num_hidden_layers,
+        );
+        let budget = &self.plan.budget;
+        let (part_o, part_ml) = (addr(gpu, &ws.part_o), addr(gpu, &ws.part_ml));
+        let args = AttnArgs {
+            q: addr(gpu, &ws.qkv) + (qkv_off * 2) as u64,
+            q_stride: self.qkv_cols,
+            kptr: tab.k,
+            vptr: tab.v,
+            cptr: if geo.sparse { tab.c_attn } else { 0 },
+            lens: inp.lens,
+            sel: if geo.sparse {
+                addr(gpu, &ws.sel) + (sel_off * 4) as u64
+            } else {
+                0
+            },
+            nsel: if geo.sparse {
+                addr(gpu, &ws.nsel) + (nsel_off * 4) as u64
+            } else {
+                0
+            },
+            s_max: geo.s_max,
+            block_size: budget.block_size,
+            span: geo.span,
+            nsplit: geo.nsplit,
+            part_o,
+            part_ml,
+            rows: n,
+            heads: hq,
+            kv_heads: hk,
+            head_dim: dh,
+            scale: cfg.attn_scale(),
+        };
+        if self.on(StepPart::Attention) {
+            ops::launch_attn_partial(gpu, &args)?;
+        }
+        if self.on(StepPart::Combine) {
+            ops::launch_attn_combine(
+                gpu,
+                part_o,
+                part_ml,
+                addr(gpu, &ws.attn),
+                hq * dh,
+                n,
+                hq,
+                dh,
+                geo.nsplit,
+            )?;
+        }
+        let lw = &self.layers[l];
+        if self.on(StepPart::OProj) {
+            gpu.linear(
+                &ws.attn.slice(0..n * hq * dh),
+                n,
+                hq * dh,
+                &lw.wo,
+                d,
+                &mut ws.delta.slice_mut(0..n * d),
+            )?;
+            if let Some(b) = &lw.bo {
+                Self::bias_add(gpu, addr(gpu, &ws.delta), d, b, n, d)?;
+            }
+        }
+        if self.on(StepPart::NormPost) {
+            ops::add_rmsnorm(
+                gpu,
+                &mut ws.resid.slice_mut(0..n * d),
+                &ws.delta.slice(0..n * d),
+                cfg.residual_scale(),
+                &lw.post_norm,
+                cfg.rms_norm_eps,
+                &mut ws.xn.slice_mut(0..n * d),
+            )?;
+        }
+        if self.on(StepPart::GateUp) {
+            gpu.linear(
+                &ws.xn.slice(0..n * d),
+                n,
+                d,
+                &lw.wgu,
+                2 * inter,
+                &mut ws.gu.slice_mut(0..n * 2 * inter),
+            )?;
+            if let Some(b) = &lw.bgu {
+                Self::bias_add(gpu, addr(gpu, &ws.gu), 2 * inter, b, n, 2 * inter)?;
+            }
+        }
+        if self.on(StepPart::Swiglu) {
+            ops::swiglu(
+                gpu,
+                &ws.gu.slice(0..n * 2 * inter),
+                n,
+                inter,
+                &mut ws.act.slice_mut(0..n * inter),
+            )?;
+        }
+        if self.on(StepPart::Down) {
+            gpu.linear(
+                &ws.act.slice(0..n * inter),
+                n,
+                inter,
+                &lw.wdown,
+                d,
+                &mut ws.delta.slice_mut(0..n * d),
+            )?;
+            if let Some(b) = &lw.bdown {
+                Self::bias_add(gpu, addr(gpu, &ws.delta), d, b, n, d)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Final residual add + norm (÷ logit divisor folded into its weight)
+    /// over n rows, then the lm_head GEMM (f32) of rows first … first+m−1
+    /// into `ws.logits` rows 0 … m−1.
+    fn head(&self, ws: &mut Workspace, n: usize, first: usize, m: usize) -> Result<()> {
+        let gpu = &*self.gpu;
+        let cfg = &self.config;
+        let (d, vocab) = (cfg.hidden_size, cfg.vocab_size);
+        if self.on(StepPart::FinalNorm) {
+            ops::add_rmsnorm(
+                gpu,
+                &mut ws.resid.slice_mut(0..n * d),
+                &ws.delta.slice(0..n * d),
+                cfg.residual_scale(),
+                &self.final_norm,
+                cfg.rms_norm_eps,
+                &mut ws.xn.slice_mut(0..n * d),
+            )?;
+        }
+        if m == 0 || !self.on(StepPart::LmHead) {
+            return Ok(());
+        }
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        gpu.linear(
+            &ws.xn.slice(first * d..(first + m) * d),
+            m,
+            d,
+            head,
+            vocab,
+            &mut ws.logits.slice_mut(0..m * vocab),
+        )
+    }
+
+    /// GPU block selection of every row (spec §4) through the per-row
+    /// tables: `qa_window_logits` + `qa_window_scores` over up to `geo.mc`
+    /// windows (grids sized by it; each row scores the Mc(pos+1) windows it
+    /// sees), then `select_blocks` over up to `geo.nb_cap` blocks into the
+    /// lists at `sel_off` / `nsel_off` (width `geo.s_max`).
+    #[allow(clippy::too_many_arguments)]
+    fn gpu_select(
+        &self,
+        ws: &Workspace,
+        n: usize,
+        qkv_off: usize,
+        sel_off: usize,
+        nsel_off: usize,
+        inp: &RowInputs,
+        tab: &Tables,
+        geo: &SelGeometry,
+    ) -> Result<()> {
+        let gpu = &*self.gpu;
+        let cfg = &self.config;
+        let (hq, hk, dh) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let budget = &self.plan.budget;
+        let g = hq / hk;
+        let qa_tile = super::select::QA_TILE;
+        let ntiles = geo.w_stride / qa_tile;
+        let (qs, h_, hk_, d_, wst, nt, st, ks) = (
+            i32_dim(self.qkv_cols, "q_stride")?,
+            i32_dim(hq, "H")?,
+            i32_dim(hk, "Hkv")?,
+            i32_dim(dh, "D")?,
+            i32_dim(geo.w_stride, "w_stride")?,
+            i32_dim(ntiles, "tiles")?,
+            i32_dim(budget.kernel_stride, "kernel_stride")?,
+            i32_dim(budget.kernel_size, "kernel_size")?,
+        );
+        let qp = addr(gpu, &ws.qkv) + (qkv_off * 2) as u64;
+        let lp = inp.lens;
+        let (lgp, stp, sp) = (
+            addr(gpu, &ws.qa_logits),
+            addr(gpu, &ws.qa_stats),
+            addr(gpu, &ws.qa_scores),
+        );
+        if geo.mc > 0 && self.on(StepPart::WindowScores) {
+            let tiles = geo.mc.div_ceil(qa_tile);
+            let grid3 = (grid(tiles, "tiles")?, grid(hk, "Hkv")?, grid(n, "rows")?);
+            let scale = 1.0 / (dh as f32).sqrt();
+            let f1 = gpu.function("qa_window_logits")?;
+            let smem1 = smem_optin(gpu, f1, (g * dh + g * qa_tile) * 4, 0, "qa_window_logits")?;
+            let mut l1 = gpu.stream().launch_builder(f1);
+            l1.arg(&qp)
+                .arg(&qs)
+                .arg(&tab.kc)
+                .arg(&lp)
+                .arg(&lgp)
+                .arg(&stp)
+                .arg(&h_)
+                .arg(&hk_)
+                .arg(&d_)
+                .arg(&wst)
+                .arg(&nt)
+                .arg(&st)
+                .arg(&ks)
+                .arg(&scale);
+            let cfg1 = LaunchConfig {
+                grid_dim: grid3,
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: smem1,
+            };
+            // SAFETY: argument list matches qa_window_logits (kernels/select.cu); each
+            // row's Kc holds ≥ Mc(pos+1) windows (compressed above); the workspace
+            // holds n·H·w_stride logits and n·H·ntiles·2 statistics.
+            unsafe { l1.launch(cfg1) }.cuda("qa_window_logits")?;
+            let f2 = gpu.function("qa_window_scores")?;
+            let smem2 = smem_optin(gpu, f2, 2 * g * 4, 0, "qa_window_scores")?;
+            let mut l2 = gpu.stream().launch_builder(f2);
+            l2.arg(&lgp)
+                .arg(&stp)
+                .arg(&lp)
+                .arg(&sp)
+                .arg(&h_)
+                .arg(&hk_)
+                .arg(&wst)
+                .arg(&nt)
+                .arg(&st)
+                .arg(&ks);
+            let cfg2 = LaunchConfig {
+                grid_dim: grid3,
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: smem2,
+            };
+            // SAFETY: argument list matches qa_window_scores; reads what the
+            // previous kernel wrote for windows < Mc; scores hold n·Hkv·w_stride.
+            unsafe { l2.launch(cfg2) }.cuda("qa_window_scores")?;
+        }
+        if !self.on(StepPart::Select) {
+            return Ok(());
+        }
+        let nosa = self.plan.mode == AttentionMode::Nosa;
+        let f = gpu.function("select_blocks")?;
+        let smem = smem_optin(gpu, f, geo.nb_cap * 8, SELECT_STATIC_SMEM, "select_blocks")?;
+        let ints = [
+            (geo.w_stride, "w_stride"),
+            (geo.s_max, "s_max"),
+            (0, "nb_stride"),
+            (geo.nb_cap, "blocks"),
+            (hk, "Hkv"),
+            (budget.block_size, "block_size"),
+            (budget.kernel_stride, "kernel_stride"),
+            (budget.kernel_size, "kernel_size"),
+            (budget.init_blocks, "init_blocks"),
+            (budget.window_blocks, "window_blocks"),
+            (budget.attended, "attended"),
+            (budget.shortlist, "shortlist"),
+        ]
+        .iter()
+        .map(|&(x, w)| i32_dim(x, w))
+        .collect::<Result<Vec<i32>>>()?;
+        let nosa_i = i32::from(nosa);
+        let pp = if nosa { tab.p } else { 0u64 };
+        let selp = addr(gpu, &ws.sel) + (sel_off * 4) as u64;
+        let nselp = addr(gpu, &ws.nsel) + (nsel_off * 4) as u64;
+        let null = 0u64;
+        let mut l = gpu.stream().launch_builder(f);
+        l.arg(&sp)
+            .arg(&ints[0])
+            .arg(&pp)
+            .arg(&lp)
+            .arg(&selp)
+            .arg(&nselp)
+            .arg(&ints[1])
+            .arg(&null)
+            .arg(&null)
+            .arg(&ints[2])
+            .arg(&ints[3])
+            .arg(&ints[4])
+            .arg(&ints[5])
+            .arg(&ints[6])
+            .arg(&ints[7])
+            .arg(&ints[8])
+            .arg(&ints[9])
+            .arg(&ints[10])
+            .arg(&ints[11])
+            .arg(&nosa_i);
+        let cfg = LaunchConfig {
+            grid_dim: (grid(hk, "Hkv")?, grid(n, "rows")?, 1),
+            block_dim: (SELECT_THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        // SAFETY: argument list matches select_blocks (kernels/select.cu); every
+        // row has ≤ nb_cap blocks (the kernel clears rows with more) and
+        // Mc(pos+1) ≤ w_stride windows, its p (NOSA) holds them; the lists hold
+        // n·Hkv·s_max / n·Hkv entries.
+        unsafe { l.launch(cfg) }.cuda("select_blocks").map(drop)
+    }
+
+    /// Dense rows of a sparse forward call (dense_len) get every existing
+    /// block (`sel_fill_dense`); `s_max` ≥ their block counts.
+    fn fill_dense_rows(&self, ws: &Workspace, n: usize, lens: u64, s_max: usize) -> Result<()> {
+        let gpu = &*self.gpu;
+        let hk = self.config.num_key_value_heads;
+        let (hk_, sm, bs) = (
+            i32_dim(hk, "Hkv")?,
+            i32_dim(s_max, "s_max")?,
+            i32_dim(self.plan.budget.block_size, "block size")?,
+        );
+        let (selp, nselp, dp) = (
+            addr(gpu, &ws.sel),
+            addr(gpu, &ws.nsel),
+            addr(gpu, &ws.dense),
+        );
+        let f = gpu.function("sel_fill_dense")?;
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(&selp)
+            .arg(&nselp)
+            .arg(&dp)
+            .arg(&lens)
+            .arg(&hk_)
+            .arg(&sm)
+            .arg(&bs);
+        let cfg = LaunchConfig {
+            grid_dim: (grid(n, "rows")?, grid(hk, "Hkv")?, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument list matches kernels/sel_fill.cu; s_max ≥ every dense
+        // row's block count (sized by the caller).
+        unsafe { b.launch(cfg) }.cuda("sel_fill_dense").map(drop)
+    }
+
+    /// Times each piece of the current decode step ([`StepPart`]) alone: per
+    /// piece, its launches for the whole step (every layer) captured as one
+    /// CUDA graph, two warm-up replays, then the median of `reps` replays, in
+    /// milliseconds per step. Pieces that do not run in this step (selection
+    /// in a dense step) and [`StepPart::Argmax`] (it would advance the step
+    /// inputs) are left out. Replays repeat the step's side effects (the
+    /// same token appended again, queries rotated again), so the batch's
+    /// state is garbage afterwards: the step is dropped, and the sequences
+    /// must be dropped too.
+    ///
+    /// Errors: [`Error::Input`] without a device-resident step (run a
+    /// decode step first) or for reps 0; [`Error::Cuda`] on a failure.
+    pub fn profile_step(&mut self, reps: usize) -> Result<Vec<(StepPart, f64)>> {
+        if reps == 0 {
+            return Err(Error::Input("profile_step: reps must be ≥ 1".into()));
+        }
+        let mut st = self.step.take().ok_or_else(|| {
+            Error::Input("profile_step: no device-resident decode step; run one first".into())
+        })?;
+        self.last = LastLogits::None;
+        let gpu = self.gpu.clone();
+        let sparse = st.attn.sparse;
+        let gpu_sel = self.gpu_selection();
+        let mut out = Vec::new();
+        for part in StepPart::ALL {
+            let applies = match part {
+                StepPart::Argmax => false,
+                StepPart::Compress => gpu_sel,
+                StepPart::WindowScores | StepPart::Select => sparse,
+                _ => true,
+            };
+            if !applies {
+                continue;
+            }
+            self.only_part.set(Some(part));
+            let g = gpu.capture(|| self.enqueue_step(&mut st));
+            self.only_part.set(None);
+            let g = g?;
+            for _ in 0..2 {
+                g.launch().cuda("cuGraphLaunch")?;
+            }
+            let mut ms = Vec::with_capacity(reps);
+            for _ in 0..reps {
+                let (a, b) = (gpu.timing_event()?, gpu.timing_event()?);
+                a.record(gpu.stream()).cuda("cuEventRecord")?;
+                g.launch().cuda("cuGraphLaunch")?;
+                b.record(gpu.stream()).cuda("cuEventRecord")?;
+                b.synchronize().cuda("cuEventSynchronize")?;
+                ms.push(a.elapsed_ms(&b).cuda("cuEventElapsedTime")? as f64);
+            }
+            ms.sort_by(f64::total_cmp);
+            out.push((part, ms[ms.len() / 2]));
+        }
+        drop(st);
+        Ok(out)
+    }
+
+    /// Times the layer GEMMs alone (runtime.md §4's ceiling): every layer's
+    /// QKV+z, O, gate|up and down GEMMs at `batch` rows on random bf16
+    /// activations, captured as one CUDA graph and replayed `reps` times
+    /// (after three warm-up replays), median per replay; and the lm_head
+    /// GEMM alone, eagerly, median of `reps`.
+    ///
+    /// Errors: [`Error::Input`] for batch 0 or reps 0; [`Error::Cuda`] on a
+    /// device failure.
+    pub fn gemm_ceiling(&self, batch: usize, reps: usize) -> Result<GemmCeiling> {
+        if batch == 0 || reps == 0 {
+            return Err(Error::Input(
+                "gemm_ceiling: batch and reps must be ≥ 1".into(),
+            ));
+        }
+        let gpu = &*self.gpu;
+        let c = &self.config;
+        let (d, hq, dh, inter, vocab) = (
+            c.hidden_size,
+            c.num_attention_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.vocab_size,
+        );
+        let w = self.qkv_cols;
+        let width = d.max(inter).max(hq * dh);
+        let x: CudaSlice<Bf16> = gpu.zeros(batch * width)?;
+        {
+            let f = gpu.function("fill_normal_bf16")?;
+            let (p, n, seed, scale) = (addr(gpu, &x), (batch * width) as u64, 7u64, 1.0f32);
+            let mut b = gpu.stream().launch_builder(f);
+            b.arg(&p).arg(&n).arg(&seed).arg(&scale);
+            let cfg = LaunchConfig {
+                grid_dim: ((batch * width).div_ceil(256).min(16_384) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argument list matches kernels/synth.cu; x holds n values.
+            unsafe { b.launch(cfg) }.cuda("fill_normal_bf16")?;
+        }
+        let mut yq: CudaSlice<Bf16> = gpu.zeros(batch * w)?;
+        let mut yo: CudaSlice<Bf16> = gpu.zeros(batch * d)?;
+        let mut yg: CudaSlice<Bf16> = gpu.zeros(batch * 2 * inter)?;
+        let mut logits: CudaSlice<f32> = gpu.zeros(batch * vocab)?;
+        let enqueue = |yq: &mut CudaSlice<Bf16>,
+                       yo: &mut CudaSlice<Bf16>,
+                       yg: &mut CudaSlice<Bf16>|
+         -> Result<()> {
+            for lw in &self.layers {
+                gpu.linear(&x.slice(0..batch * d), batch, d, &lw.wqkv, w, yq)?;
+                gpu.linear(&x.slice(0..batch * hq * dh), batch, hq * dh, &lw.wo, d, yo)?;
+                gpu.linear(&x.slice(0..batch * d), batch, d, &lw.wgu, 2 * inter, yg)?;
+                gpu.linear(&x.slice(0..batch * inter), batch, inter, &lw.wdown, d, yo)?;
+            }
+            Ok(())
+        };
+        // Warm up eagerly (cuBLAS picks its kernels), then capture: once with
+        // cuBLAS alone, once with the engine's routing.
+        let small = gpu.small_gemv();
+        gpu.set_small_gemv(false);
+        let captured = (|| -> Result<(CudaGraph, CudaGraph)> {
+            enqueue(&mut yq, &mut yo, &mut yg)?;
+            gpu.synchronize()?;
+            let cublas = gpu.capture(|| enqueue(&mut yq, &mut yo, &mut yg))?;
+            gpu.set_small_gemv(small);
+            enqueue(&mut yq, &mut yo, &mut yg)?;
+            gpu.synchronize()?;
+            let engine = gpu.capture(|| enqueue(&mut yq, &mut yo, &mut yg))?;
+            Ok((cublas, engine))
+        })();
+        gpu.set_small_gemv(small);
+        let (graph, graph_engine) = captured?;
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+            let (a, b) = (gpu.timing_event()?, gpu.timing_event()?);
+            a.record(gpu.stream()).cuda("cuEventRecord")?;
+            f()?;
+            b.record(gpu.stream()).cuda("cuEventRecord")?;
+            b.synchronize().cuda("cuEventSynchronize")?;
+            Ok(a.elapsed_ms(&b).cuda("cuEventElapsedTime")? as f64)
+        };
+        for _ in 0..3 {
+            graph.launch().cuda("cuGraphLaunch")?;
+        }
+        let mut layer_ms = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            layer_ms.push(time(&mut || graph.launch().cuda("cuGraphLaunch"))?);
+        }
+        for _ in 0..3 {
+            graph_engine.launch().cuda("cuGraphLaunch")?;
+        }
+        let mut engine_ms = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            engine_ms.push(time(&mut || graph_engine.launch().cuda("cuGraphLaunch"))?);
+        }
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let mut head_ms = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            head_ms.push(time(&mut || {
+                gpu.linear(
+                    &x.slice(0..batch * d),
+                    batch,
+                    d,
+                    head,
+                    vocab,
+                    &mut logits.slice_mut(0..batch * vocab),
+                )
+            })?);
+        }
+        let layer_weight_bytes: usize = self
+            .layers
+            .iter()
+            .map(|l| (l.wqkv.len() + l.wo.len() + l.wgu.len() + l.wdown.len()) * 2)
+            .sum();
+        let layers_graph_ms = median(&mut layer_ms);
+        Ok(GemmCeiling {
+            batch,
+            layers_graph_ms,
+            layers_graph_ms_engine: median(&mut engine_ms),
+            lm_head_ms: median(&mut head_ms),
+            layer_weight_bytes,
+            layers_gb_per_s: layer_weight_bytes as f64 / (layers_graph_ms * 1e-3) / 1e9,
+            reps,
+        })
+    }
+
+    /// One forward call over `rows` (see [`Row`]) of `seqs`: appends every
+    /// row's token to its sequence and computes the logits `which` asks for.
+    /// Rows of one sequence must be at consecutive positions starting at its
+    /// length (the public entry points guarantee it). Grids are sized by the
+    /// call's own lengths; pointer tables and row inputs are uploaded per
+    /// call (prefill chunks, and decode batches the device-resident step
+    /// does not take).
+    fn forward(&mut self, seqs: &mut [GpuSequence], rows: &[Row], which: LogitRows) -> Result<()> {
+        let n = rows.len();
+        if n == 0 {
+            return Err(Error::Input("forward called with no tokens".into()));
+        }
+        let (d, hq, hk, dh, vocab, nl) = (
+            self.config.hidden_size,
+            self.config.num_attention_heads,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+            self.config.vocab_size,
+            self.config.num_hidden_layers,
         );
         let ns = seqs.len();
         let sparse_plan = self.sparse_plan();
@@ -1029,7 +2543,6 @@ impl GpuModel {
         self.ensure_workspace(n)?;
         let any_sparse = rows.iter().any(|r| r.sparse);
         let any_dense_in_sparse = any_sparse && rows.iter().any(|r| !r.sparse);
-        let nosa = self.plan.mode == AttentionMode::Nosa;
         let budget = self.plan.budget;
         // Block-list width: S for sparse rows; a dense row of a sparse call lists all its blocks.
         let s_max = if any_sparse {
@@ -1048,10 +2561,17 @@ impl GpuModel {
         } else {
             1
         };
-        let nsplit = if any_sparse {
-            s_max.div_ceil(SPARSE_SPLIT).max(1)
+        let hb = ops::attn_head_blocks(hq, hk);
+        let (span, nsplit) = if any_sparse {
+            ops::attn_sparse_split(n, hb, s_max)
         } else {
-            max_pos.div_ceil(DENSE_SPLIT).max(1)
+            ops::attn_dense_split(n, hb, max_pos)
+        };
+        let attn_geo = AttnGeometry {
+            sparse: any_sparse,
+            span,
+            nsplit,
+            s_max,
         };
         // Query-aware scoring workspace (GPU selection): every row of a sparse
         // call is scored (dense rows' lists are overwritten afterwards), so
@@ -1067,11 +2587,24 @@ impl GpuModel {
         let qa_tile = super::select::QA_TILE;
         let w_stride = mc_max.max(1).div_ceil(qa_tile) * qa_tile;
         let ntiles = w_stride / qa_tile;
+        let nb_max = rows
+            .iter()
+            .map(|r| budget.blocks(r.pos))
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let sel_geo = SelGeometry {
+            mc: mc_max,
+            w_stride,
+            nb_cap: nb_max,
+            s_max,
+        };
         let gpu = self.gpu.clone();
         let s = gpu.stream().clone();
         let per_layer = PTRS_PER_ROW * n + PTRS_PER_SEQ * ns;
-        {
-            let ws = self.ws.as_mut().expect("workspace allocated above");
+        let table = self.pointer_tables(seqs, rows);
+        let mut ws = self.ws.take().expect("workspace allocated above");
+        let r = (|| -> Result<Option<()>> {
             let part = n * hq * nsplit;
             // SAFETY (each `alloc` below): written by a kernel or copy before it is read.
             if ws.part_o.len() < part * dh {
@@ -1119,28 +2652,6 @@ impl GpuModel {
                 .cuda("uploading row modes")?;
             s.memcpy_htod(&slens, &mut ws.seq_lens.slice_mut(0..ns))
                 .cuda("uploading sequence lengths")?;
-            let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |c| addr(&gpu, c));
-            let mut table = vec![0u64; nl * per_layer];
-            for l in 0..nl {
-                let t = &mut table[l * per_layer..(l + 1) * per_layer];
-                for (i, r) in rows.iter().enumerate() {
-                    let sl = &seqs[r.seq].layers[l];
-                    let c = opt(&sl.c);
-                    t[i] = addr(&gpu, &sl.k);
-                    t[n + i] = addr(&gpu, &sl.v);
-                    t[2 * n + i] = c;
-                    t[3 * n + i] = if r.sparse && nosa { c } else { 0 };
-                    t[4 * n + i] = opt(&sl.kc);
-                    t[5 * n + i] = opt(&sl.p);
-                }
-                for (j, sq) in seqs.iter().enumerate() {
-                    let sl = &sq.layers[l];
-                    t[6 * n + j] = addr(&gpu, &sl.k);
-                    t[6 * n + ns + j] = opt(&sl.c);
-                    t[6 * n + 2 * ns + j] = opt(&sl.kc);
-                    t[6 * n + 3 * ns + j] = opt(&sl.p);
-                }
-            }
             s.memcpy_htod(&table, &mut ws.ptrs.slice_mut(0..nl * per_layer))
                 .cuda("uploading KV pointer tables")?;
             // Embedding; the residual stream starts at zero and takes it as layer 0's delta.
@@ -1150,12 +2661,22 @@ impl GpuModel {
                 vocab,
                 d,
                 &ws.ids.slice(0..n),
-                cfg.embed_scale(),
+                self.config.embed_scale(),
                 &mut ws.delta.slice_mut(0..n * d),
             )?;
             s.memset_zeros(&mut ws.resid.slice_mut(0..n * d))
                 .cuda("zeroing the residual stream")?;
+            Ok(Some(()))
+        })();
+        if let Err(e) = r {
+            self.ws = Some(ws);
+            return Err(e);
         }
+        let inp = RowInputs {
+            pos: addr(&gpu, &ws.pos),
+            lens: addr(&gpu, &ws.lens),
+            seq_lens: addr(&gpu, &ws.seq_lens),
+        };
         // Tokens each sequence gains in this call (compression recomputes at most
         // that many tokens' windows; recomputing a complete window is idempotent).
         let n_new = seqs
@@ -1169,336 +2690,131 @@ impl GpuModel {
             .map(|&t| budget.windows(t) - budget.windows(t.saturating_sub(n_new)))
             .max()
             .unwrap_or(0);
-        let res_scale = cfg.residual_scale();
         if self.record_selections {
             self.last_selections = vec![Vec::new(); nl];
             self.last_queries = vec![Vec::new(); nl];
         }
-        for l in 0..nl {
-            let ws = self.ws.as_mut().expect("workspace");
-            let lw = &self.layers[l];
-            let w = self.qkv_cols;
-            ops::add_rmsnorm(
-                &gpu,
-                &mut ws.resid.slice_mut(0..n * d),
-                &ws.delta.slice(0..n * d),
-                if l == 0 { 1.0 } else { res_scale },
-                &lw.input_norm,
-                cfg.rms_norm_eps,
-                &mut ws.xn.slice_mut(0..n * d),
-            )?;
-            gpu.linear(
-                &ws.xn.slice(0..n * d),
-                n,
-                d,
-                &lw.wqkv,
-                w,
-                &mut ws.qkv.slice_mut(0..n * w),
-            )?;
-            if let Some(b) = &lw.bqkv {
-                Self::bias_add(&gpu, addr(&gpu, &ws.qkv), w, b, n, w)?;
-            }
-            let tab = Tables::new(addr(&gpu, &ws.ptrs) + (l * per_layer * 8) as u64, n, ns);
-            // RoPE + append (+ eviction score).
-            {
-                let t = self.rope_tables.as_ref().expect("rope tables ensured");
-                let (qp, pp, cosp, sinp) = (
-                    addr(&gpu, &ws.qkv),
-                    addr(&gpu, &ws.pos),
-                    addr(&gpu, &t.cos),
-                    addr(&gpu, &t.sin),
-                );
-                let (ap, zbp) = match (&lw.evict_a, &lw.evict_zb) {
-                    (Some(a), Some(zb)) => (addr(&gpu, a), addr(&gpu, zb)),
-                    _ => (0u64, 0u64),
-                };
-                let cstate = if self.eviction { tab.c_state } else { 0u64 };
-                let (w_, h_, hk_, d_, tr, zo) = (
-                    i32_dim(w, "qkv row")?,
-                    i32_dim(hq, "H")?,
-                    i32_dim(hk, "Hkv")?,
-                    i32_dim(dh, "D")?,
-                    i32_dim(t.rows, "rope rows")?,
-                    i32_dim(self.z_off, "z offset")?,
-                );
-                let f = gpu.function("qkv_rope_append")?;
-                let lc = LaunchConfig {
-                    grid_dim: (grid(n, "rows")?, grid(hq + 2 * hk, "heads")?, 1),
-                    block_dim: (((dh / 2).div_ceil(32) * 32).clamp(32, 128) as u32, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let mut b = s.launch_builder(f);
-                b.arg(&qp)
-                    .arg(&w_)
-                    .arg(&h_)
-                    .arg(&hk_)
-                    .arg(&d_)
-                    .arg(&pp)
-                    .arg(&cosp)
-                    .arg(&sinp)
-                    .arg(&tr)
-                    .arg(&tab.k)
-                    .arg(&tab.v)
-                    .arg(&cstate)
-                    .arg(&zo)
-                    .arg(&ap)
-                    .arg(&zbp);
-                // SAFETY: argument list matches kernels/kv_append.cu; every row's
-                // position is below its sequence's capacity (ensure_capacity) and
-                // the RoPE table's rows (ensure_rope); pointer tables hold n rows.
-                unsafe { b.launch(lc) }.cuda("qkv_rope_append")?;
-            }
-            // Selection state and block lists (spec §3–§4).
-            let mut host_lists = None;
-            if sparse_plan {
-                match path {
-                    SelectionPath::HostFallback => {
-                        // The mirror takes every token (dense phases included).
-                        host_lists =
-                            host_select(&gpu, &self.plan, &cfg, ws, seqs, rows, l, w, any_sparse)?;
-                    }
-                    SelectionPath::Gpu => {
-                        if new_windows > 0 {
-                            compress(
-                                &gpu,
-                                &budget,
-                                &tab,
-                                ws,
-                                ns,
-                                n_new,
-                                new_windows,
-                                hk,
-                                dh,
-                                self.eviction,
-                            )?;
-                        }
-                        if any_sparse {
-                            gpu_select(
-                                &gpu,
-                                &self.plan,
-                                &tab,
-                                ws,
-                                n,
-                                hq,
-                                hk,
-                                dh,
-                                w,
-                                mc_max,
-                                w_stride,
-                                s_max,
-                                rows,
-                                any_dense_in_sparse,
-                            )?;
-                        }
-                    }
-                }
-            }
-            // Attention.
-            let scale = cfg.attn_scale();
-            let (h_, hk_, d_) = (i32_dim(hq, "H")?, i32_dim(hk, "Hkv")?, i32_dim(dh, "D")?);
-            let qs = i32_dim(w, "q stride")?;
-            let (qp, lp) = (addr(&gpu, &ws.qkv), addr(&gpu, &ws.lens));
-            let (pop, pmp) = (addr(&gpu, &ws.part_o), addr(&gpu, &ws.part_ml));
-            if any_sparse {
-                if let Some(lists) = host_lists {
-                    let mut sel = vec![-1i32; n * hk * s_max];
-                    let mut nsel = vec![0i32; n * hk];
-                    for (i, per) in lists.iter().enumerate() {
-                        for (h, list) in per.iter().enumerate() {
-                            for (j, &m) in list.iter().enumerate() {
-                                sel[(i * hk + h) * s_max + j] = m as i32;
+        let w = self.qkv_cols;
+        let ptrs = addr(&gpu, &ws.ptrs);
+        let r = (|| -> Result<()> {
+            for l in 0..nl {
+                let tab = Tables::new(ptrs + (l * per_layer * 8) as u64, n, ns);
+                let comp = (sparse_plan && path == SelectionPath::Gpu && new_windows > 0)
+                    .then_some((n_new, new_windows.min(COMPRESS_MAX_GRID_X)));
+                self.layer_front(l, &mut ws, n, ns, 0, &inp, &tab, comp)?;
+                // Selection state and block lists (spec §3–§4).
+                if sparse_plan && path == SelectionPath::HostFallback {
+                    // The mirror takes every token (dense phases included).
+                    let lists = host_select(
+                        &gpu,
+                        &self.plan,
+                        &self.config,
+                        &ws,
+                        seqs,
+                        rows,
+                        l,
+                        w,
+                        any_sparse,
+                    )?;
+                    if let Some(lists) = lists {
+                        let mut sel = vec![-1i32; n * hk * s_max];
+                        let mut nsel = vec![0i32; n * hk];
+                        for (i, per) in lists.iter().enumerate() {
+                            for (h, list) in per.iter().enumerate() {
+                                for (j, &m) in list.iter().enumerate() {
+                                    sel[(i * hk + h) * s_max + j] = m as i32;
+                                }
+                                nsel[i * hk + h] = list.len() as i32;
                             }
-                            nsel[i * hk + h] = list.len() as i32;
                         }
+                        s.memcpy_htod(&sel, &mut ws.sel.slice_mut(0..sel.len()))
+                            .cuda("uploading block lists")?;
+                        s.memcpy_htod(&nsel, &mut ws.nsel.slice_mut(0..nsel.len()))
+                            .cuda("uploading block counts")?;
                     }
-                    s.memcpy_htod(&sel, &mut ws.sel.slice_mut(0..sel.len()))
-                        .cuda("uploading block lists")?;
-                    s.memcpy_htod(&nsel, &mut ws.nsel.slice_mut(0..nsel.len()))
-                        .cuda("uploading block counts")?;
+                } else if any_sparse {
+                    self.gpu_select(&ws, n, 0, 0, 0, &inp, &tab, &sel_geo)?;
+                    if any_dense_in_sparse {
+                        self.fill_dense_rows(&ws, n, inp.lens, s_max)?;
+                    }
                 }
                 if self.record_selections {
-                    let qkv = gpu.download(&ws.qkv.slice(0..n * w))?;
-                    self.last_queries[l] = (0..n)
-                        .map(|i| {
-                            qkv[i * w..i * w + hq * dh]
-                                .iter()
-                                .map(|x| x.to_f32())
-                                .collect()
-                        })
-                        .collect();
-                    let sel = gpu.download(&ws.sel.slice(0..n * hk * s_max))?;
-                    let nsel = gpu.download(&ws.nsel.slice(0..n * hk))?;
-                    self.last_selections[l] = rows
-                        .iter()
-                        .enumerate()
-                        .map(|(i, r)| {
-                            (0..hk)
-                                .map(|h| {
-                                    if !r.sparse {
-                                        return Vec::new();
-                                    }
-                                    let k = nsel[i * hk + h].clamp(0, s_max as i32) as usize;
-                                    let row = &sel[(i * hk + h) * s_max..];
-                                    row[..k].iter().map(|&m| m.max(0) as usize).collect()
-                                })
-                                .collect()
-                        })
-                        .collect();
+                    self.record_forward_layer(l, &ws, rows, any_sparse, s_max)?;
                 }
-                let nsp = s_max.div_ceil(SPARSE_SPLIT).max(1);
-                let (sm, bs, bps, ns_) = (
-                    i32_dim(s_max, "s_max")?,
-                    i32_dim(budget.block_size, "block size")?,
-                    i32_dim(SPARSE_SPLIT, "blocks per split")?,
-                    i32_dim(nsp, "splits")?,
-                );
-                let (sp, np) = (addr(&gpu, &ws.sel), addr(&gpu, &ws.nsel));
-                let f = gpu.function("attn_sparse_partial")?;
-                let lc = LaunchConfig {
-                    grid_dim: (grid(nsp, "splits")?, grid(hq, "H")?, grid(n, "rows")?),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let mut b = s.launch_builder(f);
-                b.arg(&qp)
-                    .arg(&qs)
-                    .arg(&tab.k)
-                    .arg(&tab.v)
-                    .arg(&tab.c_attn)
-                    .arg(&lp)
-                    .arg(&sp)
-                    .arg(&np)
-                    .arg(&sm)
-                    .arg(&bs)
-                    .arg(&bps)
-                    .arg(&pop)
-                    .arg(&pmp)
-                    .arg(&h_)
-                    .arg(&hk_)
-                    .arg(&d_)
-                    .arg(&ns_)
-                    .arg(&scale);
-                // SAFETY: argument list matches kernels/attn_sparse.cu; lists hold
-                // n·Hkv·s_max ids of existing blocks or −1, partials n·H·nsp ≤ the
-                // allocated n·H·nsplit slots.
-                unsafe { b.launch(lc) }.cuda("attn_sparse_partial")?;
-                combine(&gpu, ws, n, hq, dh, nsp)?;
-            } else {
-                if self.record_selections {
-                    self.last_selections[l] = vec![vec![Vec::new(); hk]; n];
-                }
-                let nsp = nsplit;
-                let (ch, ns_) = (i32_dim(DENSE_SPLIT, "chunk")?, i32_dim(nsp, "splits")?);
-                let f = gpu.function("attn_dense_partial")?;
-                let lc = LaunchConfig {
-                    grid_dim: (grid(nsp, "splits")?, grid(hq, "H")?, grid(n, "rows")?),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let mut b = s.launch_builder(f);
-                b.arg(&qp)
-                    .arg(&qs)
-                    .arg(&tab.k)
-                    .arg(&tab.v)
-                    .arg(&lp)
-                    .arg(&pop)
-                    .arg(&pmp)
-                    .arg(&h_)
-                    .arg(&hk_)
-                    .arg(&d_)
-                    .arg(&ch)
-                    .arg(&ns_)
-                    .arg(&scale);
-                // SAFETY: argument list matches kernels/attn_dense.cu; every row's
-                // cache holds lens[r] = pos+1 tokens; partials hold n·H·nsp slots.
-                unsafe { b.launch(lc) }.cuda("attn_dense_partial")?;
-                combine(&gpu, ws, n, hq, dh, nsp)?;
+                self.layer_back(l, &mut ws, n, 0, 0, 0, &inp, &tab, &attn_geo)?;
             }
-            // O projection, MLP.
-            let ws = self.ws.as_mut().expect("workspace");
-            let lw = &self.layers[l];
-            gpu.linear(
-                &ws.attn.slice(0..n * hq * dh),
-                n,
-                hq * dh,
-                &lw.wo,
-                d,
-                &mut ws.delta.slice_mut(0..n * d),
-            )?;
-            if let Some(b) = &lw.bo {
-                Self::bias_add(&gpu, addr(&gpu, &ws.delta), d, b, n, d)?;
-            }
-            ops::add_rmsnorm(
-                &gpu,
-                &mut ws.resid.slice_mut(0..n * d),
-                &ws.delta.slice(0..n * d),
-                res_scale,
-                &lw.post_norm,
-                cfg.rms_norm_eps,
-                &mut ws.xn.slice_mut(0..n * d),
-            )?;
-            gpu.linear(
-                &ws.xn.slice(0..n * d),
-                n,
-                d,
-                &lw.wgu,
-                2 * inter,
-                &mut ws.gu.slice_mut(0..n * 2 * inter),
-            )?;
-            if let Some(b) = &lw.bgu {
-                Self::bias_add(&gpu, addr(&gpu, &ws.gu), 2 * inter, b, n, 2 * inter)?;
-            }
-            ops::swiglu(
-                &gpu,
-                &ws.gu.slice(0..n * 2 * inter),
-                n,
-                inter,
-                &mut ws.act.slice_mut(0..n * inter),
-            )?;
-            gpu.linear(
-                &ws.act.slice(0..n * inter),
-                n,
-                inter,
-                &lw.wdown,
-                d,
-                &mut ws.delta.slice_mut(0..n * d),
-            )?;
-            if let Some(b) = &lw.bdown {
-                Self::bias_add(&gpu, addr(&gpu, &ws.delta), d, b, n, d)?;
-            }
+            Ok(())
+        })();
+        if let Err(e) = r {
+            self.ws = Some(ws);
+            return Err(e);
         }
         for (sq, len) in seqs.iter_mut().zip(new_len) {
             sq.len = len;
         }
-        // Final norm (÷ logit divisor folded into its weight), lm_head in f32.
-        let ws = self.ws.as_mut().expect("workspace");
-        ops::add_rmsnorm(
-            &gpu,
-            &mut ws.resid.slice_mut(0..n * d),
-            &ws.delta.slice(0..n * d),
-            res_scale,
-            &self.final_norm,
-            cfg.rms_norm_eps,
-            &mut ws.xn.slice_mut(0..n * d),
-        )?;
         let (first, m) = match which {
-            LogitRows::None => {
-                self.logit_rows = 0;
-                return Ok(());
-            }
+            LogitRows::None => (0, 0),
             LogitRows::Last => (n - 1, 1),
             LogitRows::All => (0, n),
         };
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        gpu.linear(
-            &ws.xn.slice(first * d..(first + m) * d),
-            m,
-            d,
-            head,
-            vocab,
-            &mut ws.logits.slice_mut(0..m * vocab),
-        )?;
-        self.logit_rows = m;
+        let r = self.head(&mut ws, n, first, m);
+        self.ws = Some(ws);
+        r?;
+        self.last = if m == 0 {
+            LastLogits::None
+        } else {
+            LastLogits::Forward(m)
+        };
+        Ok(())
+    }
+
+    /// Records layer `l` of a forward call (queries and lists of sparse
+    /// calls; empty lists for dense calls).
+    fn record_forward_layer(
+        &mut self,
+        l: usize,
+        ws: &Workspace,
+        rows: &[Row],
+        any_sparse: bool,
+        s_max: usize,
+    ) -> Result<()> {
+        let (hq, hk, dh) = (
+            self.config.num_attention_heads,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+        );
+        let (n, w) = (rows.len(), self.qkv_cols);
+        if !any_sparse {
+            self.last_selections[l] = vec![vec![Vec::new(); hk]; n];
+            return Ok(());
+        }
+        let qkv = self.gpu.download(&ws.qkv.slice(0..n * w))?;
+        self.last_queries[l] = (0..n)
+            .map(|i| {
+                qkv[i * w..i * w + hq * dh]
+                    .iter()
+                    .map(|x| x.to_f32())
+                    .collect()
+            })
+            .collect();
+        let sel = self.gpu.download(&ws.sel.slice(0..n * hk * s_max))?;
+        let nsel = self.gpu.download(&ws.nsel.slice(0..n * hk))?;
+        self.last_selections[l] = rows
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                (0..hk)
+                    .map(|h| {
+                        if !r.sparse {
+                            return Vec::new();
+                        }
+                        let k = nsel[i * hk + h].clamp(0, s_max as i32) as usize;
+                        let row = &sel[(i * hk + h) * s_max..];
+                        row[..k].iter().map(|&m| m.max(0) as usize).collect()
+                    })
+                    .collect()
+            })
+            .collect();
         Ok(())
     }
 }
@@ -1542,17 +2858,18 @@ impl Tables {
 
 /// Completes each sequence's compressed windows (spec §3) made whole by the
 /// last `n_new` tokens: `compress_windows` (kernels/compress.cu) over the
-/// per-sequence tables, lengths `ws.seq_lens`. p is written only with
+/// per-sequence tables, lengths i32 [ns] at `lens`, `grid_x` blocks per
+/// sequence (they loop over further windows). p is written only with
 /// eviction heads.
 #[allow(clippy::too_many_arguments)]
 fn compress(
     gpu: &Gpu,
     budget: &Budget,
     tab: &Tables,
-    ws: &Workspace,
+    lens: u64,
     ns: usize,
     n_new: usize,
-    new_windows: usize,
+    grid_x: usize,
     hk: usize,
     dh: usize,
     eviction: bool,
@@ -1570,14 +2887,9 @@ fn compress(
     } else {
         (0u64, 0u64)
     };
-    let lp = addr(gpu, &ws.seq_lens);
     let f = gpu.function("compress_windows")?;
     let lc = LaunchConfig {
-        grid_dim: (
-            grid(new_windows.min(COMPRESS_MAX_GRID_X), "windows")?,
-            grid(ns, "sequences")?,
-            1,
-        ),
+        grid_dim: (grid(grid_x.max(1), "windows")?, grid(ns, "sequences")?, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -1586,7 +2898,7 @@ fn compress(
         .arg(&cp)
         .arg(&tab.seq_kc)
         .arg(&pp)
-        .arg(&lp)
+        .arg(&lens)
         .arg(&nn)
         .arg(&hk_)
         .arg(&d_)
@@ -1596,220 +2908,6 @@ fn compress(
     // SAFETY: argument list matches kernels/compress.cu; every sequence's Kc/p
     // hold Mc(capacity) ≥ Mc(T) windows and its K/c caches T ≤ capacity tokens.
     unsafe { b.launch(lc) }.cuda("compress_windows").map(drop)
-}
-
-/// GPU block selection of every row of a sparse call (spec §4), through the
-/// per-row tables: `qa_window_logits` + `qa_window_scores` (query-aware
-/// window scores over the windows each row sees, Mc(pos+1)), then
-/// `select_blocks` (pooling, forced blocks, NOSA shortlist and top-S, or
-/// InfLLM-V2 top-S) into `ws.sel` [n, Hkv, s_max] / `ws.nsel`; then dense
-/// rows of the call (dense_len) get every block via `sel_fill_dense`.
-#[allow(clippy::too_many_arguments)]
-fn gpu_select(
-    gpu: &Gpu,
-    plan: &AttentionPlan,
-    tab: &Tables,
-    ws: &mut Workspace,
-    n: usize,
-    hq: usize,
-    hk: usize,
-    dh: usize,
-    q_stride: usize,
-    mc_max: usize,
-    w_stride: usize,
-    s_max: usize,
-    rows: &[Row],
-    any_dense: bool,
-) -> Result<()> {
-    let budget = &plan.budget;
-    let g = hq / hk;
-    let qa_tile = super::select::QA_TILE;
-    let ntiles = w_stride / qa_tile;
-    let (qs, h_, hk_, d_, wst, nt, st, ks) = (
-        i32_dim(q_stride, "q_stride")?,
-        i32_dim(hq, "H")?,
-        i32_dim(hk, "Hkv")?,
-        i32_dim(dh, "D")?,
-        i32_dim(w_stride, "w_stride")?,
-        i32_dim(ntiles, "tiles")?,
-        i32_dim(budget.kernel_stride, "kernel_stride")?,
-        i32_dim(budget.kernel_size, "kernel_size")?,
-    );
-    let (qp, lp) = (addr(gpu, &ws.qkv), addr(gpu, &ws.lens));
-    let (lgp, stp, sp) = (
-        addr(gpu, &ws.qa_logits),
-        addr(gpu, &ws.qa_stats),
-        addr(gpu, &ws.qa_scores),
-    );
-    if mc_max > 0 {
-        let tiles = mc_max.div_ceil(qa_tile);
-        let grid3 = (grid(tiles, "tiles")?, grid(hk, "Hkv")?, grid(n, "rows")?);
-        let scale = 1.0 / (dh as f32).sqrt();
-        let f1 = gpu.function("qa_window_logits")?;
-        let smem1 = smem_optin(gpu, f1, (g * dh + g * qa_tile) * 4, 0, "qa_window_logits")?;
-        let mut l1 = gpu.stream().launch_builder(f1);
-        l1.arg(&qp)
-            .arg(&qs)
-            .arg(&tab.kc)
-            .arg(&lp)
-            .arg(&lgp)
-            .arg(&stp)
-            .arg(&h_)
-            .arg(&hk_)
-            .arg(&d_)
-            .arg(&wst)
-            .arg(&nt)
-            .arg(&st)
-            .arg(&ks)
-            .arg(&scale);
-        let cfg1 = LaunchConfig {
-            grid_dim: grid3,
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: smem1,
-        };
-        // SAFETY: argument list matches qa_window_logits (kernels/select.cu); each
-        // row's Kc holds ≥ Mc(pos+1) windows (compressed above); the workspace
-        // holds n·H·w_stride logits and n·H·ntiles·2 statistics.
-        unsafe { l1.launch(cfg1) }.cuda("qa_window_logits")?;
-        let f2 = gpu.function("qa_window_scores")?;
-        let smem2 = smem_optin(gpu, f2, 2 * g * 4, 0, "qa_window_scores")?;
-        let mut l2 = gpu.stream().launch_builder(f2);
-        l2.arg(&lgp)
-            .arg(&stp)
-            .arg(&lp)
-            .arg(&sp)
-            .arg(&h_)
-            .arg(&hk_)
-            .arg(&wst)
-            .arg(&nt)
-            .arg(&st)
-            .arg(&ks);
-        let cfg2 = LaunchConfig {
-            grid_dim: grid3,
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: smem2,
-        };
-        // SAFETY: argument list matches qa_window_scores; reads what the
-        // previous kernel wrote for windows < Mc; scores hold n·Hkv·w_stride.
-        unsafe { l2.launch(cfg2) }.cuda("qa_window_scores")?;
-    }
-    let nb_max = rows
-        .iter()
-        .map(|r| budget.blocks(r.pos))
-        .max()
-        .unwrap_or(1)
-        .max(1);
-    let nosa = plan.mode == AttentionMode::Nosa;
-    let f = gpu.function("select_blocks")?;
-    let smem = smem_optin(gpu, f, nb_max * 8, SELECT_STATIC_SMEM, "select_blocks")?;
-    let ints = [
-        (w_stride, "w_stride"),
-        (s_max, "s_max"),
-        (0, "nb_stride"),
-        (nb_max, "blocks"),
-        (hk, "Hkv"),
-        (budget.block_size, "block_size"),
-        (budget.kernel_stride, "kernel_stride"),
-        (budget.kernel_size, "kernel_size"),
-        (budget.init_blocks, "init_blocks"),
-        (budget.window_blocks, "window_blocks"),
-        (budget.attended, "attended"),
-        (budget.shortlist, "shortlist"),
-    ]
-    .iter()
-    .map(|&(x, w)| i32_dim(x, w))
-    .collect::<Result<Vec<i32>>>()?;
-    let nosa_i = i32::from(nosa);
-    let pp = if nosa { tab.p } else { 0u64 };
-    let (selp, nselp) = (addr(gpu, &ws.sel), addr(gpu, &ws.nsel));
-    let null = 0u64;
-    let mut l = gpu.stream().launch_builder(f);
-    l.arg(&sp)
-        .arg(&ints[0])
-        .arg(&pp)
-        .arg(&lp)
-        .arg(&selp)
-        .arg(&nselp)
-        .arg(&ints[1])
-        .arg(&null)
-        .arg(&null)
-        .arg(&ints[2])
-        .arg(&ints[3])
-        .arg(&ints[4])
-        .arg(&ints[5])
-        .arg(&ints[6])
-        .arg(&ints[7])
-        .arg(&ints[8])
-        .arg(&ints[9])
-        .arg(&ints[10])
-        .arg(&ints[11])
-        .arg(&nosa_i);
-    let cfg = LaunchConfig {
-        grid_dim: (grid(hk, "Hkv")?, grid(n, "rows")?, 1),
-        block_dim: (SELECT_THREADS, 1, 1),
-        shared_mem_bytes: smem,
-    };
-    // SAFETY: argument list matches select_blocks (kernels/select.cu); every
-    // row has ≤ nb_max blocks and Mc(pos+1) ≤ w_stride windows, its p (NOSA)
-    // holds them; sel/nsel hold n·Hkv·s_max / n·Hkv entries.
-    unsafe { l.launch(cfg) }.cuda("select_blocks")?;
-    if any_dense {
-        let (sm, bs) = (
-            i32_dim(s_max, "s_max")?,
-            i32_dim(budget.block_size, "block size")?,
-        );
-        let dp = addr(gpu, &ws.dense);
-        let f = gpu.function("sel_fill_dense")?;
-        let mut b = gpu.stream().launch_builder(f);
-        b.arg(&selp)
-            .arg(&nselp)
-            .arg(&dp)
-            .arg(&lp)
-            .arg(&hk_)
-            .arg(&sm)
-            .arg(&bs);
-        let cfg = LaunchConfig {
-            grid_dim: (grid(n, "rows")?, grid(hk, "Hkv")?, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: argument list matches kernels/sel_fill.cu; s_max ≥ every dense
-        // row's block count (sized by the caller).
-        unsafe { b.launch(cfg) }.cuda("sel_fill_dense")?;
-    }
-    Ok(())
-}
-
-/// Launches `attn_combine` from the workspace partials into `ws.attn` ([n, H·D]).
-fn combine(gpu: &Gpu, ws: &Workspace, n: usize, hq: usize, dh: usize, ns: usize) -> Result<()> {
-    let (os, h_, d_, ns_) = (
-        i32_dim(hq * dh, "out stride")?,
-        i32_dim(hq, "H")?,
-        i32_dim(dh, "D")?,
-        i32_dim(ns, "splits")?,
-    );
-    let (po, pm, op) = (
-        addr(gpu, &ws.part_o),
-        addr(gpu, &ws.part_ml),
-        addr(gpu, &ws.attn),
-    );
-    let f = gpu.function("attn_combine")?;
-    let lc = LaunchConfig {
-        grid_dim: (grid(n * hq, "rows·H")?, 1, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut b = gpu.stream().launch_builder(f);
-    b.arg(&po)
-        .arg(&pm)
-        .arg(&op)
-        .arg(&os)
-        .arg(&h_)
-        .arg(&d_)
-        .arg(&ns_);
-    // SAFETY: argument list matches kernels/attn_combine.cu; partials hold
-    // n·H·ns slots written by the partial kernel; attn holds n·H·D values.
-    unsafe { b.launch(lc) }.cuda("attn_combine").map(drop)
 }
 
 /// TEMPORARY FALLBACK selection ([`SelectionPath::HostFallback`]) for layer
@@ -1930,5 +3028,32 @@ mod tests {
             Ok("host") => assert_eq!(p, SelectionPath::HostFallback),
             _ => assert_eq!(p, SelectionPath::Gpu),
         }
+    }
+
+    #[test]
+    fn decode_mode_follows_the_environment_variable() {
+        let m = DecodeMode::from_env();
+        match std::env::var("SPARDA_DECODE").as_deref() {
+            Ok("eager") => assert_eq!(m, DecodeMode::Eager),
+            Ok("forward") => assert_eq!(m, DecodeMode::Forward),
+            _ => assert_eq!(m, DecodeMode::Graph),
+        }
+    }
+
+    #[test]
+    fn step_keys_differ_when_a_sequence_moves_or_the_capacity_changes() {
+        let k = StepKey {
+            seqs: vec![(1, 0), (2, 0)],
+            sparse: true,
+            cap: 4096,
+            rope_rows: 8192,
+        };
+        let mut grown = k.clone();
+        grown.seqs[1].1 = 1;
+        assert_ne!(k, grown);
+        let mut cap = k.clone();
+        cap.cap = 8192;
+        assert_ne!(k, cap);
+        assert_eq!(k, k.clone());
     }
 }

@@ -111,9 +111,12 @@ fn rmsnorm_launch(
     let d_ = i32_dim(d, "d")?;
     let (dp, ds) = delta.unwrap_or((0, 0.0));
     let f = gpu.function("rmsnorm_residual")?;
+    // About four elements per thread (one block per row: at batch 1 the
+    // whole kernel is one block, so its width sets the latency).
+    let threads = (d.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32;
     let cfg = LaunchConfig {
         grid_dim: (grid(n, "rows")?, 1, 1),
-        block_dim: (256, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
     let mut b = gpu.stream().launch_builder(f);
@@ -704,13 +707,215 @@ impl BlockSelection {
     }
 }
 
-/// Tokens per split of dense decode attention.
-pub const DENSE_SPLIT_TOKENS: usize = 256;
-/// Selected blocks per split of sparse decode attention.
-pub const SPARSE_SPLIT_BLOCKS: usize = 4;
+/// Tokens per shared-memory tile of the attention kernel (`ATT_TILE` in
+/// kernels/attn_decode.cu); dense splits are whole numbers of tiles.
+pub const ATTN_TILE: usize = 64;
+/// Largest head dimension of the attention kernel (a multiple of 16 is needed).
+pub const ATTN_MAX_HEAD_DIM: usize = 128;
+/// Query heads of one KV head that one thread block of the attention kernel
+/// serves (the M dimension of its mma tiles); larger groups take several blocks.
+pub const ATTN_GROUP_HEADS: usize = 16;
+/// Threads per block of `attn_partial`.
+const ATTN_THREADS: u32 = 128;
+/// Thread blocks a split-K attention launch aims at at most (three resident
+/// per SM on the H200's 132 SMs make about four waves, so the last wave's
+/// tail costs little); splits grow (by powers of two) until rows × head
+/// blocks × splits fits. Batch 1 at 4K tokens gets 132 blocks of one tile.
+pub const ATTN_TARGET_CTAS: usize = 1536;
+/// Most splits per row: each split costs the combine a pass over D values,
+/// so at batch 1 a long context takes longer splits rather than more.
+pub const ATTN_MAX_SPLITS: usize = 128;
+
+/// Dynamic shared memory of `attn_partial` at head dim `d`, bytes: two
+/// stages of K and V tiles of [`ATTN_TILE`] rows of d + 8 bf16, plus the
+/// per-token bias and validity of both stages.
+pub const fn attn_smem_bytes(d: usize) -> usize {
+    4 * ATTN_TILE * (d + 8) * 2 + 2 * ATTN_TILE * 8
+}
+
+/// Checks that the attention kernel supports head dim `d` (a multiple of
+/// 16, at most [`ATTN_MAX_HEAD_DIM`]).
+///
+/// Errors: [`Error::Input`] otherwise.
+pub fn check_attn_head_dim(op: &str, d: usize) -> Result<()> {
+    if d == 0 || !d.is_multiple_of(16) || d > ATTN_MAX_HEAD_DIM {
+        return Err(Error::Input(format!(
+            "{op}: head dim {d} unsupported by the attention kernel (a multiple of 16, at most {ATTN_MAX_HEAD_DIM})"
+        )));
+    }
+    Ok(())
+}
+
+/// Thread blocks per (row, split) of the attention kernel: one per KV head
+/// and group of up to [`ATTN_GROUP_HEADS`] of its query heads.
+pub fn attn_head_blocks(heads: usize, kv_heads: usize) -> usize {
+    kv_heads * (heads / kv_heads.max(1)).div_ceil(ATTN_GROUP_HEADS).max(1)
+}
+
+/// Dense split-K geometry for `rows` query rows over contexts of at most
+/// `max_len` tokens: (tokens per split, a multiple of [`ATTN_TILE`];
+/// number of splits ≥ 1). Sizing it by a capacity rather than the current
+/// lengths keeps the grid fixed (splits past a row's length exit at once).
+pub fn attn_dense_split(rows: usize, head_blocks: usize, max_len: usize) -> (usize, usize) {
+    let mut span = ATTN_TILE;
+    while (rows * head_blocks * max_len.div_ceil(span) > ATTN_TARGET_CTAS
+        || max_len.div_ceil(span) > ATTN_MAX_SPLITS)
+        && span < max_len
+    {
+        span *= 2;
+    }
+    (span, max_len.div_ceil(span).max(1))
+}
+
+/// Sparse split-K geometry for lists of at most `s_max` blocks: (list
+/// entries per split, number of splits ≥ 1).
+pub fn attn_sparse_split(rows: usize, head_blocks: usize, s_max: usize) -> (usize, usize) {
+    let mut span = 1;
+    while (rows * head_blocks * s_max.div_ceil(span) > ATTN_TARGET_CTAS
+        || s_max.div_ceil(span) > ATTN_MAX_SPLITS)
+        && span < s_max
+    {
+        span *= 2;
+    }
+    (span, s_max.div_ceil(span).max(1))
+}
+
+/// Device addresses and geometry of one `attn_partial` launch (the
+/// argument list of kernels/attn_decode.cu). `sel = 0` selects dense
+/// attention; `cptr = 0` means no bias.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AttnArgs {
+    pub q: u64,
+    pub q_stride: usize,
+    pub kptr: u64,
+    pub vptr: u64,
+    pub cptr: u64,
+    pub lens: u64,
+    pub sel: u64,
+    pub nsel: u64,
+    pub s_max: usize,
+    pub block_size: usize,
+    /// Tokens (dense) or list entries (sparse) per split.
+    pub span: usize,
+    pub nsplit: usize,
+    pub part_o: u64,
+    pub part_ml: u64,
+    pub rows: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+}
+
+/// Enqueues `attn_partial` (no host work beyond the launch, so it can be
+/// captured into a graph). The partials hold rows·H·nsplit slots.
+///
+/// Errors: [`Error::Input`] for a head dim the kernel does not support, an
+/// odd q stride or dimensions past i32; [`Error::Cuda`] on a launch failure.
+pub(crate) fn launch_attn_partial(gpu: &Gpu, a: &AttnArgs) -> Result<()> {
+    const OP: &str = "attn_partial";
+    check_attn_head_dim(OP, a.head_dim)?;
+    if a.kv_heads == 0 || !a.heads.is_multiple_of(a.kv_heads) || !a.q_stride.is_multiple_of(2) {
+        return Err(Error::Input(format!(
+            "{OP}: H {} / Hkv {} / q stride {} (need H a multiple of Hkv, an even stride)",
+            a.heads, a.kv_heads, a.q_stride
+        )));
+    }
+    if a.rows == 0 {
+        return Ok(());
+    }
+    let (qs, sm, bs, sp, h_, hk, d_, ns) = (
+        i32_dim(a.q_stride, "q_stride")?,
+        i32_dim(a.s_max, "s_max")?,
+        i32_dim(a.block_size.max(1), "block_size")?,
+        i32_dim(a.span, "span")?,
+        i32_dim(a.heads, "H")?,
+        i32_dim(a.kv_heads, "Hkv")?,
+        i32_dim(a.head_dim, "D")?,
+        i32_dim(a.nsplit, "splits")?,
+    );
+    let f = gpu.function("attn_partial")?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            grid(a.nsplit, "splits")?,
+            grid(attn_head_blocks(a.heads, a.kv_heads), "head blocks")?,
+            grid(a.rows, "rows")?,
+        ),
+        block_dim: (ATTN_THREADS, 1, 1),
+        shared_mem_bytes: attn_smem_bytes(a.head_dim) as u32,
+    };
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(&a.q)
+        .arg(&qs)
+        .arg(&a.kptr)
+        .arg(&a.vptr)
+        .arg(&a.cptr)
+        .arg(&a.lens)
+        .arg(&a.sel)
+        .arg(&a.nsel)
+        .arg(&sm)
+        .arg(&bs)
+        .arg(&sp)
+        .arg(&a.part_o)
+        .arg(&a.part_ml)
+        .arg(&h_)
+        .arg(&hk)
+        .arg(&d_)
+        .arg(&ns)
+        .arg(&a.scale);
+    // SAFETY: argument list matches kernels/attn_decode.cu; the callers size the
+    // partials (rows·H·nsplit slots), the tables (rows entries) and the lists.
+    unsafe { b.launch(cfg) }.cuda(OP).map(drop)
+}
+
+/// Enqueues the split-K combine: out [rows, H, D] (rows at `out_stride`)
+/// from rows·H·nsplit partials.
+///
+/// Errors: [`Error::Input`] for dimensions past i32; [`Error::Cuda`] on a
+/// launch failure.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_attn_combine(
+    gpu: &Gpu,
+    part_o: u64,
+    part_ml: u64,
+    out: u64,
+    out_stride: usize,
+    rows: usize,
+    h: usize,
+    d: usize,
+    nsplit: usize,
+) -> Result<()> {
+    if rows == 0 {
+        return Ok(());
+    }
+    let (os, h_, d_, ns) = (
+        i32_dim(out_stride, "out_stride")?,
+        i32_dim(h, "H")?,
+        i32_dim(d, "D")?,
+        i32_dim(nsplit, "splits")?,
+    );
+    let f = gpu.function("attn_combine")?;
+    // Enough threads for every dimension, several split groups for small D.
+    let threads = (d.div_ceil(32) * 32).clamp(256, 1024) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (grid(rows * h, "rows·H")?, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut bld = gpu.stream().launch_builder(f);
+    bld.arg(&part_o)
+        .arg(&part_ml)
+        .arg(&out)
+        .arg(&os)
+        .arg(&h_)
+        .arg(&d_)
+        .arg(&ns);
+    // SAFETY: argument list matches kernels/attn_combine.cu; sizes checked by the callers.
+    unsafe { bld.launch(cfg) }.cuda("attn_combine").map(drop)
+}
 
 /// Checks the q/out layout shared by both attention entry points; returns
-/// (B, H, D, G).
+/// (B, H, D).
 fn attn_shapes<Q: DeviceSlice<Bf16>, O: DeviceSlice<Bf16>>(
     op: &str,
     q: &Q,
@@ -726,10 +931,11 @@ fn attn_shapes<Q: DeviceSlice<Bf16>, O: DeviceSlice<Bf16>>(
             "{op}: {heads} query heads is not a multiple of {hk} KV heads"
         )));
     }
+    check_attn_head_dim(op, d)?;
     let row = heads * d;
-    if q_stride < row || out_stride < row {
+    if q_stride < row || out_stride < row || !q_stride.is_multiple_of(2) {
         return Err(Error::Input(format!(
-            "{op}: q stride {q_stride} / out stride {out_stride} below H·D = {row}"
+            "{op}: q stride {q_stride} / out stride {out_stride} below H·D = {row} (or an odd q stride)"
         )));
     }
     let need_q = (b - 1) * q_stride + row;
@@ -744,58 +950,34 @@ fn attn_shapes<Q: DeviceSlice<Bf16>, O: DeviceSlice<Bf16>>(
     Ok((b, heads, d))
 }
 
-/// Launches the split-K combine and leaves out [B, H, D] (rows at out_stride).
-#[allow(clippy::too_many_arguments)]
-fn attn_combine(
-    gpu: &Gpu,
-    part_o: &CudaSlice<f32>,
-    part_ml: &CudaSlice<f32>,
-    out: u64,
-    out_stride: usize,
-    b: usize,
-    h: usize,
-    d: usize,
-    nsplit: usize,
-) -> Result<()> {
-    let (os, h_, d_, ns) = (
-        i32_dim(out_stride, "out_stride")?,
-        i32_dim(h, "H")?,
-        i32_dim(d, "D")?,
-        i32_dim(nsplit, "splits")?,
-    );
-    let (po, pm) = (dptr(gpu, part_o), dptr(gpu, part_ml));
-    let f = gpu.function("attn_combine")?;
-    let cfg = LaunchConfig {
-        grid_dim: (grid(b * h, "B·H")?, 1, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut bld = gpu.stream().launch_builder(f);
-    bld.arg(&po)
-        .arg(&pm)
-        .arg(&out)
-        .arg(&os)
-        .arg(&h_)
-        .arg(&d_)
-        .arg(&ns);
-    // SAFETY: argument list matches kernels/attn_combine.cu; sizes checked by the callers.
-    unsafe { bld.launch(cfg) }.cuda("attn_combine").map(drop)
+/// Allocates the split-K partials of `slots` (row, head, split) slots of D values.
+fn alloc_partials(gpu: &Gpu, slots: usize, d: usize) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    // SAFETY: every slot's (max, sum) is written by attn_partial before attn_combine
+    // reads it; its D values are read only when the max is finite, i.e. written.
+    let part_o = unsafe { gpu.stream().alloc(slots * d) }.cuda("allocating attention partials")?;
+    let part_ml = unsafe { gpu.stream().alloc(slots * 2) }.cuda("allocating attention partials")?;
+    Ok((part_o, part_ml))
 }
 
 /// Dense decode attention without bias (spec §5 "Dense"): for each of the B
 /// sequences one query token (at position len−1), each query head g
 /// attending to all tokens 0 … len−1 of KV head g / G (any GQA group G =
-/// H / Hkv), softmax(q·k·scale) · V accumulated in f32, split-K over chunks
-/// of [`DENSE_SPLIT_TOKENS`] tokens, then combined in chunk order.
+/// H / Hkv), softmax(q·k·scale) · V: S and P·V on the tensor cores (bf16
+/// operands, P rounded to bf16, f32 accumulation and softmax), split-K over
+/// groups of [`ATTN_TILE`] tokens ([`attn_dense_split`]), combined in
+/// split order. Each thread block reads a KV head's keys and values once
+/// for up to [`ATTN_GROUP_HEADS`] of its query heads.
 ///
-/// - `q`: bf16, sequence b's H·D query values at b·`q_stride` (post-RoPE);
+/// - `q`: bf16, sequence b's H·D query values at b·`q_stride` (post-RoPE;
+///   q_stride even);
 /// - `out`: bf16, sequence b's H·D outputs at b·`out_stride`;
 /// - `scale`: 1/√D normally.
 ///
 /// A sequence of length 0 gets zeros.
 ///
-/// Errors: [`Error::Input`] when H is not a multiple of Hkv or q/out are too
-/// short for their strides; [`Error::Cuda`] on a launch failure.
+/// Errors: [`Error::Input`] when H is not a multiple of Hkv, D is not a
+/// multiple of 16 or above 128, or q/out are too short for their strides;
+/// [`Error::Cuda`] on a launch failure.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_dense_decode<Q, O>(
     gpu: &Gpu,
@@ -813,54 +995,43 @@ where
 {
     const OP: &str = "attention_dense_decode";
     let (b, h, d) = attn_shapes(OP, q, q_stride, heads, kv, out, out_stride)?;
-    let max_len = kv.lens().iter().copied().max().unwrap_or(0);
-    let nsplit = max_len.div_ceil(DENSE_SPLIT_TOKENS).max(1);
-    let rows = b * h * nsplit;
-    // SAFETY: every slot is written by attn_dense_partial before attn_combine reads it.
-    let part_o: CudaSlice<f32> =
-        unsafe { gpu.stream().alloc(rows * d) }.cuda("allocating attention partials")?;
-    let part_ml: CudaSlice<f32> =
-        unsafe { gpu.stream().alloc(rows * 2) }.cuda("allocating attention partials")?;
-    let (qs, h_, hk, d_, ch, ns) = (
-        i32_dim(q_stride, "q_stride")?,
-        i32_dim(h, "H")?,
-        i32_dim(kv.kv_heads, "Hkv")?,
-        i32_dim(d, "D")?,
-        i32_dim(DENSE_SPLIT_TOKENS, "chunk")?,
-        i32_dim(nsplit, "splits")?,
-    );
-    let (qp, kp, vp, lp) = (
-        dptr(gpu, q),
-        dptr(gpu, &kv.kptr),
-        dptr(gpu, &kv.vptr),
-        dptr(gpu, &kv.lens),
-    );
-    let (pop, pmp) = (dptr(gpu, &part_o), dptr(gpu, &part_ml));
-    let f = gpu.function("attn_dense_partial")?;
-    let cfg = LaunchConfig {
-        grid_dim: (grid(nsplit, "splits")?, grid(h, "H")?, grid(b, "B")?),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
+    let max_len = kv.lens().iter().copied().max().unwrap_or(0).max(1);
+    let (span, nsplit) = attn_dense_split(b, attn_head_blocks(h, kv.kv_heads), max_len);
+    let (part_o, part_ml) = alloc_partials(gpu, b * h * nsplit, d)?;
+    let args = AttnArgs {
+        q: dptr(gpu, q),
+        q_stride,
+        kptr: dptr(gpu, &kv.kptr),
+        vptr: dptr(gpu, &kv.vptr),
+        cptr: 0,
+        lens: dptr(gpu, &kv.lens),
+        sel: 0,
+        nsel: 0,
+        s_max: 0,
+        block_size: 1,
+        span,
+        nsplit,
+        part_o: dptr(gpu, &part_o),
+        part_ml: dptr(gpu, &part_ml),
+        rows: b,
+        heads: h,
+        kv_heads: kv.kv_heads,
+        head_dim: d,
+        scale,
     };
-    let mut bld = gpu.stream().launch_builder(f);
-    bld.arg(&qp)
-        .arg(&qs)
-        .arg(&kp)
-        .arg(&vp)
-        .arg(&lp)
-        .arg(&pop)
-        .arg(&pmp)
-        .arg(&h_)
-        .arg(&hk)
-        .arg(&d_)
-        .arg(&ch)
-        .arg(&ns)
-        .arg(&scale);
-    // SAFETY: argument list matches kernels/attn_dense.cu; sizes checked above
-    // and by KvBatch::new.
-    unsafe { bld.launch(cfg) }.cuda(OP)?;
+    launch_attn_partial(gpu, &args)?;
     let op = dptr_mut(gpu, out);
-    attn_combine(gpu, &part_o, &part_ml, op, out_stride, b, h, d, nsplit)
+    launch_attn_combine(
+        gpu,
+        args.part_o,
+        args.part_ml,
+        op,
+        out_stride,
+        b,
+        h,
+        d,
+        nsplit,
+    )
 }
 
 /// Sparse block attention decode with additive bias (spec §5): for each of
@@ -868,9 +1039,9 @@ where
 /// h = g / G) attends to the tokens j ≤ t of the blocks `sel` lists for
 /// (sequence, h), in list order (ascending block ids), with logit
 /// q·k_j·scale + c[j, h] — the bias added to the *scaled* logit — when `kv`
-/// carries eviction scores, no bias otherwise (InfLLM-V2). f32
-/// accumulation, split-K over groups of [`SPARSE_SPLIT_BLOCKS`] listed
-/// blocks, combined in list order. Layouts of q/out as
+/// carries eviction scores, no bias otherwise (InfLLM-V2). Arithmetic as
+/// [`attention_dense_decode`]; split-K over groups of listed blocks
+/// ([`attn_sparse_split`]), combined in list order. Layouts of q/out as
 /// [`attention_dense_decode`].
 ///
 /// Errors: [`Error::Input`] on shape mismatches (including a selection of
@@ -901,60 +1072,84 @@ where
             sel.batch, sel.kv_heads, kv.kv_heads
         )));
     }
-    let nsplit = sel.s_max.div_ceil(SPARSE_SPLIT_BLOCKS).max(1);
-    let rows = b * h * nsplit;
-    // SAFETY: every slot is written by attn_sparse_partial before attn_combine reads it.
-    let part_o: CudaSlice<f32> =
-        unsafe { gpu.stream().alloc(rows * d) }.cuda("allocating attention partials")?;
-    let part_ml: CudaSlice<f32> =
-        unsafe { gpu.stream().alloc(rows * 2) }.cuda("allocating attention partials")?;
-    let (qs, smax, bs, bps, h_, hk, d_, ns) = (
-        i32_dim(q_stride, "q_stride")?,
-        i32_dim(sel.s_max, "s_max")?,
-        i32_dim(block_size, "block_size")?,
-        i32_dim(SPARSE_SPLIT_BLOCKS, "blocks per split")?,
-        i32_dim(h, "H")?,
-        i32_dim(kv.kv_heads, "Hkv")?,
-        i32_dim(d, "D")?,
-        i32_dim(nsplit, "splits")?,
-    );
-    let (qp, kp, vp, lp) = (
-        dptr(gpu, q),
-        dptr(gpu, &kv.kptr),
-        dptr(gpu, &kv.vptr),
-        dptr(gpu, &kv.lens),
-    );
-    let cp = kv.cptr.as_ref().map_or(0u64, |c| dptr(gpu, c));
-    let (sp, np) = (dptr(gpu, &sel.sel), dptr(gpu, &sel.nsel));
-    let (pop, pmp) = (dptr(gpu, &part_o), dptr(gpu, &part_ml));
-    let f = gpu.function("attn_sparse_partial")?;
-    let cfg = LaunchConfig {
-        grid_dim: (grid(nsplit, "splits")?, grid(h, "H")?, grid(b, "B")?),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
+    let (span, nsplit) = attn_sparse_split(b, attn_head_blocks(h, kv.kv_heads), sel.s_max);
+    let (part_o, part_ml) = alloc_partials(gpu, b * h * nsplit, d)?;
+    let args = AttnArgs {
+        q: dptr(gpu, q),
+        q_stride,
+        kptr: dptr(gpu, &kv.kptr),
+        vptr: dptr(gpu, &kv.vptr),
+        cptr: kv.cptr.as_ref().map_or(0u64, |c| dptr(gpu, c)),
+        lens: dptr(gpu, &kv.lens),
+        sel: dptr(gpu, &sel.sel),
+        nsel: dptr(gpu, &sel.nsel),
+        s_max: sel.s_max,
+        block_size,
+        span,
+        nsplit,
+        part_o: dptr(gpu, &part_o),
+        part_ml: dptr(gpu, &part_ml),
+        rows: b,
+        heads: h,
+        kv_heads: kv.kv_heads,
+        head_dim: d,
+        scale,
     };
-    let mut bld = gpu.stream().launch_builder(f);
-    bld.arg(&qp)
-        .arg(&qs)
-        .arg(&kp)
-        .arg(&vp)
-        .arg(&cp)
-        .arg(&lp)
-        .arg(&sp)
-        .arg(&np)
-        .arg(&smax)
-        .arg(&bs)
-        .arg(&bps)
-        .arg(&pop)
-        .arg(&pmp)
-        .arg(&h_)
-        .arg(&hk)
-        .arg(&d_)
-        .arg(&ns)
-        .arg(&scale);
-    // SAFETY: argument list matches kernels/attn_sparse.cu; sizes checked above,
-    // by KvBatch::new and by BlockSelection.
-    unsafe { bld.launch(cfg) }.cuda(OP)?;
+    launch_attn_partial(gpu, &args)?;
     let op = dptr_mut(gpu, out);
-    attn_combine(gpu, &part_o, &part_ml, op, out_stride, b, h, d, nsplit)
+    launch_attn_combine(
+        gpu,
+        args.part_o,
+        args.part_ml,
+        op,
+        out_stride,
+        b,
+        h,
+        d,
+        nsplit,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dense_split_fills_the_gpu_at_batch_one_and_bounds_the_grid() {
+        // NOSA-8B at B = 1, 4K context: 64-token splits, one block per SM.
+        let (span, n) = attn_dense_split(1, attn_head_blocks(32, 2), 4224);
+        assert_eq!((span, n), (64, 66));
+        // B = 64 at 32K: few, long splits; the grid stays within the target.
+        let (span, n) = attn_dense_split(64, 2, 32_832);
+        assert_eq!(span % ATTN_TILE, 0);
+        assert!(64 * 2 * n <= ATTN_TARGET_CTAS && n * span >= 32_832);
+        // Tiny contexts: one split.
+        assert_eq!(attn_dense_split(3, 2, 5), (64, 1));
+        // B = 1 at 32K: longer splits rather than more than ATTN_MAX_SPLITS.
+        let (span, n) = attn_dense_split(1, 2, 32_832);
+        assert!(n <= ATTN_MAX_SPLITS && span >= 256, "{span} {n}");
+    }
+
+    #[test]
+    fn sparse_split_covers_every_list_entry() {
+        for (rows, s_max) in [(1usize, 64usize), (16, 64), (64, 64), (7, 13), (1, 1)] {
+            let (span, n) = attn_sparse_split(rows, 2, s_max);
+            assert!(
+                span * n >= s_max && span * (n - 1) < s_max,
+                "{rows} {s_max}"
+            );
+        }
+        assert_eq!(attn_sparse_split(1, 2, 64), (1, 64));
+    }
+
+    #[test]
+    fn head_blocks_and_shared_memory() {
+        assert_eq!(attn_head_blocks(32, 2), 2);
+        assert_eq!(attn_head_blocks(6, 2), 2);
+        assert_eq!(attn_head_blocks(64, 2), 4);
+        assert_eq!(attn_smem_bytes(128), 70_656);
+        assert!(check_attn_head_dim("t", 80).is_ok());
+        assert!(check_attn_head_dim("t", 72).is_err());
+        assert!(check_attn_head_dim("t", 256).is_err());
+    }
 }
