@@ -62,7 +62,7 @@ pub fn check_length(prompt_len: usize, max_new_tokens: usize, max_position: usiz
     if prompt_len == 0 {
         return Err(Error::Input("the prompt encodes to 0 tokens".into()));
     }
-    let total = prompt_len.checked_add(max_new_tokens).unwrap_or(usize::MAX);
+    let total = prompt_len.saturating_add(max_new_tokens);
     if total > max_position {
         return Err(Error::Limit(format!(
             "prompt of {prompt_len} tokens + {max_new_tokens} new tokens = {} exceeds the model's max_position_embeddings {max_position}; shorten the prompt (--prompt-tokens), lower --max-new-tokens, or raise the limit with --max-position and --rope-theta",

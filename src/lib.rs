@@ -9,6 +9,7 @@
 //!   block pooling and selection (§3–§6);
 //! - [`cpu`]: the CPU reference backend, the oracle for everything else;
 //! - [`cuda`]: the GPU backend;
+//! - [`kv`]: host layout, slot pool, set difference and fetch plan of offloaded KV;
 //! - [`sample`]: token sampling;
 //! - [`synth`]: random-weight checkpoints for tests and benchmarks;
 //! - [`generate`]: the text-generation loop behind `sparda generate`;
@@ -21,6 +22,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod error;
 pub mod generate;
+pub mod kv;
 pub mod model;
 pub mod sample;
 pub mod synth;

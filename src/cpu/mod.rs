@@ -600,6 +600,7 @@ impl CpuModel {
 
     /// Attention block of n rows: projections, eviction score, RoPE, state
     /// append, dense or sparse attention, O projection (spec §3, §5, §6).
+    #[allow(clippy::too_many_arguments)] // private; the per-call facts of one layer
     fn attention(
         &self,
         li: usize,
@@ -718,10 +719,9 @@ pub fn sparse_attention(
             let blocks = select::select(budget, rule, &r, &e);
             for gi in 0..g {
                 let qg = &qh[gi * dh..(gi + 1) * dh];
-                let toks = blocks.iter().flat_map(|&m| {
-                    (m * budget.block_size..((m + 1) * budget.block_size).min(t + 1))
-                        .map(move |j| j)
-                });
+                let toks = blocks
+                    .iter()
+                    .flat_map(|&m| m * budget.block_size..((m + 1) * budget.block_size).min(t + 1));
                 let kvb = toks.map(|j| {
                     let off = j * kvd + h * dh;
                     let bias = if nosa { kv.c[j * hk + h] } else { 0.0 };

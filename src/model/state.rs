@@ -36,11 +36,7 @@ impl LayerKv {
 
     /// T: tokens stored.
     pub fn len(&self) -> usize {
-        if self.kv_dim == 0 {
-            0
-        } else {
-            self.k.len() / self.kv_dim
-        }
+        self.k.len().checked_div(self.kv_dim).unwrap_or(0)
     }
 
     /// Whether no token is stored.
@@ -50,11 +46,7 @@ impl LayerKv {
 
     /// Mc: compressed windows stored.
     pub fn windows(&self) -> usize {
-        if self.kv_dim == 0 {
-            0
-        } else {
-            self.kc.len() / self.kv_dim
-        }
+        self.kc.len().checked_div(self.kv_dim).unwrap_or(0)
     }
 
     /// Appends tokens (k, v: [n, Hkv, D]; c: [n, Hkv]) and completes every

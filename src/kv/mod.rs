@@ -1,0 +1,267 @@
+//! KV cache bookkeeping for offloaded decode (issue 4; runtime.md §1, §3, §4):
+//! the host layout of the full cache, the GPU slot pool of one (sequence,
+//! layer, KV head), the set difference between consecutive selections, the
+//! slot assignment, the fetch tasks, the attention order and the memory
+//! footprint of a request.
+//!
+//! Everything here is a pure function of small integer inputs, so the rules
+//! that NOSI gets wrong (runtime.md §3 faults 2–4, 7) are pinned by CPU tests;
+//! the GPU runs the same logic in kernels and is checked against these.
+
+use crate::config::ModelConfig;
+use crate::{Error, Result};
+
+/// Block-major host layout of the full KV cache (runtime.md §3 fault 7):
+/// per (sequence, layer, block) one contiguous range holding, for every KV
+/// head h, its K tile then its V tile, each [block_size, D] bf16. A (block,
+/// head) K+V pair is one chunk of 2·tile_bytes; a whole block of all heads
+/// is one chunk of `block_bytes` (64 KiB on NOSA-8B).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostLayout {
+    /// Sequences.
+    pub batch: usize,
+    /// Decoder layers offloaded.
+    pub layers: usize,
+    /// Blocks reserved per sequence (capacity in tokens / block_size).
+    pub blocks_per_seq: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Head dim.
+    pub head_dim: usize,
+}
+
+/// K or V.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kv {
+    /// Keys.
+    K = 0,
+    /// Values.
+    V = 1,
+}
+
+impl HostLayout {
+    /// Bytes of one [block_size, D] bf16 tile (16 KiB at 64 × 128).
+    pub fn tile_bytes(&self) -> usize {
+        self.block_size * self.head_dim * 2
+    }
+    /// Bytes of one (sequence, layer, block): all heads, K and V.
+    pub fn block_bytes(&self) -> usize {
+        self.kv_heads * 2 * self.tile_bytes()
+    }
+    /// Total bytes of the host store.
+    pub fn total_bytes(&self) -> usize {
+        self.batch * self.layers * self.blocks_per_seq * self.block_bytes()
+    }
+    /// Byte offset of the (seq, layer, block, head, K|V) tile.
+    ///
+    /// Errors: any index out of range, naming it and the limit.
+    pub fn tile_offset(
+        &self,
+        seq: usize,
+        layer: usize,
+        block: usize,
+        head: usize,
+        kv: Kv,
+    ) -> Result<usize> {
+        for (what, i, n) in [
+            ("sequence", seq, self.batch),
+            ("layer", layer, self.layers),
+            ("block", block, self.blocks_per_seq),
+            ("kv head", head, self.kv_heads),
+        ] {
+            if i >= n {
+                return Err(Error::Limit(format!(
+                    "host KV layout: {what} {i} out of range (0..{n})"
+                )));
+            }
+        }
+        let blk = (seq * self.layers + layer) * self.blocks_per_seq + block;
+        Ok(blk * self.block_bytes() + (head * 2 + kv as usize) * self.tile_bytes())
+    }
+}
+
+/// Marks a slot that holds no block.
+pub const EMPTY: u32 = u32::MAX;
+
+/// What one step's set difference decided for one (sequence, layer, KV head).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SlotPlan {
+    /// Slot map after the step: slot → block id or [`EMPTY`]. Length = pool size.
+    pub slots: Vec<u32>,
+    /// Selected blocks already resident: (slot, block), ascending block.
+    pub hits: Vec<(u32, u32)>,
+    /// Selected blocks to fetch from host memory into (slot, block),
+    /// ascending block. Never contains the tail block.
+    pub fetches: Vec<(u32, u32)>,
+    /// Slot given to the tail block when it was not resident (the first
+    /// token of a new block): nothing to fetch, the append fills it.
+    pub tail_init: Option<(u32, u32)>,
+}
+
+impl SlotPlan {
+    /// Locality γ of this step: hits / selected blocks (1 when nothing is selected).
+    pub fn locality(&self) -> f64 {
+        let sel = self.hits.len() + self.fetches.len() + usize::from(self.tail_init.is_some());
+        if sel == 0 {
+            1.0
+        } else {
+            self.hits.len() as f64 / sel as f64
+        }
+    }
+
+    /// Slots in ascending block order of the selection: the order attention
+    /// reduces in, whatever slot holds each block (testing.md "Bitwise
+    /// identity").
+    pub fn attention_order(&self) -> Vec<u32> {
+        let mut v: Vec<(u32, u32)> = self.hits.iter().chain(&self.fetches).copied().collect();
+        v.extend(self.tail_init);
+        v.sort_unstable_by_key(|&(_, b)| b);
+        v.into_iter().map(|(s, _)| s).collect()
+    }
+}
+
+/// Set difference and slot assignment of one (sequence, layer, KV head)
+/// (runtime.md §1 step 4):
+/// - a selected block already in a slot is a hit and keeps its slot;
+/// - every other selected block gets a slot that is empty or whose block
+///   left the selection (lowest such slot first, blocks in ascending order);
+///   the tail block (`tail`, the current block) is never fetched — when it
+///   is new it gets a slot to be filled by the append;
+/// - a slot whose block is still selected is never overwritten, so no
+///   selected block is lost at tail roll-over (fault 3), and empty slots are
+///   never counted as hits (fault 4).
+///
+/// `slots`: the slot map before the step (slot → block or [`EMPTY`]);
+/// `selected`: ascending block ids (≤ pool size; must contain `tail`).
+/// Work is O(pool + selected) with a bitmap over block ids.
+///
+/// Errors: more selected blocks than slots, a selection that is not
+/// strictly ascending, or one without the tail block.
+pub fn plan_slots(slots: &[u32], selected: &[u32], tail: u32) -> Result<SlotPlan> {
+    if selected.len() > slots.len() {
+        return Err(Error::Limit(format!(
+            "slot pool: {} selected blocks do not fit {} slots",
+            selected.len(),
+            slots.len()
+        )));
+    }
+    if selected.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(Error::Input(
+            "slot pool: selection must be strictly ascending block ids".into(),
+        ));
+    }
+    if selected.binary_search(&tail).is_err() {
+        return Err(Error::Input(format!(
+            "slot pool: the tail block {tail} must be selected (always attended)"
+        )));
+    }
+    let max_block = selected
+        .iter()
+        .chain(slots.iter().filter(|&&b| b != EMPTY))
+        .copied()
+        .max()
+        .unwrap_or(0) as usize;
+    let mut is_selected = vec![false; max_block + 1];
+    for &b in selected {
+        is_selected[b as usize] = true;
+    }
+    let mut slot_of = vec![EMPTY; max_block + 1];
+    for (s, &b) in slots.iter().enumerate() {
+        if b != EMPTY {
+            if slot_of[b as usize] != EMPTY {
+                return Err(Error::Input(format!(
+                    "slot pool: block {b} held by two slots"
+                )));
+            }
+            slot_of[b as usize] = s as u32;
+        }
+    }
+    let mut out = SlotPlan {
+        slots: slots.to_vec(),
+        ..Default::default()
+    };
+    // slots free for reuse: empty, or holding a block that left the selection
+    let mut free = slots
+        .iter()
+        .enumerate()
+        .filter(|(_, &b)| b == EMPTY || !is_selected[b as usize])
+        .map(|(s, _)| s as u32);
+    for &b in selected {
+        let s = slot_of[b as usize];
+        if s != EMPTY {
+            out.hits.push((s, b));
+            continue;
+        }
+        let s = free
+            .next()
+            .expect("free slots ≥ misses because selected ≤ pool");
+        out.slots[s as usize] = b;
+        if b == tail {
+            out.tail_init = Some((s, b));
+        } else {
+            out.fetches.push((s, b));
+        }
+    }
+    Ok(out)
+}
+
+/// Host and GPU bytes that an offloaded request needs (runtime.md §4):
+/// the full K/V of every offloaded layer in pinned host memory; on the GPU,
+/// per offloaded layer, S slots per (sequence, KV head), plus the resident
+/// layers' full cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Footprint {
+    /// Pinned host bytes (block-major store).
+    pub host_pinned_bytes: usize,
+    /// GPU bytes for KV (slot pools + resident layers), excluding weights
+    /// and the small compressed state.
+    pub gpu_kv_bytes: usize,
+}
+
+impl Footprint {
+    /// Footprint of `batch` sequences of up to `capacity_tokens` each on the
+    /// model `cfg` with `slots` slots per (sequence, layer, KV head) (the
+    /// attended budget S), keeping `resident_layers` layers (layer 0 by
+    /// default, runtime.md §2) entirely on the GPU.
+    pub fn new(
+        cfg: &ModelConfig,
+        slots: usize,
+        resident_layers: usize,
+        batch: usize,
+        capacity_tokens: usize,
+    ) -> Footprint {
+        let block_size = cfg.sparse.map_or(64, |s| s.block_size);
+        let blocks = capacity_tokens.div_ceil(block_size);
+        let per_block = cfg.num_key_value_heads * 2 * block_size * cfg.head_dim * 2;
+        let resident = resident_layers.min(cfg.num_hidden_layers);
+        let offloaded = cfg.num_hidden_layers - resident;
+        Footprint {
+            host_pinned_bytes: batch * offloaded * blocks * per_block,
+            gpu_kv_bytes: batch * (offloaded * slots + resident * blocks) * per_block,
+        }
+    }
+
+    /// Refuses a request that does not fit, before anything is allocated.
+    ///
+    /// Errors: [`Error::Limit`] with the bytes needed and available.
+    pub fn check(&self, host_available: usize, gpu_available: usize) -> Result<()> {
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        if self.host_pinned_bytes > host_available {
+            return Err(Error::Limit(format!(
+                "offloaded KV needs {:.2} GiB of pinned host memory, {:.2} GiB available (lower --batch or --context)",
+                gib(self.host_pinned_bytes),
+                gib(host_available)
+            )));
+        }
+        if self.gpu_kv_bytes > gpu_available {
+            return Err(Error::Limit(format!(
+                "KV slot pools need {:.2} GiB of GPU memory, {:.2} GiB available",
+                gib(self.gpu_kv_bytes),
+                gib(gpu_available)
+            )));
+        }
+        Ok(())
+    }
+}
