@@ -193,7 +193,9 @@ fn init_for(cfg: &ModelConfig, name: &str) -> Init {
         | "self_attn.k_proj.weight"
         | "self_attn.v_proj.weight"
         | "mlp.gate_proj.weight"
-        | "mlp.up_proj.weight" => normal(1.0 / d.sqrt()),
+        | "mlp.up_proj.weight"
+        | "self_attn.q_future_proj.weight"
+        | "self_attn.q_curr_proj.weight" => normal(1.0 / d.sqrt()),
         "self_attn.o_proj.weight" => {
             normal(branch / ((cfg.num_attention_heads * cfg.head_dim) as f32).sqrt())
         }

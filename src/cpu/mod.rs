@@ -7,6 +7,7 @@
 pub mod ops;
 
 use crate::config::{AttentionMode, ModelConfig, Rope};
+use crate::model::forecast::ForecastWeights;
 use crate::model::select::{self, Budget};
 use crate::model::state::LayerKv;
 use crate::model::{AttentionOverrides, AttentionPlan, PrefillMode};
@@ -257,6 +258,9 @@ pub struct CpuModel {
     layers: Vec<Layer>,
     /// bf16 activation emulation, off (`None`) by default.
     bf16: Option<Bf16Emulation>,
+    /// SparDA forecast weights: when set, sparse decode selects with the
+    /// forecast (spec §4 "Forecast mode").
+    forecast: Option<ForecastWeights>,
 }
 
 impl CpuModel {
@@ -320,6 +324,7 @@ impl CpuModel {
             lm_head,
             layers,
             bf16: None,
+            forecast: None,
             config: cfg,
         })
     }
@@ -434,6 +439,30 @@ impl CpuModel {
         }
     }
 
+    /// Turns SparDA forecast selection on (`Some`) or off for sparse decode
+    /// (spec §4 "Forecast mode"; prefill is unchanged).
+    ///
+    /// Errors: weights whose layer count or shapes do not fit the model.
+    pub fn set_forecast(&mut self, fw: Option<ForecastWeights>) -> Result<()> {
+        if let Some(f) = &fw {
+            let c = &self.config;
+            let size = c.num_key_value_heads * c.head_dim * c.hidden_size;
+            let layers = c.num_hidden_layers.saturating_sub(1);
+            if f.future.len() != layers
+                || f.curr0.len() != size
+                || f.future.iter().any(|w| w.len() != size)
+            {
+                return Err(Error::Input(format!(
+                    "forecast weights: need {layers} q_future_proj and one q_curr_proj of [{}, {}] each",
+                    c.num_key_value_heads * c.head_dim,
+                    c.hidden_size
+                )));
+            }
+        }
+        self.forecast = fw;
+        Ok(())
+    }
+
     /// A new, empty sequence.
     pub fn new_sequence(&self) -> Sequence {
         let c = &self.config;
@@ -503,9 +532,24 @@ impl CpuModel {
         }
         // bf16 emulation: embed_gather writes bf16(embed · scale_emb) (kernels/embedding.cu).
         self.round_at(&mut x, |p| p.embed);
+        if self.forecast.is_some() && sparse && phase == Phase::Decode && n > 1 {
+            // Forecast selection is defined per decode step: one token at a time.
+            let mut all = Vec::new();
+            for (i, &t) in tokens.iter().enumerate() {
+                let l = self.forward(seq, &[t], Phase::Decode, logits)?;
+                if logits == Logits::All || i + 1 == n {
+                    all.extend(l);
+                }
+            }
+            return Ok(all);
+        }
+        let forecast = self.forecast.is_some() && sparse && phase == Phase::Decode;
+        // The forecast for the next layer, computed by the current one (spec §4).
+        let mut pending: Option<Vec<f32>> = None;
         let res_scale = self.residual_scale();
         for (li, layer) in self.layers.iter().enumerate() {
-            let attn = self.attention(li, layer, seq, &x, n, sparse, rope_len);
+            let fc = if forecast { Some(&mut pending) } else { None };
+            let attn = self.attention(li, layer, seq, &x, n, sparse, rope_len, fc);
             for (xi, ai) in x.iter_mut().zip(&attn) {
                 *xi += ai * res_scale;
             }
@@ -610,11 +654,41 @@ impl CpuModel {
         n: usize,
         sparse: bool,
         rope_len: usize,
+        forecast: Option<&mut Option<Vec<f32>>>,
     ) -> Vec<f32> {
         let c = &self.config;
         let (hq, hk, dh) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let t0 = seq.layers[li].len();
         let xn = self.layer_norm(x, &layer.input_norm);
+        // Forecast mode (n = 1): this layer's forecast query — layer 0 from its
+        // own q_curr_proj, layer l ≥ 1 from layer l−1's q_future_proj — and the
+        // next layer's, both RoPE'd at the current position t0 (spec §4).
+        let fq = forecast.map(|pending| {
+            let fw = self.forecast.as_ref().expect("forecast mode needs weights");
+            let project = |w: &[f32]| {
+                let mut f = ops::linear(&xn, 1, w, None, hk * dh);
+                let (mut cos, mut sin) = (vec![0.0f32; dh / 2], vec![0.0f32; dh / 2]);
+                self.rope.cos_sin(t0, rope_len, &mut cos, &mut sin);
+                ops::rope_in_place(&mut f, &cos, &sin);
+                f
+            };
+            let own = if li == 0 {
+                project(&fw.curr0)
+            } else {
+                pending.take().expect("layer l−1 forecast")
+            };
+            if li + 1 < c.num_hidden_layers {
+                *pending = Some(project(&fw.future[li]));
+            }
+            // layer 0 scores its own current-step windows; layer l ≥ 1 those of
+            // the previous step (layer l has not run yet when l−1 forecasts it)
+            let windows = if li == 0 {
+                self.plan.budget.windows(t0 + 1)
+            } else {
+                self.plan.budget.windows(t0)
+            };
+            (own, windows)
+        });
         // bf16 emulation: the fused QKV GEMM stores bf16 (`ws.qkv`).
         let mut q = self.linear(&xn, n, &layer.q, hq * dh, |p| p.qkv);
         let mut k = self.linear(&xn, n, &layer.k, hk * dh, |p| p.qkv);
@@ -667,7 +741,11 @@ impl CpuModel {
         kv.append(&self.plan.budget, &k, &v, &cvals);
         let mut out = vec![0.0f32; n * hq * dh];
         if sparse {
-            let sel = sparse_attention(&self.plan, kv, &q, t0, n, hq, &mut out);
+            let fq = fq.as_ref().map(|(f, windows)| ForecastQuery {
+                f,
+                windows: *windows,
+            });
+            let sel = sparse_attention_with(&self.plan, kv, &q, t0, n, hq, fq, &mut out);
             seq.selections[li] = sel;
         } else {
             dense_attention(kv, &q, t0, n, hq, dh, &mut out);
@@ -697,6 +775,51 @@ pub fn sparse_attention(
     hq: usize,
     out: &mut [f32],
 ) -> Vec<Vec<usize>> {
+    sparse_attention_with(plan, kv, q, t0, n, hq, None, out)
+}
+
+/// A forecast query for one decode step (spec §4 "Forecast mode").
+#[derive(Debug, Clone, Copy)]
+pub struct ForecastQuery<'a> {
+    /// One post-RoPE vector per KV head, [Hkv, D].
+    pub f: &'a [f32],
+    /// Compressed windows it scores (Mc of the step the state is taken from).
+    pub windows: usize,
+}
+
+/// Forecast window scores of one KV head: f_h · Kc[i,h] for i < windows
+/// (plain dot product: no scale, no softmax, no head sum; spec §4).
+pub fn forecast_window_scores(f_h: &[f32], kv: &LayerKv, h: usize, windows: usize) -> Vec<f32> {
+    let dh = f_h.len();
+    (0..windows)
+        .map(|i| {
+            ops::dot(
+                f_h,
+                &kv.kc[i * kv.kv_dim + h * dh..i * kv.kv_dim + (h + 1) * dh],
+            )
+        })
+        .collect()
+}
+
+/// [`sparse_attention`] with an optional forecast: when given (n must be
+/// 1), the forecast's window scores replace the query-aware ones and the
+/// pooled eviction scores come from the same `windows` (the previous step's
+/// state for layers ≥ 1).
+#[allow(clippy::too_many_arguments)]
+pub fn sparse_attention_with(
+    plan: &AttentionPlan,
+    kv: &LayerKv,
+    q: &[f32],
+    t0: usize,
+    n: usize,
+    hq: usize,
+    forecast: Option<ForecastQuery<'_>>,
+    out: &mut [f32],
+) -> Vec<Vec<usize>> {
+    assert!(
+        forecast.is_none() || n == 1,
+        "forecast selection is per decode step"
+    );
     let (hk, dh) = (kv.kv_heads, kv.kv_dim / kv.kv_heads);
     let g = hq / hk;
     let budget: &Budget = &plan.budget;
@@ -711,8 +834,16 @@ pub fn sparse_attention(
         let nb = budget.blocks(t);
         for h in 0..hk {
             let qh = &q[(i * hq + h * g) * dh..(i * hq + (h + 1) * g) * dh];
-            let kch = if mc > 0 { &kv.kc[h * dh..] } else { &[][..] };
-            let s = select::query_window_scores(qh, dh, kch, kvd, mc);
+            let (s, mc) = match forecast {
+                Some(fq) => (
+                    forecast_window_scores(&fq.f[h * dh..(h + 1) * dh], kv, h, fq.windows),
+                    fq.windows,
+                ),
+                None => {
+                    let kch = if mc > 0 { &kv.kc[h * dh..] } else { &[][..] };
+                    (select::query_window_scores(qh, dh, kch, kvd, mc), mc)
+                }
+            };
             let r = select::pool_blocks(budget, &s, nb);
             let p: Vec<f32> = (0..mc).map(|w| kv.p[w * hk + h]).collect();
             let e = select::pool_blocks(budget, &p, nb);

@@ -3,6 +3,7 @@
 //! the selection rule. Backends ([`crate::cpu`], [`crate::cuda`]) call into
 //! this module; the CPU reference is built directly on it.
 
+pub mod forecast;
 pub mod select;
 pub mod state;
 
