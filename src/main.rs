@@ -157,6 +157,11 @@ struct GenerateArgs {
     /// Query-aware shortlist parameter select_blocks.
     #[arg(long)]
     select_blocks: Option<usize>,
+    /// SparDA forecast weights (.safetensors with `layers.{l}.self_attn.q_future_proj.weight`
+    /// and layer 0's `q_curr_proj`), or `synth[:SEED]` for random ones: sparse decode
+    /// selects with the forecast (spec §4 "Forecast mode"; CPU backend for now).
+    #[arg(long)]
+    forecast: Option<String>,
     /// Override rope θ (e.g. 40000 past 32K, as the NOSA evaluations do).
     #[arg(long)]
     rope_theta: Option<f64>,
@@ -248,6 +253,9 @@ struct SynthArgs {
     /// tokenizer.json to copy (the SmolLM2 fixture's).
     #[arg(long, default_value = ".fixtures/smollm2-135m-instruct/tokenizer.json")]
     tokenizer: PathBuf,
+    /// Also write random SparDA forecast weights to OUT/forecast.safetensors.
+    #[arg(long)]
+    forecast: bool,
 }
 
 fn main() {
@@ -261,16 +269,7 @@ fn main() {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Generate(a) => cmd_generate(a),
-        Cmd::Synth(a) => sparda::synth::Preset::from_name(&a.preset)
-            .and_then(|p| sparda::synth::write(p, a.seed, &a.out, &a.tokenizer))
-            .map(|()| {
-                eprintln!(
-                    "wrote {} ({} preset, seed {})",
-                    a.out.display(),
-                    a.preset,
-                    a.seed
-                );
-            }),
+        Cmd::Synth(a) => cmd_synth(a),
         Cmd::GpuCheckE2e { model, json, steps } => {
             sparda::cuda::check_e2e::gpu_check_e2e(model.as_deref(), &json, steps).and_then(|ok| {
                 eprintln!(
@@ -368,6 +367,25 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     Ok(())
 }
 
+fn cmd_synth(a: SynthArgs) -> Result<()> {
+    let preset = sparda::synth::Preset::from_name(&a.preset)?;
+    sparda::synth::write(preset, a.seed, &a.out, &a.tokenizer)?;
+    eprintln!(
+        "wrote {} ({} preset, seed {})",
+        a.out.display(),
+        a.preset,
+        a.seed
+    );
+    if a.forecast {
+        let path = a.out.join("forecast.safetensors");
+        let tensors =
+            sparda::model::forecast::ForecastWeights::synth_tensors(&preset.config(), a.seed);
+        sparda::weights::write_safetensors(&path, &tensors)?;
+        eprintln!("wrote {} (random forecast weights)", path.display());
+    }
+    Ok(())
+}
+
 fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let backend = match a.backend {
         Backend::Auto if sparda::cuda::is_available() => Backend::Cuda,
@@ -440,6 +458,35 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             _ => PrefillMode::Auto,
         },
     };
+    let forecast = match a.forecast.as_deref() {
+        None => None,
+        Some(spec) if spec == "synth" || spec.starts_with("synth:") => {
+            let seed = match spec.strip_prefix("synth:") {
+                Some(x) => x
+                    .parse::<u64>()
+                    .map_err(|_| Error::Input(format!("--forecast synth:SEED: bad seed `{x}`")))?,
+                None => 0,
+            };
+            let tensors =
+                sparda::model::forecast::ForecastWeights::synth_tensors(&ckpt.config, seed);
+            let store = sparda::weights::TensorStore::from_tensors(tensors);
+            Some(sparda::model::forecast::ForecastWeights::from_store(
+                &ckpt.config,
+                &store,
+                std::path::Path::new("<synth>"),
+            )?)
+        }
+        Some(path) => Some(sparda::model::forecast::ForecastWeights::open(
+            std::path::Path::new(path),
+            &ckpt.config,
+        )?),
+    };
+    if forecast.is_some() && backend == Backend::Cuda {
+        return Err(Error::Cuda(
+            "--forecast runs on the CPU backend for now: forecast mode on the GPU is issue 5"
+                .into(),
+        ));
+    }
     enum Engine {
         Cpu(Box<CpuModel>),
         Cuda(Box<GpuModel>),
@@ -455,7 +502,11 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         );
         Engine::Cuda(Box::new(m))
     } else {
-        Engine::Cpu(Box::new(CpuModel::new(&ckpt, opts)?))
+        let mut m = CpuModel::new(&ckpt, opts)?;
+        if let Some(f) = &forecast {
+            m.set_forecast(Some(f.clone()))?;
+        }
+        Engine::Cpu(Box::new(m))
     };
     let (mode, backend_name) = match &engine {
         Engine::Cpu(m) => (m.plan.mode, "cpu".to_string()),
