@@ -256,3 +256,41 @@ fn curr_proj_drives_layer0_and_future_proj_the_next_layer() {
         );
     }
 }
+
+/// A SparDA-style trainer checkpoint written by torch.save
+/// (scripts/make_sparda_pt.py: model_state_dict beside optimizer state, one
+/// tensor saved as a transposed view) imports to exactly the tensors of the
+/// safetensors copy the same script wrote.
+#[test]
+fn sparda_pt_checkpoint_imports_like_its_safetensors_copy() {
+    let cfg = Preset::Tiny.config();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+    let pt = ForecastWeights::open(&dir.join("sparda_tiny_forecast.pt"), &cfg).unwrap();
+    let st = ForecastWeights::open(&dir.join("sparda_tiny_forecast.safetensors"), &cfg).unwrap();
+    assert_eq!(pt.future, st.future);
+    assert_eq!(pt.curr0, st.curr0);
+    assert!(pt.curr0.iter().any(|&x| x != 0.0));
+    // the raw reader keeps every matching tensor with its key path
+    let all = sparda::model::torch_pt::read_tensors(&dir.join("sparda_tiny_forecast.pt"), |_| true)
+        .unwrap();
+    let names: Vec<&str> = all.iter().map(|t| t.name.as_str()).collect();
+    assert!(
+        names.contains(&"model_state_dict.model.layers.1.self_attn.q_future_proj.weight"),
+        "{names:?}"
+    );
+    assert!(
+        names.contains(&"optimizer_state_dict.state.0.exp_avg"),
+        "{names:?}"
+    );
+    // not a checkpoint: a clear error naming the file
+    let err = sparda::model::torch_pt::read_tensors(
+        &dir.join("sparda_tiny_forecast.safetensors"),
+        |_| true,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("sparda_tiny_forecast.safetensors") && err.contains("zip"),
+        "{err}"
+    );
+}

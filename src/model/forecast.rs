@@ -77,11 +77,22 @@ impl ForecastWeights {
         })
     }
 
-    /// Loads forecast weights from a `.safetensors` file (or a directory of them).
+    /// Loads forecast weights from a `.safetensors` file (or a directory of
+    /// them), or from a SparDA trainer checkpoint (`.pt` / `.pth`, as
+    /// torch.save writes it; only tensors whose key ends in
+    /// `q_future_proj.weight` or `q_curr_proj.weight` are read, optimizer
+    /// state is skipped).
     ///
     /// Errors: unreadable file; missing or mis-shaped layers (see [`Self::from_store`]).
     pub fn open(path: &Path, cfg: &ModelConfig) -> Result<Self> {
-        let store = TensorStore::open(path)?;
+        let is_pt = path.extension().is_some_and(|e| e == "pt" || e == "pth");
+        let store = if is_pt {
+            let want =
+                |n: &str| n.ends_with("q_future_proj.weight") || n.ends_with("q_curr_proj.weight");
+            TensorStore::from_tensors(super::torch_pt::read_tensors(path, want)?)
+        } else {
+            TensorStore::open(path)?
+        };
         Self::from_store(cfg, &store, path)
     }
 

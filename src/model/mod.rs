@@ -6,6 +6,7 @@
 pub mod forecast;
 pub mod select;
 pub mod state;
+pub mod torch_pt;
 
 use crate::config::{AttentionMode, ModelConfig, SparseConfig};
 use crate::{Error, Result};
