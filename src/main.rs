@@ -271,21 +271,8 @@ fn main() {
         Cmd::Generate(a) => cmd_generate(a),
         Cmd::Synth(a) => cmd_synth(a),
         Cmd::GpuCheckE2e { model, json, steps } => {
-            sparda::cuda::check_e2e::gpu_check_e2e(model.as_deref(), &json, steps).and_then(|ok| {
-                eprintln!(
-                    "gpu-check-e2e {}; report in {}",
-                    if ok { "passed" } else { "FAILED" },
-                    json.display()
-                );
-                if ok {
-                    Ok(())
-                } else {
-                    Err(Error::Cuda(format!(
-                        "some end-to-end cases failed; see {}",
-                        json.display()
-                    )))
-                }
-            })
+            sparda::cuda::check_e2e::gpu_check_e2e(model.as_deref(), &json, steps)
+                .and_then(|ok| check_outcome("gpu-check-e2e", "end-to-end", ok, &json))
         }
         Cmd::Bench(a) => cmd_bench(a),
         Cmd::Trace(TraceCmd::Summarize { file, json }) => {
@@ -300,21 +287,8 @@ fn main() {
                 }
             })
         }
-        Cmd::GpuCheck { json } => sparda::cuda::check::gpu_check(&json).and_then(|ok| {
-            eprintln!(
-                "gpu-check {}; report in {}",
-                if ok { "passed" } else { "FAILED" },
-                json.display()
-            );
-            if ok {
-                Ok(())
-            } else {
-                Err(Error::Cuda(format!(
-                    "some kernel cases failed; see {}",
-                    json.display()
-                )))
-            }
-        }),
+        Cmd::GpuCheck { json } => sparda::cuda::check::gpu_check(&json)
+            .and_then(|ok| check_outcome("gpu-check", "kernel", ok, &json)),
     };
     if let Err(e) = r {
         eprintln!("error: {e}");
@@ -365,6 +339,23 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     print!("{}", sparda::bench::table(&report));
     eprintln!("bench: report in {}", a.json.display());
     Ok(())
+}
+
+/// Prints a check's outcome; a failed check is an error naming its report.
+fn check_outcome(cmd: &str, what: &str, ok: bool, json: &std::path::Path) -> Result<()> {
+    eprintln!(
+        "{cmd} {}; report in {}",
+        if ok { "passed" } else { "FAILED" },
+        json.display()
+    );
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Cuda(format!(
+            "some {what} cases failed; see {}",
+            json.display()
+        )))
+    }
 }
 
 fn cmd_synth(a: SynthArgs) -> Result<()> {
