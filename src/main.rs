@@ -398,14 +398,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let model_name = a.model.to_string_lossy().into_owned();
     let (mut ckpt, default_tok) = match model_name.strip_prefix("synth:") {
         Some(spec) => {
-            let mut it = spec.splitn(2, ':');
-            let preset = sparda::synth::Preset::from_name(it.next().unwrap_or(""))?;
-            let seed = match it.next() {
-                Some(x) => x.parse::<u64>().map_err(|_| {
-                    Error::Input(format!("--model synth:PRESET:SEED: bad seed `{x}`"))
-                })?,
-                None => 0,
-            };
+            let (preset, seed) = sparda::synth::parse_spec(spec)?;
             eprintln!(
                 "building synthetic {} (seed {seed}) in memory…",
                 preset.name()

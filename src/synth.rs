@@ -280,6 +280,24 @@ pub fn generate_tensor(cfg: &ModelConfig, name: &str, shape: &[usize], seed: u64
     }
 }
 
+/// Parses `PRESET[:SEED]` (the part after `synth:` in `--model synth:…`);
+/// the seed defaults to 0.
+///
+/// Errors: an unknown preset or a seed that is not an integer, naming it.
+pub fn parse_spec(spec: &str) -> Result<(Preset, u64)> {
+    let (name, seed) = spec
+        .split_once(':')
+        .map_or((spec, None), |(n, s)| (n, Some(s)));
+    let preset = Preset::from_name(name)?;
+    let seed = match seed {
+        Some(x) => x
+            .parse::<u64>()
+            .map_err(|_| Error::Input(format!("synth:PRESET:SEED: bad seed `{x}`")))?,
+        None => 0,
+    };
+    Ok((preset, seed))
+}
+
 /// Builds preset `preset` in memory from `seed` (nothing touches disk).
 /// nosa-8b needs about 16.4 GB of RAM.
 ///
