@@ -11,7 +11,6 @@
 //   window-score workspaces are per (b, h) rows of w_stride entries.
 
 #define QA_TILE 64   // windows per thread block in the scoring kernels
-#define QA_MAXE 8    // head dim up to 32*QA_MAXE = 256
 
 __device__ __forceinline__ int sel_windows(int T, int stride, int ksize) {
     return T >= ksize ? (T - ksize) / stride + 1 : 0;
@@ -20,54 +19,120 @@ __device__ __forceinline__ int sel_windows(int T, int stride, int ksize) {
 // Step 1a: logits[b, h, g, w] = (q_g . Kc[w, h]) * scale for the windows w of tile
 // blockIdx.x, plus the tile's softmax statistics per query head:
 // stats[((b*hkv + h)*G + g)*ntiles + tile] = (max, sum exp(logit - max)), (-inf, 0) when empty.
-// Grid (tiles, hkv, B); dynamic shared memory: (G*D + G*QA_TILE) floats.
+// Grid (tiles, hkv, B), QA_THREADS (src/cuda/select.rs: 256) threads, a multiple of QA_TILE;
+// dynamic shared memory qa_logits_smem_bytes(G, D) (src/cuda/select.rs: the same layout).
+//
+// Each Kc row of the tile is read from device memory once (16-byte loads, all issued before
+// the first use) into shared memory and used there for all G query heads of its KV head:
+// thread (wi, gq) computes window wi's logits for query heads gq*QA_HPT + j (+ k*QA_HPT*nq),
+// QA_HPT heads at a time in registers, reading Kc and q as float4 from shared memory (q
+// reads are warp broadcasts; Kc rows are padded by 4 floats so a quarter-warp's 16-byte
+// reads hit distinct banks).
+#define QA_HPT 4  // query heads per thread per pass
+__device__ __forceinline__ int qa_dpad(int D) { return (D + 3) & ~3; }
 extern "C" __global__ void qa_window_logits(const bf16_t* __restrict__ q, int q_stride,
                                             const u64* __restrict__ kcptr, const int* __restrict__ lens,
                                             float* __restrict__ logits, float* __restrict__ stats, int H, int hkv,
                                             int D, int w_stride, int ntiles, int stride, int ksize, float scale) {
-    extern __shared__ float qa_sh[];
+    extern __shared__ __align__(16) float qa_sh[];
     const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int G = H / hkv;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    float* sq = qa_sh;              // [G, D]
-    float* slg = qa_sh + G * D;     // [G, QA_TILE]
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    const int Dp = qa_dpad(D), KS = Dp + 4;
+    float* sq = qa_sh;               // [G, Dp], zero past D
+    float* sk = sq + G * Dp;         // [QA_TILE, KS], zero past D and past Mc
+    float* slg = sk + QA_TILE * KS;  // [G, QA_TILE]
     const int Mc = sel_windows(lens[b], stride, ksize);
     const int w0 = tile * QA_TILE;
     const u64 row = (u64)b * hkv + h;
     // Tiles past this row's windows are never read (qa_window_scores reads the first
     // ceil(Mc/QA_TILE) tiles): the launch may size its grid by a capacity.
     if (w0 >= Mc) return;  // uniform over the block
+    const int nwin = min(QA_TILE, Mc - w0);
+    const int kvd = hkv * D;
+    const float* Kc = (const float*)kcptr[b] + (u64)w0 * kvd + (u64)h * D;
+    // Kc tile -> shared memory.
+    if ((D & 3) == 0 && (((u64)Kc) & 15u) == 0 && ((kvd & 3) == 0)) {
+        const int D4 = D >> 2, n4 = QA_TILE * D4;
+        for (int base = tid; base < n4; base += 8 * blockDim.x) {
+            float4 v[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const int i = base + k * blockDim.x;
+                const int r = i / D4, c = i - r * D4;
+                v[k] = (i < n4 && r < nwin) ? __ldg((const float4*)(Kc + (u64)r * kvd) + c)
+                                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const int i = base + k * blockDim.x;
+                const int r = i / D4, c = i - r * D4;
+                if (i < n4) *(float4*)(sk + r * KS + 4 * c) = v[k];
+            }
+        }
+    } else {
+        for (int i = tid; i < QA_TILE * Dp; i += blockDim.x) {
+            const int r = i / Dp, c = i - r * Dp;
+            sk[r * KS + c] = (r < nwin && c < D) ? Kc[(u64)r * kvd + c] : 0.0f;
+        }
+    }
     {
         const bf16_t* qb = q + (u64)b * q_stride + (u64)h * G * D;
-        for (int i = threadIdx.x; i < G * D; i += blockDim.x) sq[i] = bf2f(qb[i]);
+        for (int i = tid; i < G * Dp; i += blockDim.x) {
+            const int g = i / Dp, c = i - g * Dp;
+            sq[i] = c < D ? bf2f(qb[g * D + c]) : 0.0f;
+        }
     }
     __syncthreads();
-    const int kvd = hkv * D;
-    const float* Kc = (const float*)kcptr[b] + (u64)h * D;
-    for (int wi = warp; wi < QA_TILE; wi += nw) {
-        const int w = w0 + wi;
-        if (w < Mc) {
-            float kr[QA_MAXE];
+    const int nq = blockDim.x / QA_TILE;  // head groups (blockDim a multiple of QA_TILE)
+    const int wi = tid % QA_TILE, gq = tid / QA_TILE;
+    const int w = w0 + wi;
+    const float* kr = sk + wi * KS;
+    for (int g0 = gq * QA_HPT; g0 < G; g0 += nq * QA_HPT) {
+        float acc[QA_HPT];
 #pragma unroll
-            for (int e = 0; e < QA_MAXE; ++e) {
-                const int d = lane + 32 * e;
-                kr[e] = d < D ? Kc[(u64)w * kvd + d] : 0.0f;
-            }
-            for (int g = 0; g < G; ++g) {
-                float part = 0.0f;
+        for (int j = 0; j < QA_HPT; ++j) acc[j] = 0.0f;
+        const float* qr = sq + g0 * Dp;
+        if (g0 + QA_HPT <= G) {
+#pragma unroll 4
+            for (int d = 0; d < Dp; d += 4) {
+                const float4 kv = *(const float4*)(kr + d);
 #pragma unroll
-                for (int e = 0; e < QA_MAXE; ++e) {
-                    const int d = lane + 32 * e;
-                    if (d < D) part += kr[e] * sq[g * D + d];
+                for (int j = 0; j < QA_HPT; ++j) {
+                    const float4 qv = *(const float4*)(qr + j * Dp + d);
+                    acc[j] = fmaf(kv.x, qv.x, acc[j]);
+                    acc[j] = fmaf(kv.y, qv.y, acc[j]);
+                    acc[j] = fmaf(kv.z, qv.z, acc[j]);
+                    acc[j] = fmaf(kv.w, qv.w, acc[j]);
                 }
-                const float s = warp_sum(part) * scale;
-                if (lane == 0) {
+            }
+        } else {
+            for (int d = 0; d < Dp; d += 4) {
+                const float4 kv = *(const float4*)(kr + d);
+#pragma unroll
+                for (int j = 0; j < QA_HPT; ++j) {
+                    if (g0 + j < G) {
+                        const float4 qv = *(const float4*)(qr + j * Dp + d);
+                        acc[j] = fmaf(kv.x, qv.x, acc[j]);
+                        acc[j] = fmaf(kv.y, qv.y, acc[j]);
+                        acc[j] = fmaf(kv.z, qv.z, acc[j]);
+                        acc[j] = fmaf(kv.w, qv.w, acc[j]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < QA_HPT; ++j) {
+            const int g = g0 + j;
+            if (g < G) {
+                const float s = acc[j] * scale;
+                if (wi < nwin) {
                     slg[g * QA_TILE + wi] = s;
                     logits[(row * G + g) * w_stride + w] = s;
+                } else {
+                    slg[g * QA_TILE + wi] = -INFINITY;
                 }
             }
-        } else if (lane == 0) {
-            for (int g = 0; g < G; ++g) slg[g * QA_TILE + wi] = -INFINITY;
         }
     }
     __syncthreads();
@@ -89,8 +154,8 @@ extern "C" __global__ void qa_window_logits(const bf16_t* __restrict__ q, int q_
 
 // Step 1b: s[b, h, w] = sum over g (ascending) of exp(logit[g, w] - M_g) / L_g, where
 // (M_g, L_g) combine the tile statistics of query head g over all windows (the softmax
-// over all existing windows, per query head, no mask). Grid (tiles, hkv, B);
-// dynamic shared memory: 2*G floats.
+// over all existing windows, per query head, no mask). Grid (tiles, hkv, B), QA_TILE to
+// 4*QA_TILE threads (a multiple of QA_TILE); dynamic shared memory: 2*G floats.
 extern "C" __global__ void qa_window_scores(const float* __restrict__ logits, const float* __restrict__ stats,
                                             const int* __restrict__ lens, float* __restrict__ s_out, int H,
                                             int hkv, int w_stride, int ntiles, int stride, int ksize) {
@@ -122,12 +187,26 @@ extern "C" __global__ void qa_window_scores(const float* __restrict__ logits, co
         }
     }
     __syncthreads();
-    for (int wi = threadIdx.x; wi < QA_TILE; wi += blockDim.x) {
-        const int w = w0 + wi;
-        if (w >= Mc) continue;
-        float acc = 0.0f;
-        for (int g = 0; g < G; ++g) acc += expf(logits[(row * G + g) * w_stride + w] - sM[g]) / sL[g];
-        s_out[row * w_stride + w] = acc;
+    // Thread (wi, part): window wi, query heads [part*gp, (part+1)*gp); the parts' sums are
+    // added in ascending order (blockDim a multiple of QA_TILE, at most 4*QA_TILE).
+    __shared__ float qs_part[4 * QA_TILE];
+    const int nparts = blockDim.x / QA_TILE;
+    const int wi = threadIdx.x % QA_TILE, part = threadIdx.x / QA_TILE;
+    const int gp = (G + nparts - 1) / nparts;
+    const int w = w0 + wi;
+    float acc = 0.0f;
+    if (w < Mc) {
+        const int ga = part * gp, gb = min(G, ga + gp);
+        const float* lg = logits + row * G * w_stride + w;
+#pragma unroll 4
+        for (int g = ga; g < gb; ++g) acc += expf(lg[(u64)g * w_stride] - sM[g]) / sL[g];
+    }
+    qs_part[part * QA_TILE + wi] = acc;
+    __syncthreads();
+    if (part == 0 && w < Mc) {
+        float tot = qs_part[wi];
+        for (int p = 1; p < nparts; ++p) tot += qs_part[p * QA_TILE + wi];
+        s_out[row * w_stride + w] = tot;
     }
 }
 

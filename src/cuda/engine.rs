@@ -157,9 +157,10 @@ pub enum StepPart {
     WindowScores,
     /// Block pooling and top-k selection.
     Select,
-    /// Split-K attention partials.
+    /// Split-K attention partials (and their combine when it is fused
+    /// into the attention kernel: [`ops::attn_fused_combine`]).
     Attention,
-    /// Split-K combine.
+    /// Split-K combine as its own kernel (not timed when fused).
     Combine,
     /// O projection (+bias).
     OProj,
@@ -383,6 +384,9 @@ struct Workspace {
     part_o: CudaSlice<f32>,
     /// Split-K partial (max, sum) pairs, f32.
     part_ml: CudaSlice<f32>,
+    /// Arrival counters of the fused split-K combine, u32 [rows · head
+    /// blocks], zero between launches (the kernel leaves them at zero).
+    attn_count: CudaSlice<u32>,
     /// Selected block ids, i32 [layers, rows, Hkv, s_max].
     sel: CudaSlice<i32>,
     /// Selected counts, i32 [layers, rows, Hkv].
@@ -1075,6 +1079,9 @@ impl GpuModel {
                     .cuda(&what)?,
                 part_o: s.alloc(1).cuda(&what)?,
                 part_ml: s.alloc(1).cuda(&what)?,
+                attn_count: s
+                    .alloc_zeros((rows * ops::attn_head_blocks(hq, hk)).max(1))
+                    .cuda(&what)?,
                 sel: s.alloc((layers * rows * hk * s_max).max(1)).cuda(&what)?,
                 nsel: s.alloc(layers * rows * hk).cuda(&what)?,
                 dense: s.alloc(rows).cuda(&what)?,
@@ -1996,11 +2003,21 @@ impl GpuModel {
             kv_heads: hk,
             head_dim: dh,
             scale: cfg.attn_scale(),
+            out: addr(gpu, &ws.attn),
+            out_stride: hq * dh,
+            counters: 0,
+        };
+        // The split-K combine runs inside the attention kernel when asked
+        // (SPARDA_FUSED_COMBINE=1); its time then counts as Attention.
+        let fused = ops::attn_fused_combine(geo.nsplit, dh);
+        let args = AttnArgs {
+            counters: if fused { addr(gpu, &ws.attn_count) } else { 0 },
+            ..args
         };
         if self.on(StepPart::Attention) {
             ops::launch_attn_partial(gpu, &args)?;
         }
-        if self.on(StepPart::Combine) {
+        if !fused && self.on(StepPart::Combine) {
             ops::launch_attn_combine(
                 gpu,
                 part_o,
@@ -2158,7 +2175,13 @@ impl GpuModel {
             let grid3 = (grid(tiles, "tiles")?, grid(hk, "Hkv")?, grid(n, "rows")?);
             let scale = 1.0 / (dh as f32).sqrt();
             let f1 = gpu.function("qa_window_logits")?;
-            let smem1 = smem_optin(gpu, f1, (g * dh + g * qa_tile) * 4, 0, "qa_window_logits")?;
+            let smem1 = smem_optin(
+                gpu,
+                f1,
+                super::select::qa_logits_smem_bytes(g, dh),
+                0,
+                "qa_window_logits",
+            )?;
             let mut l1 = gpu.stream().launch_builder(f1);
             l1.arg(&qp)
                 .arg(&qs)
@@ -2176,7 +2199,7 @@ impl GpuModel {
                 .arg(&scale);
             let cfg1 = LaunchConfig {
                 grid_dim: grid3,
-                block_dim: (256, 1, 1),
+                block_dim: (super::select::QA_THREADS, 1, 1),
                 shared_mem_bytes: smem1,
             };
             // SAFETY: argument list matches qa_window_logits (kernels/select.cu); each
@@ -2323,12 +2346,15 @@ impl GpuModel {
         let gpu = self.gpu.clone();
         let sparse = st.attn.sparse;
         let gpu_sel = self.gpu_selection();
+        let fused_combine = ops::attn_fused_combine(st.attn.nsplit, self.config.head_dim);
         let mut out = Vec::new();
         for part in StepPart::ALL {
             let applies = match part {
                 StepPart::Argmax => false,
                 StepPart::Compress => gpu_sel,
                 StepPart::WindowScores | StepPart::Select => sparse,
+                // Fused into Attention: nothing of its own to time.
+                StepPart::Combine => !fused_combine,
                 _ => true,
             };
             if !applies {
@@ -2612,6 +2638,12 @@ impl GpuModel {
             }
             if ws.part_ml.len() < part * 2 {
                 ws.part_ml = unsafe { s.alloc(part * 2) }.cuda("allocating attention partials")?;
+            }
+            let counts = n * ops::attn_head_blocks(hq, hk);
+            if ws.attn_count.len() < counts {
+                ws.attn_count = s
+                    .alloc_zeros(counts)
+                    .cuda("allocating attention counters")?;
             }
             if ws.sel.len() < n * hk * s_max {
                 ws.sel = unsafe { s.alloc(n * hk * s_max) }.cuda("allocating block lists")?;

@@ -805,6 +805,28 @@ pub(crate) struct AttnArgs {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub scale: f32,
+    /// Output of the fused combine (bf16 [rows, H, D], rows at `out_stride`);
+    /// used only when `counters` is set.
+    pub out: u64,
+    pub out_stride: usize,
+    /// Zeroed u32 [rows · head blocks] arrival counters: set, the kernel
+    /// merges the splits itself (no `attn_combine` launch); 0, it only
+    /// writes the partials.
+    pub counters: u64,
+}
+
+/// Whether the split-K combine runs inside `attn_partial` (its last block
+/// per row and head group merges the splits) for `nsplit` splits at head
+/// dim `d`: only when `SPARDA_FUSED_COMBINE=1` asks for it and the splits'
+/// weights fit the kernel's shared memory. Off by default: on the H200
+/// (2026-11-30, dense B = 1, 4K) the fused tail made Attention 1.19 ms per
+/// step against 0.43 ms + 0.25 ms for the two kernels (one block merging
+/// 16 heads' splits is bound by L2 latency).
+pub fn attn_fused_combine(nsplit: usize, d: usize) -> bool {
+    static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let fused =
+        *FUSED.get_or_init(|| std::env::var("SPARDA_FUSED_COMBINE").is_ok_and(|v| v == "1"));
+    fused && nsplit <= ATTN_MAX_SPLITS && (16 * nsplit + 32) * 4 <= attn_smem_bytes(d)
 }
 
 /// Enqueues `attn_partial` (no host work beyond the launch, so it can be
@@ -823,6 +845,13 @@ pub(crate) fn launch_attn_partial(gpu: &Gpu, a: &AttnArgs) -> Result<()> {
     }
     if a.rows == 0 {
         return Ok(());
+    }
+    let os = i32_dim(a.out_stride, "out_stride")?;
+    if a.counters != 0 && !attn_fused_combine(a.nsplit, a.head_dim) {
+        return Err(Error::Input(format!(
+            "{OP}: {} splits at head dim {} cannot be combined inside the kernel",
+            a.nsplit, a.head_dim
+        )));
     }
     let (qs, sm, bs, sp, h_, hk, d_, ns) = (
         i32_dim(a.q_stride, "q_stride")?,
@@ -862,11 +891,18 @@ pub(crate) fn launch_attn_partial(gpu: &Gpu, a: &AttnArgs) -> Result<()> {
         .arg(&hk)
         .arg(&d_)
         .arg(&ns)
-        .arg(&a.scale);
+        .arg(&a.scale)
+        .arg(&a.out)
+        .arg(&os)
+        .arg(&a.counters);
     // SAFETY: argument list matches kernels/attn_decode.cu; the callers size the
     // partials (rows·H·nsplit slots), the tables (rows entries) and the lists.
     unsafe { b.launch(cfg) }.cuda(OP).map(drop)
 }
+
+/// Largest rows·H for which `attn_combine` gets wide blocks (several split
+/// groups per dimension): fewer blocks than the H200 has SMs.
+const COMBINE_WIDE_ROWS: usize = 128;
 
 /// Enqueues the split-K combine: out [rows, H, D] (rows at `out_stride`)
 /// from rows·H·nsplit partials.
@@ -895,8 +931,17 @@ pub(crate) fn launch_attn_combine(
         i32_dim(nsplit, "splits")?,
     );
     let f = gpu.function("attn_combine")?;
-    // Enough threads for every dimension, several split groups for small D.
-    let threads = (d.div_ceil(32) * 32).clamp(256, 1024) as u32;
+    // Enough threads for every dimension. When the rows are too few to give
+    // each SM a block (batch 1: rows·H = 32 for NOSA-8B), also split groups
+    // enough that each thread reads about eight splits: the row's sum is then
+    // latency-bound, and more loads in flight pay (H200, B = 1, 4K: 7.8 →
+    // 4.5 µs per layer); with many rows 256 threads measured better.
+    let groups = if rows * h <= COMBINE_WIDE_ROWS {
+        nsplit.div_ceil(8).max(1)
+    } else {
+        1
+    };
+    let threads = (d.saturating_mul(groups).div_ceil(32) * 32).clamp(256, 1024) as u32;
     let cfg = LaunchConfig {
         grid_dim: (grid(rows * h, "rows·H")?, 1, 1),
         block_dim: (threads, 1, 1),
@@ -1018,9 +1063,31 @@ where
         kv_heads: kv.kv_heads,
         head_dim: d,
         scale,
+        out: 0,
+        out_stride: 0,
+        counters: 0,
+    };
+    let fused = attn_fused_combine(nsplit, d);
+    let counters = if fused {
+        Some(
+            gpu.stream()
+                .alloc_zeros::<u32>(b * attn_head_blocks(h, kv.kv_heads))
+                .cuda("allocating attention counters")?,
+        )
+    } else {
+        None
+    };
+    let op = dptr_mut(gpu, out);
+    let args = AttnArgs {
+        out: op,
+        out_stride,
+        counters: counters.as_ref().map_or(0, |c| dptr(gpu, c)),
+        ..args
     };
     launch_attn_partial(gpu, &args)?;
-    let op = dptr_mut(gpu, out);
+    if fused {
+        return Ok(());
+    }
     launch_attn_combine(
         gpu,
         args.part_o,
@@ -1094,9 +1161,31 @@ where
         kv_heads: kv.kv_heads,
         head_dim: d,
         scale,
+        out: 0,
+        out_stride: 0,
+        counters: 0,
+    };
+    let fused = attn_fused_combine(nsplit, d);
+    let counters = if fused {
+        Some(
+            gpu.stream()
+                .alloc_zeros::<u32>(b * attn_head_blocks(h, kv.kv_heads))
+                .cuda("allocating attention counters")?,
+        )
+    } else {
+        None
+    };
+    let op = dptr_mut(gpu, out);
+    let args = AttnArgs {
+        out: op,
+        out_stride,
+        counters: counters.as_ref().map_or(0, |c| dptr(gpu, c)),
+        ..args
     };
     launch_attn_partial(gpu, &args)?;
-    let op = dptr_mut(gpu, out);
+    if fused {
+        return Ok(());
+    }
     launch_attn_combine(
         gpu,
         args.part_o,

@@ -47,8 +47,20 @@ use cudarc::driver::{
 /// Windows per thread block of the scoring kernels (`QA_TILE` in
 /// `kernels/select.cu`; both must agree).
 pub const QA_TILE: usize = 64;
-/// Largest head dimension the scoring kernel handles (32 · `QA_MAXE`).
+/// Threads per block of `qa_window_logits` (a multiple of [`QA_TILE`]:
+/// thread t scores window t % QA_TILE for its share of the query heads).
+pub const QA_THREADS: u32 = 256;
+/// Largest head dimension the scoring kernel handles.
 pub const MAX_HEAD_DIM: usize = 256;
+
+/// Dynamic shared memory of `qa_window_logits` in bytes for group size `g`
+/// and head dim `d`: q [G, Dp], the Kc tile [QA_TILE, Dp + 4] and the tile's
+/// logits [G, QA_TILE] in f32, Dp = `d` rounded up to a multiple of 4 (the
+/// layout of `kernels/select.cu`; both must agree).
+pub fn qa_logits_smem_bytes(g: usize, d: usize) -> usize {
+    let dp = d.div_ceil(4) * 4;
+    (g * dp + QA_TILE * (dp + 4) + g * QA_TILE) * 4
+}
 /// Threads per block of the selection kernel.
 const SELECT_THREADS: u32 = 512;
 /// Static shared memory of `select_blocks` (hist 256 + ws 32 + bc 2 u32), bytes.
@@ -600,10 +612,10 @@ pub fn window_scores<Q: DevicePtr<Bf16>>(
     let grid3 = (grid(tiles, "tiles")?, grid(hk, "Hkv")?, grid(b, "B")?);
 
     let f1 = gpu.function("qa_window_logits")?;
-    let smem1 = ensure_smem(gpu, f1, (g * d + g * QA_TILE) * 4, 0, OP)?;
+    let smem1 = ensure_smem(gpu, f1, qa_logits_smem_bytes(g, d), 0, OP)?;
     let cfg1 = LaunchConfig {
         grid_dim: grid3,
-        block_dim: (256, 1, 1),
+        block_dim: (QA_THREADS, 1, 1),
         shared_mem_bytes: smem1,
     };
     let mut l1 = gpu.stream().launch_builder(f1);
