@@ -111,14 +111,7 @@ pub fn parse_tokens(s: &str) -> Result<usize> {
 pub fn open_model(model: &str) -> Result<Checkpoint> {
     match model.strip_prefix("synth:") {
         Some(spec) => {
-            let mut it = spec.splitn(2, ':');
-            let preset = crate::synth::Preset::from_name(it.next().unwrap_or(""))?;
-            let seed = match it.next() {
-                Some(x) => x.parse::<u64>().map_err(|_| {
-                    Error::Input(format!("--model synth:PRESET:SEED: bad seed `{x}`"))
-                })?,
-                None => 0,
-            };
+            let (preset, seed) = crate::synth::parse_spec(spec)?;
             crate::synth::build(preset, seed)
         }
         None => Checkpoint::open(Path::new(model)),

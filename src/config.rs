@@ -486,10 +486,12 @@ impl ModelConfig {
     /// [`ModelConfig::from_json_str`].
     pub fn from_file(path: impl AsRef<Path>) -> Result<ModelConfig> {
         let path = path.as_ref();
-        let config_path: PathBuf = if path.is_dir() {
-            path.join("config.json")
-        } else {
+        // A path that is not a file is taken as a model directory, so a
+        // missing directory is reported as its missing config.json.
+        let config_path: PathBuf = if path.is_file() {
             path.to_path_buf()
+        } else {
+            path.join("config.json")
         };
         let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
         let mut cfg = Self::from_json_str(&text, &config_path)?;

@@ -8,7 +8,6 @@ use sparda::generate::{self, Request};
 use sparda::model::{AttentionOverrides, PrefillMode, SelectionRule};
 use sparda::sample::SamplingParams;
 use sparda::tokenizer::{TextStream, Tokenizer};
-use sparda::weights::Checkpoint;
 use sparda::{Error, Result};
 use std::io::Write;
 use std::path::PathBuf;
@@ -396,20 +395,13 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         }
     };
     let model_name = a.model.to_string_lossy().into_owned();
-    let (mut ckpt, default_tok) = match model_name.strip_prefix("synth:") {
-        Some(spec) => {
-            let (preset, seed) = sparda::synth::parse_spec(spec)?;
-            eprintln!(
-                "building synthetic {} (seed {seed}) in memory…",
-                preset.name()
-            );
-            (
-                sparda::synth::build(preset, seed)?,
-                PathBuf::from(".fixtures/smollm2-135m-instruct/tokenizer.json"),
-            )
-        }
-        None => (Checkpoint::open(&a.model)?, a.model.join("tokenizer.json")),
+    let default_tok = if model_name.starts_with("synth:") {
+        eprintln!("building {model_name} in memory…");
+        PathBuf::from(".fixtures/smollm2-135m-instruct/tokenizer.json")
+    } else {
+        a.model.join("tokenizer.json")
     };
+    let mut ckpt = sparda::bench::open_model(&model_name)?;
     if let Some(t) = a.rope_theta {
         ckpt.config = ckpt.config.with_rope_theta(t);
     }
