@@ -1067,11 +1067,26 @@ where
         out_stride: 0,
         counters: 0,
     };
-    let fused = attn_fused_combine(nsplit, d);
+    launch_attention(gpu, args, out, out_stride)
+}
+
+/// Launches the split-K partial attention for `args` and merges the splits
+/// into `out` (bf16 [rows, H, D], rows at `out_stride`): in the kernel itself
+/// when [`attn_fused_combine`] says so, else with `attn_combine`. Shared by
+/// [`attention_dense_decode`] and [`attention_sparse_decode`]; the partial
+/// buffers that `args` points to must outlive the launches (the callers own
+/// them; frees are stream-ordered).
+fn launch_attention<O: DevicePtrMut<Bf16>>(
+    gpu: &Gpu,
+    args: AttnArgs,
+    out: &mut O,
+    out_stride: usize,
+) -> Result<()> {
+    let fused = attn_fused_combine(args.nsplit, args.head_dim);
     let counters = if fused {
         Some(
             gpu.stream()
-                .alloc_zeros::<u32>(b * attn_head_blocks(h, kv.kv_heads))
+                .alloc_zeros::<u32>(args.rows * attn_head_blocks(args.heads, args.kv_heads))
                 .cuda("allocating attention counters")?,
         )
     } else {
@@ -1094,10 +1109,10 @@ where
         args.part_ml,
         op,
         out_stride,
-        b,
-        h,
-        d,
-        nsplit,
+        args.rows,
+        args.heads,
+        args.head_dim,
+        args.nsplit,
     )
 }
 
@@ -1165,38 +1180,7 @@ where
         out_stride: 0,
         counters: 0,
     };
-    let fused = attn_fused_combine(nsplit, d);
-    let counters = if fused {
-        Some(
-            gpu.stream()
-                .alloc_zeros::<u32>(b * attn_head_blocks(h, kv.kv_heads))
-                .cuda("allocating attention counters")?,
-        )
-    } else {
-        None
-    };
-    let op = dptr_mut(gpu, out);
-    let args = AttnArgs {
-        out: op,
-        out_stride,
-        counters: counters.as_ref().map_or(0, |c| dptr(gpu, c)),
-        ..args
-    };
-    launch_attn_partial(gpu, &args)?;
-    if fused {
-        return Ok(());
-    }
-    launch_attn_combine(
-        gpu,
-        args.part_o,
-        args.part_ml,
-        op,
-        out_stride,
-        b,
-        h,
-        d,
-        nsplit,
-    )
+    launch_attention(gpu, args, out, out_stride)
 }
 
 #[cfg(test)]
