@@ -821,6 +821,24 @@ impl Gpu {
     }
 }
 
+/// Raw device address of a buffer a kernel reads (event tracking is off on
+/// this backend's context, so the guard cudarc returns does nothing).
+pub(crate) fn dptr<T, S: DevicePtr<T>>(gpu: &Gpu, s: &S) -> u64 {
+    let (p, _guard) = s.device_ptr(gpu.stream());
+    p
+}
+
+/// Raw device address of a buffer a kernel writes.
+pub(crate) fn dptr_mut<T, S: DevicePtrMut<T>>(gpu: &Gpu, s: &mut S) -> u64 {
+    let (p, _guard) = s.device_ptr_mut(gpu.stream());
+    p
+}
+
+/// A grid dimension as u32, or [`Error::Input`] naming it.
+pub(crate) fn grid(x: usize, what: &str) -> Result<u32> {
+    u32::try_from(x).map_err(|_| Error::Input(format!("{what} = {x} exceeds the CUDA grid limit")))
+}
+
 /// `x` as an i32 kernel/cuBLAS argument, or [`Error::Input`] naming it.
 pub(crate) fn i32_dim(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x).map_err(|_| {

@@ -60,7 +60,7 @@
 //! lists. That path synchronises every layer and is for correctness checks
 //! only.
 
-use super::context::{i32_dim, CudaResultExt};
+use super::context::{dptr, grid, i32_dim, CudaResultExt};
 use super::ops::{self, AttnArgs, RopeTables};
 use super::{bf16_bits, Bf16, Gpu};
 use crate::config::{AttentionMode, ModelConfig, Rope, RopeScaling};
@@ -71,7 +71,7 @@ use crate::model::{AttentionPlan, PrefillMode};
 use crate::weights::names::{self, LayerTensor};
 use crate::weights::Checkpoint;
 use crate::{Error, Result};
-use cudarc::driver::{CudaGraph, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaGraph, CudaSlice, LaunchConfig, PushKernelArg};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -234,18 +234,6 @@ fn smem_optin(
         .cuda("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
     }
     u32::try_from(dynamic).map_err(|_| Error::Input(format!("{op}: shared memory {dynamic} bytes")))
-}
-
-/// Raw device address of a buffer (event tracking is off on this backend's
-/// context, so the guard cudarc returns does nothing).
-fn addr<T, S: DevicePtr<T>>(gpu: &Gpu, s: &S) -> u64 {
-    let (p, _guard) = s.device_ptr(gpu.stream());
-    p
-}
-
-/// Grid dimension as u32, or [`Error::Input`].
-fn grid(x: usize, what: &str) -> Result<u32> {
-    u32::try_from(x).map_err(|_| Error::Input(format!("{what} = {x} exceeds the CUDA grid limit")))
 }
 
 /// How sparse-attention rows get their selected blocks (spec §4).
@@ -1234,7 +1222,7 @@ impl GpuModel {
         let mut tab_dev: CudaSlice<u64> = gpu.zeros(PTRS_PER_SEQ)?;
         for (l, sl) in seq.layers.iter_mut().enumerate() {
             for (which, buf) in [(0u64, &sl.k), (1u64, &sl.v)] {
-                let ptr = addr(&gpu, buf);
+                let ptr = dptr(&gpu, buf);
                 let sd = seed
                     .wrapping_mul(0x9e37_79b9_7f4a_7c15)
                     .wrapping_add(seq.uid << 20)
@@ -1257,14 +1245,14 @@ impl GpuModel {
                 )?;
             }
             if let Some(kc) = &sl.kc {
-                let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |b| addr(&gpu, b));
-                tab_host[0] = addr(&gpu, &sl.k);
+                let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |b| dptr(&gpu, b));
+                tab_host[0] = dptr(&gpu, &sl.k);
                 tab_host[1] = opt(&sl.c);
-                tab_host[2] = addr(&gpu, kc);
+                tab_host[2] = dptr(&gpu, kc);
                 tab_host[3] = opt(&sl.p);
                 s.memcpy_htod(&tab_host, &mut tab_dev)
                     .cuda("uploading a compression table")?;
-                let base = addr(&gpu, &tab_dev);
+                let base = dptr(&gpu, &tab_dev);
                 let tab = Tables::new(base, 0, 1);
                 let windows = budget.windows(len);
                 if windows > 0 {
@@ -1272,7 +1260,7 @@ impl GpuModel {
                         &gpu,
                         &budget,
                         &tab,
-                        addr(&gpu, &lens_dev),
+                        dptr(&gpu, &lens_dev),
                         1,
                         len,
                         windows.min(COMPRESS_MAX_GRID_X),
@@ -1456,7 +1444,7 @@ impl GpuModel {
                 let ws = self.ws.as_mut().expect("logits imply a workspace");
                 let v = i32_dim(self.config.vocab_size, "vocab")?;
                 let n = i32_dim(rows, "rows")?;
-                let (lp, op) = (addr(&gpu, &ws.logits), addr(&gpu, &ws.argmax));
+                let (lp, op) = (dptr(&gpu, &ws.logits), dptr(&gpu, &ws.argmax));
                 let f = gpu.function("argmax_rows")?;
                 let cfg = LaunchConfig {
                     grid_dim: (grid(rows, "rows")?, 1, 1),
@@ -1486,7 +1474,7 @@ impl GpuModel {
         cols: usize,
     ) -> Result<()> {
         let (ld_, n_, c_) = (i32_dim(ld, "ld")?, i32_dim(n, "n")?, i32_dim(cols, "cols")?);
-        let bp = addr(gpu, b);
+        let bp = dptr(gpu, b);
         let f = gpu.function("bias_add")?;
         let blocks = (n * cols).div_ceil(256).clamp(1, 65_535) as u32;
         let cfg = LaunchConfig {
@@ -1688,15 +1676,15 @@ impl GpuModel {
         let (n, ns, nl) = (rows.len(), seqs.len(), self.layers.len());
         let nosa = self.plan.mode == AttentionMode::Nosa;
         let per_layer = PTRS_PER_ROW * n + PTRS_PER_SEQ * ns;
-        let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |c| addr(gpu, c));
+        let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |c| dptr(gpu, c));
         let mut table = vec![0u64; nl * per_layer];
         for l in 0..nl {
             let t = &mut table[l * per_layer..(l + 1) * per_layer];
             for (i, r) in rows.iter().enumerate() {
                 let sl = &seqs[r.seq].layers[l];
                 let c = opt(&sl.c);
-                t[i] = addr(gpu, &sl.k);
-                t[n + i] = addr(gpu, &sl.v);
+                t[i] = dptr(gpu, &sl.k);
+                t[n + i] = dptr(gpu, &sl.v);
                 t[2 * n + i] = c;
                 t[3 * n + i] = if r.sparse && nosa { c } else { 0 };
                 t[4 * n + i] = opt(&sl.kc);
@@ -1704,7 +1692,7 @@ impl GpuModel {
             }
             for (j, sq) in seqs.iter().enumerate() {
                 let sl = &sq.layers[l];
-                t[6 * n + j] = addr(gpu, &sl.k);
+                t[6 * n + j] = dptr(gpu, &sl.k);
                 t[6 * n + ns + j] = opt(&sl.c);
                 t[6 * n + 2 * ns + j] = opt(&sl.kc);
                 t[6 * n + 3 * ns + j] = opt(&sl.p);
@@ -1723,7 +1711,7 @@ impl GpuModel {
         let (d, vocab, nl) = (c.hidden_size, c.vocab_size, c.num_hidden_layers);
         let n = st.n;
         let w = self.qkv_cols;
-        let io = addr(gpu, &st.io);
+        let io = dptr(gpu, &st.io);
         let inp = RowInputs {
             pos: io + (4 * n) as u64,
             lens: io + (8 * n) as u64,
@@ -1745,7 +1733,7 @@ impl GpuModel {
                 .memset_zeros(&mut st.ws.resid.slice_mut(0..n * d))
                 .cuda("zeroing the residual stream")?;
         }
-        let ptrs = addr(gpu, &st.ws.ptrs);
+        let ptrs = dptr(gpu, &st.ws.ptrs);
         for l in 0..nl {
             let tab = Tables::new(ptrs + (l * per_layer * 8) as u64, n, n);
             let qkv_off = l * n * w;
@@ -1765,7 +1753,7 @@ impl GpuModel {
             return Ok(());
         }
         let (v_, n_) = (i32_dim(vocab, "vocab")?, i32_dim(n, "rows")?);
-        let (lp, op) = (addr(gpu, &st.ws.logits), addr(gpu, &st.ws.argmax));
+        let (lp, op) = (dptr(gpu, &st.ws.logits), dptr(gpu, &st.ws.argmax));
         let f = gpu.function("argmax_advance")?;
         let cfg = LaunchConfig {
             grid_dim: (grid(n, "rows")?, 1, 1),
@@ -1870,7 +1858,7 @@ impl GpuModel {
                 &mut ws.xn.slice_mut(0..n * d),
             )?;
         }
-        let qp = addr(gpu, &ws.qkv) + (qkv_off * 2) as u64;
+        let qp = dptr(gpu, &ws.qkv) + (qkv_off * 2) as u64;
         if self.on(StepPart::Qkv) {
             gpu.linear(
                 &ws.xn.slice(0..n * d),
@@ -1886,9 +1874,9 @@ impl GpuModel {
         }
         // RoPE + append (+ eviction score).
         let t = self.rope_tables.as_ref().expect("rope tables ensured");
-        let (cosp, sinp) = (addr(gpu, &t.cos), addr(gpu, &t.sin));
+        let (cosp, sinp) = (dptr(gpu, &t.cos), dptr(gpu, &t.sin));
         let (ap, zbp) = match (&lw.evict_a, &lw.evict_zb) {
-            (Some(a), Some(zb)) => (addr(gpu, a), addr(gpu, zb)),
+            (Some(a), Some(zb)) => (dptr(gpu, a), dptr(gpu, zb)),
             _ => (0u64, 0u64),
         };
         let cstate = if self.eviction { tab.c_state } else { 0u64 };
@@ -1974,21 +1962,21 @@ impl GpuModel {
             cfg.intermediate_size,
         );
         let budget = &self.plan.budget;
-        let (part_o, part_ml) = (addr(gpu, &ws.part_o), addr(gpu, &ws.part_ml));
+        let (part_o, part_ml) = (dptr(gpu, &ws.part_o), dptr(gpu, &ws.part_ml));
         let args = AttnArgs {
-            q: addr(gpu, &ws.qkv) + (qkv_off * 2) as u64,
+            q: dptr(gpu, &ws.qkv) + (qkv_off * 2) as u64,
             q_stride: self.qkv_cols,
             kptr: tab.k,
             vptr: tab.v,
             cptr: if geo.sparse { tab.c_attn } else { 0 },
             lens: inp.lens,
             sel: if geo.sparse {
-                addr(gpu, &ws.sel) + (sel_off * 4) as u64
+                dptr(gpu, &ws.sel) + (sel_off * 4) as u64
             } else {
                 0
             },
             nsel: if geo.sparse {
-                addr(gpu, &ws.nsel) + (nsel_off * 4) as u64
+                dptr(gpu, &ws.nsel) + (nsel_off * 4) as u64
             } else {
                 0
             },
@@ -2003,7 +1991,7 @@ impl GpuModel {
             kv_heads: hk,
             head_dim: dh,
             scale: cfg.attn_scale(),
-            out: addr(gpu, &ws.attn),
+            out: dptr(gpu, &ws.attn),
             out_stride: hq * dh,
             counters: 0,
         };
@@ -2011,7 +1999,7 @@ impl GpuModel {
         // (SPARDA_FUSED_COMBINE=1); its time then counts as Attention.
         let fused = ops::attn_fused_combine(geo.nsplit, dh);
         let args = AttnArgs {
-            counters: if fused { addr(gpu, &ws.attn_count) } else { 0 },
+            counters: if fused { dptr(gpu, &ws.attn_count) } else { 0 },
             ..args
         };
         if self.on(StepPart::Attention) {
@@ -2022,7 +2010,7 @@ impl GpuModel {
                 gpu,
                 part_o,
                 part_ml,
-                addr(gpu, &ws.attn),
+                dptr(gpu, &ws.attn),
                 hq * dh,
                 n,
                 hq,
@@ -2041,7 +2029,7 @@ impl GpuModel {
                 &mut ws.delta.slice_mut(0..n * d),
             )?;
             if let Some(b) = &lw.bo {
-                Self::bias_add(gpu, addr(gpu, &ws.delta), d, b, n, d)?;
+                Self::bias_add(gpu, dptr(gpu, &ws.delta), d, b, n, d)?;
             }
         }
         if self.on(StepPart::NormPost) {
@@ -2065,7 +2053,7 @@ impl GpuModel {
                 &mut ws.gu.slice_mut(0..n * 2 * inter),
             )?;
             if let Some(b) = &lw.bgu {
-                Self::bias_add(gpu, addr(gpu, &ws.gu), 2 * inter, b, n, 2 * inter)?;
+                Self::bias_add(gpu, dptr(gpu, &ws.gu), 2 * inter, b, n, 2 * inter)?;
             }
         }
         if self.on(StepPart::Swiglu) {
@@ -2087,7 +2075,7 @@ impl GpuModel {
                 &mut ws.delta.slice_mut(0..n * d),
             )?;
             if let Some(b) = &lw.bdown {
-                Self::bias_add(gpu, addr(gpu, &ws.delta), d, b, n, d)?;
+                Self::bias_add(gpu, dptr(gpu, &ws.delta), d, b, n, d)?;
             }
         }
         Ok(())
@@ -2163,12 +2151,12 @@ impl GpuModel {
             i32_dim(budget.kernel_stride, "kernel_stride")?,
             i32_dim(budget.kernel_size, "kernel_size")?,
         );
-        let qp = addr(gpu, &ws.qkv) + (qkv_off * 2) as u64;
+        let qp = dptr(gpu, &ws.qkv) + (qkv_off * 2) as u64;
         let lp = inp.lens;
         let (lgp, stp, sp) = (
-            addr(gpu, &ws.qa_logits),
-            addr(gpu, &ws.qa_stats),
-            addr(gpu, &ws.qa_scores),
+            dptr(gpu, &ws.qa_logits),
+            dptr(gpu, &ws.qa_stats),
+            dptr(gpu, &ws.qa_scores),
         );
         if geo.mc > 0 && self.on(StepPart::WindowScores) {
             let tiles = geo.mc.div_ceil(qa_tile);
@@ -2253,8 +2241,8 @@ impl GpuModel {
         .collect::<Result<Vec<i32>>>()?;
         let nosa_i = i32::from(nosa);
         let pp = if nosa { tab.p } else { 0u64 };
-        let selp = addr(gpu, &ws.sel) + (sel_off * 4) as u64;
-        let nselp = addr(gpu, &ws.nsel) + (nsel_off * 4) as u64;
+        let selp = dptr(gpu, &ws.sel) + (sel_off * 4) as u64;
+        let nselp = dptr(gpu, &ws.nsel) + (nsel_off * 4) as u64;
         let null = 0u64;
         let mut l = gpu.stream().launch_builder(f);
         l.arg(&sp)
@@ -2300,9 +2288,9 @@ impl GpuModel {
             i32_dim(self.plan.budget.block_size, "block size")?,
         );
         let (selp, nselp, dp) = (
-            addr(gpu, &ws.sel),
-            addr(gpu, &ws.nsel),
-            addr(gpu, &ws.dense),
+            dptr(gpu, &ws.sel),
+            dptr(gpu, &ws.nsel),
+            dptr(gpu, &ws.dense),
         );
         let f = gpu.function("sel_fill_dense")?;
         let mut b = gpu.stream().launch_builder(f);
@@ -2411,7 +2399,7 @@ impl GpuModel {
         let x: CudaSlice<Bf16> = gpu.zeros(batch * width)?;
         {
             let f = gpu.function("fill_normal_bf16")?;
-            let (p, n, seed, scale) = (addr(gpu, &x), (batch * width) as u64, 7u64, 1.0f32);
+            let (p, n, seed, scale) = (dptr(gpu, &x), (batch * width) as u64, 7u64, 1.0f32);
             let mut b = gpu.stream().launch_builder(f);
             b.arg(&p).arg(&n).arg(&seed).arg(&scale);
             let cfg = LaunchConfig {
@@ -2705,9 +2693,9 @@ impl GpuModel {
             return Err(e);
         }
         let inp = RowInputs {
-            pos: addr(&gpu, &ws.pos),
-            lens: addr(&gpu, &ws.lens),
-            seq_lens: addr(&gpu, &ws.seq_lens),
+            pos: dptr(&gpu, &ws.pos),
+            lens: dptr(&gpu, &ws.lens),
+            seq_lens: dptr(&gpu, &ws.seq_lens),
         };
         // Tokens each sequence gains in this call (compression recomputes at most
         // that many tokens' windows; recomputing a complete window is idempotent).
@@ -2727,7 +2715,7 @@ impl GpuModel {
             self.last_queries = vec![Vec::new(); nl];
         }
         let w = self.qkv_cols;
-        let ptrs = addr(&gpu, &ws.ptrs);
+        let ptrs = dptr(&gpu, &ws.ptrs);
         let r = (|| -> Result<()> {
             for l in 0..nl {
                 let tab = Tables::new(ptrs + (l * per_layer * 8) as u64, n, ns);

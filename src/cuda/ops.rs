@@ -9,25 +9,12 @@
 //! must match the shape exactly unless a stride is given.
 //! Spec sections refer to spec/nosa-model.md.
 
-use super::context::{i32_dim, CudaResultExt};
+use super::context::{dptr, dptr_mut, grid, i32_dim, CudaResultExt};
 use super::{Bf16, Gpu};
 use crate::{Error, Result};
 use cudarc::driver::{
     CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceSlice, LaunchConfig, PushKernelArg,
 };
-
-/// Raw device address of a buffer. Event tracking is off on this backend's
-/// context (see [`Gpu`]), so the returned guard does nothing and is dropped.
-fn dptr<T, S: DevicePtr<T>>(gpu: &Gpu, s: &S) -> u64 {
-    let (p, _guard) = s.device_ptr(gpu.stream());
-    p
-}
-
-/// Raw device address of a buffer the kernel writes.
-fn dptr_mut<T, S: DevicePtrMut<T>>(gpu: &Gpu, s: &mut S) -> u64 {
-    let (p, _guard) = s.device_ptr_mut(gpu.stream());
-    p
-}
 
 /// `Err(Error::Input)` unless `got == want`.
 fn expect_len(op: &str, what: &str, got: usize, want: usize) -> Result<()> {
@@ -37,11 +24,6 @@ fn expect_len(op: &str, what: &str, got: usize, want: usize) -> Result<()> {
         )));
     }
     Ok(())
-}
-
-/// Grid-x size as u32 with a clear error.
-fn grid(x: usize, what: &str) -> Result<u32> {
-    u32::try_from(x).map_err(|_| Error::Input(format!("{what} = {x} exceeds the CUDA grid limit")))
 }
 
 /// Embedding gather (spec §1 `scale_emb`): out[i, :] = bf16(table[ids[i], :] · scale).

@@ -33,7 +33,7 @@
 //! The kernels read sequence lengths from the device (`SelectBatch`'s lens),
 //! and skip windows and blocks past each sequence's own length.
 
-use super::context::{i32_dim, CudaResultExt};
+use super::context::{dptr, dptr_mut, grid, i32_dim, CudaResultExt};
 use super::ops::BlockSelection;
 use super::{Bf16, Gpu};
 use crate::model::select::{Budget, SelectionRule};
@@ -69,24 +69,6 @@ const SELECT_STATIC_SMEM: usize = (256 + 32 + 2) * 4;
 const DEFAULT_SMEM: usize = 48 * 1024;
 /// Cap on the grid of `compress_windows` (it loops over further windows).
 const COMPRESS_MAX_GRID_X: usize = 8192;
-
-/// Raw device address of a buffer (event tracking is off on this backend's
-/// context, so the guard does nothing).
-fn dptr<T, S: DevicePtr<T>>(gpu: &Gpu, s: &S) -> u64 {
-    let (p, _guard) = s.device_ptr(gpu.stream());
-    p
-}
-
-/// Raw device address of a buffer that a kernel writes.
-fn dptr_mut<T, S: DevicePtrMut<T>>(gpu: &Gpu, s: &mut S) -> u64 {
-    let (p, _guard) = s.device_ptr_mut(gpu.stream());
-    p
-}
-
-/// Grid dimension as u32 with a clear error.
-fn grid(x: usize, what: &str) -> Result<u32> {
-    u32::try_from(x).map_err(|_| Error::Input(format!("{what} = {x} exceeds the CUDA grid limit")))
-}
 
 /// Mc(T): compressed windows that exist once `t_len` tokens are stored (spec §3).
 fn windows(budget: &Budget, t_len: usize) -> usize {
