@@ -63,7 +63,8 @@ enum Cmd {
 #[derive(Subcommand)]
 enum TraceCmd {
     /// Per-phase totals and per-step means, H2D total / exposed / hidden,
-    /// overlap % and a per-layer table of a trace written by --trace.
+    /// overlap % and a per-layer table of a Chrome/Perfetto trace JSON
+    /// (recording with --trace comes with issue 6; see traces/README.md).
     Summarize {
         /// Trace JSON file.
         file: PathBuf,
@@ -127,7 +128,7 @@ struct GenerateArgs {
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
     /// 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
     temperature: f32,
     /// Keep the k most likely tokens (0 = all).
     #[arg(long, default_value_t = 0)]
@@ -156,13 +157,14 @@ struct GenerateArgs {
     /// Query-aware shortlist parameter select_blocks.
     #[arg(long)]
     select_blocks: Option<usize>,
-    /// SparDA forecast weights (.safetensors with `layers.{l}.self_attn.q_future_proj.weight`
+    /// SparDA forecast weights (.safetensors, or a SparDA trainer .pt, with
+    /// `model.layers.{l}.self_attn.q_future_proj.weight`, keys matched by suffix,
     /// and layer 0's `q_curr_proj`), or `synth[:SEED]` for random ones: sparse decode
     /// selects with the forecast (spec §4 "Forecast mode"; CPU backend for now).
     #[arg(long)]
     forecast: Option<String>,
     /// Override rope θ (e.g. 40000 past 32K, as the NOSA evaluations do).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     rope_theta: Option<f64>,
     /// Override max_position_embeddings.
     #[arg(long)]
@@ -250,7 +252,7 @@ struct SynthArgs {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// tokenizer.json to copy (the SmolLM2 fixture's).
-    #[arg(long, default_value = ".fixtures/smollm2-135m-instruct/tokenizer.json")]
+    #[arg(long, default_value_os_t = fixture_tokenizer())]
     tokenizer: PathBuf,
     /// Also write random SparDA forecast weights to OUT/forecast.safetensors.
     #[arg(long)]
@@ -357,6 +359,18 @@ fn check_outcome(cmd: &str, what: &str, ok: bool, json: &std::path::Path) -> Res
     }
 }
 
+/// The SmolLM2 fixture's tokenizer.json (synthetic models use it): under
+/// the working directory if there, else under the checkout this binary was
+/// built from.
+fn fixture_tokenizer() -> PathBuf {
+    let rel = PathBuf::from(".fixtures/smollm2-135m-instruct/tokenizer.json");
+    if rel.is_file() {
+        rel
+    } else {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(rel)
+    }
+}
+
 fn cmd_synth(a: SynthArgs) -> Result<()> {
     let preset = sparda::synth::Preset::from_name(&a.preset)?;
     sparda::synth::write(preset, a.seed, &a.out, &a.tokenizer)?;
@@ -394,10 +408,24 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             ))
         }
     };
+    let sampling = SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed: a.seed,
+    };
+    sampling.validate()?;
+    if let Some(t) = a.rope_theta {
+        if !(t.is_finite() && t > 0.0) {
+            return Err(Error::Input(format!(
+                "--rope-theta must be a finite value > 0, got {t}"
+            )));
+        }
+    }
     let model_name = a.model.to_string_lossy().into_owned();
     let default_tok = if model_name.starts_with("synth:") {
         eprintln!("building {model_name} in memory…");
-        PathBuf::from(".fixtures/smollm2-135m-instruct/tokenizer.json")
+        fixture_tokenizer()
     } else {
         a.model.join("tokenizer.json")
     };
@@ -409,7 +437,13 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         ckpt.config = ckpt.config.with_max_position(m);
     }
     let tok_path = a.tokenizer.clone().unwrap_or(default_tok);
-    let tokenizer = Tokenizer::from_file(&tok_path)?;
+    let tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| match e {
+        Error::Io { path, source } => Error::Input(format!(
+            "{}: {source} (give the tokenizer with --tokenizer FILE; scripts/fixture.sh builds the default one)",
+            path.display()
+        )),
+        other => other,
+    })?;
     let mut prompt = tokenizer.encode(&text)?;
     if let Some(n) = a.prompt_tokens {
         prompt.truncate(n);
@@ -480,6 +514,11 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     } else {
         let mut m = CpuModel::new(&ckpt, opts)?;
         if let Some(f) = &forecast {
+            if m.plan.rule().is_none() {
+                return Err(Error::Input(
+                    "--forecast selects blocks for sparse attention, but this model runs dense: add --attention sparse (or --selection)".into(),
+                ));
+            }
             m.set_forecast(Some(f.clone()))?;
         }
         Engine::Cpu(Box::new(m))
@@ -502,12 +541,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let req = Request {
         prompt,
         max_new_tokens: a.max_new_tokens,
-        sampling: SamplingParams {
-            temperature: a.temperature,
-            top_k: a.top_k,
-            top_p: a.top_p,
-            seed: a.seed,
-        },
+        sampling,
         stop_ids: if a.ignore_eos {
             Vec::new()
         } else {
@@ -537,11 +571,12 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     };
     writeln!(stdout).ok();
     eprintln!(
-        "prefill {} tokens in {:.0} ms ({:.1} tokens/s); decode {} tokens in {:.0} ms ({:.2} tokens/s); stop: {:?}",
+        "prefill {} tokens in {:.0} ms ({:.1} tokens/s); {} tokens generated, {} decode steps in {:.0} ms ({:.2} tokens/s); stop: {:?}",
         req.prompt.len(),
         out.prefill_ms,
         req.prompt.len() as f64 / (out.prefill_ms / 1e3),
         out.tokens.len(),
+        out.tokens.len().saturating_sub(1),
         out.decode_ms,
         out.decode_tokens_per_s(),
         out.stop

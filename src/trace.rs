@@ -390,7 +390,17 @@ pub fn summarize_file(path: &Path) -> Result<Summary> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
     let v: Value = serde_json::from_str(&text)
         .map_err(|e| Error::Input(format!("{}: not JSON: {e}", path.display())))?;
-    summarize(&v).map_err(|e| Error::Input(format!("{}: {e}", path.display())))
+    let in_file = |m: String| Error::Input(format!("{}: {m}", path.display()));
+    let s = summarize(&v).map_err(|e| match e {
+        Error::Input(m) => in_file(m),
+        other => other,
+    })?;
+    if s.phases.is_empty() {
+        return Err(in_file(
+            "no complete spans (ph X, or B/E pairs) in the trace".into(),
+        ));
+    }
+    Ok(s)
 }
 
 impl Summary {

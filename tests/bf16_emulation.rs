@@ -128,7 +128,7 @@ fn summary(errs: &[Vec<f64>]) -> (f64, f64, (usize, usize)) {
 }
 
 #[test]
-#[ignore = "needs the SmolLM2 fixture (scripts/fixture.sh); a study, prints numbers"]
+#[ignore = "a study (about 4 minutes on 2 cores): prints per-step numbers, run with --ignored"]
 fn fixture_bf16_emulation_study() {
     let dir = std::env::var_os("SPARDA_FIXTURE").map_or_else(
         || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".fixtures/smollm2-135m-instruct"),

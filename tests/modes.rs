@@ -106,7 +106,11 @@ fn attention_mode_follows_heads_and_sparse_config() {
         },
     )
     .unwrap_err();
-    assert!(err.to_string().contains("--budget-blocks 2"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("--budget-blocks 2 is below the minimum 5"),
+        "{err}"
+    );
     // a huge --select-blocks must not wrap around the budget check
     let huge = AttentionOverrides {
         select_blocks: Some(usize::MAX),

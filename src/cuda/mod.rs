@@ -129,7 +129,7 @@ pub fn require() -> Result<()> {
     let missing = missing_libraries();
     if !missing.is_empty() {
         return Err(Error::Cuda(format!(
-            "--backend cuda needs an NVIDIA GPU with CUDA 13 libraries; not found: {} (set LD_LIBRARY_PATH=/usr/local/cuda/lib64, or use --backend cpu)",
+            "--backend cuda needs an NVIDIA GPU with CUDA 13 libraries; not found: {} (set LD_LIBRARY_PATH=/usr/local/cuda/lib64; `generate --backend cpu` runs without a GPU)",
             missing.join(", ")
         )));
     }

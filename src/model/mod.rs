@@ -62,10 +62,12 @@ impl AttentionPlan {
         let mut sparse = cfg.sparse.unwrap_or_default();
         if let Some(s) = ov.budget_blocks {
             let w = sparse.window_blocks();
-            if s <= w {
+            let min = w + sparse.init_blocks + ov.select_blocks.unwrap_or(sparse.select_blocks);
+            if s < min {
                 return Err(Error::Input(format!(
-                    "--budget-blocks {s} must exceed the {w} window blocks (window_size {} / block_size {})",
-                    sparse.window_size, sparse.block_size
+                    "--budget-blocks {s} is below the minimum {min} = {w} window blocks + init_blocks {} + select_blocks {} (lower --select-blocks for a smaller budget)",
+                    sparse.init_blocks,
+                    ov.select_blocks.unwrap_or(sparse.select_blocks)
                 )));
             }
             sparse.topk = s - w;
