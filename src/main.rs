@@ -523,13 +523,19 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         }
         Engine::Cpu(Box::new(m))
     };
-    let (mode, backend_name) = match &engine {
-        Engine::Cpu(m) => (m.plan.mode, "cpu".to_string()),
-        Engine::Cuda(m) => (
-            m.plan.mode,
-            format!("cuda (selection {:?})", m.selection_path()),
-        ),
+    let (plan, backend_name) = match &engine {
+        Engine::Cpu(m) => (m.plan, "cpu".to_string()),
+        Engine::Cuda(m) => (m.plan, format!("cuda (selection {:?})", m.selection_path())),
     };
+    let mode = plan.mode;
+    let plan_json = serde_json::json!({
+        "mode": format!("{:?}", plan.mode),
+        "budget_blocks": plan.budget.attended,
+        "shortlist_blocks": plan.budget.shortlist,
+        "dense_len": plan.sparse.dense_len,
+        "forecast": forecast.is_some(),
+        "backend": backend_name,
+    });
     eprintln!(
         "model {} ({} layers, d {}), attention {:?}, backend {backend_name}, prompt {} tokens",
         a.model.display(),
@@ -583,7 +589,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     );
     if let Some(p) = a.json {
         let v = serde_json::json!({
-            "model": a.model, "prompt_tokens": req.prompt, "tokens": out.tokens, "stop": out.stop,
+            "model": a.model, "attention": plan_json, "prompt_tokens": req.prompt, "tokens": out.tokens, "stop": out.stop,
             "prefill_ms": out.prefill_ms, "decode_ms": out.decode_ms, "decode_tokens_per_s": out.decode_tokens_per_s(),
         });
         std::fs::write(&p, serde_json::to_string_pretty(&v).expect("json"))
