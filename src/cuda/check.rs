@@ -103,22 +103,31 @@ struct Inputs {
     rng: SmallRng,
 }
 
+/// n values drawn from N(0, std²).
+pub(super) fn normal(rng: &mut SmallRng, n: usize, std: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| StandardNormal.sample(&mut *rng))
+        .map(|x: f32| x * std)
+        .collect()
+}
+
+/// bf16-rounded N(0, std²) values: (device bits, exact f32 values).
+pub(super) fn bf16_normal(rng: &mut SmallRng, n: usize, std: f32) -> (Vec<Bf16>, Vec<f32>) {
+    let bits: Vec<Bf16> = normal(rng, n, std)
+        .into_iter()
+        .map(Bf16::from_f32)
+        .collect();
+    let f = bits.iter().map(|b| b.to_f32()).collect();
+    (bits, f)
+}
+
 impl Inputs {
     fn normal(&mut self, n: usize, std: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| StandardNormal.sample(&mut self.rng))
-            .map(|x: f32| x * std)
-            .collect()
+        normal(&mut self.rng, n, std)
     }
     /// bf16-rounded normal values: (device bits, exact f32 values).
     fn bf16(&mut self, n: usize, std: f32) -> (Vec<Bf16>, Vec<f32>) {
-        let bits: Vec<Bf16> = self
-            .normal(n, std)
-            .into_iter()
-            .map(Bf16::from_f32)
-            .collect();
-        let f = bits.iter().map(|b| b.to_f32()).collect();
-        (bits, f)
+        bf16_normal(&mut self.rng, n, std)
     }
     fn uniform(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
         (0..n).map(|_| self.rng.random_range(lo..hi)).collect()

@@ -41,7 +41,6 @@ use crate::Result;
 use cudarc::driver::CudaSlice;
 use rand::rngs::SmallRng;
 use rand::Rng;
-use rand_distr::{Distribution, StandardNormal};
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
 
@@ -179,22 +178,11 @@ struct Rand<'r> {
 
 impl Rand<'_> {
     fn normal(&mut self, n: usize, std: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                let x: f32 = StandardNormal.sample(&mut *self.rng);
-                x * std
-            })
-            .collect()
+        super::check::normal(self.rng, n, std)
     }
     /// bf16-rounded normal values: (device bits, exact f32 values).
     fn bf16(&mut self, n: usize, std: f32) -> (Vec<Bf16>, Vec<f32>) {
-        let bits: Vec<Bf16> = self
-            .normal(n, std)
-            .into_iter()
-            .map(Bf16::from_f32)
-            .collect();
-        let f = bits.iter().map(|b| b.to_f32()).collect();
-        (bits, f)
+        super::check::bf16_normal(self.rng, n, std)
     }
     /// Eviction scores as the head makes them: A[h] · softplus(z), z ~ N(0, 1.5²).
     fn evict(&mut self, n_tok: usize, hk: usize) -> Vec<f32> {

@@ -62,6 +62,7 @@
 
 use super::context::{dptr, grid, i32_dim, CudaResultExt};
 use super::ops::{self, AttnArgs, RopeTables};
+use super::select::{ensure_smem, launch_select_blocks, SelectBlocksArgs};
 use super::{bf16_bits, Bf16, Gpu};
 use crate::config::{AttentionMode, ModelConfig, Rope, RopeScaling};
 use crate::cpu::EngineOptions;
@@ -90,12 +91,6 @@ const QKV_ROW_ALIGN: usize = 8;
 const PTRS_PER_ROW: usize = 6;
 /// Per-layer pointer-table entries per sequence: K, c, Kc, p (compression).
 const PTRS_PER_SEQ: usize = 4;
-/// Threads per block of `select_blocks` (as [`super::select`]).
-const SELECT_THREADS: u32 = 512;
-/// Static shared memory of `select_blocks` (hist 256 + ws 32 + bc 2 u32), bytes.
-const SELECT_STATIC_SMEM: usize = (256 + 32 + 2) * 4;
-/// Shared memory a block may use without opting in, bytes.
-const DEFAULT_SMEM: usize = 48 * 1024;
 /// Cap on the grid of `compress_windows` (it loops over further windows).
 const COMPRESS_MAX_GRID_X: usize = 8192;
 
@@ -201,39 +196,6 @@ impl StepPart {
         StepPart::LmHead,
         StepPart::Argmax,
     ];
-}
-
-/// Lets `f` take `dynamic` bytes of dynamic shared memory next to
-/// `static_bytes` of static (opting in above 48 KiB).
-///
-/// Errors: [`Error::Input`] past the device's opt-in limit; [`Error::Cuda`].
-fn smem_optin(
-    gpu: &Gpu,
-    f: &cudarc::driver::CudaFunction,
-    dynamic: usize,
-    static_bytes: usize,
-    op: &str,
-) -> Result<u32> {
-    use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-    if dynamic + static_bytes > DEFAULT_SMEM {
-        let optin = gpu
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .cuda("cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)")?
-            as usize;
-        if dynamic + static_bytes > optin {
-            return Err(Error::Input(format!(
-                "{op}: needs {} bytes of shared memory per block, the device allows {optin}",
-                dynamic + static_bytes
-            )));
-        }
-        f.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            dynamic as i32,
-        )
-        .cuda("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
-    }
-    u32::try_from(dynamic).map_err(|_| Error::Input(format!("{op}: shared memory {dynamic} bytes")))
 }
 
 /// How sparse-attention rows get their selected blocks (spec §4).
@@ -2163,7 +2125,7 @@ impl GpuModel {
             let grid3 = (grid(tiles, "tiles")?, grid(hk, "Hkv")?, grid(n, "rows")?);
             let scale = 1.0 / (dh as f32).sqrt();
             let f1 = gpu.function("qa_window_logits")?;
-            let smem1 = smem_optin(
+            let smem1 = ensure_smem(
                 gpu,
                 f1,
                 super::select::qa_logits_smem_bytes(g, dh),
@@ -2195,7 +2157,7 @@ impl GpuModel {
             // holds n·H·w_stride logits and n·H·ntiles·2 statistics.
             unsafe { l1.launch(cfg1) }.cuda("qa_window_logits")?;
             let f2 = gpu.function("qa_window_scores")?;
-            let smem2 = smem_optin(gpu, f2, 2 * g * 4, 0, "qa_window_scores")?;
+            let smem2 = ensure_smem(gpu, f2, 2 * g * 4, 0, "qa_window_scores")?;
             let mut l2 = gpu.stream().launch_builder(f2);
             l2.arg(&lgp)
                 .arg(&stp)
@@ -2220,61 +2182,26 @@ impl GpuModel {
             return Ok(());
         }
         let nosa = self.plan.mode == AttentionMode::Nosa;
-        let f = gpu.function("select_blocks")?;
-        let smem = smem_optin(gpu, f, geo.nb_cap * 8, SELECT_STATIC_SMEM, "select_blocks")?;
-        let ints = [
-            (geo.w_stride, "w_stride"),
-            (geo.s_max, "s_max"),
-            (0, "nb_stride"),
-            (geo.nb_cap, "blocks"),
-            (hk, "Hkv"),
-            (budget.block_size, "block_size"),
-            (budget.kernel_stride, "kernel_stride"),
-            (budget.kernel_size, "kernel_size"),
-            (budget.init_blocks, "init_blocks"),
-            (budget.window_blocks, "window_blocks"),
-            (budget.attended, "attended"),
-            (budget.shortlist, "shortlist"),
-        ]
-        .iter()
-        .map(|&(x, w)| i32_dim(x, w))
-        .collect::<Result<Vec<i32>>>()?;
-        let nosa_i = i32::from(nosa);
-        let pp = if nosa { tab.p } else { 0u64 };
-        let selp = dptr(gpu, &ws.sel) + (sel_off * 4) as u64;
-        let nselp = dptr(gpu, &ws.nsel) + (nsel_off * 4) as u64;
-        let null = 0u64;
-        let mut l = gpu.stream().launch_builder(f);
-        l.arg(&sp)
-            .arg(&ints[0])
-            .arg(&pp)
-            .arg(&lp)
-            .arg(&selp)
-            .arg(&nselp)
-            .arg(&ints[1])
-            .arg(&null)
-            .arg(&null)
-            .arg(&ints[2])
-            .arg(&ints[3])
-            .arg(&ints[4])
-            .arg(&ints[5])
-            .arg(&ints[6])
-            .arg(&ints[7])
-            .arg(&ints[8])
-            .arg(&ints[9])
-            .arg(&ints[10])
-            .arg(&ints[11])
-            .arg(&nosa_i);
-        let cfg = LaunchConfig {
-            grid_dim: (grid(hk, "Hkv")?, grid(n, "rows")?, 1),
-            block_dim: (SELECT_THREADS, 1, 1),
-            shared_mem_bytes: smem,
+        let args = SelectBlocksArgs {
+            scores: sp,
+            p: if nosa { tab.p } else { 0 },
+            lens: lp,
+            sel: dptr(gpu, &ws.sel) + (sel_off * 4) as u64,
+            nsel: dptr(gpu, &ws.nsel) + (nsel_off * 4) as u64,
+            pooled_r: 0,
+            pooled_e: 0,
+            w_stride: geo.w_stride,
+            s_max: geo.s_max,
+            nb_stride: 0,
+            blocks: geo.nb_cap,
+            kv_heads: hk,
+            rows: n,
+            nosa,
         };
-        // SAFETY: argument list matches select_blocks (kernels/select.cu); every
-        // row has ≤ nb_cap blocks (the kernel clears rows with more) and
-        // Mc(pos+1) ≤ w_stride windows, its p (NOSA) holds them; the lists hold
-        // n·Hkv·s_max / n·Hkv entries.
-        unsafe { l.launch(cfg) }.cuda("select_blocks").map(drop)
+        // SAFETY: every row has ≤ nb_cap blocks (the kernel clears rows with
+        // more) and Mc(pos+1) ≤ w_stride windows, its p (NOSA) holds them; the
+        // lists hold n·Hkv·s_max / n·Hkv entries.
+        unsafe { launch_select_blocks(gpu, budget, &args, "select_blocks") }
     }
 
     /// Dense rows of a sparse forward call (dense_len) get every existing

@@ -70,6 +70,105 @@ const DEFAULT_SMEM: usize = 48 * 1024;
 /// Cap on the grid of `compress_windows` (it loops over further windows).
 const COMPRESS_MAX_GRID_X: usize = 8192;
 
+/// Device addresses and sizes of one `select_blocks` launch
+/// (kernels/select.cu), one CTA per (KV head, row). Shared by
+/// [`select_from_scores`] and the engine's device-resident step.
+pub(crate) struct SelectBlocksArgs {
+    /// f32 window scores, rows of `w_stride`.
+    pub scores: u64,
+    /// Per-row pointer table of pooled eviction inputs p (0 unless NOSA).
+    pub p: u64,
+    /// i32 lengths (T, the current token included) per row.
+    pub lens: u64,
+    /// i32 selected block ids out, rows of `s_max`.
+    pub sel: u64,
+    /// i32 selection counts out, one per (row, KV head).
+    pub nsel: u64,
+    /// Optional pooled-score outputs (0 = not written), rows of `nb_stride`.
+    pub pooled_r: u64,
+    /// As `pooled_r`, for the eviction scores.
+    pub pooled_e: u64,
+    /// Windows per score row.
+    pub w_stride: usize,
+    /// Entries per selection row.
+    pub s_max: usize,
+    /// Pooled row stride (0 when not written).
+    pub nb_stride: usize,
+    /// Most blocks a row may have (sizes the shared memory).
+    pub blocks: usize,
+    /// Hkv.
+    pub kv_heads: usize,
+    /// Rows (sequences or queries).
+    pub rows: usize,
+    /// NOSA rule (else InfLLM-V2).
+    pub nosa: bool,
+}
+
+/// Launches `select_blocks` for `a` on the GPU's stream (spec §4 steps 3–6).
+///
+/// # Safety
+/// Every address in `a` must point to a live buffer of the sizes its fields
+/// state, for all `a.rows` rows.
+///
+/// Errors: a size past the i32/grid range or the device's shared memory; a
+/// launch failure.
+pub(crate) unsafe fn launch_select_blocks(
+    gpu: &Gpu,
+    budget: &Budget,
+    a: &SelectBlocksArgs,
+    op: &str,
+) -> Result<()> {
+    let f = gpu.function("select_blocks")?;
+    let smem = ensure_smem(gpu, f, a.blocks * 8, SELECT_STATIC_SMEM, op)?;
+    let ints = [
+        (a.w_stride, "w_stride"),
+        (a.s_max, "s_max"),
+        (a.nb_stride, "nb_stride"),
+        (a.blocks, "blocks"),
+        (a.kv_heads, "Hkv"),
+        (budget.block_size, "block_size"),
+        (budget.kernel_stride, "kernel_stride"),
+        (budget.kernel_size, "kernel_size"),
+        (budget.init_blocks, "init_blocks"),
+        (budget.window_blocks, "window_blocks"),
+        (budget.attended, "attended"),
+        (budget.shortlist, "shortlist"),
+    ]
+    .iter()
+    .map(|&(x, w)| i32_dim(x, w))
+    .collect::<Result<Vec<i32>>>()?;
+    let nosa_i = i32::from(a.nosa);
+    let cfg = LaunchConfig {
+        grid_dim: (grid(a.kv_heads, "Hkv")?, grid(a.rows, "rows")?, 1),
+        block_dim: (SELECT_THREADS, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let mut l = gpu.stream().launch_builder(f);
+    l.arg(&a.scores)
+        .arg(&ints[0])
+        .arg(&a.p)
+        .arg(&a.lens)
+        .arg(&a.sel)
+        .arg(&a.nsel)
+        .arg(&ints[1])
+        .arg(&a.pooled_r)
+        .arg(&a.pooled_e)
+        .arg(&ints[2])
+        .arg(&ints[3])
+        .arg(&ints[4])
+        .arg(&ints[5])
+        .arg(&ints[6])
+        .arg(&ints[7])
+        .arg(&ints[8])
+        .arg(&ints[9])
+        .arg(&ints[10])
+        .arg(&ints[11])
+        .arg(&nosa_i);
+    // SAFETY: argument list matches select_blocks in kernels/select.cu; the
+    // buffers are live and sized as the caller promised.
+    unsafe { l.launch(cfg) }.cuda(op).map(drop)
+}
+
 /// Mc(T): compressed windows that exist once `t_len` tokens are stored (spec §3).
 fn windows(budget: &Budget, t_len: usize) -> usize {
     budget.windows(t_len)
@@ -106,7 +205,7 @@ fn check_budget(op: &str, budget: &Budget) -> Result<()> {
 /// `static_bytes` of static, opting in above 48 KiB.
 ///
 /// Errors: [`Error::Input`] when the device's opt-in limit is exceeded.
-fn ensure_smem(
+pub(crate) fn ensure_smem(
     gpu: &Gpu,
     f: &CudaFunction,
     dynamic: usize,
@@ -771,63 +870,29 @@ where
         }
         None => (0u64, 0u64, 0usize),
     };
-    let f = gpu.function("select_blocks")?;
-    let smem = ensure_smem(gpu, f, nb_max * 8, SELECT_STATIC_SMEM, OP)?;
-    let ints = [
-        (w_stride, "w_stride"),
-        (s_max, "s_max"),
-        (nb_stride, "nb_stride"),
-        (nb_max, "blocks"),
-        (hk, "Hkv"),
-        (budget.block_size, "block_size"),
-        (budget.kernel_stride, "kernel_stride"),
-        (budget.kernel_size, "kernel_size"),
-        (budget.init_blocks, "init_blocks"),
-        (budget.window_blocks, "window_blocks"),
-        (budget.attended, "attended"),
-        (budget.shortlist, "shortlist"),
-    ]
-    .iter()
-    .map(|&(x, w)| i32_dim(x, w))
-    .collect::<Result<Vec<i32>>>()?;
-    let nosa_i = i32::from(nosa);
-    let sp = dptr(gpu, scores);
-    let pp = if nosa {
-        batch.pptr.as_ref().map_or(0, |p| dptr(gpu, p))
-    } else {
-        0u64
+    let args = SelectBlocksArgs {
+        scores: dptr(gpu, scores),
+        p: if nosa {
+            batch.pptr.as_ref().map_or(0, |p| dptr(gpu, p))
+        } else {
+            0
+        },
+        lens: dptr(gpu, &batch.lens),
+        sel: dptr_mut(gpu, sel),
+        nsel: dptr_mut(gpu, nsel),
+        pooled_r: pr,
+        pooled_e: pe,
+        w_stride,
+        s_max,
+        nb_stride,
+        blocks: nb_max,
+        kv_heads: hk,
+        rows: b,
+        nosa,
     };
-    let lp = dptr(gpu, &batch.lens);
-    let (selp, nselp) = (dptr_mut(gpu, sel), dptr_mut(gpu, nsel));
-    let cfg = LaunchConfig {
-        grid_dim: (grid(hk, "Hkv")?, grid(b, "B")?, 1),
-        block_dim: (SELECT_THREADS, 1, 1),
-        shared_mem_bytes: smem,
-    };
-    let mut l = gpu.stream().launch_builder(f);
-    l.arg(&sp)
-        .arg(&ints[0])
-        .arg(&pp)
-        .arg(&lp)
-        .arg(&selp)
-        .arg(&nselp)
-        .arg(&ints[1])
-        .arg(&pr)
-        .arg(&pe)
-        .arg(&ints[2])
-        .arg(&ints[3])
-        .arg(&ints[4])
-        .arg(&ints[5])
-        .arg(&ints[6])
-        .arg(&ints[7])
-        .arg(&ints[8])
-        .arg(&ints[9])
-        .arg(&ints[10])
-        .arg(&ints[11])
-        .arg(&nosa_i);
-    // SAFETY: argument list matches select_blocks in kernels/select.cu; every
-    // size checked above (blocks ≤ nb_max, windows ≤ w_stride and the p capacity).
-    unsafe { l.launch(cfg) }.cuda(OP).map(drop)
+    // SAFETY: every size checked above (blocks ≤ nb_max, windows ≤ w_stride
+    // and the p capacity, pooled rows of nb_stride, lists of B·Hkv·s_max).
+    unsafe { launch_select_blocks(gpu, budget, &args, OP) }
 }
 
 /// The whole decode-time selection of one layer (spec §4): [`window_scores`]
