@@ -4,59 +4,64 @@
 //! generation.
 
 use sparda::cpu::{CpuModel, EngineOptions};
-use sparda::kv::{plan_slots, Footprint, HostLayout, Kv, EMPTY};
+use sparda::kv::{plan_slots, ring_first, Footprint, HostLayout, Kv, EMPTY, RING_BLOCKS};
 use sparda::synth::{self, Preset};
 
 #[test]
 fn short_context_fills_empty_slots_and_never_counts_them_as_hits() {
-    // pool of 6, 3 blocks exist; the tail (2) is new: nothing to fetch for it
-    let p = plan_slots(&[EMPTY; 6], &[0, 1, 2], 2).unwrap();
+    // pool of 6, 4 blocks exist: 2 and 3 (current) live in the ring
+    assert_eq!(ring_first(4 * 64, 64), 2);
+    let p = plan_slots(&[EMPTY; 6], &[0, 1, 2, 3], 2).unwrap();
     assert!(p.hits.is_empty());
     assert_eq!(p.fetches, vec![(0, 0), (1, 1)]);
-    assert_eq!(p.tail_init, Some((2, 2)));
-    assert_eq!(p.slots, vec![0, 1, 2, EMPTY, EMPTY, EMPTY]);
-    assert_eq!(p.locality(), 0.0);
+    assert_eq!(p.ring, vec![2, 3]);
+    assert_eq!(p.slot_list, vec![0, 1, -1, -1]);
+    assert_eq!(p.slots, vec![0, 1, EMPTY, EMPTY, EMPTY, EMPTY]);
+    assert_eq!(p.locality(), 0.5);
+    // a context inside one block: everything is in the ring, nothing fetched
+    assert_eq!(ring_first(10, 64), 0);
+    let p = plan_slots(&[EMPTY; 6], &[0], ring_first(10, 64)).unwrap();
+    assert_eq!((p.fetches.len(), p.slot_list.clone()), (0, vec![-1]));
 }
 
 #[test]
 fn hits_keep_their_slot_and_misses_take_freed_slots_in_order() {
-    // slots hold 9, 3, 0, 7 (tail), 5, 4; new selection keeps 0, 3, 7 and adds 1, 2, 6
+    // slots hold 9, 3, 0, 7, 5, 4; new selection keeps 0, 3, 7 and adds 1, 2, 6; ring from 10
     let slots = [9, 3, 0, 7, 5, 4];
-    let p = plan_slots(&slots, &[0, 1, 2, 3, 6, 7], 7).unwrap();
+    let p = plan_slots(&slots, &[0, 1, 2, 3, 6, 7, 10, 11], 10).unwrap();
     assert_eq!(p.hits, vec![(2, 0), (1, 3), (3, 7)]);
     // freed: slot 0 (9 left), slot 4 (5 left), slot 5 (4 left), in that order
     assert_eq!(p.fetches, vec![(0, 1), (4, 2), (5, 6)]);
-    assert_eq!(p.tail_init, None);
     assert_eq!(p.slots, vec![1, 3, 0, 7, 2, 6]);
-    assert!((p.locality() - 0.5).abs() < 1e-12);
+    assert!((p.locality() - 5.0 / 8.0).abs() < 1e-12);
     // attention reduces in ascending block order, whatever slot holds them
-    assert_eq!(p.attention_order(), vec![2, 0, 4, 1, 5, 3]);
+    assert_eq!(p.slot_list, vec![2, 0, 4, 1, 5, 3, -1, -1]);
 }
 
 #[test]
 fn tail_roll_over_loses_no_selected_block() {
-    // block 7 just completed; the first token of block 8 arrives.
-    // NOSI's fault: the new tail overwrote a selected block's slot.
-    let slots = [0, 5, 6, 7];
-    let p = plan_slots(&slots, &[0, 6, 7, 8], 8).unwrap();
-    assert_eq!(p.hits, vec![(0, 0), (2, 6), (3, 7)]);
-    assert!(p.fetches.is_empty());
-    assert_eq!(p.tail_init, Some((1, 8)));
-    assert_eq!(p.slots, vec![0, 8, 6, 7]);
+    // block 8 just completed and block 9 begins: 8 stays in the ring (no
+    // fetch, no slot), 7 leaves the ring and must be fetched into a free
+    // slot — never into one whose block is still selected (NOSI's fault).
+    let slots = [0, 5, 6, EMPTY];
+    assert_eq!(ring_first(9 * 64 + 1, 64), 8);
+    let p = plan_slots(&slots, &[0, 6, 7, 8, 9], 8).unwrap();
+    assert_eq!(p.hits, vec![(0, 0), (2, 6)]);
+    assert_eq!(p.fetches, vec![(1, 7)]);
+    assert_eq!(p.ring, vec![8, 9]);
+    assert_eq!(p.slots, vec![0, 7, 6, EMPTY]);
 }
 
 #[test]
 fn bad_inputs_are_errors() {
-    assert!(plan_slots(&[EMPTY; 2], &[0, 1, 2], 2)
+    assert!(plan_slots(&[EMPTY; 2], &[0, 1, 2, 5], 5)
         .unwrap_err()
         .to_string()
-        .contains("3 selected blocks do not fit 2 slots"));
-    assert!(plan_slots(&[EMPTY; 4], &[2, 1], 2).is_err());
-    assert!(plan_slots(&[EMPTY; 4], &[0, 1], 5)
-        .unwrap_err()
-        .to_string()
-        .contains("tail block 5"));
-    assert!(plan_slots(&[3, 3, EMPTY], &[3], 3).is_err());
+        .contains("3 selected blocks outside the ring do not fit 2 slots"));
+    // ring blocks need no slot
+    assert!(plan_slots(&[EMPTY; 2], &[0, 1, 2], 2).is_ok());
+    assert!(plan_slots(&[EMPTY; 4], &[2, 1], 5).is_err());
+    assert!(plan_slots(&[3, 3, EMPTY], &[3], 5).is_err());
 }
 
 #[test]
@@ -91,7 +96,10 @@ fn footprint_matches_runtime_md_and_refuses_with_numbers() {
     // layer 0 resident (default): 31 offloaded layers on the host
     let f = Footprint::new(&cfg, 64, 1, 16, 65_536);
     assert_eq!(f.host_pinned_bytes, 16 * 31 * 1024 * (64 << 10));
-    assert_eq!(f.gpu_kv_bytes, 16 * (31 * 64 + 1024) * (64 << 10));
+    assert_eq!(
+        f.gpu_kv_bytes,
+        16 * (31 * (64 + RING_BLOCKS) + 1024) * (64 << 10)
+    );
     let err = f.check(1 << 30, usize::MAX).unwrap_err().to_string();
     assert!(
         err.contains("31.00 GiB of pinned host memory") && err.contains("1.00 GiB available"),
@@ -103,8 +111,8 @@ fn footprint_matches_runtime_md_and_refuses_with_numbers() {
 /// A slot pool per (layer, KV head) driven by the tiny model's real NOSA
 /// selections for 2,500 generated tokens (39 tail roll-overs, the window
 /// moving, compressed state growing): after every step every selected block
-/// is resident, hits never move, the tail is never fetched, and attention
-/// order is ascending by block.
+/// is resident, hits never move, ring blocks are never fetched, and each
+/// selected block is found where the slot list says.
 #[test]
 fn slot_pool_follows_real_selections_over_a_long_generation() {
     let ckpt = synth::build(Preset::Tiny, 5).unwrap();
@@ -122,26 +130,31 @@ fn slot_pool_follows_real_selections_over_a_long_generation() {
     for _ in 0..2_500 {
         let tok = sparda::sample::argmax(&logits);
         logits = model.decode(&mut seq, tok).unwrap();
+        let first = ring_first(seq.len(), 64);
         let tail = ((seq.len() - 1) / 64) as u32;
         for (layer_pools, layer_sel) in pools.iter_mut().zip(&seq.selections) {
             for (pool, head_sel) in layer_pools.iter_mut().zip(layer_sel) {
                 let sel: Vec<u32> = head_sel.iter().map(|&b| b as u32).collect();
                 let before = pool.clone();
-                let p = plan_slots(&before, &sel, tail).unwrap();
+                assert!(sel.contains(&tail), "current block {tail} not attended");
+                let p = plan_slots(&before, &sel, first).unwrap();
                 for &(slot, b) in &p.hits {
                     assert_eq!(before[slot as usize], b, "a hit moved");
                 }
-                assert!(p.fetches.iter().all(|&(_, b)| b != tail), "tail fetched");
-                for &b in &sel {
-                    assert!(p.slots.contains(&b), "selected block {b} not resident");
+                assert!(
+                    p.fetches.iter().all(|&(_, b)| b < first),
+                    "ring block fetched"
+                );
+                // every selected block is found where the slot list says
+                assert_eq!(p.slot_list.len(), sel.len());
+                for (&b, &s) in sel.iter().zip(&p.slot_list) {
+                    if s < 0 {
+                        assert!(b >= first, "block {b} read from the ring below {first}");
+                    } else {
+                        assert_eq!(p.slots[s as usize], b, "slot {s} does not hold {b}");
+                    }
                 }
-                let order: Vec<u32> = p
-                    .attention_order()
-                    .iter()
-                    .map(|&slot| p.slots[slot as usize])
-                    .collect();
-                assert_eq!(order, sel);
-                hits += p.hits.len();
+                hits += sel.len() - p.fetches.len();
                 selected += sel.len();
                 fetched += p.fetches.len();
                 *pool = p.slots;

@@ -85,76 +85,82 @@ impl HostLayout {
 /// Marks a slot that holds no block.
 pub const EMPTY: u32 = u32::MAX;
 
+/// Blocks the GPU keeps in each (sequence, layer)'s tail ring instead of the
+/// slot pool: the current block and the one before it. The ring holds the
+/// last `RING_BLOCKS · block_size` tokens in the resident token-major layout,
+/// so the append, the compression of a window that straddles a block
+/// boundary (kernel_size = 2 · stride) and the write-back of a block that
+/// just completed all read it without a slot lookup.
+pub const RING_BLOCKS: usize = 2;
+
+/// First block id that lives in the ring for a row attending to `len`
+/// tokens (its own token included): max(cur − 1, 0) with cur = (len − 1) /
+/// block_size the current block. Blocks ≥ this are never fetched and take
+/// no slot.
+pub fn ring_first(len: usize, block_size: usize) -> u32 {
+    (len.saturating_sub(1) / block_size).saturating_sub(RING_BLOCKS - 1) as u32
+}
+
 /// What one step's set difference decided for one (sequence, layer, KV head).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SlotPlan {
     /// Slot map after the step: slot → block id or [`EMPTY`]. Length = pool size.
     pub slots: Vec<u32>,
-    /// Selected blocks already resident: (slot, block), ascending block.
+    /// Selected blocks already resident in a slot: (slot, block), ascending block.
     pub hits: Vec<(u32, u32)>,
     /// Selected blocks to fetch from host memory into (slot, block),
-    /// ascending block. Never contains the tail block.
+    /// ascending block. Never a ring block.
     pub fetches: Vec<(u32, u32)>,
-    /// Slot given to the tail block when it was not resident (the first
-    /// token of a new block): nothing to fetch, the append fills it.
-    pub tail_init: Option<(u32, u32)>,
+    /// Selected blocks read from the tail ring (≥ `ring_first`), ascending.
+    pub ring: Vec<u32>,
+    /// Per selected block, in selection order: its slot, or −1 for a ring
+    /// block. This is the list the GPU attention kernel reads beside the
+    /// block list (`slot_diff` in kernels/kv_offload.cu writes the same).
+    pub slot_list: Vec<i32>,
 }
 
 impl SlotPlan {
-    /// Locality γ of this step: hits / selected blocks (1 when nothing is selected).
+    /// Locality γ of this step: selected blocks already on the GPU (slot
+    /// hits and ring blocks) / selected blocks (1 when nothing is selected).
     pub fn locality(&self) -> f64 {
-        let sel = self.hits.len() + self.fetches.len() + usize::from(self.tail_init.is_some());
+        let sel = self.slot_list.len();
         if sel == 0 {
             1.0
         } else {
-            self.hits.len() as f64 / sel as f64
+            (sel - self.fetches.len()) as f64 / sel as f64
         }
-    }
-
-    /// Slots in ascending block order of the selection: the order attention
-    /// reduces in, whatever slot holds each block (testing.md "Bitwise
-    /// identity").
-    pub fn attention_order(&self) -> Vec<u32> {
-        let mut v: Vec<(u32, u32)> = self.hits.iter().chain(&self.fetches).copied().collect();
-        v.extend(self.tail_init);
-        v.sort_unstable_by_key(|&(_, b)| b);
-        v.into_iter().map(|(s, _)| s).collect()
     }
 }
 
 /// Set difference and slot assignment of one (sequence, layer, KV head)
 /// (runtime.md §1 step 4):
+/// - blocks ≥ `ring_first` ([`ring_first`]) are read from the tail ring:
+///   never fetched, no slot (the current block is attended on every step,
+///   runtime.md §3 fault 2, and never overwrites a pool slot, fault 3);
 /// - a selected block already in a slot is a hit and keeps its slot;
 /// - every other selected block gets a slot that is empty or whose block
 ///   left the selection (lowest such slot first, blocks in ascending order);
-///   the tail block (`tail`, the current block) is never fetched — when it
-///   is new it gets a slot to be filled by the append;
-/// - a slot whose block is still selected is never overwritten, so no
-///   selected block is lost at tail roll-over (fault 3), and empty slots are
-///   never counted as hits (fault 4).
+/// - a slot whose block is still selected is never overwritten, and empty
+///   slots are never counted as hits (fault 4).
 ///
 /// `slots`: the slot map before the step (slot → block or [`EMPTY`]);
-/// `selected`: ascending block ids (≤ pool size; must contain `tail`).
-/// Work is O(pool + selected) with a bitmap over block ids.
+/// `selected`: strictly ascending block ids. Work is O(pool + selected)
+/// with a bitmap over block ids. The GPU's `slot_diff` kernel computes the
+/// same plan and is checked against this function.
 ///
-/// Errors: more selected blocks than slots, a selection that is not
-/// strictly ascending, or one without the tail block.
-pub fn plan_slots(slots: &[u32], selected: &[u32], tail: u32) -> Result<SlotPlan> {
-    if selected.len() > slots.len() {
-        return Err(Error::Limit(format!(
-            "slot pool: {} selected blocks do not fit {} slots",
-            selected.len(),
-            slots.len()
-        )));
-    }
+/// Errors: more non-ring selected blocks than slots, a selection that is
+/// not strictly ascending, or a block held by two slots.
+pub fn plan_slots(slots: &[u32], selected: &[u32], ring_first: u32) -> Result<SlotPlan> {
     if selected.windows(2).any(|w| w[0] >= w[1]) {
         return Err(Error::Input(
             "slot pool: selection must be strictly ascending block ids".into(),
         ));
     }
-    if selected.binary_search(&tail).is_err() {
-        return Err(Error::Input(format!(
-            "slot pool: the tail block {tail} must be selected (always attended)"
+    let pooled = selected.iter().filter(|&&b| b < ring_first).count();
+    if pooled > slots.len() {
+        return Err(Error::Limit(format!(
+            "slot pool: {pooled} selected blocks outside the ring do not fit {} slots",
+            slots.len()
         )));
     }
     let max_block = selected
@@ -189,28 +195,31 @@ pub fn plan_slots(slots: &[u32], selected: &[u32], tail: u32) -> Result<SlotPlan
         .filter(|(_, &b)| b == EMPTY || !is_selected[b as usize])
         .map(|(s, _)| s as u32);
     for &b in selected {
+        if b >= ring_first {
+            out.ring.push(b);
+            out.slot_list.push(-1);
+            continue;
+        }
         let s = slot_of[b as usize];
         if s != EMPTY {
             out.hits.push((s, b));
+            out.slot_list.push(s as i32);
             continue;
         }
         let s = free
             .next()
-            .expect("free slots ≥ misses because selected ≤ pool");
+            .expect("free slots ≥ misses because pooled ≤ pool");
         out.slots[s as usize] = b;
-        if b == tail {
-            out.tail_init = Some((s, b));
-        } else {
-            out.fetches.push((s, b));
-        }
+        out.fetches.push((s, b));
+        out.slot_list.push(s as i32);
     }
     Ok(out)
 }
 
 /// Host and GPU bytes that an offloaded request needs (runtime.md §4):
 /// the full K/V of every offloaded layer in pinned host memory; on the GPU,
-/// per offloaded layer, S slots per (sequence, KV head), plus the resident
-/// layers' full cache.
+/// per offloaded layer, S slots per (sequence, KV head) plus the
+/// [`RING_BLOCKS`] tail ring, plus the resident layers' full cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Footprint {
     /// Pinned host bytes (block-major store).
@@ -239,7 +248,9 @@ impl Footprint {
         let offloaded = cfg.num_hidden_layers - resident;
         Footprint {
             host_pinned_bytes: batch * offloaded * blocks * per_block,
-            gpu_kv_bytes: batch * (offloaded * slots + resident * blocks) * per_block,
+            gpu_kv_bytes: batch
+                * (offloaded * (slots + RING_BLOCKS) + resident * blocks)
+                * per_block,
         }
     }
 
