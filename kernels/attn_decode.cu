@@ -18,7 +18,12 @@
 // f32 c [cap, hkv] at cptr[r] when cptr and cptr[r] are non-null (NOSA), else 0.
 //
 // Layouts: q bf16, row r's H*D query values at r*q_stride (q_stride even), head g at g*D;
-// K/V of row r: bf16 [cap, hkv, D] at kptr[r] / vptr[r] (16-byte aligned);
+// K/V of row r: bf16 [cap, hkv, D] at kptr[r] / vptr[r] (16-byte aligned); with ring > 0
+// the cache is a tail ring: token j at row j % ring.
+// Offloaded rows (slot_list != null, sparse only; kv/mod.rs, issue 4): list entry i of
+// (r, h) has slot slot_list[(r*hkv + h)*s_max + i]; slot >= 0 reads the block from the slot
+// pool bf16 [hkv][pool_slots][2][block_size][D] at pool_ptr[r] (K tile, then V tile);
+// slot -1 reads it from the tail ring. The bias c is always indexed by the token id j.
 // D a multiple of 16, at most 128.
 //
 // Method: the block walks its tokens in tiles of ATT_TILE = 64 (token order, list order
@@ -207,7 +212,8 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
                  const u64* __restrict__ vptr, const u64* __restrict__ cptr, const int* __restrict__ lens,
                  const int* __restrict__ sel, const int* __restrict__ nsel, int s_max, int block_size, int span,
                  float* __restrict__ part_o, float* __restrict__ part_ml, int H, int hkv, int D, int nsplit,
-                 float scale, bf16_t* __restrict__ out, int out_stride, u32* __restrict__ counters) {
+                 float scale, bf16_t* __restrict__ out, int out_stride, u32* __restrict__ counters,
+                 const int* __restrict__ slot_list, const u64* __restrict__ pool_ptr, int pool_slots, int ring) {
     extern __shared__ __align__(16) unsigned char att_sh[];
     const int s = blockIdx.x, r = blockIdx.z;
     const int G = H / hkv, ngroups = (G + 15) / 16;
@@ -279,6 +285,12 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
     const bf16_t* Kh = K + (u64)h * D + my_part * 8;
     const bf16_t* Vh = V + (u64)h * D + my_part * 8;
     const float* Ch = C != nullptr ? C + h : nullptr;
+    // Offloaded rows: list entry i's block sits in pool slot slist[i] (>= 0) or, for -1,
+    // in the tail ring (token-major K/V at kptr/vptr, token t at row t % ring).
+    const int* slist = (slot_list != nullptr && list != nullptr) ? slot_list + ((u64)r * hkv + h) * s_max : nullptr;
+    const bf16_t* Ph = slist != nullptr
+                           ? (const bf16_t*)pool_ptr[r] + (u64)h * pool_slots * 2 * block_size * D + my_part * 8
+                           : nullptr;
 
     // Issues the copies of tile t into stage st.
     auto load_tile = [&](int t, int st) {
@@ -286,20 +298,34 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
         for (int row = my_row; row < ATT_TILE; row += rows_per_pass) {
             const int e = t * ATT_TILE + row;
             long long j = -1;
+            int slot = -1;
             if (e < ntok) {
                 if (list == nullptr) {
                     j = t0 + e;
                 } else {
                     const int blk = list[i0 + e / block_size];
                     if (blk >= 0) j = (long long)blk * block_size + e % block_size;
+                    if (slist != nullptr) slot = slist[i0 + e / block_size];
                 }
                 if (j >= len) j = -1;
             }
             const bool ok = j >= 0;
-            const u64 off = ok ? (u64)j * tok_stride : 0;
+            const bf16_t* ksrc = Kh;
+            const bf16_t* vsrc = Vh;
+            if (ok) {
+                if (slot >= 0) {
+                    const u64 o = ((u64)slot * 2 * block_size + (u64)(e % block_size)) * D;
+                    ksrc = Ph + o;
+                    vsrc = Ph + o + (u64)block_size * D;
+                } else {
+                    const u64 o = (u64)(ring > 0 ? j % ring : j) * tok_stride;
+                    ksrc = Kh + o;
+                    vsrc = Vh + o;
+                }
+            }
             const int srow = st * ATT_TILE + row;
-            cp_async16(Ks + srow * RS + my_part * 8, Kh + off, ok);
-            cp_async16(Vs + srow * RS + my_part * 8, Vh + off, ok);
+            cp_async16(Ks + srow * RS + my_part * 8, ksrc, ok);
+            cp_async16(Vs + srow * RS + my_part * 8, vsrc, ok);
             if (my_part == 0) {
                 Ok[srow] = ok ? 1 : 0;
                 const bool cb = ok && Ch != nullptr;

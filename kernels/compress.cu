@@ -10,7 +10,8 @@
 // the same bf16 K and f32 c.
 //
 // Per sequence b (pointer tables, one entry per sequence):
-//   kptr[b]  -> bf16 K  [>= T, hkv, D] (post-RoPE key cache)
+//   kptr[b]  -> bf16 K  [>= T, hkv, D] (post-RoPE key cache; with ring > 0 a tail ring
+//               holding token t at row t % ring, which must still hold the window's tokens)
 //   cptr[b]  -> f32  c  [>= T, hkv]    (eviction scores); cptr or pptr null: p is not written
 //   kcptr[b] -> f32  Kc [cap, hkv, D]
 //   pptr[b]  -> f32  p  [cap, hkv]
@@ -27,7 +28,7 @@ __device__ __forceinline__ int cmp_windows(int T, int stride, int ksize) {
 extern "C" __global__ void compress_windows(const u64* __restrict__ kptr, const u64* __restrict__ cptr,
                                             const u64* __restrict__ kcptr, const u64* __restrict__ pptr,
                                             const int* __restrict__ lens, int n_new, int hkv, int D, int stride,
-                                            int ksize, float inv) {
+                                            int ksize, float inv, int ring) {
     const int b = blockIdx.y;
     const int T = lens[b];
     const int T0 = T > n_new ? T - n_new : 0;
@@ -42,7 +43,10 @@ extern "C" __global__ void compress_windows(const u64* __restrict__ kptr, const 
         const u64 t0 = (u64)w * stride;
         for (int e = threadIdx.x; e < kvd; e += blockDim.x) {
             float acc = 0.0f;
-            for (int j = 0; j < ksize; ++j) acc += bf2f(K[(t0 + j) * kvd + e]);
+            for (int j = 0; j < ksize; ++j) {
+                const u64 t = t0 + j;
+                acc += bf2f(K[(ring > 0 ? t % (u64)ring : t) * kvd + e]);
+            }
             Kc[(u64)w * kvd + e] = acc * inv;
         }
         if (C != nullptr) {

@@ -3,7 +3,8 @@
 //   - q heads (columns [0, H*D)) and k heads ([H*D, (H+hkv)*D)) are rotated in place
 //     with NeoX RoPE at position pos[r] (f32 math, rounded to bf16, as rope.cu);
 //   - the rotated k heads and the v heads ([(H+hkv)*D, (H+2*hkv)*D)) are written to the
-//     cache of row r: K/V bf16 [cap, hkv, D] at kptr[r] / vptr[r], token slot pos[r];
+//     cache of row r: K/V bf16 [cap, hkv, D] at kptr[r] / vptr[r], token slot pos[r]
+//     (pos[r] % ring when ring > 0: the tail ring of an offloaded layer, kv/mod.rs);
 //   - with an eviction head (A non-null), the eviction logits z (columns [z_off, z_off+hkv),
 //     the fused rows delta . W_v) give c[pos[r], h] = A[h] * softplus(z[h] + zb[h])
 //     (softplus linear above 20), written as f32 to the c cache [cap, hkv] at cptr[r]
@@ -16,18 +17,19 @@ extern "C" __global__ void qkv_rope_append(bf16_t* __restrict__ qkv, int row_str
                                            const float* __restrict__ sin_t, int table_rows,
                                            const u64* __restrict__ kptr, const u64* __restrict__ vptr,
                                            const u64* __restrict__ cptr, int z_off,
-                                           const float* __restrict__ A, const float* __restrict__ zb) {
+                                           const float* __restrict__ A, const float* __restrict__ zb, int ring) {
     const int r = blockIdx.x, j = blockIdx.y;
     const int half = D >> 1;
     bf16_t* x = qkv + (u64)r * row_stride;
     const int p = pos[r];
     if (p < 0 || p >= table_rows) return;
+    const u64 kv_row = ring > 0 ? (u64)(p % ring) : (u64)p;
     if (j < H + hkv) {
         bf16_t* v = x + (u64)j * D;
         const float* c = cos_t + (u64)p * half;
         const float* s = sin_t + (u64)p * half;
         bf16_t* K = nullptr;
-        if (j >= H) K = (bf16_t*)kptr[r] + ((u64)p * hkv + (j - H)) * D;
+        if (j >= H) K = (bf16_t*)kptr[r] + (kv_row * hkv + (j - H)) * D;
         for (int i = threadIdx.x; i < half; i += blockDim.x) {
             const float a = bf2f(v[i]), b = bf2f(v[i + half]);
             const bf16_t lo = f2bf(a * c[i] - b * s[i]);
@@ -42,7 +44,7 @@ extern "C" __global__ void qkv_rope_append(bf16_t* __restrict__ qkv, int row_str
     } else {
         const int h = j - H - hkv;
         const bf16_t* src = x + (u64)(H + hkv) * D + (u64)h * D;
-        bf16_t* V = (bf16_t*)vptr[r] + ((u64)p * hkv + h) * D;
+        bf16_t* V = (bf16_t*)vptr[r] + (kv_row * hkv + h) * D;
         for (int i = threadIdx.x; i < D; i += blockDim.x) V[i] = src[i];
         if (threadIdx.x == 0 && A != nullptr && cptr != nullptr && cptr[r] != 0ull) {
             const float z = bf2f(x[z_off + h]) + zb[h];

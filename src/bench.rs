@@ -29,7 +29,7 @@
 //! each piece of the step alone ([`GpuModel::profile_step`]).
 
 use crate::cpu::EngineOptions;
-use crate::cuda::engine::{DecodeMode, GpuModel, GpuSequence};
+use crate::cuda::engine::{DecodeMode, GpuModel, GpuSequence, OffloadOptions};
 use crate::cuda::Gpu;
 use crate::model::{AttentionOverrides, PrefillMode, SelectionRule};
 use crate::tokenizer::Tokenizer;
@@ -84,6 +84,23 @@ pub struct BenchSpec {
     pub ceiling_reps: usize,
     /// Replays per step-piece measurement ([`GpuModel::profile_step`]; 0: skip it).
     pub profile_reps: usize,
+    /// Where the KV lives, each run in turn for sparse attention: GPU-resident
+    /// (`None`) or offloaded with these settings (issue 4).
+    pub kv: Vec<Option<OffloadOptions>>,
+    /// Decode steps with every fetch timed by events after the timed steps
+    /// of an offloaded case (fetch GB/s); 0 skips them.
+    pub fetch_timing_steps: usize,
+}
+
+/// Name of a KV placement in reports: `gpu`, `offload-sm16`, `offload-dma`.
+pub fn kv_name(kv: &Option<OffloadOptions>) -> String {
+    match kv {
+        None => "gpu".into(),
+        Some(o) => match o.fetch {
+            crate::cuda::engine::FetchEngine::Sm { ctas } => format!("offload-sm{ctas}"),
+            crate::cuda::engine::FetchEngine::Dma => "offload-dma".into(),
+        },
+    }
 }
 
 /// Parses a context length: digits with an optional `K` (×1024) or `M`
@@ -249,9 +266,21 @@ fn run_case(
     compare_modes: bool,
 ) -> Result<Value> {
     let gpu = model.gpu().clone();
-    let extra = if compare_modes { 2 * spec.steps + 8 } else { 0 } + 2;
+    let offload = model.offload_options();
+    let extra = if compare_modes { 2 * spec.steps + 8 } else { 0 } + 2 + spec.fetch_timing_steps;
     let cap = context + spec.warmup + spec.steps + extra + 1;
-    let kv_bytes = batch * model.sequence_bytes(cap);
+    let footprint = model.offload_footprint(batch, cap);
+    let kv_bytes = if offload.is_some() {
+        // the pools and rings, the small state of every sequence, and one
+        // full sequence while it is filled
+        let c = &model.config;
+        let bs = model.plan.budget.block_size.max(1);
+        let full_kv = cap.div_ceil(bs) * bs * c.num_key_value_heads * c.head_dim * 4 * c.num_hidden_layers;
+        let small = model.sequence_bytes(cap).saturating_sub(full_kv);
+        footprint.gpu_kv_bytes + batch * small + model.sequence_bytes(cap)
+    } else {
+        batch * model.sequence_bytes(cap)
+    };
     let c = &model.config;
     // Step buffers: per-layer QKV rows, logits, activations, partials, scores (generous).
     let step_bytes = batch
@@ -266,12 +295,31 @@ fn run_case(
     let margin: usize = 2 << 30;
     gpu.synchronize()?;
     let (free, total) = gpu.mem_info()?;
-    let base = json!({
+    let mut base = json!({
         "attention": if sparse { "sparse" } else { "dense" },
+        "kv": kv_name(&offload),
         "mode": format!("{:?}", model.plan.mode),
         "batch": batch, "context": context,
         "kv_bytes": kv_bytes,
     });
+    if offload.is_some() {
+        base["offload_layer0"] = json!(offload.is_some_and(|o| o.offload_layer0));
+        base["host_pinned_bytes"] = json!(footprint.host_pinned_bytes);
+        base["host_bytes_per_sequence"] = json!(footprint.host_pinned_bytes / batch.max(1));
+        base["gpu_kv_bytes_per_sequence"] = json!(footprint.gpu_kv_bytes / batch.max(1));
+        let host_avail = crate::cuda::offload::host_available_bytes()?;
+        if footprint.host_pinned_bytes + (8 << 30) > host_avail {
+            let reason = format!(
+                "needs {:.1} GiB of pinned host memory + 8 GiB margin; {:.1} GiB available",
+                footprint.host_pinned_bytes as f64 / (1u64 << 30) as f64,
+                host_avail as f64 / (1u64 << 30) as f64
+            );
+            eprintln!("  skip: {reason}");
+            let mut v = base;
+            v["skipped"] = json!(reason);
+            return Ok(v);
+        }
+    }
     if kv_bytes + step_bytes + margin > free {
         let reason = format!(
             "needs {:.1} GiB of KV + {:.1} GiB of step buffers + {:.0} GiB margin; {:.1} GiB of {:.1} GiB free",
@@ -299,6 +347,9 @@ fn run_case(
             }
             BenchPrefill::Real(_) => model.prefill(sq, &toks[..context], |_, _| {})?,
         }
+        if offload.is_some() {
+            model.offload_sequence(sq, cap)?;
+        }
         first.push(toks[context]);
     }
     gpu.synchronize()?;
@@ -308,8 +359,42 @@ fn run_case(
     for _ in 1..spec.warmup {
         model.decode_greedy(&mut seqs)?;
     }
+    if offload.is_some() {
+        model.reset_offload_stats()?;
+    }
     let per_step = time_steps(model, &mut seqs, spec.steps, true, &first)?;
     let graph = model.last_step_was_graph();
+    let offload_json = if offload.is_some() {
+        let st = model.offload_stats()?;
+        let steps = spec.steps.max(1) as f64;
+        let mut j = json!({
+            "locality_gamma": st.locality_all(),
+            "locality_gamma_per_layer": st.locality(),
+            "bytes_fetched_per_step": st.bytes_fetched() as f64 / steps,
+            "blocks_fetched_per_step": st.fetched.iter().sum::<u64>() as f64 / steps,
+            "chunk_bytes": st.chunk_bytes,
+        });
+        if spec.fetch_timing_steps > 0 {
+            model.set_fetch_timing(true)?;
+            model.reset_offload_stats()?;
+            model.decode(&mut seqs, &first)?;
+            for _ in 1..spec.fetch_timing_steps {
+                model.decode_greedy(&mut seqs)?;
+            }
+            let t = model.offload_stats()?;
+            model.set_fetch_timing(false)?;
+            j["fetch_timing"] = json!({
+                "steps": spec.fetch_timing_steps,
+                "fetch_ms_per_step": t.fetch_ms / spec.fetch_timing_steps as f64,
+                "bytes_per_step": t.timed_bytes as f64 / spec.fetch_timing_steps as f64,
+                "achieved_gb_s": t.fetch_gb_s(),
+                "note": "CUDA events around each layer's fetch (diff excluded); extra steps after the timed ones",
+            });
+        }
+        Some(j)
+    } else {
+        None
+    };
     let (free_after, _) = gpu.mem_info()?;
     let total_ms: f64 = per_step.iter().sum();
     let tokens_per_s = (batch * spec.steps) as f64 / (total_ms / 1e3);
@@ -327,9 +412,19 @@ fn run_case(
     v["tokens_per_s"] = json!(tokens_per_s);
     v["gpu_mem_used_bytes"] = json!(total - free_after);
     v["final_len"] = json!(seqs[0].len());
+    if let Some(j) = offload_json {
+        eprintln!(
+            "    γ {:.3}, {:.2} MB fetched per step, fetch {:.1} GB/s",
+            j["locality_gamma"].as_f64().unwrap_or(0.0),
+            j["bytes_fetched_per_step"].as_f64().unwrap_or(0.0) / 1e6,
+            j["fetch_timing"]["achieved_gb_s"].as_f64().unwrap_or(0.0)
+        );
+        v["offload"] = j;
+    }
     eprintln!(
-        "  {:>6} B={batch:<3} L={context:<6} step {:.3} ms (median {:.3}), {:.1} tokens/s, graph {graph}, {:.1} GiB in use",
+        "  {:>6} {} B={batch:<3} L={context:<6} step {:.3} ms (median {:.3}), {:.1} tokens/s, graph {graph}, {:.1} GiB in use",
         if sparse { "sparse" } else { "dense" },
+        kv_name(&offload),
         total_ms / spec.steps as f64,
         median(&per_step),
         tokens_per_s,
@@ -358,7 +453,7 @@ fn run_case(
         model.set_decode_mode(DecodeMode::Graph);
         v["other_decode_modes"] = Value::Object(modes);
     }
-    if spec.profile_reps > 0 {
+    if spec.profile_reps > 0 && offload.is_none() {
         // Per-piece times of the step (leaves the batch's state garbage: last).
         model.set_decode_mode(DecodeMode::Graph);
         model.decode(&mut seqs, &first)?;
@@ -440,13 +535,25 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
     }
     let min_ctx = *spec.contexts.iter().min().expect("non-empty");
     let mut cases = Vec::new();
+    let kv_modes = if spec.kv.is_empty() {
+        vec![None]
+    } else {
+        spec.kv.clone()
+    };
     for &sparse in &spec.sparse {
         model.set_options(opts(sparse))?;
-        for &b in &spec.batches {
-            for &l in &spec.contexts {
-                let compare = !sparse && b == 1 && l == min_ctx;
-                cases.push(run_case(&mut model, spec, &source, sparse, b, l, compare)?);
+        for kv in &kv_modes {
+            if kv.is_some() && !sparse {
+                continue; // offload keeps selected blocks: sparse only
             }
+            model.set_offload(*kv)?;
+            for &b in &spec.batches {
+                for &l in &spec.contexts {
+                    let compare = !sparse && b == 1 && l == min_ctx && kv.is_none();
+                    cases.push(run_case(&mut model, spec, &source, sparse, b, l, compare)?);
+                }
+            }
+            model.set_offload(None)?;
         }
     }
     // Issue 3's target: B = 1, L = 4K dense against the layer-GEMM ceiling.
@@ -510,23 +617,28 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
 /// A plain-text table of a report's cases (for the terminal).
 pub fn table(report: &Value) -> String {
     let mut s = String::from(
-        "attention  B    L       step ms (mean / median)   tokens/s    GPU mem GiB  note\n",
+        "attention  kv            B    L       step ms (mean / median)   tokens/s    GPU mem GiB  note\n",
     );
     for c in report["cases"].as_array().into_iter().flatten() {
         let att = c["attention"].as_str().unwrap_or("?");
+        let kv = c["kv"].as_str().unwrap_or("gpu");
         let b = c["batch"].as_u64().unwrap_or(0);
         let l = c["context"].as_u64().unwrap_or(0);
         if let Some(r) = c["skipped"].as_str() {
-            s.push_str(&format!("{att:<9}  {b:<3}  {l:<6}  skipped: {r}\n"));
+            s.push_str(&format!("{att:<9}  {kv:<12}  {b:<3}  {l:<6}  skipped: {r}\n"));
             continue;
         }
         s.push_str(&format!(
-            "{att:<9}  {b:<3}  {l:<6}  {:>8.3} / {:<8.3}        {:>10.1}  {:>10.1}  graph={}\n",
+            "{att:<9}  {kv:<12}  {b:<3}  {l:<6}  {:>8.3} / {:<8.3}        {:>10.1}  {:>10.1}  graph={} {}\n",
             c["step_ms_mean"].as_f64().unwrap_or(f64::NAN),
             c["step_ms_median"].as_f64().unwrap_or(f64::NAN),
             c["tokens_per_s"].as_f64().unwrap_or(f64::NAN),
             c["gpu_mem_used_bytes"].as_f64().unwrap_or(f64::NAN) / (1u64 << 30) as f64,
-            c["cuda_graph"]
+            c["cuda_graph"],
+            c["offload"]["locality_gamma"]
+                .as_f64()
+                .map(|g| format!("γ={g:.3}"))
+                .unwrap_or_default()
         ));
     }
     if let Some(t) = report["target_comparison"].as_object() {
@@ -596,6 +708,8 @@ mod tests {
             seed: 0,
             ceiling_reps: 0,
             profile_reps: 0,
+            kv: vec![None],
+            fetch_timing_steps: 0,
         };
         assert!(matches!(run(&spec), Err(Error::Cuda(_))));
     }

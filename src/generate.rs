@@ -186,7 +186,13 @@ struct GpuStepper<'a> {
 
 impl Stepper for GpuStepper<'_> {
     fn prefill(&mut self, prompt: &[u32], progress: &mut dyn FnMut(usize, usize)) -> Result<()> {
-        self.model.prefill(&mut self.seq, prompt, progress)
+        self.model.prefill(&mut self.seq, prompt, progress)?;
+        if self.model.offload_options().is_some() {
+            // the capacity the sequence was made with: prompt + max new tokens
+            let cap = self.seq.capacity();
+            self.model.offload_sequence(&mut self.seq, cap)?;
+        }
+        Ok(())
     }
     fn decode(&mut self, token: u32) -> Result<()> {
         self.model
@@ -205,7 +211,8 @@ impl Stepper for GpuStepper<'_> {
 }
 
 /// Generates on the GPU engine (one sequence; its caches sized for prompt +
-/// max_new_tokens up front). Same loop, stop rules and timings as
+/// max_new_tokens up front; with offload on ([`GpuModel::set_offload`]) the
+/// prefilled sequence moves to pinned host memory before decoding). Same loop, stop rules and timings as
 /// [`generate_cpu`]; decode time includes the per-step copy of the chosen id.
 ///
 /// Errors: as [`run_loop`]; [`Error::Cuda`] on a device failure.

@@ -58,6 +58,40 @@ enum Cmd {
     /// Chrome/Perfetto trace tools.
     #[command(subcommand)]
     Trace(TraceCmd),
+    /// Offloaded decode against GPU-resident sparse decode, bit for bit
+    /// (greedy tokens and logits bits at every step; issue 4): one resident
+    /// run, then one offloaded run per --fetch engine. Exit 1 if any differs.
+    OffloadCheck(OffloadCheckArgs),
+}
+
+#[derive(Args)]
+struct OffloadCheckArgs {
+    /// Checkpoint directory or `synth:PRESET[:SEED]`.
+    #[arg(long)]
+    model: String,
+    /// tokenizer.json (default: the model's, or the fixture's for synth:).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Prompt text file.
+    #[arg(long)]
+    prompt_file: PathBuf,
+    /// Prompt tokens kept.
+    #[arg(long, default_value_t = 6000)]
+    prompt_tokens: usize,
+    /// Greedy tokens generated per run.
+    #[arg(long, default_value_t = 2048)]
+    new_tokens: usize,
+    /// Selection rule (a dense checkpoint gets a default sparse_config).
+    #[arg(long, value_enum)]
+    selection: Option<SelectionArg>,
+    /// Attended blocks S per (sequence, KV head).
+    #[arg(long)]
+    budget_blocks: Option<usize>,
+    #[command(flatten)]
+    offload: OffloadArgs,
+    /// Report path.
+    #[arg(long)]
+    json: PathBuf,
 }
 
 #[derive(Subcommand)]
@@ -172,9 +206,63 @@ struct GenerateArgs {
     /// Do not stop at EOS.
     #[arg(long)]
     ignore_eos: bool,
+    /// Where the KV lives (CUDA backend): all on the GPU, or offloaded to
+    /// pinned host memory with the selected blocks fetched each step.
+    #[arg(long, value_enum, default_value_t = KvArg::Gpu)]
+    kv: KvArg,
+    #[command(flatten)]
+    offload: OffloadArgs,
     /// Write the run's tokens and timings as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum KvArg {
+    /// All KV on the GPU.
+    Gpu,
+    /// Full KV in pinned host memory, selected blocks fetched (issue 4).
+    Offload,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum FetchArg {
+    /// Persistent UVA copy kernel on --prefetch-ctas CTAs.
+    Sm,
+    /// The copy engines (cuMemcpyBatchAsync).
+    Dma,
+}
+
+/// Offload flags shared by generate and bench (runtime.md §6).
+#[derive(Args, Clone)]
+struct OffloadArgs {
+    /// Fetch engine(s) of offloaded KV (bench: each run in turn).
+    #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "sm")]
+    fetch: Vec<FetchArg>,
+    /// CTAs of the SM fetch kernel.
+    #[arg(long, default_value_t = 16)]
+    prefetch_ctas: usize,
+    /// Offload layer 0 too (default: it stays on the GPU, for every mode compared).
+    #[arg(long)]
+    offload_layer0: bool,
+}
+
+impl OffloadArgs {
+    fn options(&self) -> Vec<sparda::cuda::engine::OffloadOptions> {
+        use sparda::cuda::engine::{FetchEngine, OffloadOptions};
+        self.fetch
+            .iter()
+            .map(|f| OffloadOptions {
+                fetch: match f {
+                    FetchArg::Sm => FetchEngine::Sm {
+                        ctas: self.prefetch_ctas,
+                    },
+                    FetchArg::Dma => FetchEngine::Dma,
+                },
+                offload_layer0: self.offload_layer0,
+            })
+            .collect()
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -235,6 +323,14 @@ struct BenchArgs {
     /// Replays per step-piece timing (0 skips it).
     #[arg(long, default_value_t = 10)]
     profile_reps: usize,
+    /// Where the KV lives (each run in turn; offload runs for sparse attention only).
+    #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "gpu")]
+    kv: Vec<KvArg>,
+    #[command(flatten)]
+    offload: OffloadArgs,
+    /// Extra decode steps with every fetch timed (fetch GB/s) per offloaded case.
+    #[arg(long, default_value_t = 16)]
+    fetch_timing_steps: usize,
     /// Report path.
     #[arg(long)]
     json: PathBuf,
@@ -276,6 +372,7 @@ fn main() {
                 .and_then(|ok| check_outcome("gpu-check-e2e", "end-to-end", ok, &json))
         }
         Cmd::Bench(a) => cmd_bench(a),
+        Cmd::OffloadCheck(a) => cmd_offload_check(a),
         Cmd::Trace(TraceCmd::Summarize { file, json }) => {
             sparda::trace::summarize_file(&file).map(|s| {
                 if json {
@@ -330,6 +427,15 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         seed: a.seed,
         ceiling_reps: a.ceiling_reps,
         profile_reps: a.profile_reps,
+        kv: a
+            .kv
+            .iter()
+            .flat_map(|k| match k {
+                KvArg::Gpu => vec![None],
+                KvArg::Offload => a.offload.options().into_iter().map(Some).collect(),
+            })
+            .collect(),
+        fetch_timing_steps: a.fetch_timing_steps,
     };
     let report = sparda::bench::run(&spec)?;
     std::fs::write(
@@ -340,6 +446,75 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     print!("{}", sparda::bench::table(&report));
     eprintln!("bench: report in {}", a.json.display());
     Ok(())
+}
+
+fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
+    sparda::cuda::require()?;
+    let ckpt = sparda::bench::open_model(&a.model)?;
+    let tok_path = a.tokenizer.clone().unwrap_or_else(|| {
+        if a.model.starts_with("synth:") {
+            fixture_tokenizer()
+        } else {
+            PathBuf::from(&a.model).join("tokenizer.json")
+        }
+    });
+    let tokenizer = Tokenizer::from_file(&tok_path)?;
+    let text = std::fs::read_to_string(&a.prompt_file).map_err(|e| Error::io(&a.prompt_file, e))?;
+    let mut prompt = tokenizer.encode(&text)?;
+    if prompt.len() < a.prompt_tokens {
+        return Err(Error::Input(format!(
+            "{}: {} tokens, fewer than --prompt-tokens {}",
+            a.prompt_file.display(),
+            prompt.len(),
+            a.prompt_tokens
+        )));
+    }
+    prompt.truncate(a.prompt_tokens);
+    generate::check_length(prompt.len(), a.new_tokens, ckpt.config.max_position_embeddings)?;
+    let opts = EngineOptions {
+        attention: AttentionOverrides {
+            sparse: Some(true),
+            selection: a.selection.map(|s| match s {
+                SelectionArg::Nosa => SelectionRule::Nosa,
+                SelectionArg::Infllmv2 => SelectionRule::InfLlmV2,
+            }),
+            budget_blocks: a.budget_blocks,
+            select_blocks: None,
+        },
+        prefill: PrefillMode::Auto,
+    };
+    let gpu = std::sync::Arc::new(sparda::cuda::Gpu::new(0)?);
+    let mut model = GpuModel::new(gpu.clone(), &ckpt, opts)?;
+    drop(ckpt);
+    eprintln!(
+        "offload-check: {} ({:?}, S = {} blocks) on {}, prompt {} tokens, {} new tokens",
+        a.model,
+        model.plan.mode,
+        model.plan.budget.attended,
+        gpu.info().name,
+        prompt.len(),
+        a.new_tokens
+    );
+    let (ok, mut v) = sparda::cuda::check_identity::offload_identity(
+        &mut model,
+        &prompt,
+        a.new_tokens,
+        &a.offload.options(),
+    )?;
+    let info = gpu.info();
+    v["gpu"] = serde_json::json!(info.name);
+    v["date_utc"] = serde_json::json!(sparda::cuda::check::utc_now_iso());
+    v["commit"] = serde_json::json!(sparda::bench::git_commit());
+    v["model"] = serde_json::json!(a.model);
+    v["attention"] = serde_json::json!({
+        "mode": format!("{:?}", model.plan.mode),
+        "budget_blocks": model.plan.budget.attended,
+        "block_size": model.plan.budget.block_size,
+    });
+    v["prompt_file"] = serde_json::json!(a.prompt_file);
+    std::fs::write(&a.json, serde_json::to_string_pretty(&v).expect("json"))
+        .map_err(|e| Error::io(&a.json, e))?;
+    check_outcome("offload-check", "identity", ok, &a.json)
 }
 
 /// Prints a check's outcome; a failed check is an error naming its report.
@@ -504,7 +679,14 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let engine = if backend == Backend::Cuda {
         let gpu = std::sync::Arc::new(sparda::cuda::Gpu::new(0)?);
         let t = std::time::Instant::now();
-        let m = GpuModel::new(gpu, &ckpt, opts)?;
+        let mut m = GpuModel::new(gpu, &ckpt, opts)?;
+        if a.kv == KvArg::Offload {
+            let o = a.offload.options();
+            if o.len() != 1 {
+                return Err(Error::Input("generate: give one --fetch engine".into()));
+            }
+            m.set_offload(Some(o[0]))?;
+        }
         eprintln!(
             "weights on {} in {:.1} s",
             m.gpu().info().name,
@@ -523,6 +705,11 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         }
         Engine::Cpu(Box::new(m))
     };
+    if a.kv == KvArg::Offload && backend != Backend::Cuda {
+        return Err(Error::Input(
+            "--kv offload needs the CUDA backend (--backend cuda)".into(),
+        ));
+    }
     let (plan, backend_name) = match &engine {
         Engine::Cpu(m) => (m.plan, "cpu".to_string()),
         Engine::Cuda(m) => (m.plan, format!("cuda (selection {:?})", m.selection_path())),
@@ -535,6 +722,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         "dense_len": plan.sparse.dense_len,
         "forecast": forecast.is_some(),
         "backend": backend_name,
+        "kv": match a.kv { KvArg::Gpu => "gpu".to_string(), KvArg::Offload => format!("offload ({:?})", a.offload.options()) },
     });
     eprintln!(
         "model {} ({} layers, d {}), attention {:?}, backend {backend_name}, prompt {} tokens",

@@ -7,6 +7,18 @@
 //! one track per stream ([`Track`]), aligned to the host clock through an
 //! anchor: a CUDA event recorded at a known host time (µs).
 //!
+//! Recording: [`init_subscriber`] installs the process's `tracing`
+//! subscriber (stderr logging filtered by `$SPARDA_LOG`, and with `--trace
+//! FILE` a tracing-chrome layer writing host spans to `FILE.host.tmp`); the
+//! CUDA engine records GPU spans with `cuda::timeline::GpuTimeline` and
+//! hands them over with [`submit_gpu_spans`]; [`TraceSession::finish`]
+//! merges both into `FILE`. tracing-chrome 0.7 stamps every event with µs
+//! since its layer was built (a private `Instant`), so the GPU clock is tied
+//! to the host one through a host instant event named [`ANCHOR_EVENT`],
+//! emitted right after the anchor CUDA event is recorded on an idle stream;
+//! its `ts` is the anchor's host time (exact up to the few µs between the
+//! record call and the GPU executing it).
+//!
 //! The summary works on intervals, so it counts what really happened:
 //! - **H2D total**: the union of `fetch` spans on the copy track (the copy
 //!   itself, measured by events around it, never the time anyone waited);
@@ -19,7 +31,9 @@ use crate::{Error, Result};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
 /// Where a span ran. GPU tracks get fixed thread ids in the trace so that
 /// viewers show one row per stream.
@@ -78,43 +92,64 @@ pub struct GpuSpan {
     pub blocks: Option<u32>,
 }
 
-/// Process id used for GPU tracks.
-pub const GPU_PID: u64 = 1;
+/// Process id of the GPU tracks (tracing-chrome writes every host event
+/// under [`HOST_PID`]).
+pub const GPU_PID: u64 = 2;
 
-/// Chrome trace events (`ph: "X"`, times in µs) for GPU spans, placed on the
-/// host clock: ts = `anchor_host_us` + start_ms·1000. Adds one thread-name
-/// metadata event per track.
-pub fn gpu_events(spans: &[GpuSpan], anchor_host_us: f64) -> Vec<Value> {
-    let mut out: Vec<Value> = [Track::Compute, Track::Copy, Track::WriteBack]
+/// Process id that tracing-chrome 0.7 gives every host event.
+pub const HOST_PID: u64 = 1;
+
+/// Name of the host instant event that marks a GPU anchor (see the module doc).
+pub const ANCHOR_EVENT: &str = "gpu-anchor";
+
+/// Metadata events naming the GPU process and its three tracks (Perfetto and
+/// chrome://tracing show "gpu: compute stream" etc., in this order).
+pub fn gpu_metadata() -> Vec<Value> {
+    let mut out = vec![
+        json!({"ph": "M", "name": "process_name", "pid": GPU_PID, "args": {"name": "gpu (CUDA events)"}}),
+    ];
+    for (i, t) in [Track::Compute, Track::Copy, Track::WriteBack]
         .iter()
-        .map(|t| json!({"ph": "M", "name": "thread_name", "pid": GPU_PID, "tid": t.tid(), "args": {"name": t.name()}}))
-        .collect();
-    for s in spans {
-        let mut args = serde_json::Map::new();
-        for (k, v) in [
-            ("layer", s.layer.map(u64::from)),
-            ("step", s.step.map(u64::from)),
-            ("bytes", s.bytes),
-            ("blocks", s.blocks.map(u64::from)),
-        ] {
-            if let Some(v) = v {
-                args.insert(k.into(), json!(v));
-            }
-        }
-        out.push(json!({
-            "ph": "X", "cat": "gpu", "name": s.name, "pid": GPU_PID, "tid": s.track.tid(),
-            "ts": anchor_host_us + s.start_ms * 1e3, "dur": s.dur_ms * 1e3, "args": Value::Object(args),
-        }));
+        .enumerate()
+    {
+        out.push(json!({"ph": "M", "name": "thread_name", "pid": GPU_PID, "tid": t.tid(), "args": {"name": t.name()}}));
+        out.push(json!({"ph": "M", "name": "thread_sort_index", "pid": GPU_PID, "tid": t.tid(), "args": {"sort_index": i}}));
     }
     out
 }
 
-/// Merges GPU spans into a host trace (the JSON that tracing-chrome wrote,
-/// either `{"traceEvents": [...]}` or a bare array).
-///
-/// Errors: a host trace that is neither form.
-pub fn merge(host: Value, spans: &[GpuSpan], anchor_host_us: f64) -> Result<Value> {
-    let mut events = match host {
+/// One complete event (`ph: "X"`, µs) for a GPU span whose anchor is at
+/// `anchor_host_us` on the host clock; args carry layer/step/bytes/blocks.
+fn span_event(s: &GpuSpan, anchor_host_us: f64) -> Value {
+    let mut args = serde_json::Map::new();
+    for (k, v) in [
+        ("layer", s.layer.map(u64::from)),
+        ("step", s.step.map(u64::from)),
+        ("bytes", s.bytes),
+        ("blocks", s.blocks.map(u64::from)),
+    ] {
+        if let Some(v) = v {
+            args.insert(k.into(), json!(v));
+        }
+    }
+    json!({
+        "ph": "X", "cat": "gpu", "name": s.name, "pid": GPU_PID, "tid": s.track.tid(),
+        "ts": anchor_host_us + s.start_ms * 1e3, "dur": s.dur_ms * 1e3, "args": Value::Object(args),
+    })
+}
+
+/// Chrome trace events (`ph: "X"`, times in µs) for GPU spans, placed on the
+/// host clock: ts = `anchor_host_us` + start_ms·1000, dur = dur_ms·1000.
+/// Starts with [`gpu_metadata`].
+pub fn gpu_events(spans: &[GpuSpan], anchor_host_us: f64) -> Vec<Value> {
+    let mut out = gpu_metadata();
+    out.extend(spans.iter().map(|s| span_event(s, anchor_host_us)));
+    out
+}
+
+/// The event list of a host trace: `{"traceEvents": [...]}` or a bare array.
+fn host_events(host: Value) -> Result<Vec<Value>> {
+    Ok(match host {
         Value::Array(a) => a,
         Value::Object(mut o) => match o.remove("traceEvents") {
             Some(Value::Array(a)) => a,
@@ -129,9 +164,256 @@ pub fn merge(host: Value, spans: &[GpuSpan], anchor_host_us: f64) -> Result<Valu
                 "host trace: expected a JSON array or {\"traceEvents\": [...]}".into(),
             ))
         }
-    };
+    })
+}
+
+/// Merges GPU spans into a host trace (the JSON that tracing-chrome wrote,
+/// either `{"traceEvents": [...]}` or a bare array), with the anchor at
+/// `anchor_host_us` (µs on the host trace's clock).
+///
+/// Errors: a host trace that is neither form.
+pub fn merge(host: Value, spans: &[GpuSpan], anchor_host_us: f64) -> Result<Value> {
+    let mut events = host_events(host)?;
     events.extend(gpu_events(spans, anchor_host_us));
     Ok(json!({"traceEvents": events, "displayTimeUnit": "ms"}))
+}
+
+/// GPU spans measured against one anchor (one `GpuTimeline`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct GpuBatch {
+    /// Id of the anchor: the `anchor` argument of the host
+    /// [`ANCHOR_EVENT`] instant event that [`mark_anchor`] emitted.
+    pub anchor: u64,
+    /// Spans, `start_ms` relative to that anchor.
+    pub spans: Vec<GpuSpan>,
+}
+
+/// Host time (µs, the trace's clock) of the [`ANCHOR_EVENT`] instant event
+/// whose `anchor` argument is `id` (a number, or the string tracing-chrome
+/// writes for it); `None` when the trace has none.
+pub fn anchor_ts(events: &[Value], id: u64) -> Option<f64> {
+    events.iter().find_map(|e| {
+        let instant = matches!(e.get("ph").and_then(Value::as_str), Some("i" | "I"));
+        let named = e.get("name").and_then(Value::as_str) == Some(ANCHOR_EVENT);
+        let arg = e.get("args").and_then(|a| a.get("anchor"));
+        let matches = match arg {
+            Some(Value::Number(n)) => n.as_u64() == Some(id),
+            Some(Value::String(s)) => s.parse::<u64>().ok() == Some(id),
+            _ => false,
+        };
+        if instant && named && matches {
+            e.get("ts").and_then(Value::as_f64)
+        } else {
+            None
+        }
+    })
+}
+
+/// Merges GPU batches into a tracing-chrome host trace: each batch is placed
+/// at the `ts` of its own [`ANCHOR_EVENT`] (see [`anchor_ts`]); adds
+/// [`gpu_metadata`] once and names the host process ([`HOST_PID`]).
+///
+/// Errors: a host trace that is not a trace; a batch with spans whose anchor
+/// event is missing (e.g. the timeline was created before tracing started).
+pub fn merge_batches(host: Value, batches: &[GpuBatch]) -> Result<Value> {
+    let mut events = host_events(host)?;
+    let mut gpu = gpu_metadata();
+    for b in batches.iter().filter(|b| !b.spans.is_empty()) {
+        let at = anchor_ts(&events, b.anchor).ok_or_else(|| {
+            Error::Input(format!(
+                "host trace has no `{ANCHOR_EVENT}` instant event with anchor {} for {} GPU spans (was the GPU timeline created before tracing started?)",
+                b.anchor,
+                b.spans.len()
+            ))
+        })?;
+        gpu.extend(b.spans.iter().map(|s| span_event(s, at)));
+    }
+    events.push(json!({"ph": "M", "name": "process_name", "pid": HOST_PID, "args": {"name": "sparda (host)"}}));
+    events.extend(gpu);
+    Ok(json!({"traceEvents": events, "displayTimeUnit": "ms"}))
+}
+
+static NEXT_ANCHOR: AtomicU64 = AtomicU64::new(1);
+
+/// GPU batches submitted while a [`TraceSession`] records (`None`: none does).
+static SINK: Mutex<Option<Vec<GpuBatch>>> = Mutex::new(None);
+
+fn sink() -> std::sync::MutexGuard<'static, Option<Vec<GpuBatch>>> {
+    SINK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Emits the host instant event [`ANCHOR_EVENT`] (target `sparda::trace`,
+/// level INFO, argument `anchor` = the returned id, unique in the process)
+/// at the moment of the call. `GpuTimeline` calls it right after recording
+/// its anchor CUDA event; without a trace session the event goes nowhere.
+pub fn mark_anchor() -> u64 {
+    let id = NEXT_ANCHOR.fetch_add(1, Ordering::Relaxed);
+    tracing::event!(name: ANCHOR_EVENT, target: "sparda::trace", tracing::Level::INFO, anchor = id);
+    id
+}
+
+/// Whether a [`TraceSession`] is recording (`--trace FILE` was given): the
+/// engine creates its `GpuTimeline` enabled exactly then.
+pub fn is_recording() -> bool {
+    sink().is_some()
+}
+
+/// Hands GPU spans to the recording [`TraceSession`], which merges them at
+/// [`TraceSession::finish`]. Returns `false` (and drops them) when no
+/// session records.
+pub fn submit_gpu_spans(batch: GpuBatch) -> bool {
+    match sink().as_mut() {
+        Some(v) => {
+            v.push(batch);
+            true
+        }
+        None => false,
+    }
+}
+
+/// A `--trace FILE` recording: host spans stream to `FILE.host.tmp` through
+/// tracing-chrome while it runs; [`TraceSession::finish`] writes `FILE`.
+/// At most one records at a time. Dropping it without `finish` stops the
+/// recording and leaves the temporary file.
+pub struct TraceSession {
+    path: PathBuf,
+    host_path: PathBuf,
+    guard: Option<tracing_chrome::FlushGuard>,
+}
+
+impl std::fmt::Debug for TraceSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TraceSession")
+            .field("path", &self.path)
+            .field("host_path", &self.host_path)
+            .finish()
+    }
+}
+
+impl TraceSession {
+    /// Starts recording: creates `path.host.tmp` (so a bad path fails now,
+    /// not after the run) and returns the tracing-chrome layer to install
+    /// (spans and events of targets `sparda*`, with their fields as args).
+    fn start<S>(path: &Path) -> Result<(impl tracing_subscriber::Layer<S>, TraceSession)>
+    where
+        S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a> + Send + Sync,
+    {
+        use tracing_subscriber::Layer;
+        let mut host = path.as_os_str().to_owned();
+        host.push(".host.tmp");
+        let host_path = PathBuf::from(host);
+        {
+            let mut s = sink();
+            if s.is_some() {
+                return Err(Error::Input(format!(
+                    "{}: another trace session is already recording",
+                    path.display()
+                )));
+            }
+            *s = Some(Vec::new());
+        }
+        let file = std::fs::File::create(&host_path).map_err(|e| {
+            sink().take();
+            Error::io(&host_path, e)
+        })?;
+        let (layer, guard) = tracing_chrome::ChromeLayerBuilder::new()
+            .writer(file)
+            .include_args(true)
+            .include_locations(false)
+            .build();
+        let filter =
+            tracing_subscriber::filter::Targets::new().with_target("sparda", tracing::Level::TRACE);
+        let session = TraceSession {
+            path: path.to_path_buf(),
+            host_path,
+            guard: Some(guard),
+        };
+        Ok((layer.with_filter(filter), session))
+    }
+
+    /// The final trace file (`--trace FILE`).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Stops recording, merges the host spans with every batch given to
+    /// [`submit_gpu_spans`] ([`merge_batches`]), writes `{"traceEvents":
+    /// [...]}` to the trace file, removes the temporary file and returns the
+    /// merged trace (ready for [`summarize`]).
+    ///
+    /// Errors: the temporary or final file cannot be read or written
+    /// ([`Error::Io`]); it is not JSON or a batch's anchor is missing
+    /// ([`Error::Input`] naming the file).
+    pub fn finish(mut self) -> Result<Value> {
+        // Dropping the guard makes tracing-chrome write the closing `]` and
+        // joins its writer thread.
+        drop(self.guard.take());
+        let batches = sink().take().unwrap_or_default();
+        let hp = &self.host_path;
+        let text = std::fs::read_to_string(hp).map_err(|e| Error::io(hp, e))?;
+        let in_file = |m: String| Error::Input(format!("{}: {m}", hp.display()));
+        let host: Value = serde_json::from_str(&text)
+            .map_err(|e| in_file(format!("tracing-chrome output is not JSON: {e}")))?;
+        let merged = merge_batches(host, &batches).map_err(|e| match e {
+            Error::Input(m) => in_file(m),
+            other => other,
+        })?;
+        let p = &self.path;
+        let f = std::fs::File::create(p).map_err(|e| Error::io(p, e))?;
+        let mut w = std::io::BufWriter::new(f);
+        serde_json::to_writer(&mut w, &merged)
+            .map_err(|e| Error::io(p, std::io::Error::other(e)))?;
+        std::io::Write::flush(&mut w).map_err(|e| Error::io(p, e))?;
+        std::fs::remove_file(hp).map_err(|e| Error::io(hp, e))?;
+        Ok(merged)
+    }
+}
+
+impl Drop for TraceSession {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        sink().take();
+    }
+}
+
+/// Builds the process's subscriber without installing it: stderr logging
+/// (filter from `$SPARDA_LOG`, default `warn`) and, with `trace_path`, a
+/// recording [`TraceSession`] whose tracing-chrome layer takes every span
+/// and event of targets `sparda*` at any level. Without `trace_path` no
+/// chrome layer exists and nothing is written. Use with
+/// `tracing::dispatcher::with_default` (tests) or [`init_subscriber`].
+///
+/// Errors: as [`init_subscriber`].
+pub fn subscriber(trace_path: Option<&Path>) -> Result<(tracing::Dispatch, Option<TraceSession>)> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::{EnvFilter, Layer};
+    let log = EnvFilter::try_from_env("SPARDA_LOG").unwrap_or_else(|_| EnvFilter::new("warn"));
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_filter(log);
+    let registry = tracing_subscriber::registry().with(fmt);
+    let (chrome, session) = match trace_path {
+        Some(p) => {
+            let (layer, session) = TraceSession::start(p)?;
+            (Some(layer), Some(session))
+        }
+        None => (None, None),
+    };
+    Ok((tracing::Dispatch::new(registry.with(chrome)), session))
+}
+
+/// Installs the process's global subscriber (see [`subscriber`]); main
+/// calls it once with `--trace FILE` (or `None`) and, at the end, calls
+/// [`TraceSession::finish`] on the session it returns.
+///
+/// Errors: the temporary file `FILE.host.tmp` cannot be created
+/// ([`Error::Io`]); a session already records or a global subscriber is
+/// already installed ([`Error::Input`]).
+pub fn init_subscriber(trace_path: Option<&Path>) -> Result<Option<TraceSession>> {
+    let (dispatch, session) = subscriber(trace_path)?;
+    tracing::dispatcher::set_global_default(dispatch)
+        .map_err(|e| Error::Input(format!("tracing subscriber: {e}")))?;
+    Ok(session)
 }
 
 /// One complete span read back from a trace, µs.

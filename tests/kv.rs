@@ -62,6 +62,11 @@ fn bad_inputs_are_errors() {
     assert!(plan_slots(&[EMPTY; 2], &[0, 1, 2], 2).is_ok());
     assert!(plan_slots(&[EMPTY; 4], &[2, 1], 5).is_err());
     assert!(plan_slots(&[3, 3, EMPTY], &[3], 5).is_err());
+    // a slot holding a selected ring block leaves too few free slots: an error, not a panic
+    assert!(plan_slots(&[5, 9], &[0, 1, 9], 8)
+        .unwrap_err()
+        .to_string()
+        .contains("no free slot for block 1"));
 }
 
 #[test]

@@ -670,16 +670,31 @@ pub fn gpu_check(out_json: &Path) -> Result<bool> {
         },
         results: Vec::new(),
     };
-    check_gemm(&mut c);
-    check_embedding(&mut c);
-    check_rmsnorm(&mut c);
-    check_rope(&mut c);
-    check_swiglu(&mut c);
-    check_eviction(&mut c);
-    check_dense_attention(&mut c);
-    check_sparse_attention(&mut c);
-    c.results
-        .extend(super::check_select::check_selection(&gpu, &mut c.inp.rng));
+    // `$SPARDA_CHECK_ONLY` (comma-separated group names: kernels, select,
+    // offload) runs only those groups; unset, all of them.
+    let only = std::env::var("SPARDA_CHECK_ONLY").ok();
+    let group = |g: &str| {
+        only.as_deref()
+            .is_none_or(|o| o.split(',').any(|x| x.trim() == g))
+    };
+    if group("kernels") {
+        check_gemm(&mut c);
+        check_embedding(&mut c);
+        check_rmsnorm(&mut c);
+        check_rope(&mut c);
+        check_swiglu(&mut c);
+        check_eviction(&mut c);
+        check_dense_attention(&mut c);
+        check_sparse_attention(&mut c);
+    }
+    if group("select") {
+        c.results
+            .extend(super::check_select::check_selection(&gpu, &mut c.inp.rng));
+    }
+    if group("offload") {
+        c.results
+            .extend(super::check_offload::check_offload(&gpu, &mut c.inp.rng));
+    }
     let results = c.results;
     let failed = results.iter().filter(|r| !r.pass).count();
     let mut by_kernel: std::collections::BTreeMap<String, (usize, usize, f64)> = Default::default();

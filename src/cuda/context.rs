@@ -134,6 +134,12 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         functions: &["gemv_small"],
     },
     KernelSource {
+        file: "kv_offload.cu",
+        text: include_str!("../../kernels/kv_offload.cu"),
+        preludes: &[],
+        functions: &["slot_diff", "kv_fetch_sm", "kv_store_blocks"],
+    },
+    KernelSource {
         file: "synth.cu",
         text: include_str!("../../kernels/synth.cu"),
         preludes: &[],

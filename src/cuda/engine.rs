@@ -73,6 +73,10 @@ use crate::weights::names::{self, LayerTensor};
 use crate::weights::Checkpoint;
 use crate::{Error, Result};
 use cudarc::driver::{CudaGraph, CudaSlice, LaunchConfig, PushKernelArg};
+
+#[path = "engine_offload.rs"]
+mod offloaded;
+pub use offloaded::{FetchEngine, OffloadOptions, OffloadStats};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -272,6 +276,10 @@ pub struct GpuSequence {
     uid: u64,
     /// Bumped whenever the device buffers move (growth).
     generation: u64,
+    /// Offloaded KV (issue 4): the host store, slot pools and slot maps.
+    /// Offloaded layers' `k`/`v` are then tail rings of
+    /// [`crate::kv::RING_BLOCKS`] blocks.
+    off: Option<offloaded::SeqOffload>,
 }
 
 impl std::fmt::Debug for GpuSequence {
@@ -295,6 +303,11 @@ impl GpuSequence {
     /// Tokens the caches hold without growing.
     pub fn capacity(&self) -> usize {
         self.cap
+    }
+    /// Whether this sequence's KV lives in pinned host memory
+    /// ([`GpuModel::offload_sequence`]).
+    pub fn is_offloaded(&self) -> bool {
+        self.off.is_some()
     }
 }
 
@@ -433,6 +446,8 @@ struct StepKey {
     cap: usize,
     /// Rows of the RoPE tables (their buffers move when they grow).
     rope_rows: usize,
+    /// Offloaded KV (eager step with slot pools and fetches).
+    offload: bool,
 }
 
 /// The device-resident decode step of one batch (see the module doc).
@@ -453,6 +468,8 @@ struct DecodeStep {
     dev_lens: Vec<usize>,
     /// Steps run since the build.
     steps: usize,
+    /// Slot lists, fetch lists and tables of an offloaded batch.
+    off: Option<offloaded::StepOffload>,
 }
 
 /// A model on the GPU. See the module doc for what it computes.
@@ -491,6 +508,17 @@ pub struct GpuModel {
     last_queries: Vec<Vec<Vec<f32>>>,
     /// Where the logits of the last call are.
     last: LastLogits,
+    /// Offloaded KV settings (`--kv offload`), for sequences offloaded
+    /// through [`GpuModel::offload_sequence`].
+    offload: Option<OffloadOptions>,
+    /// u64 [L, 2]: selected and fetched blocks per layer (offload).
+    offload_counters: CudaSlice<u64>,
+    /// Time every fetch with events ([`GpuModel::set_fetch_timing`]).
+    fetch_timing: bool,
+    fetch_ms: f64,
+    timed_bytes: u64,
+    fetched_at_timing: u64,
+    offload_steps: u64,
 }
 
 impl std::fmt::Debug for GpuModel {
@@ -701,6 +729,13 @@ impl GpuModel {
             last_selections: Vec::new(),
             last_queries: Vec::new(),
             last: LastLogits::None,
+            offload: None,
+            offload_counters: g.zeros(2 * cfg.num_hidden_layers.max(1))?,
+            fetch_timing: false,
+            fetch_ms: 0.0,
+            timed_bytes: 0,
+            fetched_at_timing: 0,
+            offload_steps: 0,
             prefill_mode: opts.prefill,
             plan,
             config: cfg,
@@ -880,10 +915,18 @@ impl GpuModel {
             mirror,
             uid: NEXT_SEQ_UID.fetch_add(1, Ordering::Relaxed),
             generation: 0,
+            off: None,
         })
     }
 
     fn alloc_layer(&self, cap: usize) -> Result<SeqLayer> {
+        self.alloc_layer_state(cap, true)
+    }
+
+    /// As [`GpuModel::alloc_layer`]; without `with_kv` the K/V caches are
+    /// one-element placeholders (an offloaded layer keeps its ring).
+    fn alloc_layer_state(&self, cap: usize, with_kv: bool) -> Result<SeqLayer> {
+        let kv_cap = if with_kv { cap } else { 0 };
         let c = &self.config;
         let kvd = c.num_key_value_heads * c.head_dim;
         let what = |x: &str| format!("allocating the {x} cache of {cap} tokens");
@@ -904,8 +947,8 @@ impl GpuModel {
             } else {
                 None
             },
-            k: s.alloc_zeros(cap * kvd).cuda(&what("K"))?,
-            v: s.alloc_zeros(cap * kvd).cuda(&what("V"))?,
+            k: s.alloc_zeros((kv_cap * kvd).max(1)).cuda(&what("K"))?,
+            v: s.alloc_zeros((kv_cap * kvd).max(1)).cuda(&what("V"))?,
             c: if self.eviction {
                 Some(
                     s.alloc_zeros(cap * c.num_key_value_heads)
@@ -920,6 +963,9 @@ impl GpuModel {
     /// Grows `seq`'s caches to hold at least `need` tokens (capacity
     /// doubled, at least `need`, whole blocks), copying the stored tokens.
     fn ensure_capacity(&self, seq: &mut GpuSequence, need: usize) -> Result<()> {
+        if seq.off.is_some() {
+            return self.ensure_capacity_offloaded(seq, need);
+        }
         if need <= seq.cap {
             return Ok(());
         }
@@ -1229,6 +1275,7 @@ impl GpuModel {
                         hk,
                         dh,
                         self.eviction,
+                        0,
                     )?;
                 }
                 // The table is rewritten for the next layer: finish this one first.
@@ -1480,11 +1527,23 @@ impl GpuModel {
         self.ensure_rope(need)?;
         let rope_rows = self.rope_tables.as_ref().map_or(0, |t| t.rows);
         let sparse = self.plan.sparse_at(seqs[0].len + 1);
+        let offload = seqs[0].off.is_some();
+        if seqs.iter().any(|s| s.off.is_some() != offload) {
+            return Err(Error::Input(
+                "decode: a batch must be all offloaded or all GPU-resident".into(),
+            ));
+        }
+        if offload && !sparse {
+            return Err(Error::Input(
+                "decode: offloaded sequences decode sparse steps only".into(),
+            ));
+        }
         let key = StepKey {
             seqs: seqs.iter().map(|s| (s.uid, s.generation)).collect(),
             sparse,
             cap,
             rope_rows,
+            offload,
         };
         if self.step.as_ref().is_none_or(|st| st.key != key) {
             if tokens.is_none() {
@@ -1509,7 +1568,12 @@ impl GpuModel {
                     .memcpy_htod(&io, &mut st.io)
                     .cuda("uploading the decode step inputs")?;
             }
+            if let Some(off) = st.off.as_mut() {
+                off.completes =
+                    offloaded::step_completes_block(seqs, self.plan.budget.block_size);
+            }
             let capture = self.decode_mode == DecodeMode::Graph
+                && st.off.is_none()
                 && st.graph.is_none()
                 && !st.capture_failed
                 && st.steps >= 1;
@@ -1531,6 +1595,9 @@ impl GpuModel {
         })();
         let ok = r.is_ok();
         st.steps += 1;
+        if st.off.is_some() {
+            self.offload_steps += 1;
+        }
         st.dev_lens = seqs.iter().map(|s| s.len + 1).collect();
         self.step = Some(st);
         r?;
@@ -1542,6 +1609,7 @@ impl GpuModel {
             if self.record_selections {
                 self.record_step()?;
             }
+            self.offload_collect_timing()?;
         }
         Ok(())
     }
@@ -1617,6 +1685,11 @@ impl GpuModel {
         s.memcpy_htod(&table, &mut ws.ptrs.slice_mut(0..table.len()))
             .cuda("uploading KV pointer tables")?;
         let io: CudaSlice<u32> = self.gpu.zeros(4 * n)?;
+        let off = if key.offload {
+            Some(self.build_step_offload(seqs, attn.s_max)?)
+        } else {
+            None
+        };
         Ok(DecodeStep {
             key,
             n,
@@ -1628,6 +1701,7 @@ impl GpuModel {
             capture_failed: false,
             dev_lens: Vec::new(),
             steps: 0,
+            off,
         })
     }
 
@@ -1696,20 +1770,24 @@ impl GpuModel {
                 .cuda("zeroing the residual stream")?;
         }
         let ptrs = dptr(gpu, &st.ws.ptrs);
+        self.offload_wait_write_back(st)?;
         for l in 0..nl {
             let tab = Tables::new(ptrs + (l * per_layer * 8) as u64, n, n);
             let qkv_off = l * n * w;
             let comp = self.gpu_selection().then_some((1usize, 1usize));
-            self.layer_front(l, &mut st.ws, n, n, qkv_off, &inp, &tab, comp)?;
+            let ring = st.off.as_ref().map_or(0, |o| o.ring_of(l));
+            self.layer_front(l, &mut st.ws, n, n, qkv_off, &inp, &tab, comp, ring)?;
             let sel_off = l * n * hk * st.attn.s_max;
             let nsel_off = l * n * hk;
             if st.attn.sparse {
                 self.gpu_select(&st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.sel)?;
             }
+            let slots = self.offload_layer(st, l, sel_off, nsel_off, inp.lens)?;
             self.layer_back(
-                l, &mut st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.attn,
+                l, &mut st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.attn, slots,
             )?;
         }
+        self.offload_write_back(st, inp.lens)?;
         self.head(&mut st.ws, n, 0, n)?;
         if !self.on(StepPart::Argmax) {
             return Ok(());
@@ -1798,6 +1876,7 @@ impl GpuModel {
         inp: &RowInputs,
         tab: &Tables,
         comp: Option<(usize, usize)>,
+        ring: usize,
     ) -> Result<()> {
         let gpu = &*self.gpu;
         let cfg = &self.config;
@@ -1850,6 +1929,7 @@ impl GpuModel {
             i32_dim(t.rows, "rope rows")?,
             i32_dim(self.z_off, "z offset")?,
         );
+        let ring_ = i32_dim(ring, "ring tokens")?;
         let f = gpu.function("qkv_rope_append")?;
         let lc = LaunchConfig {
             grid_dim: (grid(n, "rows")?, grid(hq + 2 * hk, "heads")?, 1),
@@ -1871,7 +1951,8 @@ impl GpuModel {
             .arg(&cstate)
             .arg(&zo)
             .arg(&ap)
-            .arg(&zbp);
+            .arg(&zbp)
+            .arg(&ring_);
         if self.on(StepPart::RopeAppend) {
             // SAFETY: argument list matches kernels/kv_append.cu; every row's
             // position is below its sequence's capacity (ensure_capacity) and the
@@ -1891,6 +1972,7 @@ impl GpuModel {
                     hk,
                     dh,
                     self.eviction,
+                    ring,
                 )?;
             }
         }
@@ -1913,6 +1995,7 @@ impl GpuModel {
         inp: &RowInputs,
         tab: &Tables,
         geo: &AttnGeometry,
+        slots: Option<(u64, u64, usize, usize)>,
     ) -> Result<()> {
         let gpu = &*self.gpu;
         let cfg = &self.config;
@@ -1956,6 +2039,10 @@ impl GpuModel {
             out: dptr(gpu, &ws.attn),
             out_stride: hq * dh,
             counters: 0,
+            slot_list: slots.map_or(0, |s| s.0),
+            pool_ptr: slots.map_or(0, |s| s.1),
+            pool_slots: slots.map_or(0, |s| s.2),
+            ring: slots.map_or(0, |s| s.3),
         };
         // The split-K combine runs inside the attention kernel when asked
         // (SPARDA_FUSED_COMBINE=1); its time then counts as Attention.
@@ -2447,6 +2534,11 @@ impl GpuModel {
             self.config.num_hidden_layers,
         );
         let ns = seqs.len();
+        if seqs.iter().any(|s| s.off.is_some()) {
+            return Err(Error::Input(
+                "an offloaded sequence takes decode steps only (prefill before offload_sequence; every row sparse)".into(),
+            ));
+        }
         let sparse_plan = self.sparse_plan();
         let path = self.selection;
         // Each row extends its sequence; every sequence carries its path's state.
@@ -2648,7 +2740,7 @@ impl GpuModel {
                 let tab = Tables::new(ptrs + (l * per_layer * 8) as u64, n, ns);
                 let comp = (sparse_plan && path == SelectionPath::Gpu && new_windows > 0)
                     .then_some((n_new, new_windows.min(COMPRESS_MAX_GRID_X)));
-                self.layer_front(l, &mut ws, n, ns, 0, &inp, &tab, comp)?;
+                self.layer_front(l, &mut ws, n, ns, 0, &inp, &tab, comp, 0)?;
                 // Selection state and block lists (spec §3–§4).
                 if sparse_plan && path == SelectionPath::HostFallback {
                     // The mirror takes every token (dense phases included).
@@ -2688,7 +2780,7 @@ impl GpuModel {
                 if self.record_selections {
                     self.record_forward_layer(l, &ws, rows, any_sparse, s_max)?;
                 }
-                self.layer_back(l, &mut ws, n, 0, 0, 0, &inp, &tab, &attn_geo)?;
+                self.layer_back(l, &mut ws, n, 0, 0, 0, &inp, &tab, &attn_geo, None)?;
             }
             Ok(())
         })();
@@ -2820,7 +2912,9 @@ fn compress(
     hk: usize,
     dh: usize,
     eviction: bool,
+    ring: usize,
 ) -> Result<()> {
+    let ring_ = i32_dim(ring, "ring tokens")?;
     let (nn, hk_, d_, st, ks) = (
         i32_dim(n_new, "new tokens")?,
         i32_dim(hk, "Hkv")?,
@@ -2851,7 +2945,8 @@ fn compress(
         .arg(&d_)
         .arg(&st)
         .arg(&ks)
-        .arg(&inv);
+        .arg(&inv)
+        .arg(&ring_);
     // SAFETY: argument list matches kernels/compress.cu; every sequence's Kc/p
     // hold Mc(capacity) ≥ Mc(T) windows and its K/c caches T ≤ capacity tokens.
     unsafe { b.launch(lc) }.cuda("compress_windows").map(drop)
@@ -2994,6 +3089,7 @@ mod tests {
             sparse: true,
             cap: 4096,
             rope_rows: 8192,
+            offload: false,
         };
         let mut grown = k.clone();
         grown.seqs[1].1 = 1;

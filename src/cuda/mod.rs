@@ -12,7 +12,10 @@
 //! - [`engine`]: the GPU-resident engine ([`engine::GpuModel`]): weights,
 //!   growing K/V caches, chunked prefill, batched decode, logits, argmax;
 //! - [`check_e2e`]: `gpu_check_e2e`, the engine end to end against the CPU
-//!   reference under teacher forcing.
+//!   reference under teacher forcing;
+//! - [`offload`]: the offloaded KV cache's pinned host store, slot diff,
+//!   fetch (SM kernel or copy engines) and write-back; [`check_offload`]
+//!   checks them inside `gpu_check`.
 //!
 //! Device tensors are `CudaSlice<T>` from cudarc. bf16 values travel as
 //! [`Bf16`] (their 16 raw bits), since cudarc's own `half` support is a
@@ -20,11 +23,15 @@
 
 pub mod check;
 pub mod check_e2e;
+pub mod check_identity;
+pub mod check_offload;
 pub mod check_select;
 pub mod context;
 pub mod engine;
+pub mod offload;
 pub mod ops;
 pub mod select;
+pub mod timeline;
 
 pub use context::{DeviceInfo, GemmOut, Gpu};
 

@@ -795,6 +795,17 @@ pub(crate) struct AttnArgs {
     /// merges the splits itself (no `attn_combine` launch); 0, it only
     /// writes the partials.
     pub counters: u64,
+    /// Offloaded rows (issue 4, kv/mod.rs): i32 [rows, Hkv, s_max] slot of
+    /// each list entry (−1: the tail ring), or 0 for GPU-resident rows.
+    pub slot_list: u64,
+    /// Per row: the slot pool, bf16 [Hkv, pool_slots, 2, block_size, D]
+    /// (u64 table of `rows` device addresses); 0 without `slot_list`.
+    pub pool_ptr: u64,
+    /// Slots per (sequence, layer, KV head) in the pool.
+    pub pool_slots: usize,
+    /// Tokens in the tail ring that `kptr`/`vptr` point to (token j at row
+    /// j mod ring); 0 for a full cache.
+    pub ring: usize,
 }
 
 /// Whether the split-K combine runs inside `attn_partial` (its last block
@@ -845,6 +856,16 @@ pub(crate) fn launch_attn_partial(gpu: &Gpu, a: &AttnArgs) -> Result<()> {
         i32_dim(a.head_dim, "D")?,
         i32_dim(a.nsplit, "splits")?,
     );
+    if a.slot_list != 0 && (a.sel == 0 || a.pool_ptr == 0 || a.pool_slots == 0) {
+        return Err(Error::Input(format!(
+            "{OP}: a slot list needs block lists, a pool table and pool slots ({})",
+            a.pool_slots
+        )));
+    }
+    let (ps, rg) = (
+        i32_dim(a.pool_slots, "pool slots")?,
+        i32_dim(a.ring, "ring tokens")?,
+    );
     let f = gpu.function("attn_partial")?;
     let cfg = LaunchConfig {
         grid_dim: (
@@ -876,7 +897,11 @@ pub(crate) fn launch_attn_partial(gpu: &Gpu, a: &AttnArgs) -> Result<()> {
         .arg(&a.scale)
         .arg(&a.out)
         .arg(&os)
-        .arg(&a.counters);
+        .arg(&a.counters)
+        .arg(&a.slot_list)
+        .arg(&a.pool_ptr)
+        .arg(&ps)
+        .arg(&rg);
     // SAFETY: argument list matches kernels/attn_decode.cu; the callers size the
     // partials (rows·H·nsplit slots), the tables (rows entries) and the lists.
     unsafe { b.launch(cfg) }.cuda(OP).map(drop)
@@ -1048,6 +1073,10 @@ where
         out: 0,
         out_stride: 0,
         counters: 0,
+        slot_list: 0,
+        pool_ptr: 0,
+        pool_slots: 0,
+        ring: 0,
     };
     launch_attention(gpu, args, out, out_stride)
 }
@@ -1079,6 +1108,10 @@ fn launch_attention<O: DevicePtrMut<Bf16>>(
         out: op,
         out_stride,
         counters: counters.as_ref().map_or(0, |c| dptr(gpu, c)),
+        slot_list: 0,
+        pool_ptr: 0,
+        pool_slots: 0,
+        ring: 0,
         ..args
     };
     launch_attn_partial(gpu, &args)?;
@@ -1161,6 +1194,10 @@ where
         out: 0,
         out_stride: 0,
         counters: 0,
+        slot_list: 0,
+        pool_ptr: 0,
+        pool_slots: 0,
+        ring: 0,
     };
     launch_attention(gpu, args, out, out_stride)
 }

@@ -517,7 +517,8 @@ pub fn compress_append(
         .arg(&d)
         .arg(&st)
         .arg(&ks)
-        .arg(&inv);
+        .arg(&inv)
+        .arg(&0i32);
     // SAFETY: argument list matches kernels/compress.cu; every window written
     // lies below Mc(T) ≤ the Kc/p capacity and reads tokens < T ≤ the K/c views
     // (checked above and by SelectBatch).

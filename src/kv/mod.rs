@@ -206,9 +206,14 @@ pub fn plan_slots(slots: &[u32], selected: &[u32], ring_first: u32) -> Result<Sl
             out.slot_list.push(s as i32);
             continue;
         }
-        let s = free
-            .next()
-            .expect("free slots ≥ misses because pooled ≤ pool");
+        // Free slots run short only when a slot holds a ring block that is
+        // still selected (never the case in the engine, where ring blocks
+        // never enter a slot).
+        let Some(s) = free.next() else {
+            return Err(Error::Input(format!(
+                "slot pool: no free slot for block {b}: a slot holds a ring block (≥ {ring_first})"
+            )));
+        };
         out.slots[s as usize] = b;
         out.fetches.push((s, b));
         out.slot_list.push(s as i32);

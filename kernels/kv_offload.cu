@@ -1,0 +1,309 @@
+// Offloaded KV cache (runtime.md §1 steps 4-5, §2, §4): the slot diff, the SM
+// fetch from pinned host memory through UVA, and the write of completed blocks
+// back to host memory. Host-side oracles: src/kv/mod.rs (plan_slots, ring_first,
+// HostLayout); wrappers: src/cuda/offload.rs; checks: src/cuda/check_offload.rs.
+//
+// Layouts (B = block_size tokens, D = head_dim, hkv = KV heads, S = pool slots):
+// - host store, per (sequence, layer): block-major; block b of head h is
+//   K tile then V tile, each [B, D] bf16, at byte
+//   b * block_bytes + (h * 2 + kv) * tile_bytes, tile_bytes = B * D * 2,
+//   block_bytes = hkv * 2 * tile_bytes. A kernel gets, per row, a
+//   device-visible pointer to block 0 of that row's (sequence, layer).
+// - GPU slot pool, per (sequence, layer): bf16 [hkv][S][2][B][D]; the K tile of
+//   slot s of head h at element ((h * S + s) * 2 + 0) * B * D, its V tile right
+//   after. One (block, head) K+V pair is one contiguous 2 * tile_bytes chunk on
+//   both sides.
+// - slot map, per (sequence, layer): i32 [hkv][S], block id or -1 (empty).
+// - tail ring / resident cache: K and V separately, bf16 [R][hkv][D]
+//   token-major, token t at row t % R (R = ring > 0) or row t (ring = 0).
+
+// ---------------------------------------------------------------------------
+// slot_diff
+// ---------------------------------------------------------------------------
+
+// Capacity of the per-(row, head) shared arrays (the wrapper checks S and s_max).
+#define SD_MAX_SLOTS 1024
+#define SD_MAX_SEL 1024
+#define SD_THREADS 128
+
+// Exclusive prefix sum of v over the thread block (blockDim.x a multiple of 32,
+// at most 1024); *total gets the sum. shm holds at least 32 ints. Every thread
+// must call it (it synchronises).
+__device__ __forceinline__ int block_excl_scan(int v, int* shm, int* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    __syncthreads();  // shm may still be read by a previous call
+    if (lane == 31) shm[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < nw ? shm[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += y;
+        }
+        shm[lane] = w;
+    }
+    __syncthreads();
+    *total = shm[nw - 1];
+    return (warp > 0 ? shm[warp - 1] : 0) + x - v;
+}
+
+// Set difference and slot assignment of one (row, KV head): exactly what
+// kv::plan_slots(slots, selected, ring_first(len)) computes.
+//
+// sel: i32 [rows][hkv][s_max] block ids, strictly ascending among the first
+//   nsel entries that are >= 0 (entries < 0 inside nsel are absent: slot -1,
+//   no fetch; entries >= nsel are ignored).
+// nsel: i32 [rows][hkv] (clamped to [0, s_max]).
+// lens: i32 [rows] tokens the row attends to, its new token included;
+//   ring_first = max((len - 1) / B - 1, 0): blocks >= it live in the tail ring
+//   (slot -1, never fetched, no slot).
+// slot_tab: u64 [rows] -> that row's slot map i32 [hkv][S], updated in place.
+// Out slot_list: i32 [rows][hkv][s_max], parallel to sel: the block's slot,
+//   -1 for ring blocks, absent entries and entries >= nsel.
+// Out fetch: i32 [rows][hkv][S][2] (slot, block) pairs in ascending block order;
+//   nfetch: i32 [rows][hkv] valid pairs.
+// stats: u64 [2] or null: stats[0] += selected blocks (valid entries, ring
+//   included), stats[1] += fetched blocks (locality = 1 - stats[1] / stats[0]).
+// Rule: hits keep their slot; misses (blocks < ring_first with no slot), in
+//   ascending block order, take the free slots (empty, or holding a block not in
+//   the selection) in ascending slot order. More misses than free slots (the
+//   caller sized S too small; plan_slots errors) leaves the excess at slot -1,
+//   unfetched. A block held by two slots (plan_slots errors) is undefined.
+// Grid (rows, hkv), SD_THREADS threads. S <= SD_MAX_SLOTS, s_max <= SD_MAX_SEL.
+extern "C" __global__ __launch_bounds__(SD_THREADS) void slot_diff(
+    const int* __restrict__ sel, const int* __restrict__ nsel, int s_max, const int* __restrict__ lens,
+    const u64* __restrict__ slot_tab, int S, int block_size, int hkv, int* __restrict__ slot_list,
+    int* __restrict__ fetch, int* __restrict__ nfetch, unsigned long long* __restrict__ stats) {
+    __shared__ int smap[SD_MAX_SLOTS];      // slot map before the step
+    __shared__ int free_list[SD_MAX_SLOTS]; // free slots, ascending
+    __shared__ int cb[SD_MAX_SEL];          // valid selected blocks, ascending
+    __shared__ int ci[SD_MAX_SEL];          // their index in sel
+    __shared__ int hit[SD_MAX_SEL];         // slot holding cb[p], or -1
+    __shared__ int scan_shm[32];
+
+    const int r = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
+    const u64 rh = (u64)r * hkv + h;
+    const int n = min(max(nsel[rh], 0), s_max);
+    const int len = lens[r];
+    const int cur = len > 0 ? (len - 1) / block_size : 0;
+    const int rf = max(cur - 1, 0);
+    int* map = (int*)slot_tab[r] + (u64)h * S;
+    const int* srow = sel + rh * s_max;
+    int* lrow = slot_list + rh * s_max;
+    int* frow = fetch + rh * S * 2;
+
+    for (int s = tid; s < S; s += nt) smap[s] = map[s];
+    // Compact the valid entries (>= 0) of sel, keeping their order.
+    const int cs = (n + nt - 1) / nt;
+    const int c0 = min(tid * cs, n), c1 = min(c0 + cs, n);
+    int cnt = 0;
+    for (int i = c0; i < c1; i++) cnt += srow[i] >= 0;
+    int nv;
+    int off = block_excl_scan(cnt, scan_shm, &nv);
+    for (int i = c0; i < c1; i++) {
+        const int b = srow[i];
+        if (b >= 0) {
+            cb[off] = b;
+            ci[off] = i;
+            hit[off] = -1;
+            off++;
+        }
+    }
+    for (int i = n + tid; i < s_max; i += nt) lrow[i] = -1;
+    __syncthreads();
+
+    // Per slot: is its block selected? A hit (block < ring_first) records the slot.
+    const int ss = (S + nt - 1) / nt;
+    const int s0 = min(tid * ss, S), s1 = min(s0 + ss, S);
+    int nfree_mine = 0;
+    for (int s = s0; s < s1; s++) {
+        const int b = smap[s];
+        bool found = false;
+        if (b >= 0) {
+            int lo = 0, hi = nv;  // first p with cb[p] >= b
+            while (lo < hi) {
+                const int mid = (lo + hi) >> 1;
+                if (cb[mid] < b) lo = mid + 1; else hi = mid;
+            }
+            if (lo < nv && cb[lo] == b) {
+                found = true;
+                if (b < rf) hit[lo] = s;
+            }
+        }
+        nfree_mine += !found;
+    }
+    int nfree;
+    int foff = block_excl_scan(nfree_mine, scan_shm, &nfree);
+    for (int s = s0; s < s1; s++) {
+        const int b = smap[s];
+        bool found = false;
+        if (b >= 0) {
+            int lo = 0, hi = nv;
+            while (lo < hi) {
+                const int mid = (lo + hi) >> 1;
+                if (cb[mid] < b) lo = mid + 1; else hi = mid;
+            }
+            found = lo < nv && cb[lo] == b;
+        }
+        if (!found) free_list[foff++] = s;
+    }
+    __syncthreads();  // hit[] and free_list[] complete
+
+    // Misses in ascending block order take the free slots in ascending order.
+    const int ps = (nv + nt - 1) / nt;
+    const int p0 = min(tid * ps, nv), p1 = min(p0 + ps, nv);
+    int nmiss_mine = 0;
+    for (int p = p0; p < p1; p++) nmiss_mine += cb[p] < rf && hit[p] < 0;
+    int nmiss;
+    int m = block_excl_scan(nmiss_mine, scan_shm, &nmiss);
+    for (int p = p0; p < p1; p++) {
+        const int b = cb[p];
+        int slot;
+        if (b >= rf) {
+            slot = -1;
+        } else if (hit[p] >= 0) {
+            slot = hit[p];
+        } else {
+            slot = m < nfree ? free_list[m] : -1;
+            if (slot >= 0) {
+                map[slot] = b;
+                frow[2 * m] = slot;
+                frow[2 * m + 1] = b;
+            }
+            m++;
+        }
+        lrow[ci[p]] = slot;
+    }
+    // Entries < 0 inside nsel: absent.
+    for (int i = c0; i < c1; i++)
+        if (srow[i] < 0) lrow[i] = -1;
+    if (tid == 0) {
+        const int nf = min(nmiss, nfree);
+        nfetch[rh] = nf;
+        if (stats != nullptr) {
+            atomicAdd(stats, (unsigned long long)nv);
+            atomicAdd(stats + 1, (unsigned long long)nf);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// kv_fetch_sm
+// ---------------------------------------------------------------------------
+
+#define FETCH_THREADS 256
+#define FETCH_UNROLL 8
+
+// The persistent UVA fetch (runtime.md §2, §4): a small fixed grid of CTAs
+// striding over the (row, head, i < nfetch) copy tasks, one task at a time per
+// CTA with all its threads; task k of the concatenation of every (row, head)'s
+// nfetch tasks goes to CTA k % gridDim.x. Each task copies one (block, head)
+// K+V chunk (2 * B * D * 2 bytes) from host_tab[r] + block * block_bytes +
+// h * 2 * tile_bytes to pool_tab[r] + ((h * S + slot) * 2) * tile_bytes, with
+// 16-byte loads, FETCH_UNROLL loads in flight per thread before the stores.
+// fetch: i32 [rows][hkv][S][2] (slot, block); nfetch: i32 [rows][hkv];
+// host_tab, pool_tab: u64 [rows] (device-visible addresses, 16-byte aligned).
+// Requires D * 2 * B a multiple of 16 (D a multiple of 8).
+// Grid (N CTAs), FETCH_THREADS threads.
+extern "C" __global__ __launch_bounds__(FETCH_THREADS) void kv_fetch_sm(
+    const int* __restrict__ fetch, const int* __restrict__ nfetch, int S, int rows, int hkv,
+    const u64* __restrict__ host_tab, const u64* __restrict__ pool_tab, int B, int D) {
+    const u64 tile_bytes = (u64)B * D * 2;
+    const u64 block_bytes = (u64)hkv * 2 * tile_bytes;
+    const int n16 = (int)(2 * tile_bytes / 16);  // uint4 per chunk
+    const int G = gridDim.x, me = blockIdx.x, tid = threadIdx.x;
+    long long base = 0;  // tasks of the (row, head) pairs before this one
+    const int nrh = rows * hkv;
+    for (int rh = 0; rh < nrh; rh++) {
+        const int n = min(max(nfetch[rh], 0), S);
+        // first i with (base + i) % G == me
+        int i = (int)(((long long)me - base % G + G) % G);
+        const int r = rh / hkv, h = rh - r * hkv;
+        const int* f = fetch + (u64)rh * S * 2;
+        for (; i < n; i += G) {
+            const int slot = f[2 * i], block = f[2 * i + 1];
+            if (slot < 0 || slot >= S || block < 0) continue;
+            const uint4* src =
+                (const uint4*)(host_tab[r] + (u64)block * block_bytes + (u64)h * 2 * tile_bytes);
+            uint4* dst = (uint4*)(pool_tab[r] + ((u64)h * S + slot) * 2 * tile_bytes);
+            for (int j0 = 0; j0 < n16; j0 += FETCH_THREADS * FETCH_UNROLL) {
+                uint4 v[FETCH_UNROLL];
+#pragma unroll
+                for (int u = 0; u < FETCH_UNROLL; u++) {
+                    const int j = j0 + u * FETCH_THREADS + tid;
+                    if (j < n16) v[u] = __ldcs(src + j);
+                }
+#pragma unroll
+                for (int u = 0; u < FETCH_UNROLL; u++) {
+                    const int j = j0 + u * FETCH_THREADS + tid;
+                    if (j < n16) dst[j] = v[u];
+                }
+            }
+        }
+        base += n;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// kv_store_blocks
+// ---------------------------------------------------------------------------
+
+// Copies whole blocks of a token-major cache into row r's host tiles (UVA
+// writes, 16 bytes each, consecutive threads on consecutive host bytes).
+// kptr, vptr: u64 [rows] -> K / V bf16 [tokens][hkv][D], token t at row
+//   t % ring (ring > 0, the tail ring) or row t (ring = 0).
+// host_tab: u64 [rows] -> block 0 of the row's host store (device-visible).
+// Blocks: lens != null (write-back of a decode step): block lens[r] / B - 1
+//   when lens[r] > 0 and lens[r] % B == 0, else none; lens == null (prefill
+//   spill): blocks [b_lo[r], b_hi[r]).
+// Requires D a multiple of 8 and 16-byte aligned addresses.
+// Grid (x, rows), any block size: grid-stride over the row's
+// (block, head, K|V, token, 16-byte piece) units in host byte order.
+extern "C" __global__ void kv_store_blocks(const u64* __restrict__ kptr, const u64* __restrict__ vptr,
+                                           const u64* __restrict__ host_tab, const int* __restrict__ lens,
+                                           const int* __restrict__ b_lo, const int* __restrict__ b_hi, int hkv,
+                                           int D, int B, int ring) {
+    const int r = blockIdx.y;
+    int lo, hi;
+    if (lens != nullptr) {
+        const int L = lens[r];
+        if (L <= 0 || L % B != 0) return;
+        lo = L / B - 1;
+        hi = lo + 1;
+    } else {
+        lo = b_lo[r];
+        hi = b_hi[r];
+    }
+    if (lo < 0 || hi <= lo) return;
+    const int pieces = D / 8;  // 16-byte pieces per token row of one head
+    const u64 tile_bytes = (u64)B * D * 2;
+    const u64 block_bytes = (u64)hkv * 2 * tile_bytes;
+    const u64 per_block = (u64)hkv * 2 * B * pieces;
+    const u64 total = (u64)(hi - lo) * per_block;
+    const char* kbase = (const char*)kptr[r];
+    const char* vbase = (const char*)vptr[r];
+    uint4* hbase = (uint4*)(host_tab[r] + (u64)lo * block_bytes);
+    for (u64 u = (u64)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += (u64)gridDim.x * blockDim.x) {
+        u64 x = u;
+        const int c = (int)(x % pieces);
+        x /= pieces;
+        const int t = (int)(x % B);
+        x /= B;
+        const int kv = (int)(x & 1);
+        x >>= 1;
+        const int h = (int)(x % hkv);
+        const u64 blk = (u64)lo + x / hkv;
+        const u64 tok = blk * B + t;
+        const u64 row = ring > 0 ? tok % (u64)ring : tok;
+        const uint4* src = (const uint4*)((kv ? vbase : kbase) + ((row * hkv + h) * D) * 2) + c;
+        // Host byte order: u counts 16-byte pieces from block lo.
+        hbase[u] = *src;
+    }
+}

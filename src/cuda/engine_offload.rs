@@ -1,0 +1,838 @@
+//! Offloaded KV for the decode engine (issue 4; runtime.md §1–§4): the full
+//! K/V of every offloaded layer lives in pinned, device-mapped host memory
+//! in the block-major layout of [`crate::kv::HostLayout`]; the GPU keeps per
+//! (sequence, offloaded layer)
+//! - a tail ring of [`RING_BLOCKS`] blocks (token-major, token t at row
+//!   t mod ring) that the append writes, the compression reads and the
+//!   write-back copies from;
+//! - a slot pool of S = the attended budget slots per KV head,
+//!   bf16 [Hkv, S, 2, block, D] (a slot's K tile then its V tile, so one
+//!   (block, head) miss is one contiguous chunk on both sides);
+//! - the slot map i32 [Hkv, S] (block id or −1);
+//! - c, Kc and p in full (small; selection reads them, never offloaded).
+//!
+//! A decode step per offloaded layer: append into the ring → compression →
+//! selection (unchanged) → `slot_diff` (hits keep their slot, misses take
+//! freed slots, ring blocks need none; [`crate::kv::plan_slots`] is its
+//! oracle) → fetch the misses (the persistent UVA copy kernel
+//! `kv_fetch_sm` on N CTAs, or the copy engines through one
+//! `cuMemcpyBatchAsync` per layer) → attention over slots and ring in the
+//! selection's ascending block order, so the arithmetic is that of the
+//! GPU-resident sparse step bit for bit. After the last layer, blocks that
+//! the step completed are written back to host memory by `kv_store_blocks`
+//! on a write-back stream (no host synchronisation, runtime.md §3 fault 5);
+//! the compute stream waits for it at the start of the next step, long
+//! before the ring slot or the host copy is needed again.
+//!
+//! Prefill is the GPU-resident one (same code path, so the decode state is
+//! bitwise that of the resident engine) on one sequence at a time; then
+//! [`GpuModel::offload_sequence`] spills its completed blocks to host
+//! memory, keeps the last blocks in the ring and frees the full cache, so
+//! GPU memory during a batch's prefill is bounded by one sequence.
+
+use super::*;
+use crate::kv::{Footprint, RING_BLOCKS};
+use cudarc::driver::{CudaEvent, CudaStream};
+
+/// How misses are fetched from host memory (runtime.md §4; `--fetch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FetchEngine {
+    /// The persistent UVA copy kernel on a fixed grid of `ctas` CTAs
+    /// (`--fetch sm --prefetch-ctas N`).
+    Sm {
+        /// CTAs of the copy kernel (SparDA's default for the H200: 16).
+        ctas: usize,
+    },
+    /// The copy engines: one `cuMemcpyBatchAsync` per layer per step over
+    /// the misses (32 KiB chunks at D = 128). The host reads each layer's
+    /// fetch list first, so this engine synchronises once per layer.
+    Dma,
+}
+
+impl FetchEngine {
+    /// Name used in reports: `sm` or `dma`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            FetchEngine::Sm { .. } => "sm",
+            FetchEngine::Dma => "dma",
+        }
+    }
+}
+
+/// Offload settings of a model (`--kv offload`, runtime.md §1, §2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OffloadOptions {
+    /// Fetch engine.
+    pub fetch: FetchEngine,
+    /// Offload layer 0 too (default: resident, runtime.md §2 decision).
+    pub offload_layer0: bool,
+}
+
+impl Default for OffloadOptions {
+    fn default() -> Self {
+        OffloadOptions {
+            fetch: FetchEngine::Sm { ctas: 16 },
+            offload_layer0: false,
+        }
+    }
+}
+
+/// Offload counters since the last [`GpuModel::reset_offload_stats`].
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct OffloadStats {
+    /// Per layer: selected blocks (summed over steps, rows and KV heads);
+    /// 0 for resident layers.
+    pub selected: Vec<u64>,
+    /// Per layer: blocks fetched from host memory.
+    pub fetched: Vec<u64>,
+    /// Bytes of one fetched (block, head) chunk (K and V tiles).
+    pub chunk_bytes: usize,
+    /// Fetch time measured by CUDA events around each fetch, ms (only
+    /// while fetch timing is on, see [`GpuModel::set_fetch_timing`]).
+    pub fetch_ms: f64,
+    /// Bytes fetched while fetch timing was on.
+    pub timed_bytes: u64,
+    /// Decode steps counted.
+    pub steps: u64,
+}
+
+impl OffloadStats {
+    /// Locality γ per layer: 1 − fetched / selected (None for resident layers).
+    pub fn locality(&self) -> Vec<Option<f64>> {
+        self.selected
+            .iter()
+            .zip(&self.fetched)
+            .map(|(&s, &f)| (s > 0).then(|| 1.0 - f as f64 / s as f64))
+            .collect()
+    }
+    /// γ over all offloaded layers.
+    pub fn locality_all(&self) -> f64 {
+        let s: u64 = self.selected.iter().sum();
+        let f: u64 = self.fetched.iter().sum();
+        if s == 0 {
+            1.0
+        } else {
+            1.0 - f as f64 / s as f64
+        }
+    }
+    /// Bytes fetched in all.
+    pub fn bytes_fetched(&self) -> u64 {
+        self.fetched.iter().sum::<u64>() * self.chunk_bytes as u64
+    }
+    /// Achieved fetch bandwidth while timed, GB/s (0 when nothing was timed).
+    pub fn fetch_gb_s(&self) -> f64 {
+        if self.fetch_ms > 0.0 {
+            self.timed_bytes as f64 / (self.fetch_ms * 1e6)
+        } else {
+            0.0
+        }
+    }
+}
+
+/// One offloaded layer of one sequence.
+pub(super) struct OffloadLayer {
+    /// bf16 [Hkv, S, 2, block, D].
+    pool: CudaSlice<Bf16>,
+    /// i32 [Hkv, S]: block id or −1.
+    slots: CudaSlice<i32>,
+    /// Device-visible address of block 0 of this (sequence, layer) in the
+    /// pinned store.
+    host: u64,
+}
+
+/// The offload state of one sequence.
+pub(super) struct SeqOffload {
+    /// The pinned store (kept alive while the sequence is).
+    _store: crate::cuda::offload::PinnedKv,
+    /// Capacity of the store, blocks per layer.
+    blocks: usize,
+    /// Per layer; None for resident layers.
+    layers: Vec<Option<OffloadLayer>>,
+}
+
+/// Per-step buffers of an offloaded batch.
+pub(super) struct StepOffload {
+    /// Pool slots per (sequence, layer, KV head).
+    slots: usize,
+    /// Tokens of a tail ring.
+    ring: usize,
+    /// Per layer: offloaded.
+    offloaded: Vec<bool>,
+    /// u64 [L][3][n]: pool, slot map, host base per row.
+    tabs: CudaSlice<u64>,
+    /// i32 [L, n, Hkv, s_max]: slot of each list entry (−1 ring).
+    slot_list: CudaSlice<i32>,
+    /// i32 [L, n, Hkv, S, 2]: (slot, block) misses.
+    fetch: CudaSlice<i32>,
+    /// i32 [L, n, Hkv]: misses per (row, head).
+    nfetch: CudaSlice<i32>,
+    /// i32 [n]: the lengths the write-back reads (copied before the step ends).
+    wb_lens: CudaSlice<i32>,
+    /// The write-back stream and its last event (the next step waits on it).
+    wb_stream: Arc<CudaStream>,
+    wb_done: Option<CudaEvent>,
+    /// Fetch timing events, one pair per layer.
+    timing: Vec<(CudaEvent, CudaEvent)>,
+    /// Some row completes a block in the step being enqueued (set by the host).
+    pub(super) completes: bool,
+}
+
+impl Drop for StepOffload {
+    /// A step rebuilt (growth, another batch) must not leave a write-back
+    /// in flight that a later step could race with: wait for it here.
+    fn drop(&mut self) {
+        if let Some(ev) = self.wb_done.take() {
+            if let Err(e) = ev.synchronize() {
+                tracing::warn!("waiting for the last KV write-back failed: {e}");
+            }
+        }
+    }
+}
+
+impl StepOffload {
+    /// Ring tokens of layer `l` (0 when it is resident).
+    pub(super) fn ring_of(&self, l: usize) -> usize {
+        if self.offloaded[l] {
+            self.ring
+        } else {
+            0
+        }
+    }
+}
+
+/// Tokens a tail ring holds.
+pub(super) fn ring_tokens(block_size: usize) -> usize {
+    RING_BLOCKS * block_size
+}
+
+impl GpuModel {
+    /// Turns offloaded decode on (`Some`) or off for sequences offloaded
+    /// from now on ([`GpuModel::offload_sequence`]).
+    ///
+    /// Errors: [`Error::Input`] unless the plan is sparse with GPU
+    /// selection (offload keeps only the selected blocks on the GPU), a
+    /// dense phase (dense_len > 0) that would need every block, or an SM
+    /// fetch with 0 CTAs.
+    pub fn set_offload(&mut self, opts: Option<OffloadOptions>) -> Result<()> {
+        if let Some(o) = &opts {
+            if !self.sparse_plan() || self.selection != SelectionPath::Gpu {
+                return Err(Error::Input(
+                    "--kv offload needs sparse attention with GPU selection (the model runs dense: add --attention sparse)".into(),
+                ));
+            }
+            if self.plan.sparse.dense_len > 0 {
+                return Err(Error::Input(format!(
+                    "--kv offload: sparse_config.dense_len = {} makes the first steps dense; offloaded decode runs sparse steps only (set dense_len 0)",
+                    self.plan.sparse.dense_len
+                )));
+            }
+            if let FetchEngine::Sm { ctas } = o.fetch {
+                if ctas == 0 || ctas > 1024 {
+                    return Err(Error::Input(format!(
+                        "--prefetch-ctas {ctas}: give 1 … 1024 CTAs"
+                    )));
+                }
+            }
+        }
+        self.offload = opts;
+        self.step = None;
+        Ok(())
+    }
+
+    /// The offload settings in force.
+    pub fn offload_options(&self) -> Option<OffloadOptions> {
+        self.offload
+    }
+
+    /// First offloaded layer (0 with `--offload-layer0`, else 1).
+    fn first_offloaded(&self) -> usize {
+        match self.offload {
+            Some(o) if o.offload_layer0 => 0,
+            _ => 1,
+        }
+        .min(self.layers.len())
+    }
+
+    /// Host and GPU KV bytes of `batch` offloaded sequences of up to
+    /// `capacity_tokens` tokens (runtime.md §4), for refusing a request
+    /// before anything is allocated.
+    pub fn offload_footprint(&self, batch: usize, capacity_tokens: usize) -> Footprint {
+        Footprint::new(
+            &self.config,
+            self.plan.budget.attended,
+            self.first_offloaded(),
+            batch,
+            capacity_tokens,
+        )
+    }
+
+    /// Moves a prefilled GPU-resident sequence's KV to pinned host memory
+    /// (runtime.md §1): every completed block of each offloaded layer is
+    /// copied to a new block-major store with room for `capacity_tokens`
+    /// tokens (prompt + new tokens), the last [`RING_BLOCKS`] blocks go to
+    /// the layer's tail ring, the slot pool starts empty, and the full
+    /// K/V caches are freed. c, Kc and p stay on the GPU as they are.
+    ///
+    /// Errors: [`Error::Input`] without [`GpuModel::set_offload`], for an
+    /// empty or already offloaded sequence, or a capacity below its length;
+    /// [`Error::Limit`] when the pinned store or the pools do not fit (the
+    /// numbers are in the message); [`Error::Cuda`] on a device failure.
+    pub fn offload_sequence(&mut self, seq: &mut GpuSequence, capacity_tokens: usize) -> Result<()> {
+        if self.offload.is_none() {
+            return Err(Error::Input(
+                "offload_sequence: offload is off (set_offload)".into(),
+            ));
+        }
+        if seq.off.is_some() || seq.len == 0 || seq.mirror.is_some() {
+            return Err(Error::Input(format!(
+                "offload_sequence: needs a prefilled, GPU-resident sequence on the GPU selection path (it has {} tokens{})",
+                seq.len,
+                if seq.off.is_some() { ", already offloaded" } else { "" }
+            )));
+        }
+        if capacity_tokens < seq.len + 1 {
+            return Err(Error::Input(format!(
+                "offload_sequence: capacity {capacity_tokens} tokens leaves no room past the {} stored",
+                seq.len
+            )));
+        }
+        let c = &self.config;
+        let (hk, dh) = (c.num_key_value_heads, c.head_dim);
+        let kvd = hk * dh;
+        let bs = self.plan.budget.block_size;
+        let s_slots = self.plan.budget.attended.max(1);
+        let first = self.first_offloaded();
+        let nl = self.layers.len();
+        let blocks = capacity_tokens.div_ceil(bs);
+        let block_bytes = hk * 2 * bs * dh * 2;
+        let host_bytes = (nl - first) * blocks * block_bytes;
+        let host_avail = crate::cuda::offload::host_available_bytes()?;
+        if host_bytes > host_avail {
+            return Err(Error::Limit(format!(
+                "offloading a sequence of up to {capacity_tokens} tokens needs {:.2} GiB of pinned host memory, {:.2} GiB available",
+                host_bytes as f64 / (1u64 << 30) as f64,
+                host_avail as f64 / (1u64 << 30) as f64
+            )));
+        }
+        let store = crate::cuda::offload::PinnedKv::new(&self.gpu, host_bytes.max(1))?;
+        let gpu = self.gpu.clone();
+        let s = gpu.stream().clone();
+        let ring = ring_tokens(bs);
+        let t = seq.len;
+        let full = t / bs;
+        // Spill the completed blocks of every offloaded layer in one launch
+        // (rows = layers).
+        let n_off = nl - first;
+        if n_off > 0 && full > 0 {
+            let mut kt = Vec::with_capacity(n_off);
+            let mut vt = Vec::with_capacity(n_off);
+            let mut ht = Vec::with_capacity(n_off);
+            for l in first..nl {
+                kt.push(dptr(&gpu, &seq.layers[l].k));
+                vt.push(dptr(&gpu, &seq.layers[l].v));
+                ht.push(store.device_ptr() + ((l - first) * blocks * block_bytes) as u64);
+            }
+            let lo = vec![0i32; n_off];
+            let hi = vec![i32_dim(full, "blocks")?; n_off];
+            let (kt, vt, ht) = (gpu.upload(&kt)?, gpu.upload(&vt)?, gpu.upload(&ht)?);
+            let (lo, hi) = (gpu.upload(&lo)?, gpu.upload(&hi)?);
+            self.launch_store_blocks(
+                &s,
+                dptr(&gpu, &kt),
+                dptr(&gpu, &vt),
+                dptr(&gpu, &ht),
+                0,
+                dptr(&gpu, &lo),
+                dptr(&gpu, &hi),
+                n_off,
+                0,
+                full * hk * 2,
+            )?;
+            gpu.synchronize()?;
+        }
+        let mut layers = Vec::with_capacity(nl);
+        for l in 0..nl {
+            if l < first {
+                layers.push(None);
+                continue;
+            }
+            let sl = &mut seq.layers[l];
+            // The ring: tokens [64·max(T/64 − 1, 0), T) at rows t mod ring.
+            let mut rk: CudaSlice<Bf16> = s.alloc_zeros(ring * kvd).cuda("allocating a tail ring")?;
+            let mut rv: CudaSlice<Bf16> = s.alloc_zeros(ring * kvd).cuda("allocating a tail ring")?;
+            let a = (t / bs).saturating_sub(RING_BLOCKS - 1) * bs;
+            let mut tok = a;
+            while tok < t {
+                let row = tok % ring;
+                let n = (ring - row).min(t - tok);
+                for (src, dst) in [(&sl.k, &mut rk), (&sl.v, &mut rv)] {
+                    s.memcpy_dtod(
+                        &src.slice(tok * kvd..(tok + n) * kvd),
+                        &mut dst.slice_mut(row * kvd..(row + n) * kvd),
+                    )
+                    .cuda("filling a tail ring")?;
+                }
+                tok += n;
+            }
+            sl.k = rk;
+            sl.v = rv;
+            let pool = s
+                .alloc_zeros(hk * s_slots * 2 * bs * dh)
+                .cuda("allocating a slot pool")?;
+            let slots = gpu.upload(&vec![-1i32; hk * s_slots])?;
+            layers.push(Some(OffloadLayer {
+                pool,
+                slots,
+                host: store.device_ptr() + ((l - first) * blocks * block_bytes) as u64,
+            }));
+        }
+        gpu.synchronize()?;
+        seq.off = Some(SeqOffload {
+            _store: store,
+            blocks,
+            layers,
+        });
+        seq.generation += 1;
+        self.step = None;
+        Ok(())
+    }
+
+    /// Grows an offloaded sequence's GPU state (c, Kc, p; resident layers'
+    /// K/V) to `need` tokens; the rings and pools never grow.
+    ///
+    /// Errors: [`Error::Limit`] past the host store's capacity.
+    pub(super) fn ensure_capacity_offloaded(&self, seq: &mut GpuSequence, need: usize) -> Result<()> {
+        let bs = self.plan.budget.block_size.max(1);
+        let off = seq.off.as_ref().expect("offloaded");
+        if need > off.blocks * bs {
+            return Err(Error::Limit(format!(
+                "offloaded sequence: {need} tokens exceed the host KV store's {} tokens (offload with a larger capacity: prompt + max new tokens)",
+                off.blocks * bs
+            )));
+        }
+        if need <= seq.cap {
+            return Ok(());
+        }
+        let cap = need.max(2 * seq.cap).div_ceil(bs) * bs;
+        let c = &self.config;
+        let (kvd, hk) = (c.num_key_value_heads * c.head_dim, c.num_key_value_heads);
+        let s = self.gpu.stream();
+        let resident: Vec<bool> = off.layers.iter().map(|o| o.is_none()).collect();
+        for (l, sl) in seq.layers.iter_mut().enumerate() {
+            let mut n = self.alloc_layer_state(cap, resident[l])?;
+            if resident[l] {
+                let used = seq.len * kvd;
+                s.memcpy_dtod(&sl.k.slice(0..used), &mut n.k.slice_mut(0..used))
+                    .cuda("growing the K cache")?;
+                s.memcpy_dtod(&sl.v.slice(0..used), &mut n.v.slice_mut(0..used))
+                    .cuda("growing the V cache")?;
+            } else {
+                std::mem::swap(&mut n.k, &mut sl.k);
+                std::mem::swap(&mut n.v, &mut sl.v);
+            }
+            if let (Some(old), Some(new)) = (&sl.c, &mut n.c) {
+                s.memcpy_dtod(&old.slice(0..seq.len * hk), &mut new.slice_mut(0..seq.len * hk))
+                    .cuda("growing the eviction-score cache")?;
+            }
+            let mc = self.plan.budget.windows(seq.len);
+            if mc > 0 {
+                if let (Some(old), Some(new)) = (&sl.kc, &mut n.kc) {
+                    s.memcpy_dtod(&old.slice(0..mc * kvd), &mut new.slice_mut(0..mc * kvd))
+                        .cuda("growing the compressed-key cache")?;
+                }
+                if let (Some(old), Some(new)) = (&sl.p, &mut n.p) {
+                    s.memcpy_dtod(&old.slice(0..mc * hk), &mut new.slice_mut(0..mc * hk))
+                        .cuda("growing the pooled-score cache")?;
+                }
+            }
+            *sl = n;
+        }
+        seq.cap = cap;
+        seq.generation += 1;
+        Ok(())
+    }
+
+    /// Per-step offload buffers for a batch of offloaded `seqs`.
+    pub(super) fn build_step_offload(
+        &self,
+        seqs: &[GpuSequence],
+        s_max: usize,
+    ) -> Result<StepOffload> {
+        let gpu = &*self.gpu;
+        let c = &self.config;
+        let (hk, nl) = (c.num_key_value_heads, c.num_hidden_layers);
+        let n = seqs.len();
+        let slots = self.plan.budget.attended.max(1);
+        let offloaded: Vec<bool> = (0..nl)
+            .map(|l| seqs[0].off.as_ref().is_some_and(|o| o.layers[l].is_some()))
+            .collect();
+        for sq in seqs {
+            let same = sq.off.as_ref().is_some_and(|o| {
+                o.layers
+                    .iter()
+                    .zip(&offloaded)
+                    .all(|(x, &f)| x.is_some() == f)
+            });
+            if !same {
+                return Err(Error::Input(
+                    "decode: a batch must be all offloaded (with the same layers) or all GPU-resident".into(),
+                ));
+            }
+        }
+        let mut tabs = vec![0u64; nl * 3 * n];
+        for l in 0..nl {
+            for (i, sq) in seqs.iter().enumerate() {
+                if let Some(ol) = sq.off.as_ref().and_then(|o| o.layers[l].as_ref()) {
+                    tabs[(l * 3) * n + i] = dptr(gpu, &ol.pool);
+                    tabs[(l * 3 + 1) * n + i] = dptr(gpu, &ol.slots);
+                    tabs[(l * 3 + 2) * n + i] = ol.host;
+                }
+            }
+        }
+        let s = gpu.stream();
+        let what = "allocating the offload step buffers";
+        let timing = if self.fetch_timing {
+            (0..nl)
+                .map(|_| Ok((gpu.timing_event()?, gpu.timing_event()?)))
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            Vec::new()
+        };
+        Ok(StepOffload {
+            slots,
+            ring: ring_tokens(self.plan.budget.block_size),
+            offloaded,
+            tabs: gpu.upload(&tabs)?,
+            slot_list: s.alloc_zeros((nl * n * hk * s_max).max(1)).cuda(what)?,
+            fetch: s.alloc_zeros((nl * n * hk * slots * 2).max(1)).cuda(what)?,
+            nfetch: s.alloc_zeros((nl * n * hk).max(1)).cuda(what)?,
+            wb_lens: s.alloc_zeros(n.max(1)).cuda(what)?,
+            wb_stream: gpu.context().new_stream().cuda("cuStreamCreate (write-back)")?,
+            wb_done: None,
+            timing,
+            completes: false,
+        })
+    }
+
+    /// Offload work of layer `l` between selection and attention: the set
+    /// difference, then the fetch of the misses. Returns the attention's
+    /// (slot list, pool table, pool slots, ring tokens).
+    pub(super) fn offload_layer(
+        &self,
+        st: &mut DecodeStep,
+        l: usize,
+        sel_off: usize,
+        nsel_off: usize,
+        lens: u64,
+    ) -> Result<Option<(u64, u64, usize, usize)>> {
+        let gpu = &*self.gpu;
+        let c = &self.config;
+        let (hk, dh) = (c.num_key_value_heads, c.head_dim);
+        let n = st.n;
+        let s_max = st.attn.s_max;
+        let bs = self.plan.budget.block_size;
+        let Some(off) = st.off.as_mut() else {
+            return Ok(None);
+        };
+        if !off.offloaded[l] {
+            return Ok(None);
+        }
+        let sl_slots = off.slots;
+        let tab = dptr(gpu, &off.tabs) + (l * 3 * n * 8) as u64;
+        let (pool_tab, slot_tab, host_tab) = (tab, tab + (n * 8) as u64, tab + (2 * n * 8) as u64);
+        let slot_list = dptr(gpu, &off.slot_list) + ((l * n * hk * s_max) * 4) as u64;
+        let fetch = dptr(gpu, &off.fetch) + ((l * n * hk * sl_slots * 2) * 4) as u64;
+        let nfetch = dptr(gpu, &off.nfetch) + ((l * n * hk) * 4) as u64;
+        let stats = dptr(gpu, &self.offload_counters) + ((l * 2) * 8) as u64;
+        let sel = dptr(gpu, &st.ws.sel) + (sel_off * 4) as u64;
+        let nsel = dptr(gpu, &st.ws.nsel) + (nsel_off * 4) as u64;
+        let (sm_, ss_, bs_, hk_, d_, n_) = (
+            i32_dim(s_max, "s_max")?,
+            i32_dim(sl_slots, "pool slots")?,
+            i32_dim(bs, "block size")?,
+            i32_dim(hk, "Hkv")?,
+            i32_dim(dh, "D")?,
+            i32_dim(n, "rows")?,
+        );
+        let stream = gpu.stream();
+        {
+            let f = gpu.function("slot_diff")?;
+            let mut b = stream.launch_builder(f);
+            b.arg(&sel)
+                .arg(&nsel)
+                .arg(&sm_)
+                .arg(&lens)
+                .arg(&slot_tab)
+                .arg(&ss_)
+                .arg(&bs_)
+                .arg(&hk_)
+                .arg(&slot_list)
+                .arg(&fetch)
+                .arg(&nfetch)
+                .arg(&stats);
+            let cfg = LaunchConfig {
+                grid_dim: (grid(n, "rows")?, grid(hk, "Hkv")?, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argument list matches kernels/kv_offload.cu slot_diff; the lists
+            // hold n·Hkv·s_max entries, the slot maps Hkv·S, fetch n·Hkv·S pairs.
+            unsafe { b.launch(cfg) }.cuda("slot_diff")?;
+        }
+        let timed = self.fetch_timing && !off.timing.is_empty();
+        if timed {
+            off.timing[l].0.record(stream).cuda("cuEventRecord (fetch)")?;
+        }
+        match self.offload.map_or(FetchEngine::Sm { ctas: 16 }, |o| o.fetch) {
+            FetchEngine::Sm { ctas } => {
+                let f = gpu.function("kv_fetch_sm")?;
+                let mut b = stream.launch_builder(f);
+                b.arg(&fetch)
+                    .arg(&nfetch)
+                    .arg(&ss_)
+                    .arg(&n_)
+                    .arg(&hk_)
+                    .arg(&host_tab)
+                    .arg(&pool_tab)
+                    .arg(&bs_)
+                    .arg(&d_);
+                let cfg = LaunchConfig {
+                    grid_dim: (grid(ctas, "CTAs")?, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: argument list matches kv_fetch_sm; host tables point at
+                // stores of ≥ the blocks listed (blocks < the sequence's length),
+                // pool tables at Hkv·S slots.
+                unsafe { b.launch(cfg) }.cuda("kv_fetch_sm")?;
+            }
+            FetchEngine::Dma => self.fetch_dma_layer(off, l, n)?,
+        }
+        if timed {
+            off.timing[l].1.record(stream).cuda("cuEventRecord (fetch)")?;
+        }
+        Ok(Some((
+            slot_list,
+            dptr(gpu, &off.tabs) + (l * 3 * n * 8) as u64,
+            sl_slots,
+            ring_tokens(bs),
+        )))
+    }
+
+    /// The copy-engine fetch of layer `l`: waits for the layer's fetch
+    /// lists (one host synchronisation), then one `cuMemcpyBatchAsync` on
+    /// the compute stream.
+    fn fetch_dma_layer(&self, off: &StepOffload, l: usize, n: usize) -> Result<()> {
+        let gpu = &*self.gpu;
+        let hk = self.config.num_key_value_heads;
+        let s_slots = off.slots;
+        let nf = gpu.download(&off.nfetch.slice(l * n * hk..(l + 1) * n * hk))?;
+        if nf.iter().all(|&x| x <= 0) {
+            return Ok(());
+        }
+        let base = l * n * hk * s_slots * 2;
+        let fl = gpu.download(&off.fetch.slice(base..base + n * hk * s_slots * 2))?;
+        let tabs = gpu.download(&off.tabs.slice(l * 3 * n..(l + 1) * 3 * n))?;
+        let rows: Vec<crate::cuda::offload::DmaRow> = (0..n)
+            .map(|r| crate::cuda::offload::DmaRow {
+                host: tabs[2 * n + r],
+                pool: tabs[r],
+            })
+            .collect();
+        crate::cuda::offload::fetch_dma(
+            gpu,
+            gpu.stream(),
+            &fl,
+            &nf,
+            s_slots,
+            hk,
+            &rows,
+            self.plan.budget.block_size,
+            self.config.head_dim,
+        )
+        .map(drop)
+    }
+
+    /// Enqueues the write-back of the blocks this step completes (rows whose
+    /// length after the step is a multiple of the block size) on the
+    /// write-back stream, after the compute stream's work so far.
+    pub(super) fn offload_write_back(&self, st: &mut DecodeStep, lens: u64) -> Result<()> {
+        let gpu = &*self.gpu;
+        let n = st.n;
+        let hk = self.config.num_key_value_heads;
+        let Some(off) = st.off.as_mut() else {
+            return Ok(());
+        };
+        if !off.completes {
+            return Ok(());
+        }
+        let stream = gpu.stream();
+        // The lengths advance at the end of the step: copy them first.
+        let wb = dptr(gpu, &off.wb_lens);
+        // SAFETY: both ranges hold n i32 on this context's device.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(wb, lens, n * 4, stream.cu_stream())
+        }
+        .cuda("copying the write-back lengths")?;
+        let ev = stream
+            .record_event(None)
+            .cuda("cuEventRecord (write-back)")?;
+        off.wb_stream.wait(&ev).cuda("cuStreamWaitEvent (write-back)")?;
+        let ptrs = dptr(gpu, &st.ws.ptrs);
+        let per_layer = PTRS_PER_ROW * n + PTRS_PER_SEQ * n;
+        let wbs = off.wb_stream.clone();
+        for l in 0..self.layers.len() {
+            if !off.offloaded[l] {
+                continue;
+            }
+            let tab = Tables::new(ptrs + (l * per_layer * 8) as u64, n, n);
+            let host_tab = dptr(gpu, &off.tabs) + ((l * 3 + 2) * n * 8) as u64;
+            self.launch_store_blocks(
+                &wbs,
+                tab.k,
+                tab.v,
+                host_tab,
+                wb,
+                0,
+                0,
+                n,
+                ring_tokens(self.plan.budget.block_size),
+                hk * 2,
+            )?;
+        }
+        off.wb_done = Some(
+            wbs.record_event(None)
+                .cuda("cuEventRecord (write-back done)")?,
+        );
+        Ok(())
+    }
+
+    /// Makes the compute stream wait for the last write-back (start of a step).
+    pub(super) fn offload_wait_write_back(&self, st: &mut DecodeStep) -> Result<()> {
+        if let Some(ev) = st.off.as_mut().and_then(|o| o.wb_done.take()) {
+            self.gpu
+                .stream()
+                .wait(&ev)
+                .cuda("cuStreamWaitEvent (write-back)")?;
+        }
+        Ok(())
+    }
+
+    /// Adds the fetch times of the last step (synchronises).
+    pub(super) fn offload_collect_timing(&mut self) -> Result<()> {
+        if !self.fetch_timing {
+            return Ok(());
+        }
+        let Some(off) = self.step.as_ref().and_then(|s| s.off.as_ref()) else {
+            return Ok(());
+        };
+        let mut ms = 0.0f64;
+        for (l, (a, b)) in off.timing.iter().enumerate() {
+            if off.offloaded[l] {
+                ms += a.elapsed_ms(b).cuda("cuEventElapsedTime (fetch)")? as f64;
+            }
+        }
+        self.fetch_ms += ms;
+        let counters = self.gpu.download(&self.offload_counters)?;
+        let fetched: u64 = counters.iter().skip(1).step_by(2).sum();
+        self.timed_bytes += (fetched - self.fetched_at_timing) * self.chunk_bytes() as u64;
+        self.fetched_at_timing = fetched;
+        Ok(())
+    }
+
+    fn chunk_bytes(&self) -> usize {
+        2 * self.plan.budget.block_size * self.config.head_dim * 2
+    }
+
+    /// Times every fetch with CUDA events from the next step on (each
+    /// step then synchronises once to read them), for the fetch GB/s of
+    /// [`OffloadStats`]. Off by default: throughput runs stay free of it.
+    pub fn set_fetch_timing(&mut self, on: bool) -> Result<()> {
+        if on != self.fetch_timing {
+            self.fetch_timing = on;
+            self.step = None;
+        }
+        let counters = self.gpu.download(&self.offload_counters)?;
+        self.fetched_at_timing = counters.iter().skip(1).step_by(2).sum();
+        Ok(())
+    }
+
+    /// The offload counters (synchronises).
+    pub fn offload_stats(&self) -> Result<OffloadStats> {
+        let counters = self.gpu.download(&self.offload_counters)?;
+        Ok(OffloadStats {
+            selected: counters.iter().step_by(2).copied().collect(),
+            fetched: counters.iter().skip(1).step_by(2).copied().collect(),
+            chunk_bytes: self.chunk_bytes(),
+            fetch_ms: self.fetch_ms,
+            timed_bytes: self.timed_bytes,
+            steps: self.offload_steps,
+        })
+    }
+
+    /// Zeroes the offload counters.
+    pub fn reset_offload_stats(&mut self) -> Result<()> {
+        self.gpu
+            .stream()
+            .memset_zeros(&mut self.offload_counters)
+            .cuda("zeroing the offload counters")?;
+        self.fetch_ms = 0.0;
+        self.timed_bytes = 0;
+        self.fetched_at_timing = 0;
+        self.offload_steps = 0;
+        Ok(())
+    }
+
+    /// `kv_store_blocks` (kernels/kv_offload.cu) on `stream` over `rows`
+    /// rows: lens mode (`lens` ≠ 0: the block each row just completed) or
+    /// range mode (blocks [lo[r], hi[r])). `work` sizes the grid.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_store_blocks(
+        &self,
+        stream: &Arc<CudaStream>,
+        kptr: u64,
+        vptr: u64,
+        host_tab: u64,
+        lens: u64,
+        lo: u64,
+        hi: u64,
+        rows: usize,
+        ring: usize,
+        work: usize,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (hk_, d_, bs_, rg) = (
+            i32_dim(c.num_key_value_heads, "Hkv")?,
+            i32_dim(c.head_dim, "D")?,
+            i32_dim(self.plan.budget.block_size, "block size")?,
+            i32_dim(ring, "ring tokens")?,
+        );
+        let f = self.gpu.function("kv_store_blocks")?;
+        let mut b = stream.launch_builder(f);
+        b.arg(&kptr)
+            .arg(&vptr)
+            .arg(&host_tab)
+            .arg(&lens)
+            .arg(&lo)
+            .arg(&hi)
+            .arg(&hk_)
+            .arg(&d_)
+            .arg(&bs_)
+            .arg(&rg);
+        let cfg = LaunchConfig {
+            grid_dim: (grid(work.clamp(1, 1024), "blocks")?, grid(rows, "rows")?, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument list matches kv_store_blocks; the host tables point at
+        // stores holding every block written (checked against the capacity).
+        unsafe { b.launch(cfg) }.cuda("kv_store_blocks").map(drop)
+    }
+}
+
+/// Whether any row completes a block this step (its length after the step
+/// is a multiple of the block size).
+pub(super) fn step_completes_block(seqs: &[GpuSequence], block_size: usize) -> bool {
+    seqs.iter().any(|s| (s.len + 1) % block_size == 0)
+}
+
