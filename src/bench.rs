@@ -275,7 +275,8 @@ fn run_case(
         // full sequence while it is filled
         let c = &model.config;
         let bs = model.plan.budget.block_size.max(1);
-        let full_kv = cap.div_ceil(bs) * bs * c.num_key_value_heads * c.head_dim * 4 * c.num_hidden_layers;
+        let full_kv =
+            cap.div_ceil(bs) * bs * c.num_key_value_heads * c.head_dim * 4 * c.num_hidden_layers;
         let small = model.sequence_bytes(cap).saturating_sub(full_kv);
         footprint.gpu_kv_bytes + batch * small + model.sequence_bytes(cap)
     } else {
@@ -625,7 +626,9 @@ pub fn table(report: &Value) -> String {
         let b = c["batch"].as_u64().unwrap_or(0);
         let l = c["context"].as_u64().unwrap_or(0);
         if let Some(r) = c["skipped"].as_str() {
-            s.push_str(&format!("{att:<9}  {kv:<12}  {b:<3}  {l:<6}  skipped: {r}\n"));
+            s.push_str(&format!(
+                "{att:<9}  {kv:<12}  {b:<3}  {l:<6}  skipped: {r}\n"
+            ));
             continue;
         }
         s.push_str(&format!(

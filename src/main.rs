@@ -470,7 +470,11 @@ fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
         )));
     }
     prompt.truncate(a.prompt_tokens);
-    generate::check_length(prompt.len(), a.new_tokens, ckpt.config.max_position_embeddings)?;
+    generate::check_length(
+        prompt.len(),
+        a.new_tokens,
+        ckpt.config.max_position_embeddings,
+    )?;
     let opts = EngineOptions {
         attention: AttentionOverrides {
             sparse: Some(true),

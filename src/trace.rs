@@ -118,6 +118,11 @@ pub fn gpu_metadata() -> Vec<Value> {
     out
 }
 
+/// µs rounded to whole ns (CUDA events resolve ≈ 0.5 µs; keeps files small).
+fn ns(us: f64) -> f64 {
+    (us * 1e3).round() / 1e3
+}
+
 /// One complete event (`ph: "X"`, µs) for a GPU span whose anchor is at
 /// `anchor_host_us` on the host clock; args carry layer/step/bytes/blocks.
 fn span_event(s: &GpuSpan, anchor_host_us: f64) -> Value {
@@ -134,7 +139,7 @@ fn span_event(s: &GpuSpan, anchor_host_us: f64) -> Value {
     }
     json!({
         "ph": "X", "cat": "gpu", "name": s.name, "pid": GPU_PID, "tid": s.track.tid(),
-        "ts": anchor_host_us + s.start_ms * 1e3, "dur": s.dur_ms * 1e3, "args": Value::Object(args),
+        "ts": ns(anchor_host_us + s.start_ms * 1e3), "dur": ns(s.dur_ms * 1e3), "args": Value::Object(args),
     })
 }
 
@@ -411,8 +416,14 @@ pub fn subscriber(trace_path: Option<&Path>) -> Result<(tracing::Dispatch, Optio
 /// already installed ([`Error::Input`]).
 pub fn init_subscriber(trace_path: Option<&Path>) -> Result<Option<TraceSession>> {
     let (dispatch, session) = subscriber(trace_path)?;
-    tracing::dispatcher::set_global_default(dispatch)
-        .map_err(|e| Error::Input(format!("tracing subscriber: {e}")))?;
+    if let Err(e) = tracing::dispatcher::set_global_default(dispatch) {
+        if let Some(s) = session {
+            let tmp = s.host_path.clone();
+            drop(s);
+            let _ = std::fs::remove_file(tmp);
+        }
+        return Err(Error::Input(format!("tracing subscriber: {e}")));
+    }
     Ok(session)
 }
 

@@ -113,11 +113,7 @@ pub fn offload_identity(
     let mut runs = Vec::new();
     for o in engines {
         let r = run(model, prompt, new_tokens, Some(*o))?;
-        let tok_mismatch = base
-            .tokens
-            .iter()
-            .zip(&r.tokens)
-            .position(|(a, b)| a != b);
+        let tok_mismatch = base.tokens.iter().zip(&r.tokens).position(|(a, b)| a != b);
         let logit_mismatch = base
             .logit_hashes
             .iter()
@@ -133,8 +129,12 @@ pub fn offload_identity(
             o.fetch,
             if same { "IDENTICAL" } else { "DIFFERENT" },
             r.decode_ms,
-            tok_mismatch.map_or("all equal".to_string(), |i| format!("first differ at step {i}")),
-            logit_mismatch.map_or("bitwise equal".to_string(), |i| format!("first differ at step {i}")),
+            tok_mismatch.map_or("all equal".to_string(), |i| format!(
+                "first differ at step {i}"
+            )),
+            logit_mismatch.map_or("bitwise equal".to_string(), |i| format!(
+                "first differ at step {i}"
+            )),
             st.locality_all(),
             st.fetched.iter().sum::<u64>()
         );

@@ -1569,8 +1569,7 @@ impl GpuModel {
                     .cuda("uploading the decode step inputs")?;
             }
             if let Some(off) = st.off.as_mut() {
-                off.completes =
-                    offloaded::step_completes_block(seqs, self.plan.budget.block_size);
+                off.completes = offloaded::step_completes_block(seqs, self.plan.budget.block_size);
             }
             let capture = self.decode_mode == DecodeMode::Graph
                 && st.off.is_none()

@@ -277,7 +277,11 @@ impl GpuModel {
     /// empty or already offloaded sequence, or a capacity below its length;
     /// [`Error::Limit`] when the pinned store or the pools do not fit (the
     /// numbers are in the message); [`Error::Cuda`] on a device failure.
-    pub fn offload_sequence(&mut self, seq: &mut GpuSequence, capacity_tokens: usize) -> Result<()> {
+    pub fn offload_sequence(
+        &mut self,
+        seq: &mut GpuSequence,
+        capacity_tokens: usize,
+    ) -> Result<()> {
         if self.offload.is_none() {
             return Err(Error::Input(
                 "offload_sequence: offload is off (set_offload)".into(),
@@ -358,8 +362,10 @@ impl GpuModel {
             }
             let sl = &mut seq.layers[l];
             // The ring: tokens [64·max(T/64 − 1, 0), T) at rows t mod ring.
-            let mut rk: CudaSlice<Bf16> = s.alloc_zeros(ring * kvd).cuda("allocating a tail ring")?;
-            let mut rv: CudaSlice<Bf16> = s.alloc_zeros(ring * kvd).cuda("allocating a tail ring")?;
+            let mut rk: CudaSlice<Bf16> =
+                s.alloc_zeros(ring * kvd).cuda("allocating a tail ring")?;
+            let mut rv: CudaSlice<Bf16> =
+                s.alloc_zeros(ring * kvd).cuda("allocating a tail ring")?;
             let a = (t / bs).saturating_sub(RING_BLOCKS - 1) * bs;
             let mut tok = a;
             while tok < t {
@@ -401,7 +407,11 @@ impl GpuModel {
     /// K/V) to `need` tokens; the rings and pools never grow.
     ///
     /// Errors: [`Error::Limit`] past the host store's capacity.
-    pub(super) fn ensure_capacity_offloaded(&self, seq: &mut GpuSequence, need: usize) -> Result<()> {
+    pub(super) fn ensure_capacity_offloaded(
+        &self,
+        seq: &mut GpuSequence,
+        need: usize,
+    ) -> Result<()> {
         let bs = self.plan.budget.block_size.max(1);
         let off = seq.off.as_ref().expect("offloaded");
         if need > off.blocks * bs {
@@ -431,8 +441,11 @@ impl GpuModel {
                 std::mem::swap(&mut n.v, &mut sl.v);
             }
             if let (Some(old), Some(new)) = (&sl.c, &mut n.c) {
-                s.memcpy_dtod(&old.slice(0..seq.len * hk), &mut new.slice_mut(0..seq.len * hk))
-                    .cuda("growing the eviction-score cache")?;
+                s.memcpy_dtod(
+                    &old.slice(0..seq.len * hk),
+                    &mut new.slice_mut(0..seq.len * hk),
+                )
+                .cuda("growing the eviction-score cache")?;
             }
             let mc = self.plan.budget.windows(seq.len);
             if mc > 0 {
@@ -507,7 +520,10 @@ impl GpuModel {
             fetch: s.alloc_zeros((nl * n * hk * slots * 2).max(1)).cuda(what)?,
             nfetch: s.alloc_zeros((nl * n * hk).max(1)).cuda(what)?,
             wb_lens: s.alloc_zeros(n.max(1)).cuda(what)?,
-            wb_stream: gpu.context().new_stream().cuda("cuStreamCreate (write-back)")?,
+            wb_stream: gpu
+                .context()
+                .new_stream()
+                .cuda("cuStreamCreate (write-back)")?,
             wb_done: None,
             timing,
             completes: false,
@@ -581,9 +597,15 @@ impl GpuModel {
         }
         let timed = self.fetch_timing && !off.timing.is_empty();
         if timed {
-            off.timing[l].0.record(stream).cuda("cuEventRecord (fetch)")?;
+            off.timing[l]
+                .0
+                .record(stream)
+                .cuda("cuEventRecord (fetch)")?;
         }
-        match self.offload.map_or(FetchEngine::Sm { ctas: 16 }, |o| o.fetch) {
+        match self
+            .offload
+            .map_or(FetchEngine::Sm { ctas: 16 }, |o| o.fetch)
+        {
             FetchEngine::Sm { ctas } => {
                 let f = gpu.function("kv_fetch_sm")?;
                 let mut b = stream.launch_builder(f);
@@ -609,7 +631,10 @@ impl GpuModel {
             FetchEngine::Dma => self.fetch_dma_layer(off, l, n)?,
         }
         if timed {
-            off.timing[l].1.record(stream).cuda("cuEventRecord (fetch)")?;
+            off.timing[l]
+                .1
+                .record(stream)
+                .cuda("cuEventRecord (fetch)")?;
         }
         Ok(Some((
             slot_list,
@@ -670,14 +695,14 @@ impl GpuModel {
         // The lengths advance at the end of the step: copy them first.
         let wb = dptr(gpu, &off.wb_lens);
         // SAFETY: both ranges hold n i32 on this context's device.
-        unsafe {
-            cudarc::driver::result::memcpy_dtod_async(wb, lens, n * 4, stream.cu_stream())
-        }
-        .cuda("copying the write-back lengths")?;
+        unsafe { cudarc::driver::result::memcpy_dtod_async(wb, lens, n * 4, stream.cu_stream()) }
+            .cuda("copying the write-back lengths")?;
         let ev = stream
             .record_event(None)
             .cuda("cuEventRecord (write-back)")?;
-        off.wb_stream.wait(&ev).cuda("cuStreamWaitEvent (write-back)")?;
+        off.wb_stream
+            .wait(&ev)
+            .cuda("cuStreamWaitEvent (write-back)")?;
         let ptrs = dptr(gpu, &st.ws.ptrs);
         let per_layer = PTRS_PER_ROW * n + PTRS_PER_SEQ * n;
         let wbs = off.wb_stream.clone();
@@ -835,4 +860,3 @@ impl GpuModel {
 pub(super) fn step_completes_block(seqs: &[GpuSequence], block_size: usize) -> bool {
     seqs.iter().any(|s| (s.len + 1) % block_size == 0)
 }
-
