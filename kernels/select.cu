@@ -302,12 +302,15 @@ __device__ __forceinline__ u32 block_flag_scan(bool flag, u32* ws, u32& total) {
 // Output: sel[(b*hkv + h)*s_max + i] ascending block ids, padded with -1; nsel[b*hkv + h].
 // pooled_r / pooled_e (nullable): the pooled scores before forcing, rows of nb_stride.
 // pptr null: e = -inf (InfLLM-V2). Dynamic shared memory: 2*nb_cap u32 (nb <= nb_cap).
+// win_lens (nullable): the windows pooled are Mc(win_lens[b]) instead of Mc(T) (forecast
+// mode, layers >= 1: the previous step's state, nosa-model.md §4).
 extern "C" __global__ void select_blocks(const float* __restrict__ s, int w_stride, const u64* __restrict__ pptr,
                                          const int* __restrict__ lens, int* __restrict__ sel,
                                          int* __restrict__ nsel, int s_max, float* __restrict__ pooled_r,
                                          float* __restrict__ pooled_e, int nb_stride, int nb_cap, int hkv,
                                          int block_size, int stride, int ksize, int init_blocks,
-                                         int window_blocks, int attended, int shortlist, int nosa) {
+                                         int window_blocks, int attended, int shortlist, int nosa,
+                                         const int* __restrict__ win_lens) {
     extern __shared__ u32 sel_keys[];
     __shared__ u32 hist[256];
     __shared__ u32 ws[32];
@@ -323,7 +326,8 @@ extern "C" __global__ void select_blocks(const float* __restrict__ s, int w_stri
         return;
     }
     const int q = nb - 1;
-    const int Mc = sel_windows(T, stride, ksize);
+    // Forecast mode scores the previous step's windows: Mc from win_lens when given.
+    const int Mc = sel_windows(win_lens != nullptr ? win_lens[b] : T, stride, ksize);
     const int wpb = block_size / stride, ov = ksize / stride - 1;
     u32* rkey = sel_keys;
     u32* ekey = sel_keys + nb;

@@ -90,6 +90,11 @@ pub struct BenchSpec {
     /// Decode steps with every fetch timed by events after the timed steps
     /// of an offloaded case (fetch GB/s); 0 skips them.
     pub fetch_timing_steps: usize,
+    /// SparDA forecast weights (`FILE` or `synth[:SEED]`): offloaded cases
+    /// then also run in forecast mode, with each of `prefetch` (issue 5).
+    pub forecast: Option<String>,
+    /// Prefetch settings of the forecast runs (true = on).
+    pub prefetch: Vec<bool>,
 }
 
 /// Name of a KV placement in reports: `gpu`, `offload-sm16`, `offload-dma`.
@@ -299,6 +304,9 @@ fn run_case(
     let mut base = json!({
         "attention": if sparse { "sparse" } else { "dense" },
         "kv": kv_name(&offload),
+        "selection": if model.forecast_on() {
+            if model.prefetch_on() { "forecast+prefetch" } else { "forecast, no prefetch" }
+        } else { "query-aware (sync NOSA)" },
         "mode": format!("{:?}", model.plan.mode),
         "batch": batch, "context": context,
         "kv_bytes": kv_bytes,
@@ -541,6 +549,16 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
     } else {
         spec.kv.clone()
     };
+    let forecast = spec
+        .forecast
+        .as_deref()
+        .map(|f| crate::model::forecast::ForecastWeights::from_arg(f, &cfg))
+        .transpose()?;
+    // selection modes of an offloaded case: sync NOSA, then forecast × prefetch
+    let mut sel_modes: Vec<Option<bool>> = vec![None];
+    if forecast.is_some() {
+        sel_modes.extend(spec.prefetch.iter().map(|&p| Some(p)));
+    }
     for &sparse in &spec.sparse {
         model.set_options(opts(sparse))?;
         for kv in &kv_modes {
@@ -550,8 +568,16 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
             model.set_offload(*kv)?;
             for &b in &spec.batches {
                 for &l in &spec.contexts {
-                    let compare = !sparse && b == 1 && l == min_ctx && kv.is_none();
-                    cases.push(run_case(&mut model, spec, &source, sparse, b, l, compare)?);
+                    let modes: &[Option<bool>] = if kv.is_some() { &sel_modes } else { &[None] };
+                    for &m in modes {
+                        match m {
+                            None => model.set_forecast(None, false)?,
+                            Some(p) => model.set_forecast(forecast.as_ref(), p)?,
+                        }
+                        let compare = !sparse && b == 1 && l == min_ctx && kv.is_none();
+                        cases.push(run_case(&mut model, spec, &source, sparse, b, l, compare)?);
+                    }
+                    model.set_forecast(None, false)?;
                 }
             }
             model.set_offload(None)?;
@@ -581,6 +607,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
         }),
         _ => Value::Null,
     };
+    let forecast_comparison = forecast_comparison(&cases);
     let info = gpu.info();
     Ok(json!({
         "what": "sparda bench: GPU-resident decode throughput (issue 3 benchmark, runtime.md §5)",
@@ -611,8 +638,58 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
         ),
         "gemm_ceiling": ceilings,
         "target_comparison": comparison,
+        "forecast_comparison": forecast_comparison,
         "cases": cases,
     }))
+}
+
+/// Issue 5's figures per (fetch engine, B, L) that ran sync NOSA, forecast
+/// with and without prefetch: from the sync run P = fetch ms per step (the
+/// fetch timing steps) and C = step − P; `bound` = (P + C) / max(P, C), the
+/// most that overlapping fetch and compute can gain; `speedup` over sync
+/// NOSA and over forecast without prefetch, and the latter as a fraction of
+/// the bound.
+pub fn forecast_comparison(cases: &[Value]) -> Value {
+    let mut out = Vec::new();
+    let find = |kv: &Value, b: &Value, l: &Value, sel: &str| {
+        cases.iter().find(|c| {
+            &c["kv"] == kv && &c["batch"] == b && &c["context"] == l && c["selection"] == sel
+        })
+    };
+    for c in cases {
+        if c["selection"] != "query-aware (sync NOSA)" || !c["kv"].as_str().is_some_and(|k| k.starts_with("offload")) {
+            continue;
+        }
+        let (kv, b, l) = (&c["kv"], &c["batch"], &c["context"]);
+        let (Some(pre), Some(nopre)) = (
+            find(kv, b, l, "forecast+prefetch"),
+            find(kv, b, l, "forecast, no prefetch"),
+        ) else {
+            continue;
+        };
+        let step = |x: &Value| x["step_ms_mean"].as_f64().unwrap_or(f64::NAN);
+        let (s_sync, s_pre, s_nopre) = (step(c), step(pre), step(nopre));
+        let p = c["offload"]["fetch_timing"]["fetch_ms_per_step"]
+            .as_f64()
+            .unwrap_or(f64::NAN);
+        let cc = s_sync - p;
+        let bound = (p + cc) / p.max(cc);
+        let sp_nopre = s_nopre / s_pre;
+        let gamma = |x: &Value| x["offload"]["locality_gamma"].clone();
+        let bl = b.as_f64().unwrap_or(0.0) * l.as_f64().unwrap_or(0.0);
+        out.push(json!({
+            "kv": kv, "batch": b, "context": l, "batch_x_context": bl,
+            "P_fetch_ms": p, "C_rest_ms": cc, "bound": bound,
+            "step_ms": {"sync": s_sync, "forecast_prefetch": s_pre, "forecast_no_prefetch": s_nopre},
+            "tokens_per_s": {"sync": c["tokens_per_s"], "forecast_prefetch": pre["tokens_per_s"], "forecast_no_prefetch": nopre["tokens_per_s"]},
+            "speedup": {"vs_sync": s_sync / s_pre, "vs_no_prefetch": sp_nopre},
+            "vs_no_prefetch_over_bound": sp_nopre / bound,
+            "target_vs_no_prefetch_0_9_bound_met": sp_nopre >= 0.9 * bound,
+            "target_vs_sync_1_4_applies": l.as_f64().unwrap_or(0.0) >= 65_536.0 && bl >= 2.0 * 1024.0 * 1024.0 && bound > 1.55,
+            "locality_gamma": {"sync": gamma(c), "forecast_prefetch": gamma(pre), "forecast_no_prefetch": gamma(nopre)},
+        }));
+    }
+    Value::Array(out)
 }
 
 /// A plain-text table of a report's cases (for the terminal).
@@ -622,7 +699,11 @@ pub fn table(report: &Value) -> String {
     );
     for c in report["cases"].as_array().into_iter().flatten() {
         let att = c["attention"].as_str().unwrap_or("?");
-        let kv = c["kv"].as_str().unwrap_or("gpu");
+        let kv = match c["selection"].as_str() {
+            Some("forecast+prefetch") => format!("{}+fc+pf", c["kv"].as_str().unwrap_or("gpu")),
+            Some("forecast, no prefetch") => format!("{}+fc", c["kv"].as_str().unwrap_or("gpu")),
+            _ => c["kv"].as_str().unwrap_or("gpu").to_string(),
+        };
         let b = c["batch"].as_u64().unwrap_or(0);
         let l = c["context"].as_u64().unwrap_or(0);
         if let Some(r) = c["skipped"].as_str() {
@@ -642,6 +723,19 @@ pub fn table(report: &Value) -> String {
                 .as_f64()
                 .map(|g| format!("γ={g:.3}"))
                 .unwrap_or_default()
+        ));
+    }
+    for f in report["forecast_comparison"].as_array().into_iter().flatten() {
+        s.push_str(&format!(
+            "forecast {} B={} L={}: P {:.2} ms C {:.2} ms bound {:.2}; speedup vs sync {:.2}, vs no-prefetch {:.2} ({:.0}% of bound)\n",
+            f["kv"].as_str().unwrap_or("?"),
+            f["batch"], f["context"],
+            f["P_fetch_ms"].as_f64().unwrap_or(f64::NAN),
+            f["C_rest_ms"].as_f64().unwrap_or(f64::NAN),
+            f["bound"].as_f64().unwrap_or(f64::NAN),
+            f["speedup"]["vs_sync"].as_f64().unwrap_or(f64::NAN),
+            f["speedup"]["vs_no_prefetch"].as_f64().unwrap_or(f64::NAN),
+            100.0 * f["vs_no_prefetch_over_bound"].as_f64().unwrap_or(f64::NAN)
         ));
     }
     if let Some(t) = report["target_comparison"].as_object() {
@@ -713,6 +807,8 @@ mod tests {
             profile_reps: 0,
             kv: vec![None],
             fetch_timing_steps: 0,
+            forecast: None,
+            prefetch: vec![],
         };
         assert!(matches!(run(&spec), Err(Error::Cuda(_))));
     }

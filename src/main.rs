@@ -89,6 +89,22 @@ struct OffloadCheckArgs {
     budget_blocks: Option<usize>,
     #[command(flatten)]
     offload: OffloadArgs,
+    /// Forecast weights (FILE or synth[:SEED]): every run selects with the
+    /// forecast; the offloaded runs then go through each --prefetch setting.
+    #[arg(long)]
+    forecast: Option<String>,
+    /// Prefetch settings to run with --forecast.
+    #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "on,off")]
+    prefetch: Vec<OnOff>,
+    /// With --forecast: also compare the GPU's forecast selections with the
+    /// CPU reference's over this many teacher-forced steps (0: skip; CPU
+    /// time grows with the model).
+    #[arg(long, default_value_t = 0)]
+    cpu_check_steps: usize,
+    /// Stress: also run prefetch with this many µs of injected delay before
+    /// every fetch on the copy stream (0: no stress run).
+    #[arg(long, default_value_t = 0)]
+    copy_delay_us: u32,
     /// Report path.
     #[arg(long)]
     json: PathBuf,
@@ -194,9 +210,13 @@ struct GenerateArgs {
     /// SparDA forecast weights (.safetensors, or a SparDA trainer .pt, with
     /// `model.layers.{l}.self_attn.q_future_proj.weight`, keys matched by suffix,
     /// and layer 0's `q_curr_proj`), or `synth[:SEED]` for random ones: sparse decode
-    /// selects with the forecast (spec §4 "Forecast mode"; CPU backend for now).
+    /// selects with the forecast (spec §4 "Forecast mode"; CPU and CUDA).
     #[arg(long)]
     forecast: Option<String>,
+    /// Forecast mode with --kv offload: prefetch layer l+1's blocks on a copy
+    /// stream while layer l computes (on), or fetch them in the layer (off).
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    prefetch: OnOff,
     /// Override rope θ (e.g. 40000 past 32K, as the NOSA evaluations do).
     #[arg(long, allow_hyphen_values = true)]
     rope_theta: Option<f64>,
@@ -215,6 +235,12 @@ struct GenerateArgs {
     /// Write the run's tokens and timings as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum OnOff {
+    On,
+    Off,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -331,6 +357,13 @@ struct BenchArgs {
     /// Extra decode steps with every fetch timed (fetch GB/s) per offloaded case.
     #[arg(long, default_value_t = 16)]
     fetch_timing_steps: usize,
+    /// Forecast weights (FILE or synth[:SEED]): offloaded cases also run in
+    /// forecast mode with each --prefetch setting (issue 5).
+    #[arg(long)]
+    forecast: Option<String>,
+    /// Prefetch settings of the forecast runs.
+    #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "on,off")]
+    prefetch: Vec<OnOff>,
     /// Report path.
     #[arg(long)]
     json: PathBuf,
@@ -436,6 +469,8 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             })
             .collect(),
         fetch_timing_steps: a.fetch_timing_steps,
+        forecast: a.forecast,
+        prefetch: a.prefetch.iter().map(|p| *p == OnOff::On).collect(),
     };
     let report = sparda::bench::run(&spec)?;
     std::fs::write(
@@ -446,6 +481,11 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     print!("{}", sparda::bench::table(&report));
     eprintln!("bench: report in {}", a.json.display());
     Ok(())
+}
+
+/// Opens a model again for the CPU reference (the GPU run dropped its copy).
+fn ckpt_cpu(model: &str) -> Result<sparda::weights::Checkpoint> {
+    sparda::bench::open_model(model)
 }
 
 fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
@@ -499,12 +539,60 @@ fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
         prompt.len(),
         a.new_tokens
     );
-    let (ok, mut v) = sparda::cuda::check_identity::offload_identity(
-        &mut model,
-        &prompt,
-        a.new_tokens,
-        &a.offload.options(),
-    )?;
+    let forecast = a
+        .forecast
+        .as_deref()
+        .map(|spec| sparda::model::forecast::ForecastWeights::from_arg(spec, &model.config))
+        .transpose()?;
+    let mut modes = Vec::new();
+    for o in a.offload.options() {
+        if forecast.is_some() {
+            for p in &a.prefetch {
+                modes.push(sparda::cuda::check_identity::Mode {
+                    offload: o,
+                    prefetch: *p == OnOff::On,
+                    copy_delay_us: 0,
+                });
+            }
+            if a.copy_delay_us > 0 {
+                modes.push(sparda::cuda::check_identity::Mode {
+                    offload: o,
+                    prefetch: true,
+                    copy_delay_us: a.copy_delay_us,
+                });
+            }
+        } else {
+            modes.push(sparda::cuda::check_identity::Mode {
+                offload: o,
+                prefetch: false,
+                copy_delay_us: 0,
+            });
+        }
+    }
+    if let Some(f) = &forecast {
+        model.set_forecast(Some(f), false)?;
+    }
+    let (mut ok, mut v) =
+        sparda::cuda::check_identity::offload_identity(&mut model, &prompt, a.new_tokens, &modes)?;
+    v["forecast"] = serde_json::json!(a.forecast);
+    if let (Some(f), true) = (&forecast, a.cpu_check_steps > 0) {
+        let mut cpu = CpuModel::new(&ckpt_cpu(&a.model)?, opts)?;
+        cpu.set_forecast(Some(f.clone()))?;
+        let mut per_kv = serde_json::Map::new();
+        for kv in [None, a.offload.options().first().copied()] {
+            model.set_offload(kv)?;
+            let (pass, j) = sparda::cuda::check_identity::forecast_selection(
+                &mut model,
+                &cpu,
+                &prompt,
+                a.cpu_check_steps,
+            )?;
+            ok &= pass;
+            per_kv.insert(if kv.is_some() { "offload" } else { "gpu" }.into(), j);
+        }
+        model.set_offload(None)?;
+        v["forecast_selection_vs_cpu"] = serde_json::Value::Object(per_kv);
+    }
     let info = gpu.info();
     v["gpu"] = serde_json::json!(info.name);
     v["date_utc"] = serde_json::json!(sparda::cuda::check::utc_now_iso());
@@ -647,35 +735,11 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             _ => PrefillMode::Auto,
         },
     };
-    let forecast = match a.forecast.as_deref() {
-        None => None,
-        Some(spec) if spec == "synth" || spec.starts_with("synth:") => {
-            let seed = match spec.strip_prefix("synth:") {
-                Some(x) => x
-                    .parse::<u64>()
-                    .map_err(|_| Error::Input(format!("--forecast synth:SEED: bad seed `{x}`")))?,
-                None => 0,
-            };
-            let tensors =
-                sparda::model::forecast::ForecastWeights::synth_tensors(&ckpt.config, seed);
-            let store = sparda::weights::TensorStore::from_tensors(tensors);
-            Some(sparda::model::forecast::ForecastWeights::from_store(
-                &ckpt.config,
-                &store,
-                std::path::Path::new("<synth>"),
-            )?)
-        }
-        Some(path) => Some(sparda::model::forecast::ForecastWeights::open(
-            std::path::Path::new(path),
-            &ckpt.config,
-        )?),
-    };
-    if forecast.is_some() && backend == Backend::Cuda {
-        return Err(Error::Cuda(
-            "--forecast runs on the CPU backend for now: forecast mode on the GPU is issue 5"
-                .into(),
-        ));
-    }
+    let forecast = a
+        .forecast
+        .as_deref()
+        .map(|spec| sparda::model::forecast::ForecastWeights::from_arg(spec, &ckpt.config))
+        .transpose()?;
     enum Engine {
         Cpu(Box<CpuModel>),
         Cuda(Box<GpuModel>),
@@ -690,6 +754,9 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
                 return Err(Error::Input("generate: give one --fetch engine".into()));
             }
             m.set_offload(Some(o[0]))?;
+        }
+        if let Some(f) = &forecast {
+            m.set_forecast(Some(f), a.prefetch == OnOff::On)?;
         }
         eprintln!(
             "weights on {} in {:.1} s",

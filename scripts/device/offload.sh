@@ -5,6 +5,8 @@
 #   scripts/device/offload.sh check  OUT   gpu-check + identity runs (tiny, SmolLM2 if /tmp/smol exists)
 #   scripts/device/offload.sh long   OUT   8,192 tokens on synthetic NOSA-8B, resident vs offloaded
 #   scripts/device/offload.sh bench  OUT   offload benchmark grid on synthetic NOSA-8B
+#   scripts/device/offload.sh forecast OUT forecast-mode identity, stress and CPU-selection checks
+#   scripts/device/offload.sh fbench OUT   sync NOSA vs forecast ± prefetch (BATCH, CONTEXT, FETCH)
 set -euo pipefail
 phase=${1:?phase}
 out=${2:?out dir}
@@ -32,6 +34,22 @@ bench)
   $bin bench --model synth:nosa-8b --attention sparse --kv gpu,offload --fetch sm,dma --prefetch-ctas 16 \
     --batch "${BATCH:-16,64}" --context "${CONTEXT:-32K}" --steps "${STEPS:-32}" --fetch-timing-steps 8 \
     --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" --json "$out/bench_offload.json" 2>&1 | tail -30 || true
+  ;;
+forecast)
+  # issue 5: prefetch on/off/stress token- and logits-identical to resident forecast decode;
+  # GPU forecast selections vs the CPU reference (tiny)
+  $bin offload-check --model synth:tiny:5 --tokenizer "$tok" --prompt-file "$book" --prompt-tokens 1000 \
+    --new-tokens 2048 --forecast synth:1 --fetch sm,dma --prefetch on,off --copy-delay-us 30 \
+    --cpu-check-steps 300 --json "$out/forecast_tiny.json" 2>&1 | tail -12 || true
+  $bin offload-check --model synth:nosa-8b --tokenizer "$tok" --prompt-file "$book" --prompt-tokens 6000 \
+    --new-tokens 2048 --forecast synth:1 --fetch sm --prefetch on,off --copy-delay-us 20 \
+    --json "$out/forecast_nosa8b.json" 2>&1 | tail -8 || true
+  ;;
+fbench)
+  $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch "${FETCH:-sm}" --prefetch-ctas 16 \
+    --forecast synth:1 --prefetch on,off --batch "${BATCH:-8,32}" --context "${CONTEXT:-32K}" \
+    --steps "${STEPS:-32}" --fetch-timing-steps 8 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
+    --json "$out/bench_forecast.json" 2>&1 | tail -30 || true
   ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac

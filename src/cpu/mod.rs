@@ -230,6 +230,10 @@ pub struct Sequence {
     /// `selections[layer][kv_head]`: ascending block ids attended by the last
     /// query of the last forward call (empty when that call was dense).
     pub selections: Vec<Vec<Vec<usize>>>,
+    /// `forecasts[layer]`: in forecast mode, the forecast query the last
+    /// decode step selected that layer's blocks with — post-RoPE, [Hkv, D] —
+    /// and the windows it scored (spec §4); None otherwise.
+    pub forecasts: Vec<Option<(Vec<f32>, usize)>>,
 }
 
 impl Sequence {
@@ -471,6 +475,7 @@ impl CpuModel {
                 .map(|_| LayerKv::new(c.num_key_value_heads, c.head_dim))
                 .collect(),
             selections: vec![vec![Vec::new(); c.num_key_value_heads]; c.num_hidden_layers],
+            forecasts: vec![None; c.num_hidden_layers],
         }
     }
 
@@ -740,6 +745,7 @@ impl CpuModel {
         let kv = &mut seq.layers[li];
         kv.append(&self.plan.budget, &k, &v, &cvals);
         let mut out = vec![0.0f32; n * hq * dh];
+        seq.forecasts[li] = fq.clone();
         if sparse {
             let fq = fq.as_ref().map(|(f, windows)| ForecastQuery {
                 f,

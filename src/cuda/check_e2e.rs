@@ -216,7 +216,7 @@ fn cut_gap(
     t_len: usize,
     blocks: &[usize],
 ) -> f64 {
-    use crate::model::select::{pool_blocks, query_window_scores, top_k};
+    use crate::model::select::query_window_scores;
     let b = &plan.budget;
     let (hk, kvd) = (kv.kv_heads, kv.kv_dim);
     let dh = kvd / hk;
@@ -225,11 +225,31 @@ fn cut_gap(
         return f64::INFINITY;
     }
     let mc = b.windows(t_len).min(kv.windows());
-    let nb = b.blocks(t_len - 1);
-    let qblk = nb - 1;
     let qh = &q[h * g * dh..(h + 1) * g * dh];
     let kch = if mc > 0 { &kv.kc[h * dh..] } else { &[][..] };
     let s = query_window_scores(qh, dh, kch, kvd, mc);
+    cut_gap_scores(plan, kv, &s, h, t_len, blocks)
+}
+
+/// [`cut_gap`] from given window scores `s` (its length = the windows
+/// scored; forecast mode passes f·Kc over the previous step's windows).
+pub(crate) fn cut_gap_scores(
+    plan: &crate::model::AttentionPlan,
+    kv: &crate::model::state::LayerKv,
+    s: &[f32],
+    h: usize,
+    t_len: usize,
+    blocks: &[usize],
+) -> f64 {
+    use crate::model::select::{pool_blocks, top_k};
+    let b = &plan.budget;
+    let hk = kv.kv_heads;
+    if t_len == 0 {
+        return f64::INFINITY;
+    }
+    let mc = s.len();
+    let nb = b.blocks(t_len - 1);
+    let qblk = nb - 1;
     let force = |v: Vec<f32>| -> Vec<f32> {
         v.into_iter()
             .enumerate()
@@ -242,7 +262,7 @@ fn cut_gap(
             })
             .collect()
     };
-    let r = force(pool_blocks(b, &s, nb));
+    let r = force(pool_blocks(b, s, nb));
     let p: Vec<f32> = (0..mc).map(|w| kv.p[w * hk + h]).collect();
     let mut e = force(pool_blocks(b, &p, nb));
     let rel = |x: f32, cut: f32| -> f64 {

@@ -134,6 +134,12 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         functions: &["gemv_small"],
     },
     KernelSource {
+        file: "forecast.cu",
+        text: include_str!("../../kernels/forecast.cu"),
+        preludes: &[],
+        functions: &["forecast_scores", "spin_wait"],
+    },
+    KernelSource {
         file: "kv_offload.cu",
         text: include_str!("../../kernels/kv_offload.cu"),
         preludes: &[],

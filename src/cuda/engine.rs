@@ -74,6 +74,8 @@ use crate::weights::Checkpoint;
 use crate::{Error, Result};
 use cudarc::driver::{CudaGraph, CudaSlice, LaunchConfig, PushKernelArg};
 
+#[path = "engine_forecast.rs"]
+mod forecast;
 #[path = "engine_offload.rs"]
 mod offloaded;
 pub use offloaded::{FetchEngine, OffloadOptions, OffloadStats};
@@ -519,6 +521,15 @@ pub struct GpuModel {
     timed_bytes: u64,
     fetched_at_timing: u64,
     offload_steps: u64,
+    /// QKV(+z) columns without forecast rows.
+    qkv_base_cols: usize,
+    /// Forecast mode: (column of the next layer's forecast, column of layer
+    /// 0's own forecast) in the fused QKV rows ([`GpuModel::set_forecast`]).
+    forecast_cols: Option<(usize, usize)>,
+    /// Forecast mode with offloaded KV: prefetch on the copy stream.
+    prefetch: bool,
+    /// Injected delay before each fetch, µs (stress check).
+    copy_delay_us: u32,
 }
 
 impl std::fmt::Debug for GpuModel {
@@ -736,6 +747,10 @@ impl GpuModel {
             timed_bytes: 0,
             fetched_at_timing: 0,
             offload_steps: 0,
+            qkv_base_cols: qkv_cols,
+            forecast_cols: None,
+            prefetch: false,
+            copy_delay_us: 0,
             prefill_mode: opts.prefill,
             plan,
             config: cfg,
@@ -1770,18 +1785,77 @@ impl GpuModel {
         }
         let ptrs = dptr(gpu, &st.ws.ptrs);
         self.offload_wait_write_back(st)?;
+        let forecast = self.forecast_cols.filter(|_| st.attn.sparse);
+        let prefetch = forecast.is_some() && self.prefetch && st.off.is_some();
+        let s_max = st.attn.s_max;
+        let lists = |l: usize| (l * n * hk * s_max, l * n * hk);
         for l in 0..nl {
             let tab = Tables::new(ptrs + (l * per_layer * 8) as u64, n, n);
             let qkv_off = l * n * w;
             let comp = self.gpu_selection().then_some((1usize, 1usize));
             let ring = st.off.as_ref().map_or(0, |o| o.ring_of(l));
             self.layer_front(l, &mut st.ws, n, n, qkv_off, &inp, &tab, comp, ring)?;
-            let sel_off = l * n * hk * st.attn.s_max;
-            let nsel_off = l * n * hk;
-            if st.attn.sparse {
-                self.gpu_select(&st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.sel)?;
-            }
-            let slots = self.offload_layer(st, l, sel_off, nsel_off, inp.lens)?;
+            let (sel_off, nsel_off) = lists(l);
+            let slots = match forecast {
+                None => {
+                    if st.attn.sparse {
+                        self.gpu_select(
+                            &st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.sel,
+                        )?;
+                    }
+                    self.offload_layer(st, l, sel_off, nsel_off, inp.lens)?
+                }
+                Some((fut, cur)) => {
+                    self.rope_forecast(&st.ws, n, qkv_off, inp.pos)?;
+                    if l == 0 {
+                        // layer 0 scores its own current-step windows with q_curr_proj
+                        self.forecast_select(
+                            &st.ws,
+                            n,
+                            qkv_off + cur,
+                            &tab,
+                            sel_off,
+                            nsel_off,
+                            inp.lens,
+                            0,
+                            &st.sel,
+                        )?;
+                        if self.offload_diff(st, 0, sel_off, nsel_off, inp.lens)? {
+                            let cs = gpu.stream().clone();
+                            self.offload_fetch(st, 0, &cs)?;
+                        }
+                    }
+                    if l + 1 < nl {
+                        // PREP(l+1): layer l+1's selection from this layer's forecast,
+                        // over its state as of the previous step
+                        let next = Tables::new(ptrs + ((l + 1) * per_layer * 8) as u64, n, n);
+                        let (ns_off, nn_off) = lists(l + 1);
+                        self.forecast_select(
+                            &st.ws,
+                            n,
+                            qkv_off + fut,
+                            &next,
+                            ns_off,
+                            nn_off,
+                            inp.lens,
+                            inp.pos,
+                            &st.sel,
+                        )?;
+                        if self.offload_diff(st, l + 1, ns_off, nn_off, inp.lens)? && prefetch {
+                            self.offload_prefetch(st, l + 1)?;
+                        }
+                    }
+                    if l >= 1 {
+                        if prefetch {
+                            self.offload_wait_fetched(st, l)?;
+                        } else if st.off.as_ref().is_some_and(|o| o.offloaded(l)) {
+                            let cs = gpu.stream().clone();
+                            self.offload_fetch(st, l, &cs)?;
+                        }
+                    }
+                    self.offload_attn_slots(st, l)
+                }
+            };
             self.layer_back(
                 l, &mut st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.attn, slots,
             )?;
@@ -2283,6 +2357,7 @@ impl GpuModel {
             kv_heads: hk,
             rows: n,
             nosa,
+            win_lens: 0,
         };
         // SAFETY: every row has ≤ nb_cap blocks (the kernel clears rows with
         // more) and Mc(pos+1) ≤ w_stride windows, its p (NOSA) holds them; the

@@ -175,6 +175,11 @@ pub(super) struct StepOffload {
     timing: Vec<(CudaEvent, CudaEvent)>,
     /// Some row completes a block in the step being enqueued (set by the host).
     pub(super) completes: bool,
+    /// The copy (prefetch) stream and, per layer, its ready / fetched events
+    /// (forecast mode with prefetch; runtime.md §2).
+    copy_stream: Arc<CudaStream>,
+    ready: Vec<CudaEvent>,
+    fetched: Vec<CudaEvent>,
 }
 
 impl Drop for StepOffload {
@@ -190,6 +195,11 @@ impl Drop for StepOffload {
 }
 
 impl StepOffload {
+    /// Whether layer `l` is offloaded.
+    pub(super) fn offloaded(&self, l: usize) -> bool {
+        self.offloaded[l]
+    }
+
     /// Ring tokens of layer `l` (0 when it is resident).
     pub(super) fn ring_of(&self, l: usize) -> usize {
         if self.offloaded[l] {
@@ -527,12 +537,34 @@ impl GpuModel {
             wb_done: None,
             timing,
             completes: false,
+            copy_stream: gpu
+                .context()
+                .new_stream()
+                .cuda("cuStreamCreate (copy)")?,
+            ready: (0..nl)
+                .map(|_| {
+                    gpu.context()
+                        .new_event(Some(
+                            cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+                        ))
+                        .cuda("cuEventCreate (ready)")
+                })
+                .collect::<Result<Vec<_>>>()?,
+            fetched: (0..nl)
+                .map(|_| {
+                    gpu.context()
+                        .new_event(Some(
+                            cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+                        ))
+                        .cuda("cuEventCreate (fetched)")
+                })
+                .collect::<Result<Vec<_>>>()?,
         })
     }
 
-    /// Offload work of layer `l` between selection and attention: the set
-    /// difference, then the fetch of the misses. Returns the attention's
-    /// (slot list, pool table, pool slots, ring tokens).
+    /// Offload work of layer `l` between selection and attention in the
+    /// synchronous mode: the set difference, then the fetch of the misses,
+    /// both on the compute stream. Returns the attention's slot arguments.
     pub(super) fn offload_layer(
         &self,
         st: &mut DecodeStep,
@@ -541,59 +573,139 @@ impl GpuModel {
         nsel_off: usize,
         lens: u64,
     ) -> Result<Option<(u64, u64, usize, usize)>> {
+        if !self.offload_diff(st, l, sel_off, nsel_off, lens)? {
+            return Ok(None);
+        }
+        let stream = self.gpu.stream().clone();
+        self.offload_fetch(st, l, &stream)?;
+        Ok(self.offload_attn_slots(st, l))
+    }
+
+    /// The attention's (slot list, pool table, pool slots, ring tokens) of
+    /// layer `l`, or None when it is resident.
+    pub(super) fn offload_attn_slots(
+        &self,
+        st: &DecodeStep,
+        l: usize,
+    ) -> Option<(u64, u64, usize, usize)> {
+        let off = st.off.as_ref()?;
+        if !off.offloaded[l] {
+            return None;
+        }
         let gpu = &*self.gpu;
-        let c = &self.config;
-        let (hk, dh) = (c.num_key_value_heads, c.head_dim);
+        let (n, hk, s_max) = (st.n, self.config.num_key_value_heads, st.attn.s_max);
+        Some((
+            dptr(gpu, &off.slot_list) + ((l * n * hk * s_max) * 4) as u64,
+            dptr(gpu, &off.tabs) + (l * 3 * n * 8) as u64,
+            off.slots,
+            ring_tokens(self.plan.budget.block_size),
+        ))
+    }
+
+    /// `slot_diff` of layer `l` on the compute stream over the lists at
+    /// `sel_off`/`nsel_off` (rows attending to `lens` tokens). Returns
+    /// false (nothing launched) when the layer is resident.
+    pub(super) fn offload_diff(
+        &self,
+        st: &mut DecodeStep,
+        l: usize,
+        sel_off: usize,
+        nsel_off: usize,
+        lens: u64,
+    ) -> Result<bool> {
+        let gpu = &*self.gpu;
+        let hk = self.config.num_key_value_heads;
         let n = st.n;
         let s_max = st.attn.s_max;
         let bs = self.plan.budget.block_size;
-        let Some(off) = st.off.as_mut() else {
-            return Ok(None);
+        let Some(off) = st.off.as_ref() else {
+            return Ok(false);
         };
         if !off.offloaded[l] {
-            return Ok(None);
+            return Ok(false);
         }
         let sl_slots = off.slots;
         let tab = dptr(gpu, &off.tabs) + (l * 3 * n * 8) as u64;
-        let (pool_tab, slot_tab, host_tab) = (tab, tab + (n * 8) as u64, tab + (2 * n * 8) as u64);
+        let slot_tab = tab + (n * 8) as u64;
         let slot_list = dptr(gpu, &off.slot_list) + ((l * n * hk * s_max) * 4) as u64;
         let fetch = dptr(gpu, &off.fetch) + ((l * n * hk * sl_slots * 2) * 4) as u64;
         let nfetch = dptr(gpu, &off.nfetch) + ((l * n * hk) * 4) as u64;
         let stats = dptr(gpu, &self.offload_counters) + ((l * 2) * 8) as u64;
         let sel = dptr(gpu, &st.ws.sel) + (sel_off * 4) as u64;
         let nsel = dptr(gpu, &st.ws.nsel) + (nsel_off * 4) as u64;
-        let (sm_, ss_, bs_, hk_, d_, n_) = (
+        let (sm_, ss_, bs_, hk_) = (
             i32_dim(s_max, "s_max")?,
+            i32_dim(sl_slots, "pool slots")?,
+            i32_dim(bs, "block size")?,
+            i32_dim(hk, "Hkv")?,
+        );
+        let f = gpu.function("slot_diff")?;
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(&sel)
+            .arg(&nsel)
+            .arg(&sm_)
+            .arg(&lens)
+            .arg(&slot_tab)
+            .arg(&ss_)
+            .arg(&bs_)
+            .arg(&hk_)
+            .arg(&slot_list)
+            .arg(&fetch)
+            .arg(&nfetch)
+            .arg(&stats);
+        let cfg = LaunchConfig {
+            grid_dim: (grid(n, "rows")?, grid(hk, "Hkv")?, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument list matches kernels/kv_offload.cu slot_diff; the lists
+        // hold n·Hkv·s_max entries, the slot maps Hkv·S, fetch n·Hkv·S pairs.
+        unsafe { b.launch(cfg) }.cuda("slot_diff")?;
+        Ok(true)
+    }
+
+    /// Enqueues the fetch of layer `l`'s misses (as its last `slot_diff`
+    /// listed them) on `stream` with the configured engine, timed by events
+    /// when fetch timing is on; with an injected copy delay
+    /// ([`GpuModel::set_copy_delay_us`]) a spin kernel runs first.
+    pub(super) fn offload_fetch(
+        &self,
+        st: &mut DecodeStep,
+        l: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        let gpu = &*self.gpu;
+        let c = &self.config;
+        let (hk, dh) = (c.num_key_value_heads, c.head_dim);
+        let n = st.n;
+        let bs = self.plan.budget.block_size;
+        let Some(off) = st.off.as_mut() else {
+            return Ok(());
+        };
+        let sl_slots = off.slots;
+        let tab = dptr(gpu, &off.tabs) + (l * 3 * n * 8) as u64;
+        let (pool_tab, host_tab) = (tab, tab + (2 * n * 8) as u64);
+        let fetch = dptr(gpu, &off.fetch) + ((l * n * hk * sl_slots * 2) * 4) as u64;
+        let nfetch = dptr(gpu, &off.nfetch) + ((l * n * hk) * 4) as u64;
+        let (ss_, bs_, hk_, d_, n_) = (
             i32_dim(sl_slots, "pool slots")?,
             i32_dim(bs, "block size")?,
             i32_dim(hk, "Hkv")?,
             i32_dim(dh, "D")?,
             i32_dim(n, "rows")?,
         );
-        let stream = gpu.stream();
-        {
-            let f = gpu.function("slot_diff")?;
+        if self.copy_delay_us > 0 {
+            let f = gpu.function("spin_wait")?;
+            let ns = self.copy_delay_us as u64 * 1000;
             let mut b = stream.launch_builder(f);
-            b.arg(&sel)
-                .arg(&nsel)
-                .arg(&sm_)
-                .arg(&lens)
-                .arg(&slot_tab)
-                .arg(&ss_)
-                .arg(&bs_)
-                .arg(&hk_)
-                .arg(&slot_list)
-                .arg(&fetch)
-                .arg(&nfetch)
-                .arg(&stats);
+            b.arg(&ns);
             let cfg = LaunchConfig {
-                grid_dim: (grid(n, "rows")?, grid(hk, "Hkv")?, 1),
-                block_dim: (128, 1, 1),
+                grid_dim: (1, 1, 1),
+                block_dim: (32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: argument list matches kernels/kv_offload.cu slot_diff; the lists
-            // hold n·Hkv·s_max entries, the slot maps Hkv·S, fetch n·Hkv·S pairs.
-            unsafe { b.launch(cfg) }.cuda("slot_diff")?;
+            // SAFETY: argument list matches spin_wait (kernels/forecast.cu).
+            unsafe { b.launch(cfg) }.cuda("spin_wait")?;
         }
         let timed = self.fetch_timing && !off.timing.is_empty();
         if timed {
@@ -628,7 +740,7 @@ impl GpuModel {
                 // pool tables at Hkv·S slots.
                 unsafe { b.launch(cfg) }.cuda("kv_fetch_sm")?;
             }
-            FetchEngine::Dma => self.fetch_dma_layer(off, l, n)?,
+            FetchEngine::Dma => self.fetch_dma_layer(off, l, n, stream)?,
         }
         if timed {
             off.timing[l]
@@ -636,18 +748,19 @@ impl GpuModel {
                 .record(stream)
                 .cuda("cuEventRecord (fetch)")?;
         }
-        Ok(Some((
-            slot_list,
-            dptr(gpu, &off.tabs) + (l * 3 * n * 8) as u64,
-            sl_slots,
-            ring_tokens(bs),
-        )))
+        Ok(())
     }
 
     /// The copy-engine fetch of layer `l`: waits for the layer's fetch
-    /// lists (one host synchronisation), then one `cuMemcpyBatchAsync` on
-    /// the compute stream.
-    fn fetch_dma_layer(&self, off: &StepOffload, l: usize, n: usize) -> Result<()> {
+    /// lists (one host synchronisation of the compute stream), then one
+    /// `cuMemcpyBatchAsync` on `stream`.
+    fn fetch_dma_layer(
+        &self,
+        off: &StepOffload,
+        l: usize,
+        n: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
         let gpu = &*self.gpu;
         let hk = self.config.num_key_value_heads;
         let s_slots = off.slots;
@@ -666,7 +779,7 @@ impl GpuModel {
             .collect();
         crate::cuda::offload::fetch_dma(
             gpu,
-            gpu.stream(),
+            stream,
             &fl,
             &nf,
             s_slots,
@@ -730,6 +843,38 @@ impl GpuModel {
                 .cuda("cuEventRecord (write-back done)")?,
         );
         Ok(())
+    }
+
+    /// Prefetch of layer `l` (forecast mode, runtime.md §2): records
+    /// ready(l) on the compute stream after its diff; the copy stream waits
+    /// for it, fetches the misses and records fetched(l).
+    pub(super) fn offload_prefetch(&self, st: &mut DecodeStep, l: usize) -> Result<()> {
+        let Some(off) = st.off.as_ref() else {
+            return Ok(());
+        };
+        let cs = off.copy_stream.clone();
+        off.ready[l]
+            .record(self.gpu.stream())
+            .cuda("cuEventRecord (ready)")?;
+        cs.wait(&off.ready[l]).cuda("cuStreamWaitEvent (ready)")?;
+        self.offload_fetch(st, l, &cs)?;
+        let off = st.off.as_ref().expect("offloaded");
+        off.fetched[l]
+            .record(&cs)
+            .cuda("cuEventRecord (fetched)")?;
+        Ok(())
+    }
+
+    /// The compute stream waits for fetched(l) before layer `l`'s attention.
+    pub(super) fn offload_wait_fetched(&self, st: &DecodeStep, l: usize) -> Result<()> {
+        match st.off.as_ref() {
+            Some(off) if off.offloaded[l] => self
+                .gpu
+                .stream()
+                .wait(&off.fetched[l])
+                .cuda("cuStreamWaitEvent (fetched)"),
+            _ => Ok(()),
+        }
     }
 
     /// Makes the compute stream wait for the last write-back (start of a step).

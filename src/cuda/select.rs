@@ -102,6 +102,9 @@ pub(crate) struct SelectBlocksArgs {
     pub rows: usize,
     /// NOSA rule (else InfLLM-V2).
     pub nosa: bool,
+    /// i32 [rows]: token counts whose windows Mc(·) are pooled instead of
+    /// Mc(lens) (forecast mode, spec §4: the previous step's state); 0 = lens.
+    pub win_lens: u64,
 }
 
 /// Launches `select_blocks` for `a` on the GPU's stream (spec §4 steps 3–6).
@@ -163,7 +166,8 @@ pub(crate) unsafe fn launch_select_blocks(
         .arg(&ints[9])
         .arg(&ints[10])
         .arg(&ints[11])
-        .arg(&nosa_i);
+        .arg(&nosa_i)
+        .arg(&a.win_lens);
     // SAFETY: argument list matches select_blocks in kernels/select.cu; the
     // buffers are live and sized as the caller promised.
     unsafe { l.launch(cfg) }.cuda(op).map(drop)
@@ -890,6 +894,7 @@ where
         kv_heads: hk,
         rows: b,
         nosa,
+        win_lens: 0,
     };
     // SAFETY: every size checked above (blocks ≤ nb_max, windows ≤ w_stride
     // and the p capacity, pooled rows of nb_stride, lists of B·Hkv·s_max).

@@ -96,6 +96,25 @@ impl ForecastWeights {
         Self::from_store(cfg, &store, path)
     }
 
+    /// Forecast weights from a command-line value: a file (see [`Self::open`])
+    /// or `synth[:SEED]` for random ones ([`Self::synth_tensors`]).
+    ///
+    /// Errors: a bad seed; as [`Self::open`].
+    pub fn from_arg(spec: &str, cfg: &ModelConfig) -> Result<Self> {
+        if spec == "synth" || spec.starts_with("synth:") {
+            let seed = match spec.strip_prefix("synth:") {
+                Some(x) => x
+                    .parse::<u64>()
+                    .map_err(|_| Error::Input(format!("--forecast synth:SEED: bad seed `{x}`")))?,
+                None => 0,
+            };
+            let store = TensorStore::from_tensors(Self::synth_tensors(cfg, seed));
+            Self::from_store(cfg, &store, Path::new("<synth>"))
+        } else {
+            Self::open(Path::new(spec), cfg)
+        }
+    }
+
     /// Random forecast tensors for `cfg` (q_future_proj of layers 0 … L−2 and
     /// q_curr_proj of layer 0), bf16, deterministic from `seed` (for
     /// benchmarks; `sparda synth --forecast`).
