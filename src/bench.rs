@@ -104,6 +104,7 @@ pub fn kv_name(kv: &Option<OffloadOptions>) -> String {
         Some(o) => match o.fetch {
             crate::cuda::engine::FetchEngine::Sm { ctas } => format!("offload-sm{ctas}"),
             crate::cuda::engine::FetchEngine::Dma => "offload-dma".into(),
+            crate::cuda::engine::FetchEngine::Auto => "offload-auto".into(),
         },
     }
 }
@@ -304,6 +305,7 @@ fn run_case(
     let mut base = json!({
         "attention": if sparse { "sparse" } else { "dense" },
         "kv": kv_name(&offload),
+        "fetch_engine": offload.map(|_| format!("{:?}", model.fetch_engine(batch))),
         "selection": if model.forecast_on() {
             if model.prefetch_on() { "forecast+prefetch" } else { "forecast, no prefetch" }
         } else { "query-aware (sync NOSA)" },
@@ -657,7 +659,10 @@ pub fn forecast_comparison(cases: &[Value]) -> Value {
         })
     };
     for c in cases {
-        if c["selection"] != "query-aware (sync NOSA)" || !c["kv"].as_str().is_some_and(|k| k.starts_with("offload")) {
+        if c["selection"] != "query-aware (sync NOSA)"
+            || !c["kv"].as_str().is_some_and(|k| k.starts_with("offload"))
+            || c.get("skipped").is_some()
+        {
             continue;
         }
         let (kv, b, l) = (&c["kv"], &c["batch"], &c["context"]);
@@ -667,6 +672,9 @@ pub fn forecast_comparison(cases: &[Value]) -> Value {
         ) else {
             continue;
         };
+        if pre.get("skipped").is_some() || nopre.get("skipped").is_some() {
+            continue;
+        }
         let step = |x: &Value| x["step_ms_mean"].as_f64().unwrap_or(f64::NAN);
         let (s_sync, s_pre, s_nopre) = (step(c), step(pre), step(nopre));
         let p = c["offload"]["fetch_timing"]["fetch_ms_per_step"]
@@ -685,7 +693,8 @@ pub fn forecast_comparison(cases: &[Value]) -> Value {
             "speedup": {"vs_sync": s_sync / s_pre, "vs_no_prefetch": sp_nopre},
             "vs_no_prefetch_over_bound": sp_nopre / bound,
             "target_vs_no_prefetch_0_9_bound_met": sp_nopre >= 0.9 * bound,
-            "target_vs_sync_1_4_applies": l.as_f64().unwrap_or(0.0) >= 65_536.0 && bl >= 2.0 * 1024.0 * 1024.0 && bound > 1.55,
+            "target_vs_sync_1_4_applies": l.as_f64().unwrap_or(0.0) >= 65_536.0 && bl >= 2e6 && bound > 1.55,
+            "target_vs_sync_1_4_met": s_sync / s_pre >= 1.4,
             "locality_gamma": {"sync": gamma(c), "forecast_prefetch": gamma(pre), "forecast_no_prefetch": gamma(nopre)},
         }));
     }
@@ -725,7 +734,11 @@ pub fn table(report: &Value) -> String {
                 .unwrap_or_default()
         ));
     }
-    for f in report["forecast_comparison"].as_array().into_iter().flatten() {
+    for f in report["forecast_comparison"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
         s.push_str(&format!(
             "forecast {} B={} L={}: P {:.2} ms C {:.2} ms bound {:.2}; speedup vs sync {:.2}, vs no-prefetch {:.2} ({:.0}% of bound)\n",
             f["kv"].as_str().unwrap_or("?"),
@@ -751,6 +764,70 @@ pub fn table(report: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn case(sel: &str, b: u64, l: u64, step: f64, fetch_ms: Option<f64>) -> Value {
+        let mut c = json!({"kv": "offload-sm16", "selection": sel, "batch": b, "context": l,
+            "step_ms_mean": step, "tokens_per_s": b as f64 * 1e3 / step,
+            "offload": {"locality_gamma": 0.8}});
+        if let Some(p) = fetch_ms {
+            c["offload"]["fetch_timing"] = json!({"fetch_ms_per_step": p});
+        }
+        c
+    }
+
+    #[test]
+    fn forecast_comparison_takes_p_and_c_from_the_sync_run() {
+        // sync 30 ms of which 10 fetch → C = 20, bound 1.5; prefetch 21, no prefetch 28
+        let cases = vec![
+            case("query-aware (sync NOSA)", 32, 65_536, 30.0, Some(10.0)),
+            case("forecast+prefetch", 32, 65_536, 21.0, Some(10.0)),
+            case("forecast, no prefetch", 32, 65_536, 28.0, Some(10.0)),
+            // another cell without forecast runs: no entry
+            case("query-aware (sync NOSA)", 8, 32_768, 12.0, Some(4.0)),
+        ];
+        let v = forecast_comparison(&cases);
+        let a = v.as_array().unwrap();
+        assert_eq!(a.len(), 1);
+        let f = &a[0];
+        assert_eq!(f["P_fetch_ms"], 10.0);
+        assert_eq!(f["C_rest_ms"], 20.0);
+        assert!((f["bound"].as_f64().unwrap() - 1.5).abs() < 1e-12);
+        assert!((f["speedup"]["vs_sync"].as_f64().unwrap() - 30.0 / 21.0).abs() < 1e-12);
+        assert!((f["speedup"]["vs_no_prefetch"].as_f64().unwrap() - 28.0 / 21.0).abs() < 1e-12);
+        // 1.333 / 1.5 = 0.889 < 0.9
+        assert_eq!(f["target_vs_no_prefetch_0_9_bound_met"], false);
+        // L = 64K, B·L = 2.1 M, but bound 1.5 ≤ 1.55: the 1.4× target does not apply
+        assert_eq!(f["target_vs_sync_1_4_applies"], false);
+        assert_eq!(f["target_vs_sync_1_4_met"], true);
+    }
+
+    #[test]
+    fn forecast_comparison_skips_cells_that_did_not_run() {
+        let mut pre = case("forecast+prefetch", 32, 131_072, 0.0, None);
+        pre["skipped"] = json!("needs more pinned memory");
+        let cases = vec![
+            case("query-aware (sync NOSA)", 32, 131_072, 30.0, Some(10.0)),
+            pre,
+            case("forecast, no prefetch", 32, 131_072, 28.0, Some(10.0)),
+        ];
+        assert_eq!(forecast_comparison(&cases).as_array().unwrap().len(), 0);
+    }
+
+    #[test]
+    fn kv_names_say_where_the_kv_lives_and_how_it_is_fetched() {
+        use crate::cuda::engine::FetchEngine;
+        assert_eq!(kv_name(&None), "gpu");
+        let o = OffloadOptions {
+            fetch: FetchEngine::Sm { ctas: 16 },
+            offload_layer0: false,
+        };
+        assert_eq!(kv_name(&Some(o)), "offload-sm16");
+        let o = OffloadOptions {
+            fetch: FetchEngine::Dma,
+            ..o
+        };
+        assert_eq!(kv_name(&Some(o)), "offload-dma");
+    }
 
     #[test]
     fn token_counts_accept_k_and_m_suffixes() {

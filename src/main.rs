@@ -253,6 +253,8 @@ enum KvArg {
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum FetchArg {
+    /// Per batch size and GPU (SM kernel; CTAs by SparDA's rule, 16 on the H200).
+    Auto,
     /// Persistent UVA copy kernel on --prefetch-ctas CTAs.
     Sm,
     /// The copy engines (cuMemcpyBatchAsync).
@@ -263,11 +265,11 @@ enum FetchArg {
 #[derive(Args, Clone)]
 struct OffloadArgs {
     /// Fetch engine(s) of offloaded KV (bench: each run in turn).
-    #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "sm")]
+    #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "auto")]
     fetch: Vec<FetchArg>,
-    /// CTAs of the SM fetch kernel.
-    #[arg(long, default_value_t = 16)]
-    prefetch_ctas: usize,
+    /// CTAs of the SM fetch kernel (default: by the per-GPU rule with --fetch auto, 16 with --fetch sm).
+    #[arg(long)]
+    prefetch_ctas: Option<usize>,
     /// Offload layer 0 too (default: it stays on the GPU, for every mode compared).
     #[arg(long)]
     offload_layer0: bool,
@@ -279,11 +281,11 @@ impl OffloadArgs {
         self.fetch
             .iter()
             .map(|f| OffloadOptions {
-                fetch: match f {
-                    FetchArg::Sm => FetchEngine::Sm {
-                        ctas: self.prefetch_ctas,
-                    },
-                    FetchArg::Dma => FetchEngine::Dma,
+                fetch: match (f, self.prefetch_ctas) {
+                    (FetchArg::Auto, None) => FetchEngine::Auto,
+                    (FetchArg::Auto | FetchArg::Sm, Some(ctas)) => FetchEngine::Sm { ctas },
+                    (FetchArg::Sm, None) => FetchEngine::Sm { ctas: 16 },
+                    (FetchArg::Dma, _) => FetchEngine::Dma,
                 },
                 offload_layer0: self.offload_layer0,
             })

@@ -55,7 +55,12 @@ impl GpuModel {
                     nl.saturating_sub(2)
                 )));
             }
-            if let Some(l) = fw.future.iter().take(nl - 1).position(|w| w.len() != fd * d) {
+            if let Some(l) = fw
+                .future
+                .iter()
+                .take(nl - 1)
+                .position(|w| w.len() != fd * d)
+            {
                 return Err(Error::Input(format!(
                     "forecast weights: layer {l} q_future_proj has {} values, expected [{fd}, {d}]",
                     fw.future[l].len()
@@ -132,7 +137,13 @@ impl GpuModel {
 
     /// RoPE on the 2·Hkv forecast heads of n rows at `qkv_off` (positions
     /// `pos`), after the fused GEMM.
-    pub(super) fn rope_forecast(&self, ws: &Workspace, n: usize, qkv_off: usize, pos: u64) -> Result<()> {
+    pub(super) fn rope_forecast(
+        &self,
+        ws: &Workspace,
+        n: usize,
+        qkv_off: usize,
+        pos: u64,
+    ) -> Result<()> {
         let Some((fut, _)) = self.forecast_cols else {
             return Ok(());
         };
@@ -158,13 +169,23 @@ impl GpuModel {
             .arg(&sinp)
             .arg(&tr);
         let cfg = LaunchConfig {
-            grid_dim: (grid(n, "rows")?, grid(2 * c.num_key_value_heads, "heads")?, 1),
-            block_dim: (((c.head_dim / 2).div_ceil(32) * 32).clamp(32, 128) as u32, 1, 1),
+            grid_dim: (
+                grid(n, "rows")?,
+                grid(2 * c.num_key_value_heads, "heads")?,
+                1,
+            ),
+            block_dim: (
+                ((c.head_dim / 2).div_ceil(32) * 32).clamp(32, 128) as u32,
+                1,
+                1,
+            ),
             shared_mem_bytes: 0,
         };
         // SAFETY: argument list matches kernels/rope.cu; the rows hold qkv_cols
         // columns, the forecast heads at [fut, fut + 2·Hkv·D).
-        unsafe { b.launch(cfg) }.cuda("rope_neox (forecast)").map(drop)
+        unsafe { b.launch(cfg) }
+            .cuda("rope_neox (forecast)")
+            .map(drop)
     }
 
     /// Forecast selection (spec §4) of the layer whose tables are `target`

@@ -45,8 +45,41 @@ pub enum FetchEngine {
     },
     /// The copy engines: one `cuMemcpyBatchAsync` per layer per step over
     /// the misses (32 KiB chunks at D = 128). The host reads each layer's
-    /// fetch list first, so this engine synchronises once per layer.
+    /// fetch lists first, so this engine synchronises once per layer.
     Dma,
+    /// Chosen per batch size and GPU by [`fetch_rule`] (the default).
+    Auto,
+}
+
+/// The default fetch engine for `batch` sequences on the GPU named
+/// `gpu_name` (runtime.md §2, §4; issue 5 item 5), used by
+/// [`FetchEngine::Auto`] until a tuning table exists:
+/// - the SM copy kernel everywhere: on the H200 (2026-11-30,
+///   benches/results/issue4_offload_*.json) it moved 49.5–50.8 GB/s on 16
+///   CTAs at B = 16–64 against 19.5–24.3 GB/s for the copy engines (32 KiB
+///   chunks, one host sync per layer for the fetch list);
+/// - its CTA count as SparDA's authors set it: H100 16 for B ≤ 16 else 32,
+///   A100 16 for B ≤ 32 else 32, every other GPU (the H200 included) 16 —
+///   on the H200 8–32 CTAs all reach 51 GB/s alone (gpu-check), so more
+///   CTAs would only take SMs from the compute stream.
+pub fn fetch_rule(gpu_name: &str, batch: usize) -> FetchEngine {
+    let name = gpu_name.to_ascii_uppercase();
+    let ctas = if name.contains("H100") {
+        if batch <= 16 {
+            16
+        } else {
+            32
+        }
+    } else if name.contains("A100") {
+        if batch <= 32 {
+            16
+        } else {
+            32
+        }
+    } else {
+        16
+    };
+    FetchEngine::Sm { ctas }
 }
 
 impl FetchEngine {
@@ -55,6 +88,7 @@ impl FetchEngine {
         match self {
             FetchEngine::Sm { .. } => "sm",
             FetchEngine::Dma => "dma",
+            FetchEngine::Auto => "auto",
         }
     }
 }
@@ -247,6 +281,15 @@ impl GpuModel {
         self.offload = opts;
         self.step = None;
         Ok(())
+    }
+
+    /// The fetch engine for a batch of `batch` rows ([`FetchEngine::Auto`]
+    /// resolved by [`fetch_rule`]).
+    pub fn fetch_engine(&self, batch: usize) -> FetchEngine {
+        match self.offload.map_or(FetchEngine::Auto, |o| o.fetch) {
+            FetchEngine::Auto => fetch_rule(&self.gpu.info().name, batch),
+            e => e,
+        }
     }
 
     /// The offload settings in force.
@@ -537,10 +580,7 @@ impl GpuModel {
             wb_done: None,
             timing,
             completes: false,
-            copy_stream: gpu
-                .context()
-                .new_stream()
-                .cuda("cuStreamCreate (copy)")?,
+            copy_stream: gpu.context().new_stream().cuda("cuStreamCreate (copy)")?,
             ready: (0..nl)
                 .map(|_| {
                     gpu.context()
@@ -714,10 +754,7 @@ impl GpuModel {
                 .record(stream)
                 .cuda("cuEventRecord (fetch)")?;
         }
-        match self
-            .offload
-            .map_or(FetchEngine::Sm { ctas: 16 }, |o| o.fetch)
-        {
+        match self.fetch_engine(n) {
             FetchEngine::Sm { ctas } => {
                 let f = gpu.function("kv_fetch_sm")?;
                 let mut b = stream.launch_builder(f);
@@ -741,6 +778,11 @@ impl GpuModel {
                 unsafe { b.launch(cfg) }.cuda("kv_fetch_sm")?;
             }
             FetchEngine::Dma => self.fetch_dma_layer(off, l, n, stream)?,
+            FetchEngine::Auto => {
+                return Err(Error::Input(
+                    "fetch engine left unresolved (fetch_rule never returns Auto)".into(),
+                ))
+            }
         }
         if timed {
             off.timing[l]
@@ -859,9 +901,7 @@ impl GpuModel {
         cs.wait(&off.ready[l]).cuda("cuStreamWaitEvent (ready)")?;
         self.offload_fetch(st, l, &cs)?;
         let off = st.off.as_ref().expect("offloaded");
-        off.fetched[l]
-            .record(&cs)
-            .cuda("cuEventRecord (fetched)")?;
+        off.fetched[l].record(&cs).cuda("cuEventRecord (fetched)")?;
         Ok(())
     }
 
@@ -1004,4 +1044,62 @@ impl GpuModel {
 /// is a multiple of the block size).
 pub(super) fn step_completes_block(seqs: &[GpuSequence], block_size: usize) -> bool {
     seqs.iter().any(|s| (s.len + 1) % block_size == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn locality_is_one_minus_fetched_over_selected_per_offloaded_layer() {
+        let st = OffloadStats {
+            selected: vec![0, 200, 100],
+            fetched: vec![0, 50, 0],
+            chunk_bytes: 32 << 10,
+            fetch_ms: 2.0,
+            timed_bytes: 100_000_000,
+            steps: 4,
+        };
+        assert_eq!(st.locality(), vec![None, Some(0.75), Some(1.0)]);
+        assert!((st.locality_all() - (1.0 - 50.0 / 300.0)).abs() < 1e-12);
+        assert_eq!(st.bytes_fetched(), 50 * (32 << 10));
+        // 1e8 bytes in 2 ms = 50 GB/s
+        assert!((st.fetch_gb_s() - 50.0).abs() < 1e-9);
+        assert_eq!(OffloadStats::default().fetch_gb_s(), 0.0);
+        assert_eq!(OffloadStats::default().locality_all(), 1.0);
+    }
+
+    #[test]
+    fn the_ring_holds_the_current_and_previous_block() {
+        assert_eq!(ring_tokens(64), 128);
+        assert_eq!(FetchEngine::Sm { ctas: 16 }.name(), "sm");
+        assert_eq!(FetchEngine::Dma.name(), "dma");
+        assert_eq!(
+            OffloadOptions::default().fetch,
+            FetchEngine::Sm { ctas: 16 }
+        );
+        assert!(!OffloadOptions::default().offload_layer0);
+    }
+
+    #[test]
+    fn the_default_fetch_rule_follows_sparda_per_gpu_and_batch() {
+        assert_eq!(fetch_rule("NVIDIA H200", 1), FetchEngine::Sm { ctas: 16 });
+        assert_eq!(fetch_rule("NVIDIA H200", 64), FetchEngine::Sm { ctas: 16 });
+        assert_eq!(
+            fetch_rule("NVIDIA H100 80GB HBM3", 16),
+            FetchEngine::Sm { ctas: 16 }
+        );
+        assert_eq!(
+            fetch_rule("NVIDIA H100 80GB HBM3", 17),
+            FetchEngine::Sm { ctas: 32 }
+        );
+        assert_eq!(
+            fetch_rule("NVIDIA A100-SXM4-80GB", 32),
+            FetchEngine::Sm { ctas: 16 }
+        );
+        assert_eq!(
+            fetch_rule("NVIDIA A100-SXM4-80GB", 33),
+            FetchEngine::Sm { ctas: 32 }
+        );
+    }
 }
