@@ -95,6 +95,12 @@ pub struct BenchSpec {
     pub forecast: Option<String>,
     /// Prefetch settings of the forecast runs (true = on).
     pub prefetch: Vec<bool>,
+    /// With `forecast`: also run the synchronous NOSA selection.
+    pub sync: bool,
+    /// Traced steps per case (0: no tracing; needs a trace session, see
+    /// [`crate::trace::init_subscriber`]); as many untraced eager steps run
+    /// first, for the overhead figure.
+    pub trace_steps: usize,
 }
 
 /// Name of a KV placement in reports: `gpu`, `offload-sm16`, `offload-dma`.
@@ -273,7 +279,11 @@ fn run_case(
 ) -> Result<Value> {
     let gpu = model.gpu().clone();
     let offload = model.offload_options();
-    let extra = if compare_modes { 2 * spec.steps + 8 } else { 0 } + 2 + spec.fetch_timing_steps;
+    let extra = if compare_modes { 2 * spec.steps + 8 } else { 0 }
+        + 2
+        + spec.fetch_timing_steps
+        + 2 * spec.trace_steps
+        + 2;
     let cap = context + spec.warmup + spec.steps + extra + 1;
     let footprint = model.offload_footprint(batch, cap);
     let kv_bytes = if offload.is_some() {
@@ -464,6 +474,37 @@ fn run_case(
         model.set_decode_mode(DecodeMode::Graph);
         v["other_decode_modes"] = Value::Object(modes);
     }
+    if spec.trace_steps > 0 && crate::trace::is_recording() {
+        // Overhead of tracing: the same eager steps without, then with spans.
+        let mode = model.decode_mode();
+        model.set_decode_mode(DecodeMode::Eager);
+        model.decode(&mut seqs, &first)?;
+        let plain = time_steps(model, &mut seqs, spec.trace_steps, true, &first)?;
+        model.set_trace(true)?;
+        let _span = tracing::info_span!(target: "sparda::bench", "traced steps",
+            batch, context, kv = kv_name(&offload).as_str(), selection = v["selection"].as_str().unwrap_or(""))
+        .entered();
+        model.decode(&mut seqs, &first)?;
+        let traced = time_steps(model, &mut seqs, spec.trace_steps, true, &first)?;
+        drop(_span);
+        let spans = model.flush_trace()?;
+        model.set_trace(false)?;
+        model.set_decode_mode(mode);
+        let (pm, tm) = (
+            plain.iter().sum::<f64>() / plain.len() as f64,
+            traced.iter().sum::<f64>() / traced.len() as f64,
+        );
+        eprintln!(
+            "    trace: {} steps, {:.3} ms/step untraced vs {:.3} traced (+{:.1}%), {spans} GPU spans",
+            spec.trace_steps,
+            pm,
+            tm,
+            100.0 * (tm / pm - 1.0)
+        );
+        v["trace"] = json!({"steps": spec.trace_steps, "untraced_step_ms": pm, "traced_step_ms": tm,
+            "overhead_pct": 100.0 * (tm / pm - 1.0), "gpu_spans": spans,
+            "note": "both eager (no CUDA graph), same batch, consecutive steps; a traced step also reads back the fetch counts of its fetch spans"});
+    }
     if spec.profile_reps > 0 && offload.is_none() {
         // Per-piece times of the step (leaves the batch's state garbage: last).
         model.set_decode_mode(DecodeMode::Graph);
@@ -557,7 +598,11 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
         .map(|f| crate::model::forecast::ForecastWeights::from_arg(f, &cfg))
         .transpose()?;
     // selection modes of an offloaded case: sync NOSA, then forecast × prefetch
-    let mut sel_modes: Vec<Option<bool>> = vec![None];
+    let mut sel_modes: Vec<Option<bool>> = if forecast.is_none() || spec.sync {
+        vec![None]
+    } else {
+        Vec::new()
+    };
     if forecast.is_some() {
         sel_modes.extend(spec.prefetch.iter().map(|&p| Some(p)));
     }
@@ -886,6 +931,8 @@ mod tests {
             fetch_timing_steps: 0,
             forecast: None,
             prefetch: vec![],
+            sync: true,
+            trace_steps: 0,
         };
         assert!(matches!(run(&spec), Err(Error::Cuda(_))));
     }

@@ -104,12 +104,17 @@ pub fn run_loop(
     let greedy = req.sampling.temperature == 0.0 || req.sampling.top_k == 1;
     let mut sampler = Sampler::new(req.sampling);
     let t = Instant::now();
-    engine.prefill(&req.prompt, &mut progress)?;
+    {
+        let _span = tracing::info_span!(target: "sparda::generate", "prefill", tokens = req.prompt.len()).entered();
+        engine.prefill(&req.prompt, &mut progress)?;
+    }
     let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
     let t = Instant::now();
     let mut tokens = Vec::new();
     let mut stop = StopReason::MaxTokens;
     while tokens.len() < req.max_new_tokens {
+        let _span =
+            tracing::info_span!(target: "sparda::generate", "decode step", step = tokens.len()).entered();
         let tok = engine.next_token(&mut sampler, greedy)?;
         tokens.push(tok);
         on_token(tok)?;

@@ -232,6 +232,11 @@ struct GenerateArgs {
     kv: KvArg,
     #[command(flatten)]
     offload: OffloadArgs,
+    /// Write a Chrome/Perfetto trace of the run here: host spans plus GPU
+    /// spans per layer and step on one track per stream (decode then runs
+    /// without CUDA graphs).
+    #[arg(long)]
+    trace: Option<PathBuf>,
     /// Write the run's tokens and timings as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -366,6 +371,17 @@ struct BenchArgs {
     /// Prefetch settings of the forecast runs.
     #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "on,off")]
     prefetch: Vec<OnOff>,
+    /// With --forecast: also run the synchronous NOSA selection (the baseline).
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    sync: OnOff,
+    /// Write a Chrome/Perfetto trace here: after each case's timed steps,
+    /// --trace-steps more steps run with GPU spans (and as many without, to
+    /// measure the tracing overhead).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Traced steps per case with --trace.
+    #[arg(long, default_value_t = 4)]
+    trace_steps: usize,
     /// Report path.
     #[arg(long)]
     json: PathBuf,
@@ -391,14 +407,19 @@ struct SynthArgs {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("SPARDA_LOG")
-                .unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    let trace_path = match &cli.cmd {
+        Cmd::Generate(a) => a.trace.clone(),
+        Cmd::Bench(a) => a.trace.clone(),
+        _ => None,
+    };
+    let session = match sparda::trace::init_subscriber(trace_path.as_deref()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+    };
     let r = match cli.cmd {
         Cmd::Generate(a) => cmd_generate(a),
         Cmd::Synth(a) => cmd_synth(a),
@@ -423,6 +444,18 @@ fn main() {
         Cmd::GpuCheck { json } => sparda::cuda::check::gpu_check(&json)
             .and_then(|ok| check_outcome("gpu-check", "kernel", ok, &json)),
     };
+    let r = r.and_then(|()| match session {
+        Some(s) => {
+            let path = s.path().to_path_buf();
+            s.finish().map(|_| {
+                eprintln!(
+                    "trace written to {} (open in ui.perfetto.dev; `sparda trace summarize` for the numbers)",
+                    path.display()
+                )
+            })
+        }
+        None => Ok(()),
+    });
     if let Err(e) = r {
         eprintln!("error: {e}");
         std::process::exit(1);
@@ -473,6 +506,8 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         fetch_timing_steps: a.fetch_timing_steps,
         forecast: a.forecast,
         prefetch: a.prefetch.iter().map(|p| *p == OnOff::On).collect(),
+        sync: a.sync == OnOff::On,
+        trace_steps: if a.trace.is_some() { a.trace_steps } else { 0 },
     };
     let report = sparda::bench::run(&spec)?;
     std::fs::write(
@@ -760,6 +795,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         if let Some(f) = &forecast {
             m.set_forecast(Some(f), a.prefetch == OnOff::On)?;
         }
+        m.set_trace(a.trace.is_some())?;
         eprintln!(
             "weights on {} in {:.1} s",
             m.gpu().info().name,
@@ -834,7 +870,11 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     };
     let out = match engine {
         Engine::Cpu(model) => generate::generate_cpu(&model, &req, progress, on_token)?.0,
-        Engine::Cuda(mut model) => generate::generate_gpu(&mut model, &req, progress, on_token)?,
+        Engine::Cuda(mut model) => {
+            let out = generate::generate_gpu(&mut model, &req, progress, on_token)?;
+            model.flush_trace()?;
+            out
+        }
     };
     writeln!(stdout).ok();
     eprintln!(

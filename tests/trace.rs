@@ -801,3 +801,45 @@ fn host_call_costs(stream: &std::sync::Arc<cudarc::driver::CudaStream>) {
         "host µs per call: record {safe_record:.3} (raw {raw_record:.3}), capture status {capture:.3} (raw {raw_capture:.3}), bind_to_thread {bind:.3}, event query {query:.3}"
     );
 }
+
+/// `generate --trace FILE` on the CPU reference writes a Chrome trace with
+/// the host spans of the run (prefill and one span per decode step, with
+/// its step number), and no GPU tracks.
+#[test]
+fn generate_with_trace_writes_host_spans_of_prefill_and_each_decode_step() {
+    let dir = std::env::temp_dir().join(format!("sparda-trace-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("run.json");
+    let tok = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(".fixtures/smollm2-135m-instruct/tokenizer.json");
+    if !tok.exists() {
+        panic!("run scripts/fixture.sh first: {} is missing", tok.display());
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sparda"))
+        .args(["generate", "--backend", "cpu", "--model", "synth:tiny", "--ignore-eos"])
+        .args(["--prompt", "The quick brown fox", "--max-new-tokens", "5"])
+        .arg("--tokenizer")
+        .arg(&tok)
+        .arg("--trace")
+        .arg(&trace)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = v["traceEvents"].as_array().expect("traceEvents");
+    let named = |n: &str| {
+        events
+            .iter()
+            .filter(|e| e["name"] == n && (e["ph"] == "X" || e["ph"] == "B"))
+            .count()
+    };
+    assert_eq!(named("prefill"), 1, "{events:?}");
+    // 5 tokens: a decode-step span around each token's choice (the last one
+    // chooses without a decode after it)
+    assert_eq!(named("decode step"), 5);
+    assert!(events
+        .iter()
+        .all(|e| e["tid"].as_u64().is_none_or(|t| t < 1_000_000) || e["ph"] == "M"));
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -72,12 +72,15 @@ use crate::model::{AttentionPlan, PrefillMode};
 use crate::weights::names::{self, LayerTensor};
 use crate::weights::Checkpoint;
 use crate::{Error, Result};
+use crate::trace::Track;
 use cudarc::driver::{CudaGraph, CudaSlice, LaunchConfig, PushKernelArg};
 
 #[path = "engine_forecast.rs"]
 mod forecast;
 #[path = "engine_offload.rs"]
 mod offloaded;
+#[path = "engine_trace.rs"]
+mod tracing_spans;
 pub use offloaded::{FetchEngine, OffloadOptions, OffloadStats};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -530,6 +533,12 @@ pub struct GpuModel {
     prefetch: bool,
     /// Injected delay before each fetch, µs (stress check).
     copy_delay_us: u32,
+    /// GPU spans for `--trace` (disabled: no CUDA calls).
+    timeline: std::cell::RefCell<super::timeline::GpuTimeline>,
+    /// Decode steps traced so far (span args).
+    trace_step: std::cell::Cell<u32>,
+    /// Fetch spans of the step being enqueued, (layer, span).
+    fetch_spans: std::cell::RefCell<Vec<(usize, super::timeline::SpanId)>>,
 }
 
 impl std::fmt::Debug for GpuModel {
@@ -751,6 +760,9 @@ impl GpuModel {
             forecast_cols: None,
             prefetch: false,
             copy_delay_us: 0,
+            timeline: std::cell::RefCell::new(super::timeline::GpuTimeline::new(g, false)?),
+            trace_step: std::cell::Cell::new(0),
+            fetch_spans: std::cell::RefCell::new(Vec::new()),
             prefill_mode: opts.prefill,
             plan,
             config: cfg,
@@ -1588,6 +1600,7 @@ impl GpuModel {
             }
             let capture = self.decode_mode == DecodeMode::Graph
                 && st.off.is_none()
+                && !self.trace_on()
                 && st.graph.is_none()
                 && !st.capture_failed
                 && st.steps >= 1;
@@ -1624,6 +1637,7 @@ impl GpuModel {
                 self.record_step()?;
             }
             self.offload_collect_timing()?;
+            self.finish_traced_step()?;
         }
         Ok(())
     }
@@ -1794,19 +1808,25 @@ impl GpuModel {
             let qkv_off = l * n * w;
             let comp = self.gpu_selection().then_some((1usize, 1usize));
             let ring = st.off.as_ref().map_or(0, |o| o.ring_of(l));
+            let cs = gpu.stream().clone();
+            let sp = self.tspan(&cs, Track::Compute, "qkv", l)?;
             self.layer_front(l, &mut st.ws, n, n, qkv_off, &inp, &tab, comp, ring)?;
+            self.rope_forecast(&st.ws, n, qkv_off, inp.pos)?;
+            self.tspan_end(&cs, sp)?;
             let (sel_off, nsel_off) = lists(l);
             let slots = match forecast {
                 None => {
                     if st.attn.sparse {
+                        let sp = self.tspan(&cs, Track::Compute, "select", l)?;
                         self.gpu_select(
                             &st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.sel,
                         )?;
+                        self.tspan_end(&cs, sp)?;
                     }
                     self.offload_layer(st, l, sel_off, nsel_off, inp.lens)?
                 }
                 Some((fut, cur)) => {
-                    self.rope_forecast(&st.ws, n, qkv_off, inp.pos)?;
+                    let sp = self.tspan(&cs, Track::Compute, "select", l)?;
                     if l == 0 {
                         // layer 0 scores its own current-step windows with q_curr_proj
                         self.forecast_select(
@@ -1821,7 +1841,6 @@ impl GpuModel {
                             &st.sel,
                         )?;
                         if self.offload_diff(st, 0, sel_off, nsel_off, inp.lens)? {
-                            let cs = gpu.stream().clone();
                             self.offload_fetch(st, 0, &cs)?;
                         }
                     }
@@ -1841,15 +1860,22 @@ impl GpuModel {
                             inp.pos,
                             &st.sel,
                         )?;
-                        if self.offload_diff(st, l + 1, ns_off, nn_off, inp.lens)? && prefetch {
+                        self.tspan_end(&cs, sp)?;
+                        let sp = self.tspan(&cs, Track::Compute, "diff", l + 1)?;
+                        let offloaded = self.offload_diff(st, l + 1, ns_off, nn_off, inp.lens)?;
+                        self.tspan_end(&cs, sp)?;
+                        if offloaded && prefetch {
                             self.offload_prefetch(st, l + 1)?;
                         }
+                    } else {
+                        self.tspan_end(&cs, sp)?;
                     }
                     if l >= 1 {
                         if prefetch {
+                            let sp = self.tspan(&cs, Track::Compute, "wait", l)?;
                             self.offload_wait_fetched(st, l)?;
+                            self.tspan_end(&cs, sp)?;
                         } else if st.off.as_ref().is_some_and(|o| o.offloaded(l)) {
-                            let cs = gpu.stream().clone();
                             self.offload_fetch(st, l, &cs)?;
                         }
                     }
@@ -2124,6 +2150,8 @@ impl GpuModel {
             counters: if fused { dptr(gpu, &ws.attn_count) } else { 0 },
             ..args
         };
+        let cs = gpu.stream();
+        let sp = self.tspan(cs, Track::Compute, "attention", l)?;
         if self.on(StepPart::Attention) {
             ops::launch_attn_partial(gpu, &args)?;
         }
@@ -2140,6 +2168,8 @@ impl GpuModel {
                 geo.nsplit,
             )?;
         }
+        self.tspan_end(cs, sp)?;
+        let sp = self.tspan(cs, Track::Compute, "o_proj", l)?;
         let lw = &self.layers[l];
         if self.on(StepPart::OProj) {
             gpu.linear(
@@ -2154,6 +2184,8 @@ impl GpuModel {
                 Self::bias_add(gpu, dptr(gpu, &ws.delta), d, b, n, d)?;
             }
         }
+        self.tspan_end(cs, sp)?;
+        let sp = self.tspan(cs, Track::Compute, "ffn", l)?;
         if self.on(StepPart::NormPost) {
             ops::add_rmsnorm(
                 gpu,
@@ -2200,7 +2232,7 @@ impl GpuModel {
                 Self::bias_add(gpu, dptr(gpu, &ws.delta), d, b, n, d)?;
             }
         }
-        Ok(())
+        self.tspan_end(cs, sp)
     }
 
     /// Final residual add + norm (÷ logit divisor folded into its weight)

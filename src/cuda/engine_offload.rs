@@ -229,6 +229,21 @@ impl Drop for StepOffload {
 }
 
 impl StepOffload {
+    /// (block, head) tiles fetched per layer by the last step (downloads the
+    /// counts; synchronises).
+    pub(super) fn fetch_counts(&self, gpu: &Gpu, n: usize) -> Result<Vec<u64>> {
+        let hk = if n == 0 { 0 } else { self.nfetch.len() / (self.offloaded.len() * n).max(1) };
+        let nf = gpu.download(&self.nfetch)?;
+        Ok((0..self.offloaded.len())
+            .map(|l| {
+                nf[l * n * hk..((l + 1) * n * hk).min(nf.len())]
+                    .iter()
+                    .map(|&x| x.max(0) as u64)
+                    .sum()
+            })
+            .collect())
+    }
+
     /// Whether layer `l` is offloaded.
     pub(super) fn offloaded(&self, l: usize) -> bool {
         self.offloaded[l]
@@ -613,10 +628,13 @@ impl GpuModel {
         nsel_off: usize,
         lens: u64,
     ) -> Result<Option<(u64, u64, usize, usize)>> {
-        if !self.offload_diff(st, l, sel_off, nsel_off, lens)? {
+        let stream = self.gpu.stream().clone();
+        let sp = self.tspan(&stream, crate::trace::Track::Compute, "diff", l)?;
+        let offloaded = self.offload_diff(st, l, sel_off, nsel_off, lens)?;
+        self.tspan_end(&stream, sp)?;
+        if !offloaded {
             return Ok(None);
         }
-        let stream = self.gpu.stream().clone();
         self.offload_fetch(st, l, &stream)?;
         Ok(self.offload_attn_slots(st, l))
     }
@@ -754,6 +772,8 @@ impl GpuModel {
                 .record(stream)
                 .cuda("cuEventRecord (fetch)")?;
         }
+        let span = self.tspan(stream, crate::trace::Track::Copy, "fetch", l)?;
+        self.note_fetch_span(l, span);
         match self.fetch_engine(n) {
             FetchEngine::Sm { ctas } => {
                 let f = gpu.function("kv_fetch_sm")?;
@@ -784,6 +804,7 @@ impl GpuModel {
                 ))
             }
         }
+        self.tspan_end(stream, span)?;
         if timed {
             off.timing[l]
                 .1
@@ -861,6 +882,7 @@ impl GpuModel {
         let ptrs = dptr(gpu, &st.ws.ptrs);
         let per_layer = PTRS_PER_ROW * n + PTRS_PER_SEQ * n;
         let wbs = off.wb_stream.clone();
+        let span = self.tspan(&wbs, crate::trace::Track::WriteBack, "write-back", 0)?;
         for l in 0..self.layers.len() {
             if !off.offloaded[l] {
                 continue;
@@ -880,6 +902,7 @@ impl GpuModel {
                 hk * 2,
             )?;
         }
+        self.tspan_end(&wbs, span)?;
         off.wb_done = Some(
             wbs.record_event(None)
                 .cuda("cuEventRecord (write-back done)")?,

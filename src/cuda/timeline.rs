@@ -320,6 +320,17 @@ impl GpuTimeline {
         Ok(())
     }
 
+    /// Replaces the metadata of span `id` (open, or ended and not yet
+    /// collected), e.g. the bytes of a fetch known only after the step.
+    /// No-op when disabled, for [`SpanId::NONE`] or a span already collected.
+    pub fn set_meta(&mut self, id: SpanId, meta: SpanMeta) {
+        if let Some(r) = self.rec.as_deref_mut() {
+            if let Some(Some(slot)) = r.slots.get_mut(id.0 as usize) {
+                slot.meta = meta;
+            }
+        }
+    }
+
     /// Runs `enqueue` (which puts work on `stream`) inside a span: `begin`,
     /// `enqueue()`, `end`. The span is ended also when `enqueue` fails.
     ///

@@ -1,0 +1,114 @@
+//! GPU spans of the decode engine for `--trace` (issue 6; src/trace.rs,
+//! src/cuda/timeline.rs).
+//!
+//! With tracing on ([`GpuModel::set_trace`]) decode steps run eagerly (a
+//! replayed CUDA graph shows no spans) and every layer records, with CUDA
+//! events on the stream that runs it: `qkv` (input norm, fused QKV GEMM,
+//! RoPE, KV append, compression), `select` (query-aware or forecast
+//! selection, PREP of the next layer included), `diff`, `fetch` (on the
+//! copy track: with prefetch it runs on the copy stream, in the synchronous
+//! modes on the compute stream — a transfer all the same, exposed by
+//! construction), `wait` (the compute stream waiting for a prefetch),
+//! `attention` (+ split-K combine), `o_proj`, `ffn` (post-attention norm,
+//! gate|up, SwiGLU, down) and `write-back` (its own track). Span args carry
+//! layer and step; fetch spans also the bytes and (block, head) tiles
+//! fetched, read back after the step. With tracing off the timeline is
+//! disabled: no events, no CUDA calls.
+
+use super::*;
+use crate::cuda::timeline::{GpuTimeline, SpanId, SpanMeta};
+use crate::trace::Track;
+use cudarc::driver::CudaStream;
+
+impl GpuModel {
+    /// Records GPU spans from now on when `on` and a trace session is
+    /// recording ([`crate::trace::is_recording`]); anchors the timeline
+    /// (drains the compute stream). Decode steps then run without CUDA
+    /// graphs.
+    ///
+    /// Errors: CUDA failures while anchoring.
+    pub fn set_trace(&mut self, on: bool) -> Result<()> {
+        let enabled = on && crate::trace::is_recording();
+        if enabled == self.timeline.borrow().is_enabled() {
+            return Ok(());
+        }
+        let tl = GpuTimeline::new(&self.gpu, enabled)?;
+        *self.timeline.borrow_mut() = tl;
+        self.step = None;
+        Ok(())
+    }
+
+    /// Whether GPU spans are being recorded.
+    pub fn trace_on(&self) -> bool {
+        self.timeline.borrow().is_enabled()
+    }
+
+    /// Hands the recorded spans to the trace session (blocks until the GPU
+    /// work they cover is done). Returns the spans submitted.
+    ///
+    /// Errors: CUDA failures while timing the events.
+    pub fn flush_trace(&mut self) -> Result<usize> {
+        self.timeline.borrow_mut().submit()
+    }
+
+    /// Begins a span of `name` at `layer` on `stream` (no-op when tracing is off).
+    pub(super) fn tspan(
+        &self,
+        stream: &CudaStream,
+        track: Track,
+        name: &'static str,
+        layer: usize,
+    ) -> Result<SpanId> {
+        let mut tl = self.timeline.borrow_mut();
+        if !tl.is_enabled() {
+            return Ok(SpanId::NONE);
+        }
+        tl.begin(
+            stream,
+            track,
+            name,
+            SpanMeta::at(layer as u32, self.trace_step.get()),
+        )
+    }
+
+    /// Ends a span begun by [`GpuModel::tspan`].
+    pub(super) fn tspan_end(&self, stream: &CudaStream, id: SpanId) -> Result<()> {
+        if id.is_none() {
+            return Ok(());
+        }
+        self.timeline.borrow_mut().end(stream, id)
+    }
+
+    /// Notes a fetch span of `layer`, whose bytes are filled in after the step.
+    pub(super) fn note_fetch_span(&self, layer: usize, id: SpanId) {
+        if !id.is_none() {
+            self.fetch_spans.borrow_mut().push((layer, id));
+        }
+    }
+
+    /// After a traced step: reads each layer's fetch counts (synchronises)
+    /// and puts bytes and tiles on that layer's fetch span; advances the
+    /// step counter of the spans.
+    pub(super) fn finish_traced_step(&self) -> Result<()> {
+        if !self.trace_on() {
+            return Ok(());
+        }
+        let spans: Vec<(usize, SpanId)> = self.fetch_spans.borrow_mut().drain(..).collect();
+        if let (false, Some(st)) = (spans.is_empty(), self.step.as_ref()) {
+            if let Some(off) = st.off.as_ref() {
+                let per_layer = off.fetch_counts(&self.gpu, st.n)?;
+                let chunk = (2 * self.plan.budget.block_size * self.config.head_dim * 2) as u64;
+                let mut tl = self.timeline.borrow_mut();
+                for (l, id) in spans {
+                    let tiles = per_layer.get(l).copied().unwrap_or(0);
+                    tl.set_meta(
+                        id,
+                        SpanMeta::at(l as u32, self.trace_step.get()).moved(tiles * chunk, tiles as u32),
+                    );
+                }
+            }
+        }
+        self.trace_step.set(self.trace_step.get() + 1);
+        Ok(())
+    }
+}
