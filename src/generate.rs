@@ -105,7 +105,9 @@ pub fn run_loop(
     let mut sampler = Sampler::new(req.sampling);
     let t = Instant::now();
     {
-        let _span = tracing::info_span!(target: "sparda::generate", "prefill", tokens = req.prompt.len()).entered();
+        let _span =
+            tracing::info_span!(target: "sparda::generate", "prefill", tokens = req.prompt.len())
+                .entered();
         engine.prefill(&req.prompt, &mut progress)?;
     }
     let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
@@ -114,7 +116,8 @@ pub fn run_loop(
     let mut stop = StopReason::MaxTokens;
     while tokens.len() < req.max_new_tokens {
         let _span =
-            tracing::info_span!(target: "sparda::generate", "decode step", step = tokens.len()).entered();
+            tracing::info_span!(target: "sparda::generate", "decode step", step = tokens.len())
+                .entered();
         let tok = engine.next_token(&mut sampler, greedy)?;
         tokens.push(tok);
         on_token(tok)?;

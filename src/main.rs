@@ -81,6 +81,11 @@ struct OffloadCheckArgs {
     /// Greedy tokens generated per run.
     #[arg(long, default_value_t = 2048)]
     new_tokens: usize,
+    /// Sequences decoded together: sequence b takes the book from offset
+    /// 997·b, with 61·b fewer prompt tokens (different lengths, different
+    /// roll-over steps).
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
     /// Selection rule (a dense checkpoint gets a default sparse_config).
     #[arg(long, value_enum)]
     selection: Option<SelectionArg>,
@@ -546,6 +551,26 @@ fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
             a.prompt_tokens
         )));
     }
+    if a.batch == 0 || prompt.len() < a.prompt_tokens + 997 * a.batch.saturating_sub(1) {
+        return Err(Error::Input(format!(
+            "--batch {}: {} has {} tokens; {} sequences of up to {} tokens at offsets of 997 need {}",
+            a.batch,
+            a.prompt_file.display(),
+            prompt.len(),
+            a.batch,
+            a.prompt_tokens,
+            a.prompt_tokens + 997 * a.batch.saturating_sub(1)
+        )));
+    }
+    if a.prompt_tokens <= 61 * a.batch.saturating_sub(1) {
+        return Err(Error::Input(format!(
+            "--prompt-tokens {} is too short for --batch {} (sequence b gets 61·b fewer tokens)",
+            a.prompt_tokens, a.batch
+        )));
+    }
+    let prompts: Vec<Vec<u32>> = (0..a.batch)
+        .map(|b| prompt[997 * b..997 * b + a.prompt_tokens - 61 * b].to_vec())
+        .collect();
     prompt.truncate(a.prompt_tokens);
     generate::check_length(
         prompt.len(),
@@ -610,7 +635,7 @@ fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
         model.set_forecast(Some(f), false)?;
     }
     let (mut ok, mut v) =
-        sparda::cuda::check_identity::offload_identity(&mut model, &prompt, a.new_tokens, &modes)?;
+        sparda::cuda::check_identity::offload_identity(&mut model, &prompts, a.new_tokens, &modes)?;
     v["forecast"] = serde_json::json!(a.forecast);
     if let (Some(f), true) = (&forecast, a.cpu_check_steps > 0) {
         let mut cpu = CpuModel::new(&ckpt_cpu(&a.model)?, opts)?;

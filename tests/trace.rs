@@ -816,7 +816,14 @@ fn generate_with_trace_writes_host_spans_of_prefill_and_each_decode_step() {
         panic!("run scripts/fixture.sh first: {} is missing", tok.display());
     }
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_sparda"))
-        .args(["generate", "--backend", "cpu", "--model", "synth:tiny", "--ignore-eos"])
+        .args([
+            "generate",
+            "--backend",
+            "cpu",
+            "--model",
+            "synth:tiny",
+            "--ignore-eos",
+        ])
         .args(["--prompt", "The quick brown fox", "--max-new-tokens", "5"])
         .arg("--tokenizer")
         .arg(&tok)
@@ -824,7 +831,11 @@ fn generate_with_trace_writes_host_spans_of_prefill_and_each_decode_step() {
         .arg(&trace)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
     let events = v["traceEvents"].as_array().expect("traceEvents");

@@ -7,6 +7,9 @@
 #   scripts/device/offload.sh bench  OUT   offload benchmark grid on synthetic NOSA-8B
 #   scripts/device/offload.sh forecast OUT forecast-mode identity, stress and CPU-selection checks
 #   scripts/device/offload.sh fbench OUT   sync NOSA vs forecast ± prefetch (BATCH, CONTEXT, FETCH)
+#   scripts/device/offload.sh batch OUT    identity with batches of different-length sequences
+#   scripts/device/offload.sh traces OUT   the two example traces (sync vs prefetch), summaries, overhead
+#   scripts/device/offload.sh dmaprefetch OUT  copy engines vs SM kernel with prefetch
 set -euo pipefail
 phase=${1:?phase}
 out=${2:?out dir}
@@ -50,6 +53,39 @@ fbench)
     --forecast synth:1 --prefetch on,off --batch "${BATCH:-8,32}" --context "${CONTEXT:-32K}" \
     --steps "${STEPS:-32}" --fetch-timing-steps 8 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
     --json "$out/bench_forecast.json" 2>&1 | tail -30 || true
+  ;;
+batch)
+  # offloaded decode of a batch of different-length sequences (roll-overs and
+  # write-backs at different steps) against GPU-resident decode, bit for bit
+  $bin offload-check --model synth:tiny:7 --tokenizer "$tok" --prompt-file "$book" --prompt-tokens 900 \
+    --batch 8 --new-tokens 1024 --fetch sm,dma --json "$out/offload_tiny_batch8.json" 2>&1 | tail -4 || true
+  $bin offload-check --model synth:tiny:8 --tokenizer "$tok" --prompt-file "$book" --prompt-tokens 900 \
+    --batch 4 --new-tokens 1024 --fetch sm --forecast synth:3 --prefetch on,off --copy-delay-us 30 \
+    --json "$out/forecast_tiny_batch4.json" 2>&1 | tail -5 || true
+  $bin offload-check --model synth:nosa-8b --tokenizer "$tok" --prompt-file "$book" --prompt-tokens 5000 \
+    --batch 4 --new-tokens 512 --fetch sm --forecast synth:1 --prefetch on,off \
+    --json "$out/forecast_nosa8b_batch4.json" 2>&1 | tail -5 || true
+  ;;
+traces)
+  # issue 6: two example traces (sync NOSA fetch vs forecast + prefetch), their
+  # summaries and the tracing overhead, B=16 L=32K synthetic NOSA-8B
+  common=(--model synth:nosa-8b --attention sparse --kv offload --fetch auto --batch 16 --context 32K
+          --steps 8 --fetch-timing-steps 4 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" --trace-steps 4)
+  $bin bench "${common[@]}" --trace "$out/trace_sync.json" --json "$out/trace_sync_bench.json" 2>&1 | tail -4 || true
+  $bin bench "${common[@]}" --forecast synth:1 --prefetch on --sync off \
+    --trace "$out/trace_prefetch.json" --json "$out/trace_prefetch_bench.json" 2>&1 | tail -4 || true
+  for t in sync prefetch; do
+    $bin trace summarize "$out/trace_$t.json" > "$out/trace_${t}_summary.txt" 2>&1 || true
+    $bin trace summarize --json "$out/trace_$t.json" > "$out/trace_${t}_summary.json" 2>&1 || true
+    head -20 "$out/trace_${t}_summary.txt"
+  done
+  ls -la "$out"
+  ;;
+dmaprefetch)
+  # issue 5 item 5: copy engines vs SM kernel under prefetch
+  $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch sm,dma --forecast synth:1 \
+    --prefetch on --batch 32 --context 64K --steps 16 --fetch-timing-steps 4 --ceiling-reps 0 \
+    --profile-reps 0 --tokenizer "$tok" --json "$out/bench_dma_prefetch.json" 2>&1 | tail -12 || true
   ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -50,14 +50,16 @@ fn fnv1a(x: &[f32]) -> u64 {
     h
 }
 
-/// Greedy decode of `new_tokens` tokens after `prompt`, GPU-resident
-/// (`offload` None) or offloaded.
+/// Greedy decode of `new_tokens` tokens after each of `prompts` (a batch
+/// of B sequences of different lengths, decoded together), GPU-resident
+/// (`mode` None) or offloaded. Tokens and logit hashes are step-major:
+/// entry `step · B + b`.
 ///
 /// Errors: as [`GpuModel::prefill`], [`GpuModel::offload_sequence`],
 /// [`GpuModel::decode`].
 pub fn run(
     model: &mut GpuModel,
-    prompt: &[u32],
+    prompts: &[Vec<u32>],
     new_tokens: usize,
     mode: Option<Mode>,
 ) -> Result<Run> {
@@ -65,30 +67,45 @@ pub fn run(
     model.set_offload(offload)?;
     model.set_prefetch(mode.is_some_and(|m| m.prefetch));
     model.set_copy_delay_us(mode.map_or(0, |m| m.copy_delay_us));
-    let cap = prompt.len() + new_tokens + 1;
-    let mut seq = model.new_sequence(cap)?;
-    model.prefill(&mut seq, prompt, |_, _| {})?;
+    let nb = prompts.len();
+    let mut seqs = Vec::with_capacity(nb);
+    let mut tok = Vec::with_capacity(nb);
+    let mut tokens = Vec::with_capacity(new_tokens * nb);
+    let mut logit_hashes = Vec::with_capacity(new_tokens * nb);
+    for p in prompts {
+        let cap = p.len() + new_tokens + 1;
+        let mut seq = model.new_sequence(cap)?;
+        model.prefill(&mut seq, p, |_, _| {})?;
+        if offload.is_some() {
+            model.offload_sequence(&mut seq, cap)?;
+        }
+        logit_hashes.push(fnv1a(&model.download_logits()?));
+        tok.push(
+            *model
+                .argmax()?
+                .first()
+                .ok_or_else(|| Error::Cuda("argmax returned no token".into()))?,
+        );
+        seqs.push(seq);
+    }
     if offload.is_some() {
-        model.offload_sequence(&mut seq, cap)?;
         model.reset_offload_stats()?;
     }
-    let mut tokens = Vec::with_capacity(new_tokens);
-    let mut logit_hashes = Vec::with_capacity(new_tokens);
+    tokens.extend_from_slice(&tok);
     let t = std::time::Instant::now();
-    let mut tok = *model
-        .argmax()?
-        .first()
-        .ok_or_else(|| Error::Cuda("argmax returned no token".into()))?;
-    logit_hashes.push(fnv1a(&model.download_logits()?));
-    tokens.push(tok);
+    let v = model.config.vocab_size;
     for _ in 1..new_tokens {
-        model.decode(std::slice::from_mut(&mut seq), &[tok])?;
-        logit_hashes.push(fnv1a(&model.download_logits()?));
-        tok = *model
-            .argmax()?
-            .first()
-            .ok_or_else(|| Error::Cuda("argmax returned no token".into()))?;
-        tokens.push(tok);
+        model.decode(&mut seqs, &tok)?;
+        let logits = model.download_logits()?;
+        logit_hashes.extend(logits.chunks_exact(v).map(fnv1a));
+        tok = model.argmax()?;
+        if tok.len() != nb {
+            return Err(Error::Cuda(format!(
+                "argmax returned {} tokens for {nb} sequences",
+                tok.len()
+            )));
+        }
+        tokens.extend_from_slice(&tok);
     }
     let decode_ms = t.elapsed().as_secs_f64() * 1e3;
     let stats = if offload.is_some() {
@@ -96,7 +113,7 @@ pub fn run(
     } else {
         None
     };
-    drop(seq);
+    drop(seqs);
     model.set_offload(None)?;
     model.set_copy_delay_us(0);
     model.release_buffers();
@@ -114,11 +131,11 @@ pub fn run(
 /// Errors: as [`run`].
 pub fn offload_identity(
     model: &mut GpuModel,
-    prompt: &[u32],
+    prompts: &[Vec<u32>],
     new_tokens: usize,
     modes: &[Mode],
 ) -> Result<(bool, Value)> {
-    let base = run(model, prompt, new_tokens, None)?;
+    let base = run(model, prompts, new_tokens, None)?;
     eprintln!(
         "offload-check: GPU-resident sparse, {} tokens in {:.0} ms",
         base.tokens.len(),
@@ -129,7 +146,7 @@ pub fn offload_identity(
     let forecast = model.forecast_on();
     for m in modes {
         let o = &m.offload;
-        let r = run(model, prompt, new_tokens, Some(*m))?;
+        let r = run(model, prompts, new_tokens, Some(*m))?;
         let tok_mismatch = base.tokens.iter().zip(&r.tokens).position(|(a, b)| a != b);
         let logit_mismatch = base
             .logit_hashes
@@ -170,7 +187,7 @@ pub fn offload_identity(
             "identical": same,
             "first_token_mismatch": tok_mismatch,
             "first_logits_mismatch": logit_mismatch,
-            "steps": r.tokens.len(),
+            "steps": r.tokens.len() / prompts.len().max(1),
             "decode_ms": r.decode_ms,
             "locality_gamma": st.locality_all(),
             "locality_gamma_per_layer": st.locality(),
@@ -179,13 +196,14 @@ pub fn offload_identity(
         }));
     }
     let v = json!({
-        "prompt_tokens": prompt.len(),
+        "batch": prompts.len(),
+        "prompt_tokens": prompts.iter().map(Vec::len).collect::<Vec<_>>(),
         "new_tokens": new_tokens,
-        "final_context": prompt.len() + new_tokens,
+        "final_context": prompts.iter().map(|p| p.len() + new_tokens).collect::<Vec<_>>(),
         "resident": {"decode_ms": base.decode_ms, "tokens_head": &base.tokens[..base.tokens.len().min(32)]},
         "offloaded": runs,
         "identical": all,
-        "compared": "greedy token and FNV-1a hash of the f32 logits bits at every step",
+        "compared": "greedy token and FNV-1a hash of the f32 logits bits of every sequence at every step (the batch decoded together)",
     });
     Ok((all, v))
 }

@@ -69,10 +69,10 @@ use crate::cpu::EngineOptions;
 use crate::model::select::{self, Budget};
 use crate::model::state::LayerKv;
 use crate::model::{AttentionPlan, PrefillMode};
+use crate::trace::Track;
 use crate::weights::names::{self, LayerTensor};
 use crate::weights::Checkpoint;
 use crate::{Error, Result};
-use crate::trace::Track;
 use cudarc::driver::{CudaGraph, CudaSlice, LaunchConfig, PushKernelArg};
 
 #[path = "engine_forecast.rs"]

@@ -232,7 +232,11 @@ impl StepOffload {
     /// (block, head) tiles fetched per layer by the last step (downloads the
     /// counts; synchronises).
     pub(super) fn fetch_counts(&self, gpu: &Gpu, n: usize) -> Result<Vec<u64>> {
-        let hk = if n == 0 { 0 } else { self.nfetch.len() / (self.offloaded.len() * n).max(1) };
+        let hk = if n == 0 {
+            0
+        } else {
+            self.nfetch.len() / (self.offloaded.len() * n).max(1)
+        };
         let nf = gpu.download(&self.nfetch)?;
         Ok((0..self.offloaded.len())
             .map(|l| {

@@ -103,7 +103,8 @@ impl GpuModel {
                     let tiles = per_layer.get(l).copied().unwrap_or(0);
                     tl.set_meta(
                         id,
-                        SpanMeta::at(l as u32, self.trace_step.get()).moved(tiles * chunk, tiles as u32),
+                        SpanMeta::at(l as u32, self.trace_step.get())
+                            .moved(tiles * chunk, tiles as u32),
                     );
                 }
             }
