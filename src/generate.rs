@@ -115,9 +115,6 @@ pub fn run_loop(
     let mut tokens = Vec::new();
     let mut stop = StopReason::MaxTokens;
     while tokens.len() < req.max_new_tokens {
-        let _span =
-            tracing::info_span!(target: "sparda::generate", "decode step", step = tokens.len())
-                .entered();
         let tok = engine.next_token(&mut sampler, greedy)?;
         tokens.push(tok);
         on_token(tok)?;
@@ -128,6 +125,9 @@ pub fn run_loop(
         if tokens.len() == req.max_new_tokens {
             break;
         }
+        let _span =
+            tracing::info_span!(target: "sparda::generate", "decode step", step = tokens.len() - 1)
+                .entered();
         engine.decode(tok)?;
     }
     let decode_ms = t.elapsed().as_secs_f64() * 1e3;

@@ -119,7 +119,7 @@ struct OffloadCheckArgs {
 enum TraceCmd {
     /// Per-phase totals and per-step means, H2D total / exposed / hidden,
     /// overlap % and a per-layer table of a Chrome/Perfetto trace JSON
-    /// (recording with --trace comes with issue 6; see traces/README.md).
+    /// (written by `generate --trace` or `bench --trace`; see traces/README.md).
     Summarize {
         /// Trace JSON file.
         file: PathBuf,
@@ -286,6 +286,21 @@ struct OffloadArgs {
 }
 
 impl OffloadArgs {
+    /// Whether any offload flag differs from its default.
+    fn given(&self) -> bool {
+        self.fetch != [FetchArg::Auto] || self.prefetch_ctas.is_some() || self.offload_layer0
+    }
+
+    /// Rejects a CTA count the kernel cannot use.
+    fn validate(&self) -> Result<()> {
+        match self.prefetch_ctas {
+            Some(n) if n == 0 || n > 1024 => Err(Error::Input(format!(
+                "--prefetch-ctas {n}: give 1 … 1024 CTAs"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     fn options(&self) -> Vec<sparda::cuda::engine::OffloadOptions> {
         use sparda::cuda::engine::{FetchEngine, OffloadOptions};
         self.fetch
@@ -727,6 +742,31 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     };
     if backend == Backend::Cuda {
         sparda::cuda::require()?;
+    }
+    a.offload.validate()?;
+    if a.kv != KvArg::Offload && a.offload.given() {
+        return Err(Error::Input(
+            "--fetch, --prefetch-ctas and --offload-layer0 apply to offloaded KV: add --kv offload (CUDA backend)".into(),
+        ));
+    }
+    if a.prefetch == OnOff::Off && (a.kv != KvArg::Offload || a.forecast.is_none()) {
+        return Err(Error::Input(
+            "--prefetch off applies to forecast mode with offloaded KV (--forecast … --kv offload)"
+                .into(),
+        ));
+    }
+    if a.prompt_tokens == Some(0) {
+        return Err(Error::Input("--prompt-tokens must be ≥ 1".into()));
+    }
+    for p in [&a.json, &a.trace].into_iter().flatten() {
+        let dir = p.parent().filter(|d| !d.as_os_str().is_empty());
+        if let Some(d) = dir.filter(|d| !d.is_dir()) {
+            return Err(Error::Input(format!(
+                "{}: directory {} does not exist",
+                p.display(),
+                d.display()
+            )));
+        }
     }
     let text = match (&a.prompt, &a.prompt_file) {
         (Some(t), None) => t.clone(),

@@ -319,7 +319,11 @@ impl TraceSession {
         }
         let file = std::fs::File::create(&host_path).map_err(|e| {
             sink().take();
-            Error::io(&host_path, e)
+            Error::Input(format!(
+                "--trace {}: cannot write there ({e}; host spans go to {} during the run)",
+                path.display(),
+                host_path.display()
+            ))
         })?;
         let (layer, guard) = tracing_chrome::ChromeLayerBuilder::new()
             .writer(file)

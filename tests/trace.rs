@@ -846,9 +846,8 @@ fn generate_with_trace_writes_host_spans_of_prefill_and_each_decode_step() {
             .count()
     };
     assert_eq!(named("prefill"), 1, "{events:?}");
-    // 5 tokens: a decode-step span around each token's choice (the last one
-    // chooses without a decode after it)
-    assert_eq!(named("decode step"), 5);
+    // 5 tokens: the first from the prefill's logits, then 4 decode steps
+    assert_eq!(named("decode step"), 4);
     assert!(events
         .iter()
         .all(|e| e["tid"].as_u64().is_none_or(|t| t < 1_000_000) || e["ph"] == "M"));

@@ -136,7 +136,7 @@ pub fn require() -> Result<()> {
     let missing = missing_libraries();
     if !missing.is_empty() {
         return Err(Error::Cuda(format!(
-            "--backend cuda needs an NVIDIA GPU with CUDA 13 libraries; not found: {} (set LD_LIBRARY_PATH=/usr/local/cuda/lib64; `generate --backend cpu` runs without a GPU)",
+            "the CUDA backend (generate --backend cuda, bench, offload-check, gpu-check) needs an NVIDIA GPU with CUDA 13 libraries; not found: {} (set LD_LIBRARY_PATH=/usr/local/cuda/lib64; `generate --backend cpu` runs without a GPU)",
             missing.join(", ")
         )));
     }
