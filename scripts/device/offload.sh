@@ -9,6 +9,7 @@
 #   scripts/device/offload.sh fbench OUT   sync NOSA vs forecast ± prefetch (BATCH, CONTEXT, FETCH)
 #   scripts/device/offload.sh batch OUT    identity with batches of different-length sequences
 #   scripts/device/offload.sh traces OUT   the two example traces (sync vs prefetch), summaries, overhead
+#   scripts/device/offload.sh priority OUT copy stream priority high vs default under prefetch
 #   scripts/device/offload.sh dmaprefetch OUT  copy engines vs SM kernel with prefetch
 set -euo pipefail
 phase=${1:?phase}
@@ -80,6 +81,14 @@ traces)
     head -20 "$out/trace_${t}_summary.txt"
   done
   ls -la "$out"
+  ;;
+priority)
+  # copy stream at the greatest priority (default) vs the default priority, forecast + prefetch
+  for pr in 1 0; do
+    SPARDA_COPY_PRIORITY=$pr $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch auto \
+      --forecast synth:1 --prefetch on,off --batch 16 --context 64K --steps 16 --fetch-timing-steps 4 \
+      --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" --json "$out/bench_priority_$pr.json" 2>&1 | tail -3 || true
+  done
   ;;
 dmaprefetch)
   # issue 5 item 5: copy engines vs SM kernel under prefetch

@@ -263,6 +263,27 @@ impl StepOffload {
     }
 }
 
+/// The copy (prefetch) stream: created with the context's greatest stream
+/// priority, so that the fetch kernel's CTAs are scheduled as soon as SMs
+/// free up instead of queueing behind the compute stream's GEMM tiles
+/// (`SPARDA_COPY_PRIORITY=0` gives it the default priority, for comparison).
+/// Priority changes timing only, never results. Not yet measured on the
+/// H200: the issue-5 figures of 2026-11-30 used the default priority.
+fn copy_stream(gpu: &Gpu) -> Result<Arc<CudaStream>> {
+    let high = std::env::var("SPARDA_COPY_PRIORITY").map_or(true, |v| v != "0");
+    if !high {
+        return gpu.context().new_stream().cuda("cuStreamCreate (copy)");
+    }
+    gpu.context()
+        .bind_to_thread()
+        .cuda("binding the context (copy stream)")?;
+    let (_least, greatest) =
+        cudarc::driver::result::stream::get_priority_range().cuda("cuCtxGetStreamPriorityRange")?;
+    gpu.context()
+        .new_stream_with_priority(greatest)
+        .cuda("cuStreamCreateWithPriority (copy)")
+}
+
 /// Tokens a tail ring holds.
 pub(super) fn ring_tokens(block_size: usize) -> usize {
     RING_BLOCKS * block_size
@@ -599,7 +620,7 @@ impl GpuModel {
             wb_done: None,
             timing,
             completes: false,
-            copy_stream: gpu.context().new_stream().cuda("cuStreamCreate (copy)")?,
+            copy_stream: copy_stream(gpu)?,
             ready: (0..nl)
                 .map(|_| {
                     gpu.context()
