@@ -366,7 +366,12 @@ fn run_case(
             BenchPrefill::Synthetic => {
                 model.fill_synthetic(sq, context, spec.seed.wrapping_add(b as u64))?
             }
-            BenchPrefill::Real(_) => model.prefill(sq, &toks[..context], |_, _| {})?,
+            BenchPrefill::Real(_) => {
+                if offload.is_some() {
+                    model.begin_offload(sq, cap)?;
+                }
+                model.prefill(sq, &toks[..context], |_, _| {})?
+            }
         }
         if offload.is_some() {
             model.offload_sequence(sq, cap)?;

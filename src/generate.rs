@@ -194,10 +194,15 @@ struct GpuStepper<'a> {
 
 impl Stepper for GpuStepper<'_> {
     fn prefill(&mut self, prompt: &[u32], progress: &mut dyn FnMut(usize, usize)) -> Result<()> {
+        // the capacity the sequence was made with: prompt + max new tokens
+        let cap = self.seq.capacity();
+        let offload = self.model.offload_options().is_some();
+        if offload {
+            // completed blocks go to host memory layer by layer during the prefill
+            self.model.begin_offload(&mut self.seq, cap)?;
+        }
         self.model.prefill(&mut self.seq, prompt, progress)?;
-        if self.model.offload_options().is_some() {
-            // the capacity the sequence was made with: prompt + max new tokens
-            let cap = self.seq.capacity();
+        if offload {
             self.model.offload_sequence(&mut self.seq, cap)?;
         }
         Ok(())

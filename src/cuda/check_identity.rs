@@ -75,6 +75,9 @@ pub fn run(
     for p in prompts {
         let cap = p.len() + new_tokens + 1;
         let mut seq = model.new_sequence(cap)?;
+        if offload.is_some() {
+            model.begin_offload(&mut seq, cap)?;
+        }
         model.prefill(&mut seq, p, |_, _| {})?;
         if offload.is_some() {
             model.offload_sequence(&mut seq, cap)?;
@@ -240,6 +243,9 @@ pub fn forecast_selection(
     }
     model.set_record_selections(true);
     let mut gseq = model.new_sequence(prompt.len() + steps + 1)?;
+    if model.offload_options().is_some() {
+        model.begin_offload(&mut gseq, prompt.len() + steps + 1)?;
+    }
     model.prefill(&mut gseq, prompt, |_, _| {})?;
     if model.offload_options().is_some() {
         model.offload_sequence(&mut gseq, prompt.len() + steps + 1)?;

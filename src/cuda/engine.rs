@@ -285,6 +285,8 @@ pub struct GpuSequence {
     /// Offloaded layers' `k`/`v` are then tail rings of
     /// [`crate::kv::RING_BLOCKS`] blocks.
     off: Option<offloaded::SeqOffload>,
+    /// Being prefilled for offload: its store, written chunk by chunk.
+    spill: Option<offloaded::Spill>,
 }
 
 impl std::fmt::Debug for GpuSequence {
@@ -943,6 +945,7 @@ impl GpuModel {
             uid: NEXT_SEQ_UID.fetch_add(1, Ordering::Relaxed),
             generation: 0,
             off: None,
+            spill: None,
         })
     }
 
@@ -2673,7 +2676,9 @@ impl GpuModel {
                 }
             }
         }
-        // Room for every row, RoPE tables, workspace.
+        // Room for every row, RoPE tables, workspace (after the spills of
+        // earlier calls, which read the K/V buffers growth may replace).
+        self.spill_wait(seqs)?;
         for (sq, &len) in seqs.iter_mut().zip(&new_len) {
             self.ensure_capacity(sq, len)?;
         }
@@ -2841,12 +2846,22 @@ impl GpuModel {
         }
         let w = self.qkv_cols;
         let ptrs = dptr(&gpu, &ws.ptrs);
+        // A sequence prefilled for offload writes this call's completed
+        // blocks to host memory layer by layer (begin_offload).
+        let spill = if ns == 1 {
+            self.spill_tables(&seqs[0], new_len[0])?
+        } else {
+            None
+        };
         let r = (|| -> Result<()> {
             for l in 0..nl {
                 let tab = Tables::new(ptrs + (l * per_layer * 8) as u64, n, ns);
                 let comp = (sparse_plan && path == SelectionPath::Gpu && new_windows > 0)
                     .then_some((n_new, new_windows.min(COMPRESS_MAX_GRID_X)));
                 self.layer_front(l, &mut ws, n, ns, 0, &inp, &tab, comp, 0)?;
+                if let Some(t) = &spill {
+                    self.spill_layer(&seqs[0], l, t, new_len[0])?;
+                }
                 // Selection state and block lists (spec §3–§4).
                 if sparse_plan && path == SelectionPath::HostFallback {
                     // The mirror takes every token (dense phases included).
@@ -2894,9 +2909,21 @@ impl GpuModel {
             self.ws = Some(ws);
             return Err(e);
         }
+        let bs = self.plan.budget.block_size;
         for (sq, len) in seqs.iter_mut().zip(new_len) {
             sq.len = len;
+            if spill.is_some() {
+                if let Some(sp) = sq.spill.as_mut() {
+                    sp.advance(len, bs);
+                }
+            }
         }
+        // The spill tables are read by the write-back stream: keep them
+        // alive until it is done with them.
+        if spill.is_some() {
+            self.spill_wait(seqs)?;
+        }
+        drop(spill);
         let (first, m) = match which {
             LogitRows::None => (0, 0),
             LogitRows::Last => (n - 1, 1),

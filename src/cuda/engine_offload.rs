@@ -25,10 +25,13 @@
 //! before the ring slot or the host copy is needed again.
 //!
 //! Prefill is the GPU-resident one (same code path, so the decode state is
-//! bitwise that of the resident engine) on one sequence at a time; then
-//! [`GpuModel::offload_sequence`] spills its completed blocks to host
-//! memory, keeps the last blocks in the ring and frees the full cache, so
-//! GPU memory during a batch's prefill is bounded by one sequence.
+//! bitwise that of the resident engine) on one sequence at a time: after
+//! [`GpuModel::begin_offload`] each prefill chunk writes the blocks it
+//! completes to the pinned store layer by layer, on a write-back stream,
+//! while the next layers compute; [`GpuModel::offload_sequence`] then
+//! writes what is left, keeps the last blocks in the ring and frees the
+//! full cache, so GPU memory during a batch's prefill is bounded by one
+//! sequence, not by the batch.
 
 use super::*;
 use crate::kv::{Footprint, RING_BLOCKS};
@@ -182,6 +185,34 @@ pub(super) struct SeqOffload {
     blocks: usize,
     /// Per layer; None for resident layers.
     layers: Vec<Option<OffloadLayer>>,
+}
+
+/// A sequence being prefilled for offload ([`GpuModel::begin_offload`]).
+pub(super) struct Spill {
+    /// The store (taken by offload_sequence).
+    store: Option<crate::cuda::offload::PinnedKv>,
+    /// Capacity of the store, blocks per layer.
+    blocks: usize,
+    /// Blocks already written to the store (every offloaded layer).
+    done: usize,
+    /// The stream the spills run on.
+    wb: Arc<CudaStream>,
+}
+
+impl Drop for Spill {
+    /// The store and the K/V buffers its spills read must outlive them.
+    fn drop(&mut self) {
+        if let Err(e) = self.wb.synchronize() {
+            tracing::warn!("waiting for the prefill spills failed: {e}");
+        }
+    }
+}
+
+impl Spill {
+    /// Marks the blocks completed at `new_len` tokens as written.
+    pub(super) fn advance(&mut self, new_len: usize, block_size: usize) {
+        self.done = self.done.max((new_len / block_size).min(self.blocks));
+    }
 }
 
 /// Per-step buffers of an offloaded batch.
@@ -402,16 +433,29 @@ impl GpuModel {
         let nl = self.layers.len();
         let blocks = capacity_tokens.div_ceil(bs);
         let block_bytes = hk * 2 * bs * dh * 2;
-        let host_bytes = (nl - first) * blocks * block_bytes;
-        let host_avail = crate::cuda::offload::host_available_bytes()?;
-        if host_bytes > host_avail {
-            return Err(Error::Limit(format!(
-                "offloading a sequence of up to {capacity_tokens} tokens needs {:.2} GiB of pinned host memory, {:.2} GiB available",
-                host_bytes as f64 / (1u64 << 30) as f64,
-                host_avail as f64 / (1u64 << 30) as f64
-            )));
-        }
-        let store = crate::cuda::offload::PinnedKv::new(&self.gpu, host_bytes.max(1))?;
+        // The store: made by begin_offload before the prefill (which then
+        // wrote each chunk's completed blocks layer by layer), or now.
+        let (store, blocks, spilled) = match seq.spill.take() {
+            Some(mut sp) => {
+                self.gpu
+                    .stream()
+                    .wait(&sp.wb.record_event(None).cuda("cuEventRecord (spill)")?)
+                    .cuda("cuStreamWaitEvent (spill)")?;
+                let Some(store) = sp.store.take() else {
+                    return Err(Error::Input(
+                        "offload_sequence: the prepared store is gone".into(),
+                    ));
+                };
+                if sp.blocks < blocks {
+                    return Err(Error::Input(format!(
+                        "offload_sequence: capacity {capacity_tokens} tokens exceeds the {} that begin_offload reserved",
+                        sp.blocks * bs
+                    )));
+                }
+                (store, sp.blocks, sp.done)
+            }
+            None => (self.new_store(capacity_tokens)?, blocks, 0),
+        };
         let gpu = self.gpu.clone();
         let s = gpu.stream().clone();
         let ring = ring_tokens(bs);
@@ -420,7 +464,7 @@ impl GpuModel {
         // Spill the completed blocks of every offloaded layer in one launch
         // (rows = layers).
         let n_off = nl - first;
-        if n_off > 0 && full > 0 {
+        if n_off > 0 && full > spilled {
             let mut kt = Vec::with_capacity(n_off);
             let mut vt = Vec::with_capacity(n_off);
             let mut ht = Vec::with_capacity(n_off);
@@ -429,7 +473,7 @@ impl GpuModel {
                 vt.push(dptr(&gpu, &seq.layers[l].v));
                 ht.push(store.device_ptr() + ((l - first) * blocks * block_bytes) as u64);
             }
-            let lo = vec![0i32; n_off];
+            let lo = vec![i32_dim(spilled, "blocks")?; n_off];
             let hi = vec![i32_dim(full, "blocks")?; n_off];
             let (kt, vt, ht) = (gpu.upload(&kt)?, gpu.upload(&vt)?, gpu.upload(&ht)?);
             let (lo, hi) = (gpu.upload(&lo)?, gpu.upload(&hi)?);
@@ -443,7 +487,7 @@ impl GpuModel {
                 dptr(&gpu, &hi),
                 n_off,
                 0,
-                full * hk * 2,
+                (full - spilled) * hk * 2,
             )?;
             gpu.synchronize()?;
         }
@@ -494,6 +538,147 @@ impl GpuModel {
         seq.generation += 1;
         self.step = None;
         Ok(())
+    }
+
+    /// A pinned store for one sequence of up to `capacity_tokens` tokens
+    /// (every offloaded layer), after checking the host has room.
+    ///
+    /// Errors: [`Error::Limit`] with the bytes needed and available.
+    fn new_store(&self, capacity_tokens: usize) -> Result<crate::cuda::offload::PinnedKv> {
+        let c = &self.config;
+        let bs = self.plan.budget.block_size;
+        let blocks = capacity_tokens.div_ceil(bs);
+        let block_bytes = c.num_key_value_heads * 2 * bs * c.head_dim * 2;
+        let host_bytes = (self.layers.len() - self.first_offloaded()) * blocks * block_bytes;
+        let host_avail = crate::cuda::offload::host_available_bytes()?;
+        if host_bytes > host_avail {
+            return Err(Error::Limit(format!(
+                "offloading a sequence of up to {capacity_tokens} tokens needs {:.2} GiB of pinned host memory, {:.2} GiB available",
+                host_bytes as f64 / (1u64 << 30) as f64,
+                host_avail as f64 / (1u64 << 30) as f64
+            )));
+        }
+        crate::cuda::offload::PinnedKv::new(&self.gpu, host_bytes.max(1))
+    }
+
+    /// Prepares `seq` (empty or partly prefilled, GPU-resident) to be
+    /// offloaded with room for `capacity_tokens` tokens: allocates its
+    /// pinned store now, so that [`GpuModel::prefill`] writes each chunk's
+    /// completed blocks to host memory layer by layer, on a write-back
+    /// stream, while the next layers compute (issue 4 item 6);
+    /// [`GpuModel::offload_sequence`] then only moves the tail to the ring.
+    ///
+    /// Errors: offload off, a sequence already offloaded or already
+    /// prepared; host memory as [`GpuModel::offload_sequence`].
+    pub fn begin_offload(&mut self, seq: &mut GpuSequence, capacity_tokens: usize) -> Result<()> {
+        if self.offload.is_none() || seq.off.is_some() || seq.spill.is_some() {
+            return Err(Error::Input(
+                "begin_offload: needs offload on (set_offload) and a GPU-resident sequence not yet prepared".into(),
+            ));
+        }
+        let bs = self.plan.budget.block_size;
+        let store = self.new_store(capacity_tokens)?;
+        let wb = self
+            .gpu
+            .context()
+            .new_stream()
+            .cuda("cuStreamCreate (prefill write-back)")?;
+        seq.spill = Some(Spill {
+            store: Some(store),
+            blocks: capacity_tokens.div_ceil(bs),
+            // blocks completed before this call go with the next chunk's range
+            done: 0,
+            wb,
+        });
+        Ok(())
+    }
+
+    /// The compute stream waits for the spills of `seqs` enqueued so far:
+    /// at the start of a forward call, before anything may replace (grow)
+    /// the K/V buffers or the block ranges they read.
+    pub(super) fn spill_wait(&self, seqs: &[GpuSequence]) -> Result<()> {
+        for sp in seqs.iter().filter_map(|s| s.spill.as_ref()) {
+            let ev = sp.wb.record_event(None).cuda("cuEventRecord (spill)")?;
+            self.gpu
+                .stream()
+                .wait(&ev)
+                .cuda("cuStreamWaitEvent (spill)")?;
+        }
+        Ok(())
+    }
+
+    /// Per-layer spill tables of a prefill call on `seq` that grows it to
+    /// `new_len` tokens: u64 [L][3] (K, V, host base) and i32 [2] (first,
+    /// end block), uploaded on the compute stream (after
+    /// [`GpuModel::spill_wait`]); None when the call completes no block.
+    pub(super) fn spill_tables(
+        &self,
+        seq: &GpuSequence,
+        new_len: usize,
+    ) -> Result<Option<(CudaSlice<u64>, CudaSlice<i32>)>> {
+        let Some((sp, store)) = seq
+            .spill
+            .as_ref()
+            .and_then(|sp| sp.store.as_ref().map(|st| (sp, st)))
+        else {
+            return Ok(None);
+        };
+        let bs = self.plan.budget.block_size;
+        let end = new_len / bs;
+        if end <= sp.done || end > sp.blocks {
+            return Ok(None);
+        }
+        let c = &self.config;
+        let block_bytes = c.num_key_value_heads * 2 * bs * c.head_dim * 2;
+        let first = self.first_offloaded();
+        let gpu = &*self.gpu;
+        let mut t = vec![0u64; 3 * self.layers.len()];
+        for (l, sl) in seq.layers.iter().enumerate().skip(first) {
+            t[3 * l] = dptr(gpu, &sl.k);
+            t[3 * l + 1] = dptr(gpu, &sl.v);
+            t[3 * l + 2] = store.device_ptr() + ((l - first) * sp.blocks * block_bytes) as u64;
+        }
+        let range = [i32_dim(sp.done, "blocks")?, i32_dim(end, "blocks")?];
+        Ok(Some((gpu.upload(&t)?, gpu.upload(&range)?)))
+    }
+
+    /// Spills layer `l`'s blocks completed by this prefill call (after its
+    /// KV append) on the sequence's write-back stream, which first waits
+    /// for the compute stream's work so far.
+    pub(super) fn spill_layer(
+        &self,
+        seq: &GpuSequence,
+        l: usize,
+        tabs: &(CudaSlice<u64>, CudaSlice<i32>),
+        new_len: usize,
+    ) -> Result<()> {
+        let Some(sp) = seq.spill.as_ref() else {
+            return Ok(());
+        };
+        if l < self.first_offloaded() {
+            return Ok(());
+        }
+        let gpu = &*self.gpu;
+        let ev = gpu
+            .stream()
+            .record_event(None)
+            .cuda("cuEventRecord (spill)")?;
+        sp.wb.wait(&ev).cuda("cuStreamWaitEvent (spill)")?;
+        let t = dptr(gpu, &tabs.0) + (3 * l * 8) as u64;
+        let r = dptr(gpu, &tabs.1);
+        let n_blocks = new_len / self.plan.budget.block_size - sp.done;
+        self.launch_store_blocks(
+            &sp.wb,
+            t,
+            t + 8,
+            t + 16,
+            0,
+            r,
+            r + 4,
+            1,
+            0,
+            n_blocks * self.config.num_key_value_heads * 2,
+        )
     }
 
     /// Grows an offloaded sequence's GPU state (c, Kc, p; resident layers'
