@@ -356,11 +356,12 @@ fn run_case(
         return Ok(v);
     }
     let t_fill = std::time::Instant::now();
-    let mut seqs = (0..batch)
-        .map(|_| model.new_sequence(cap))
-        .collect::<Result<Vec<_>>>()?;
+    // One sequence at a time: with offload only one full cache exists at once.
+    let mut seqs = Vec::with_capacity(batch);
     let mut first = Vec::with_capacity(batch);
-    for (b, sq) in seqs.iter_mut().enumerate() {
+    for b in 0..batch {
+        let mut seq = model.new_sequence(cap)?;
+        let sq = &mut seq;
         let toks = source.tokens(b, batch, context + 1);
         match spec.prefill {
             BenchPrefill::Synthetic => {
@@ -377,6 +378,7 @@ fn run_case(
             model.offload_sequence(sq, cap)?;
         }
         first.push(toks[context]);
+        seqs.push(seq);
     }
     gpu.synchronize()?;
     let fill_s = t_fill.elapsed().as_secs_f64();

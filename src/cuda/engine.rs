@@ -272,6 +272,14 @@ struct SeqLayer {
 /// overflowed (runtime.md §3 fault 1). Create with
 /// [`GpuModel::new_sequence`]; a sequence belongs to the model that made it.
 pub struct GpuSequence {
+    /// Offloaded KV (issue 4): the host store, slot pools and slot maps.
+    /// Offloaded layers' `k`/`v` are then tail rings of
+    /// [`crate::kv::RING_BLOCKS`] blocks. Declared first: dropped first, its
+    /// `Drop` waits for in-flight write-backs before the rings are freed.
+    off: Option<offloaded::SeqOffload>,
+    /// Being prefilled for offload: its store, written chunk by chunk
+    /// (dropped early too: its `Drop` waits for the spills).
+    spill: Option<offloaded::Spill>,
     len: usize,
     cap: usize,
     layers: Vec<SeqLayer>,
@@ -281,12 +289,6 @@ pub struct GpuSequence {
     uid: u64,
     /// Bumped whenever the device buffers move (growth).
     generation: u64,
-    /// Offloaded KV (issue 4): the host store, slot pools and slot maps.
-    /// Offloaded layers' `k`/`v` are then tail rings of
-    /// [`crate::kv::RING_BLOCKS`] blocks.
-    off: Option<offloaded::SeqOffload>,
-    /// Being prefilled for offload: its store, written chunk by chunk.
-    spill: Option<offloaded::Spill>,
 }
 
 impl std::fmt::Debug for GpuSequence {
@@ -459,6 +461,10 @@ struct StepKey {
 
 /// The device-resident decode step of one batch (see the module doc).
 struct DecodeStep {
+    /// Slot lists, fetch lists and tables of an offloaded batch. First field:
+    /// dropped first, its `Drop` waits for the last write-back, which reads
+    /// the workspace's pointer tables.
+    off: Option<offloaded::StepOffload>,
     key: StepKey,
     /// B: rows = sequences.
     n: usize,
@@ -475,8 +481,6 @@ struct DecodeStep {
     dev_lens: Vec<usize>,
     /// Steps run since the build.
     steps: usize,
-    /// Slot lists, fetch lists and tables of an offloaded batch.
-    off: Option<offloaded::StepOffload>,
 }
 
 /// A model on the GPU. See the module doc for what it computes.
@@ -2907,6 +2911,10 @@ impl GpuModel {
         })();
         if let Err(e) = r {
             self.ws = Some(ws);
+            if spill.is_some() {
+                // the spill tables are dropped below: no spill may still read them
+                self.spill_wait(seqs)?;
+            }
             return Err(e);
         }
         let bs = self.plan.budget.block_size;

@@ -187,6 +187,17 @@ pub(super) struct SeqOffload {
     layers: Vec<Option<OffloadLayer>>,
 }
 
+impl Drop for SeqOffload {
+    /// The last write-back of a step may still read this sequence's ring
+    /// and write its store (the next step would wait for it): wait for all
+    /// work before the store and the ring are freed.
+    fn drop(&mut self) {
+        if let Err(e) = self._store.synchronize_context() {
+            tracing::warn!("synchronising before freeing an offloaded sequence failed: {e}");
+        }
+    }
+}
+
 /// A sequence being prefilled for offload ([`GpuModel::begin_offload`]).
 pub(super) struct Spill {
     /// The store (taken by offload_sequence).
@@ -195,6 +206,8 @@ pub(super) struct Spill {
     blocks: usize,
     /// Blocks already written to the store (every offloaded layer).
     done: usize,
+    /// First offloaded layer when the store was sized.
+    first: usize,
     /// The stream the spills run on.
     wb: Arc<CudaStream>,
 }
@@ -341,6 +354,20 @@ impl GpuModel {
                     self.plan.sparse.dense_len
                 )));
             }
+            let b = &self.plan.budget;
+            if b.attended > crate::cuda::offload::SLOT_DIFF_MAX_SLOTS {
+                return Err(Error::Input(format!(
+                    "--kv offload: {} attended blocks exceed the slot pool limit {}",
+                    b.attended,
+                    crate::cuda::offload::SLOT_DIFF_MAX_SLOTS
+                )));
+            }
+            if b.kernel_size > b.block_size {
+                return Err(Error::Input(format!(
+                    "--kv offload: kernel_size {} > block_size {}: the compression window would reach past the {}-block tail ring",
+                    b.kernel_size, b.block_size, RING_BLOCKS
+                )));
+            }
             if let FetchEngine::Sm { ctas } = o.fetch {
                 if ctas == 0 || ctas > 1024 {
                     return Err(Error::Input(format!(
@@ -435,6 +462,15 @@ impl GpuModel {
         let block_bytes = hk * 2 * bs * dh * 2;
         // The store: made by begin_offload before the prefill (which then
         // wrote each chunk's completed blocks layer by layer), or now.
+        if let Some(sp) = seq.spill.as_ref() {
+            if sp.blocks < blocks || sp.first != first {
+                return Err(Error::Input(format!(
+                    "offload_sequence: begin_offload reserved {} tokens from layer {}; asked for {capacity_tokens} tokens from layer {first} (offload settings changed in between?)",
+                    sp.blocks * bs,
+                    sp.first
+                )));
+            }
+        }
         let (store, blocks, spilled) = match seq.spill.take() {
             Some(mut sp) => {
                 self.gpu
@@ -446,12 +482,6 @@ impl GpuModel {
                         "offload_sequence: the prepared store is gone".into(),
                     ));
                 };
-                if sp.blocks < blocks {
-                    return Err(Error::Input(format!(
-                        "offload_sequence: capacity {capacity_tokens} tokens exceeds the {} that begin_offload reserved",
-                        sp.blocks * bs
-                    )));
-                }
                 (store, sp.blocks, sp.done)
             }
             None => (self.new_store(capacity_tokens)?, blocks, 0),
@@ -588,6 +618,7 @@ impl GpuModel {
             blocks: capacity_tokens.div_ceil(bs),
             // blocks completed before this call go with the next chunk's range
             done: 0,
+            first: self.first_offloaded(),
             wb,
         });
         Ok(())
@@ -630,7 +661,7 @@ impl GpuModel {
         }
         let c = &self.config;
         let block_bytes = c.num_key_value_heads * 2 * bs * c.head_dim * 2;
-        let first = self.first_offloaded();
+        let first = sp.first;
         let gpu = &*self.gpu;
         let mut t = vec![0u64; 3 * self.layers.len()];
         for (l, sl) in seq.layers.iter().enumerate().skip(first) {
@@ -655,7 +686,7 @@ impl GpuModel {
         let Some(sp) = seq.spill.as_ref() else {
             return Ok(());
         };
-        if l < self.first_offloaded() {
+        if l < sp.first {
             return Ok(());
         }
         let gpu = &*self.gpu;

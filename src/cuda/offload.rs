@@ -187,10 +187,27 @@ impl PinnedKv {
     }
 }
 
+impl PinnedKv {
+    /// Waits for all work on the buffer's context (every stream): before
+    /// freeing memory that kernels or copies may still use.
+    ///
+    /// Errors: [`Error::Cuda`] when the context cannot synchronise.
+    pub fn synchronize_context(&self) -> Result<()> {
+        self.ctx
+            .synchronize()
+            .map_err(|e| Error::Cuda(format!("cuCtxSynchronize: {e}")))
+    }
+}
+
 impl Drop for PinnedKv {
+    /// Waits for the context's work (a kernel may still read or write the
+    /// buffer through its device pointer), then frees it.
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_err() {
             return; // the context is gone; nothing safe to do
+        }
+        if let Err(e) = self.ctx.synchronize() {
+            tracing::warn!("synchronising before cuMemFreeHost: {e}");
         }
         // SAFETY: allocated by cuMemHostAlloc in `new`, freed exactly once here.
         let r = unsafe { sys::cuMemFreeHost(self.host.cast()) };
