@@ -896,7 +896,11 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         "dense_len": plan.sparse.dense_len,
         "forecast": forecast.is_some(),
         "backend": backend_name,
-        "kv": match a.kv { KvArg::Gpu => "gpu".to_string(), KvArg::Offload => format!("offload ({:?})", a.offload.options()) },
+        "kv": match (backend, a.kv) {
+            (Backend::Cpu, _) => "host (CPU reference)".to_string(),
+            (_, KvArg::Gpu) => "gpu".to_string(),
+            (_, KvArg::Offload) => format!("offload ({:?})", a.offload.options()),
+        },
     });
     eprintln!(
         "model {} ({} layers, d {}), attention {:?}, backend {backend_name}, prompt {} tokens",
