@@ -996,46 +996,64 @@ impl GpuModel {
 
     /// Grows `seq`'s caches to hold at least `need` tokens (capacity
     /// doubled, at least `need`, whole blocks), copying the stored tokens.
+    /// An offloaded sequence grows only its GPU state (c, Kc, p; resident
+    /// layers' K/V): its tail rings move over as they are, its pools never
+    /// grow, and it may not pass its host store's capacity.
+    ///
+    /// Errors: [`Error::Limit`] past an offloaded sequence's host store;
+    /// device memory errors.
     fn ensure_capacity(&self, seq: &mut GpuSequence, need: usize) -> Result<()> {
-        if seq.off.is_some() {
-            return self.ensure_capacity_offloaded(seq, need);
+        let bs = self.plan.budget.block_size.max(1);
+        if let Some(off) = &seq.off {
+            let host = off.capacity_tokens(bs);
+            if need > host {
+                return Err(Error::Limit(format!(
+                    "offloaded sequence: {need} tokens exceed the host KV store's {host} tokens (offload with a larger capacity: prompt + max new tokens)"
+                )));
+            }
         }
         if need <= seq.cap {
             return Ok(());
         }
-        let bs = self.plan.budget.block_size.max(1);
         let cap = need.max(2 * seq.cap).div_ceil(bs) * bs;
         let c = &self.config;
         let (kvd, hk) = (c.num_key_value_heads * c.head_dim, c.num_key_value_heads);
         let s = self.gpu.stream();
-        for l in seq.layers.iter_mut() {
-            let mut n = self.alloc_layer(cap)?;
-            let used = seq.len * kvd;
-            if used > 0 {
-                s.memcpy_dtod(&l.k.slice(0..used), &mut n.k.slice_mut(0..used))
-                    .cuda("growing the K cache")?;
-                s.memcpy_dtod(&l.v.slice(0..used), &mut n.v.slice_mut(0..used))
-                    .cuda("growing the V cache")?;
-                if let (Some(old), Some(new)) = (&l.c, &mut n.c) {
-                    s.memcpy_dtod(
-                        &old.slice(0..seq.len * hk),
-                        &mut new.slice_mut(0..seq.len * hk),
-                    )
-                    .cuda("growing the eviction-score cache")?;
+        let len = seq.len;
+        let offloaded: Vec<bool> = (0..seq.layers.len())
+            .map(|l| seq.off.as_ref().is_some_and(|o| o.offloaded(l)))
+            .collect();
+        for (sl, &off) in seq.layers.iter_mut().zip(&offloaded) {
+            let mut n = self.alloc_layer_state(cap, !off)?;
+            if off {
+                std::mem::swap(&mut n.k, &mut sl.k);
+                std::mem::swap(&mut n.v, &mut sl.v);
+            }
+            if len > 0 {
+                if !off {
+                    let used = len * kvd;
+                    s.memcpy_dtod(&sl.k.slice(0..used), &mut n.k.slice_mut(0..used))
+                        .cuda("growing the K cache")?;
+                    s.memcpy_dtod(&sl.v.slice(0..used), &mut n.v.slice_mut(0..used))
+                        .cuda("growing the V cache")?;
                 }
-                let mc = self.plan.budget.windows(seq.len);
+                if let (Some(old), Some(new)) = (&sl.c, &mut n.c) {
+                    s.memcpy_dtod(&old.slice(0..len * hk), &mut new.slice_mut(0..len * hk))
+                        .cuda("growing the eviction-score cache")?;
+                }
+                let mc = self.plan.budget.windows(len);
                 if mc > 0 {
-                    if let (Some(old), Some(new)) = (&l.kc, &mut n.kc) {
+                    if let (Some(old), Some(new)) = (&sl.kc, &mut n.kc) {
                         s.memcpy_dtod(&old.slice(0..mc * kvd), &mut new.slice_mut(0..mc * kvd))
                             .cuda("growing the compressed-key cache")?;
                     }
-                    if let (Some(old), Some(new)) = (&l.p, &mut n.p) {
+                    if let (Some(old), Some(new)) = (&sl.p, &mut n.p) {
                         s.memcpy_dtod(&old.slice(0..mc * hk), &mut new.slice_mut(0..mc * hk))
                             .cuda("growing the pooled-score cache")?;
                     }
                 }
             }
-            *l = n;
+            *sl = n;
         }
         seq.cap = cap;
         seq.generation += 1;
@@ -2380,11 +2398,32 @@ impl GpuModel {
         if !self.on(StepPart::Select) {
             return Ok(());
         }
+        self.select_from_scores(ws, n, tab, sel_off, nsel_off, lp, 0, geo, "select_blocks")
+    }
+
+    /// `select_blocks` (spec §4 steps 2–6) of n rows from the window scores
+    /// in `ws.qa_scores` and the p of the layer whose tables are `tab`, into
+    /// the lists at `sel_off` / `nsel_off`; windows Mc(`win_lens`) (0: Mc of
+    /// the rows' lengths `lens`).
+    #[allow(clippy::too_many_arguments)]
+    fn select_from_scores(
+        &self,
+        ws: &Workspace,
+        n: usize,
+        tab: &Tables,
+        sel_off: usize,
+        nsel_off: usize,
+        lens: u64,
+        win_lens: u64,
+        geo: &SelGeometry,
+        op: &str,
+    ) -> Result<()> {
+        let gpu = &*self.gpu;
         let nosa = self.plan.mode == AttentionMode::Nosa;
         let args = SelectBlocksArgs {
-            scores: sp,
+            scores: dptr(gpu, &ws.qa_scores),
             p: if nosa { tab.p } else { 0 },
-            lens: lp,
+            lens,
             sel: dptr(gpu, &ws.sel) + (sel_off * 4) as u64,
             nsel: dptr(gpu, &ws.nsel) + (nsel_off * 4) as u64,
             pooled_r: 0,
@@ -2393,15 +2432,15 @@ impl GpuModel {
             s_max: geo.s_max,
             nb_stride: 0,
             blocks: geo.nb_cap,
-            kv_heads: hk,
+            kv_heads: self.config.num_key_value_heads,
             rows: n,
             nosa,
-            win_lens: 0,
+            win_lens,
         };
         // SAFETY: every row has ≤ nb_cap blocks (the kernel clears rows with
-        // more) and Mc(pos+1) ≤ w_stride windows, its p (NOSA) holds them; the
-        // lists hold n·Hkv·s_max / n·Hkv entries.
-        unsafe { launch_select_blocks(gpu, budget, &args, "select_blocks") }
+        // more) and Mc(win_lens or lens) ≤ w_stride scored windows, its p
+        // (NOSA) holds them; the lists hold n·Hkv·s_max / n·Hkv entries.
+        unsafe { launch_select_blocks(gpu, &self.plan.budget, &args, op) }
     }
 
     /// Dense rows of a sparse forward call (dense_len) get every existing

@@ -247,25 +247,16 @@ impl GpuModel {
             // ≥ Mc(win_lens) windows, the scores n·Hkv·w_stride ≥ Mc.
             unsafe { b.launch(cfg) }.cuda("forecast_scores")?;
         }
-        let nosa = self.plan.mode == AttentionMode::Nosa;
-        let args = SelectBlocksArgs {
-            scores: sp,
-            p: if nosa { target.p } else { 0 },
+        self.select_from_scores(
+            ws,
+            n,
+            target,
+            sel_off,
+            nsel_off,
             lens,
-            sel: dptr(gpu, &ws.sel) + (sel_off * 4) as u64,
-            nsel: dptr(gpu, &ws.nsel) + (nsel_off * 4) as u64,
-            pooled_r: 0,
-            pooled_e: 0,
-            w_stride: geo.w_stride,
-            s_max: geo.s_max,
-            nb_stride: 0,
-            blocks: geo.nb_cap,
-            kv_heads: hk,
-            rows: n,
-            nosa,
             win_lens,
-        };
-        // SAFETY: as in gpu_select; the windows pooled are those scored above.
-        unsafe { launch_select_blocks(gpu, budget, &args, "select_blocks (forecast)") }
+            geo,
+            "select_blocks (forecast)",
+        )
     }
 }

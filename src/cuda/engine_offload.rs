@@ -187,6 +187,17 @@ pub(super) struct SeqOffload {
     layers: Vec<Option<OffloadLayer>>,
 }
 
+impl SeqOffload {
+    /// Tokens the host store holds.
+    pub(super) fn capacity_tokens(&self, block_size: usize) -> usize {
+        self.blocks * block_size
+    }
+    /// Whether layer `l` is offloaded (else resident: full K/V on the GPU).
+    pub(super) fn offloaded(&self, l: usize) -> bool {
+        self.layers.get(l).is_some_and(Option::is_some)
+    }
+}
+
 impl Drop for SeqOffload {
     /// The last write-back of a step may still read this sequence's ring
     /// and write its store (the next step would wait for it): wait for all
@@ -710,68 +721,6 @@ impl GpuModel {
             0,
             n_blocks * self.config.num_key_value_heads * 2,
         )
-    }
-
-    /// Grows an offloaded sequence's GPU state (c, Kc, p; resident layers'
-    /// K/V) to `need` tokens; the rings and pools never grow.
-    ///
-    /// Errors: [`Error::Limit`] past the host store's capacity.
-    pub(super) fn ensure_capacity_offloaded(
-        &self,
-        seq: &mut GpuSequence,
-        need: usize,
-    ) -> Result<()> {
-        let bs = self.plan.budget.block_size.max(1);
-        let off = seq.off.as_ref().expect("offloaded");
-        if need > off.blocks * bs {
-            return Err(Error::Limit(format!(
-                "offloaded sequence: {need} tokens exceed the host KV store's {} tokens (offload with a larger capacity: prompt + max new tokens)",
-                off.blocks * bs
-            )));
-        }
-        if need <= seq.cap {
-            return Ok(());
-        }
-        let cap = need.max(2 * seq.cap).div_ceil(bs) * bs;
-        let c = &self.config;
-        let (kvd, hk) = (c.num_key_value_heads * c.head_dim, c.num_key_value_heads);
-        let s = self.gpu.stream();
-        let resident: Vec<bool> = off.layers.iter().map(|o| o.is_none()).collect();
-        for (l, sl) in seq.layers.iter_mut().enumerate() {
-            let mut n = self.alloc_layer_state(cap, resident[l])?;
-            if resident[l] {
-                let used = seq.len * kvd;
-                s.memcpy_dtod(&sl.k.slice(0..used), &mut n.k.slice_mut(0..used))
-                    .cuda("growing the K cache")?;
-                s.memcpy_dtod(&sl.v.slice(0..used), &mut n.v.slice_mut(0..used))
-                    .cuda("growing the V cache")?;
-            } else {
-                std::mem::swap(&mut n.k, &mut sl.k);
-                std::mem::swap(&mut n.v, &mut sl.v);
-            }
-            if let (Some(old), Some(new)) = (&sl.c, &mut n.c) {
-                s.memcpy_dtod(
-                    &old.slice(0..seq.len * hk),
-                    &mut new.slice_mut(0..seq.len * hk),
-                )
-                .cuda("growing the eviction-score cache")?;
-            }
-            let mc = self.plan.budget.windows(seq.len);
-            if mc > 0 {
-                if let (Some(old), Some(new)) = (&sl.kc, &mut n.kc) {
-                    s.memcpy_dtod(&old.slice(0..mc * kvd), &mut new.slice_mut(0..mc * kvd))
-                        .cuda("growing the compressed-key cache")?;
-                }
-                if let (Some(old), Some(new)) = (&sl.p, &mut n.p) {
-                    s.memcpy_dtod(&old.slice(0..mc * hk), &mut new.slice_mut(0..mc * hk))
-                        .cuda("growing the pooled-score cache")?;
-                }
-            }
-            *sl = n;
-        }
-        seq.cap = cap;
-        seq.generation += 1;
-        Ok(())
     }
 
     /// Per-step offload buffers for a batch of offloaded `seqs`.
