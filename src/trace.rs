@@ -554,7 +554,12 @@ fn parse_events(trace: &Value) -> Result<Vec<Ev>> {
         let pid = e.get("pid").and_then(Value::as_u64).unwrap_or(0);
         let tid = e.get("tid").and_then(Value::as_u64).unwrap_or(0);
         let ts = e.get("ts").and_then(Value::as_f64);
-        let arg = |k: &str| e.get("args").and_then(|a| a.get(k)).and_then(Value::as_u64);
+        // GPU spans carry numbers; tracing-chrome writes host span fields as strings.
+        let arg = |k: &str| match e.get("args").and_then(|a| a.get(k)) {
+            Some(Value::Number(n)) => n.as_u64(),
+            Some(Value::String(s)) => s.parse::<u64>().ok(),
+            _ => None,
+        };
         let track = if pid == GPU_PID {
             Track::from_tid(tid)
         } else {

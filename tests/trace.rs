@@ -853,3 +853,19 @@ fn generate_with_trace_writes_host_spans_of_prefill_and_each_decode_step() {
         .all(|e| e["tid"].as_u64().is_none_or(|t| t < 1_000_000) || e["ph"] == "M"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Host spans written by tracing-chrome carry their fields as strings
+/// (`"step": "3"`): the summary still counts their steps.
+#[test]
+fn host_span_steps_written_as_strings_are_counted() {
+    let trace = serde_json::json!({"traceEvents": [
+        {"name": "decode step", "ph": "X", "pid": 1, "tid": 0, "ts": 0.0, "dur": 10.0, "args": {"step": "0"}},
+        {"name": "decode step", "ph": "X", "pid": 1, "tid": 0, "ts": 20.0, "dur": 10.0, "args": {"step": "1"}},
+        {"name": "decode step", "ph": "X", "pid": 1, "tid": 0, "ts": 40.0, "dur": 10.0, "args": {"step": "2"}},
+    ]});
+    let s = sparda::trace::summarize(&trace).unwrap();
+    assert_eq!(s.steps, 3);
+    let p = &s.phases["host:decode step"];
+    assert_eq!(p.count, 3);
+    assert!((p.total_ms - 0.03).abs() < 1e-12, "{}", p.total_ms);
+}
