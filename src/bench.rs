@@ -97,10 +97,78 @@ pub struct BenchSpec {
     pub prefetch: Vec<bool>,
     /// With `forecast`: also run the synchronous NOSA selection.
     pub sync: bool,
+    /// Equivalent batch sizes (runtime.md §5): when given, each context
+    /// runs every [`EbMode`] at the real batch [`equivalent_batch`] gives
+    /// it, instead of the `batches` × attention × kv grid.
+    pub equivalent_batches: Vec<usize>,
     /// Traced steps per case (0: no tracing; needs a trace session, see
     /// [`crate::trace::init_subscriber`]); as many untraced eager steps run
     /// first, for the overhead figure.
     pub trace_steps: usize,
+}
+
+/// The modes compared under the equivalent-batch protocol (runtime.md §5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EbMode {
+    /// Full attention, all KV on the GPU.
+    DenseGpu,
+    /// NOSA sparse attention, all KV on the GPU.
+    SparseGpu,
+    /// NOSA offloaded, synchronous fetch.
+    NosaOffload,
+    /// InfLLM-V2-style selection (no eviction head), offloaded.
+    InfllmOffload,
+    /// SparDA forecast selection with prefetch, offloaded.
+    ForecastPrefetch,
+    /// Forecast selection, fetch inside the layer, offloaded.
+    ForecastNoPrefetch,
+}
+
+impl EbMode {
+    /// Every mode, in report order.
+    pub const ALL: [EbMode; 6] = [
+        EbMode::DenseGpu,
+        EbMode::SparseGpu,
+        EbMode::NosaOffload,
+        EbMode::InfllmOffload,
+        EbMode::ForecastPrefetch,
+        EbMode::ForecastNoPrefetch,
+    ];
+    /// Name in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            EbMode::DenseGpu => "dense, KV on GPU",
+            EbMode::SparseGpu => "NOSA, KV on GPU",
+            EbMode::NosaOffload => "NOSA offloaded (sync)",
+            EbMode::InfllmOffload => "InfLLM-V2 offloaded (sync)",
+            EbMode::ForecastPrefetch => "forecast + prefetch",
+            EbMode::ForecastNoPrefetch => "forecast, no prefetch",
+        }
+    }
+    /// Whether the mode keeps only selected blocks on the GPU.
+    pub fn offloaded(self) -> bool {
+        !matches!(self, EbMode::DenseGpu | EbMode::SparseGpu)
+    }
+}
+
+/// The real batch of `mode` at equivalent batch `eb` (runtime.md §5): the
+/// GPU's KV memory is fixed at what `eb` offloaded sequences keep there,
+/// `attended` blocks of `block_size` tokens each; an offloaded mode runs
+/// `eb` sequences, a GPU-resident one as many whole `context`-token
+/// sequences as that memory holds (at least 1). E.g. S = 64 blocks, L =
+/// 16K: EB 128 → 128 offloaded, 32 resident.
+pub fn equivalent_batch(
+    mode: EbMode,
+    eb: usize,
+    attended: usize,
+    block_size: usize,
+    context: usize,
+) -> usize {
+    if mode.offloaded() {
+        eb
+    } else {
+        (eb * attended * block_size / context.max(1)).max(1)
+    }
 }
 
 /// Name of a KV placement in reports: `gpu`, `offload-sm16`, `offload-dma`.
@@ -318,7 +386,13 @@ fn run_case(
         "fetch_engine": offload.map(|_| format!("{:?}", model.fetch_engine(batch))),
         "selection": if model.forecast_on() {
             if model.prefetch_on() { "forecast+prefetch" } else { "forecast, no prefetch" }
-        } else { "query-aware (sync NOSA)" },
+        } else {
+            match model.plan.mode {
+                crate::config::AttentionMode::Nosa => "query-aware (sync NOSA)",
+                crate::config::AttentionMode::InfLlmV2 => "query-aware (InfLLM-V2)",
+                _ => "dense",
+            }
+        },
         "mode": format!("{:?}", model.plan.mode),
         "batch": batch, "context": context,
         "kv_bytes": kv_bytes,
@@ -613,7 +687,67 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
     if forecast.is_some() {
         sel_modes.extend(spec.prefetch.iter().map(|&p| Some(p)));
     }
-    for &sparse in &spec.sparse {
+    if !spec.equivalent_batches.is_empty() {
+        let off = kv_modes
+            .iter()
+            .flatten()
+            .next()
+            .copied()
+            .unwrap_or_default();
+        for &l in &spec.contexts {
+            for &eb in &spec.equivalent_batches {
+                for mode in EbMode::ALL {
+                    let forecast_mode =
+                        matches!(mode, EbMode::ForecastPrefetch | EbMode::ForecastNoPrefetch);
+                    if forecast_mode && forecast.is_none() {
+                        continue; // needs --forecast
+                    }
+                    let mut o = opts(mode != EbMode::DenseGpu);
+                    if mode == EbMode::InfllmOffload {
+                        o.attention.selection = Some(SelectionRule::InfLlmV2);
+                    }
+                    model.set_options(o)?;
+                    model.set_offload(mode.offloaded().then_some(off))?;
+                    model.set_forecast(
+                        if forecast_mode {
+                            forecast.as_ref()
+                        } else {
+                            None
+                        },
+                        mode == EbMode::ForecastPrefetch,
+                    )?;
+                    let b = equivalent_batch(
+                        mode,
+                        eb,
+                        model.plan.budget.attended,
+                        model.plan.budget.block_size,
+                        l,
+                    );
+                    eprintln!("bench: EB {eb}, L {l}: {} at B = {b}", mode.name());
+                    let mut c = run_case(
+                        &mut model,
+                        spec,
+                        &source,
+                        mode != EbMode::DenseGpu,
+                        b,
+                        l,
+                        false,
+                    )?;
+                    c["equivalent_batch"] = json!(eb);
+                    c["eb_mode"] = json!(mode.name());
+                    cases.push(c);
+                }
+            }
+        }
+        model.set_forecast(None, false)?;
+        model.set_offload(None)?;
+    }
+    let grid_sparse: &[bool] = if spec.equivalent_batches.is_empty() {
+        &spec.sparse
+    } else {
+        &[]
+    };
+    for &sparse in grid_sparse {
         model.set_options(opts(sparse))?;
         for kv in &kv_modes {
             if kv.is_some() && !sparse {
@@ -761,6 +895,11 @@ pub fn table(report: &Value) -> String {
     for c in report["cases"].as_array().into_iter().flatten() {
         let att = c["attention"].as_str().unwrap_or("?");
         let kv = match c["selection"].as_str() {
+            _ if c["eb_mode"].is_string() => format!(
+                "EB{} {}",
+                c["equivalent_batch"],
+                c["eb_mode"].as_str().unwrap_or("?")
+            ),
             Some("forecast+prefetch") => format!("{}+fc+pf", c["kv"].as_str().unwrap_or("gpu")),
             Some("forecast, no prefetch") => format!("{}+fc", c["kv"].as_str().unwrap_or("gpu")),
             _ => c["kv"].as_str().unwrap_or("gpu").to_string(),
@@ -866,6 +1005,18 @@ mod tests {
     }
 
     #[test]
+    fn equivalent_batch_follows_runtime_md_example() {
+        // S = 64 blocks of 64 tokens, L = 16K: EB 128 → 128 offloaded, 32 on the GPU
+        for m in EbMode::ALL {
+            let b = equivalent_batch(m, 128, 64, 64, 16_384);
+            assert_eq!(b, if m.offloaded() { 128 } else { 32 }, "{}", m.name());
+        }
+        // a context longer than the whole budget still runs one sequence
+        assert_eq!(equivalent_batch(EbMode::DenseGpu, 1, 64, 64, 131_072), 1);
+        assert_eq!(equivalent_batch(EbMode::SparseGpu, 64, 64, 64, 65_536), 4);
+    }
+
+    #[test]
     fn kv_names_say_where_the_kv_lives_and_how_it_is_fetched() {
         use crate::cuda::engine::FetchEngine;
         assert_eq!(kv_name(&None), "gpu");
@@ -939,6 +1090,7 @@ mod tests {
             forecast: None,
             prefetch: vec![],
             sync: true,
+            equivalent_batches: vec![],
             trace_steps: 0,
         };
         assert!(matches!(run(&spec), Err(Error::Cuda(_))));

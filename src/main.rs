@@ -399,6 +399,12 @@ struct BenchArgs {
     /// measure the tracing overhead).
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// Equivalent batch sizes (runtime.md §5): per context, run every mode
+    /// (dense and NOSA on the GPU, NOSA and InfLLM-V2 offloaded, and with
+    /// --forecast forecast ± prefetch) at the real batch that fills the same
+    /// GPU KV memory as EB offloaded sequences; replaces --batch.
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    equivalent_batch: Vec<usize>,
     /// Traced steps per case with --trace.
     #[arg(long, default_value_t = 4)]
     trace_steps: usize,
@@ -527,6 +533,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         forecast: a.forecast,
         prefetch: a.prefetch.iter().map(|p| *p == OnOff::On).collect(),
         sync: a.sync == OnOff::On,
+        equivalent_batches: a.equivalent_batch,
         trace_steps: if a.trace.is_some() { a.trace_steps } else { 0 },
     };
     let report = sparda::bench::run(&spec)?;

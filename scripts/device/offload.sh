@@ -10,6 +10,7 @@
 #   scripts/device/offload.sh batch OUT    identity with batches of different-length sequences
 #   scripts/device/offload.sh traces OUT   the two example traces (sync vs prefetch), summaries, overhead
 #   scripts/device/offload.sh priority OUT copy stream priority high vs default under prefetch
+#   scripts/device/offload.sh eb OUT       all modes under the equivalent-batch protocol
 #   scripts/device/offload.sh dmaprefetch OUT  copy engines vs SM kernel with prefetch
 set -euo pipefail
 phase=${1:?phase}
@@ -89,6 +90,15 @@ priority)
       --forecast synth:1 --prefetch on,off --batch 16 --context 64K --steps 16 --fetch-timing-steps 4 \
       --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" --json "$out/bench_priority_$pr.json" 2>&1 | tail -3 || true
   done
+  ;;
+eb)
+  # every mode side by side under the equivalent-batch protocol (runtime.md §5)
+  $bin bench --model synth:nosa-8b --equivalent-batch 128 --context 16K --kv offload --forecast synth:1 \
+    --steps 16 --fetch-timing-steps 4 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
+    --json "$out/bench_eb128_16k.json" 2>&1 | tail -10 || true
+  $bin bench --model synth:nosa-8b --equivalent-batch 32 --context 64K --kv offload --forecast synth:1 \
+    --steps 16 --fetch-timing-steps 4 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
+    --json "$out/bench_eb32_64k.json" 2>&1 | tail -10 || true
   ;;
 dmaprefetch)
   # issue 5 item 5: copy engines vs SM kernel under prefetch
