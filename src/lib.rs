@@ -15,6 +15,7 @@
 //! - [`generate`]: the text-generation loop behind `sparda generate`;
 //! - [`bench`]: the decode benchmark behind `sparda bench`;
 //! - [`trace`]: Chrome/Perfetto traces of copy/compute overlap and their summary.
+#![warn(missing_docs)]
 
 pub mod bench;
 pub mod config;
