@@ -81,7 +81,7 @@ mod forecast;
 mod offloaded;
 #[path = "engine_trace.rs"]
 mod tracing_spans;
-pub use offloaded::{FetchEngine, OffloadOptions, OffloadStats};
+pub use offloaded::{fetch_rule, FetchEngine, OffloadOptions, OffloadStats};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
