@@ -584,7 +584,7 @@ fn run_case(
         );
         v["trace"] = json!({"steps": spec.trace_steps, "untraced_step_ms": pm, "traced_step_ms": tm,
             "overhead_pct": 100.0 * (tm / pm - 1.0), "gpu_spans": spans,
-            "note": "both eager (no CUDA graph), same batch, consecutive steps; a traced step also reads back the fetch counts of its fetch spans"});
+            "note": "both eager (no CUDA graph), same batch, consecutive steps; a traced step also copies its fetch counts on the device (read after the timed steps)"});
     }
     if spec.profile_reps > 0 && offload.is_none() {
         // Per-piece times of the step (leaves the batch's state garbage: last).

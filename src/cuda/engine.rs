@@ -545,6 +545,8 @@ pub struct GpuModel {
     trace_step: std::cell::Cell<u32>,
     /// Fetch spans of the step being enqueued, (layer, span).
     fetch_spans: std::cell::RefCell<Vec<(usize, super::timeline::SpanId)>>,
+    /// Fetch counts of traced steps, read at [`GpuModel::flush_trace`].
+    trace_fetches: std::cell::RefCell<Vec<tracing_spans::PendingFetch>>,
 }
 
 impl std::fmt::Debug for GpuModel {
@@ -769,6 +771,7 @@ impl GpuModel {
             timeline: std::cell::RefCell::new(super::timeline::GpuTimeline::new(g, false)?),
             trace_step: std::cell::Cell::new(0),
             fetch_spans: std::cell::RefCell::new(Vec::new()),
+            trace_fetches: std::cell::RefCell::new(Vec::new()),
             prefill_mode: opts.prefill,
             plan,
             config: cfg,

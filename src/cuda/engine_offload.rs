@@ -284,23 +284,10 @@ impl Drop for StepOffload {
 }
 
 impl StepOffload {
-    /// (block, head) tiles fetched per layer by the last step (downloads the
-    /// counts; synchronises).
-    pub(super) fn fetch_counts(&self, gpu: &Gpu, n: usize) -> Result<Vec<u64>> {
-        let hk = if n == 0 {
-            0
-        } else {
-            self.nfetch.len() / (self.offloaded.len() * n).max(1)
-        };
-        let nf = gpu.download(&self.nfetch)?;
-        Ok((0..self.offloaded.len())
-            .map(|l| {
-                nf[l * n * hk..((l + 1) * n * hk).min(nf.len())]
-                    .iter()
-                    .map(|&x| x.max(0) as u64)
-                    .sum()
-            })
-            .collect())
+    /// The per-(layer, row, KV head) fetch counts of the last step, i32
+    /// [L, n, Hkv] on the device.
+    pub(super) fn nfetch_buffer(&self) -> &CudaSlice<i32> {
+        &self.nfetch
     }
 
     /// Whether layer `l` is offloaded.

@@ -12,13 +12,23 @@
 //! `attention` (+ split-K combine), `o_proj`, `ffn` (post-attention norm,
 //! gate|up, SwiGLU, down) and `write-back` (its own track). Span args carry
 //! layer and step; fetch spans also the bytes and (block, head) tiles
-//! fetched, read back after the step. With tracing off the timeline is
+//! fetched (each traced step copies its fetch counts on the device; they
+//! are read when the trace is flushed). With tracing off the timeline is
 //! disabled: no events, no CUDA calls.
 
 use super::*;
 use crate::cuda::timeline::{GpuTimeline, SpanId, SpanMeta};
 use crate::trace::Track;
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaSlice, CudaStream};
+
+/// Fetch counts of one traced step, read when the trace is flushed.
+pub(super) struct PendingFetch {
+    /// i32 [L, rows, Hkv]: the step's per-(layer, row, head) fetches.
+    nfetch: CudaSlice<i32>,
+    layers: usize,
+    step: u32,
+    spans: Vec<(usize, SpanId)>,
+}
 
 impl GpuModel {
     /// Records GPU spans from now on when `on` and a trace session is
@@ -48,6 +58,24 @@ impl GpuModel {
     ///
     /// Errors: CUDA failures while timing the events.
     pub fn flush_trace(&mut self) -> Result<usize> {
+        // Fetch spans get their bytes now, from the counts copied each step.
+        let pending: Vec<PendingFetch> = self.trace_fetches.borrow_mut().drain(..).collect();
+        let chunk = (2 * self.plan.budget.block_size * self.config.head_dim * 2) as u64;
+        for p in pending {
+            let nf = self.gpu.download(&p.nfetch)?;
+            let per = nf.len() / p.layers.max(1);
+            let mut tl = self.timeline.borrow_mut();
+            for (l, id) in p.spans {
+                let tiles: u64 = nf[l * per..((l + 1) * per).min(nf.len())]
+                    .iter()
+                    .map(|&x| x.max(0) as u64)
+                    .sum();
+                tl.set_meta(
+                    id,
+                    SpanMeta::at(l as u32, p.step).moved(tiles * chunk, tiles as u32),
+                );
+            }
+        }
         self.timeline.borrow_mut().submit()
     }
 
@@ -86,8 +114,9 @@ impl GpuModel {
         }
     }
 
-    /// After a traced step: reads each layer's fetch counts (synchronises)
-    /// and puts bytes and tiles on that layer's fetch span; advances the
+    /// After a traced step: copies the step's per-layer fetch counts on the
+    /// device (no host synchronisation; [`GpuModel::flush_trace`] reads
+    /// them and puts bytes and tiles on the fetch spans) and advances the
     /// step counter of the spans.
     pub(super) fn finish_traced_step(&self) -> Result<()> {
         if !self.trace_on() {
@@ -95,18 +124,19 @@ impl GpuModel {
         }
         let spans: Vec<(usize, SpanId)> = self.fetch_spans.borrow_mut().drain(..).collect();
         if let (false, Some(st)) = (spans.is_empty(), self.step.as_ref()) {
-            if let Some(off) = st.off.as_ref() {
-                let per_layer = off.fetch_counts(&self.gpu, st.n)?;
-                let chunk = (2 * self.plan.budget.block_size * self.config.head_dim * 2) as u64;
-                let mut tl = self.timeline.borrow_mut();
-                for (l, id) in spans {
-                    let tiles = per_layer.get(l).copied().unwrap_or(0);
-                    tl.set_meta(
-                        id,
-                        SpanMeta::at(l as u32, self.trace_step.get())
-                            .moved(tiles * chunk, tiles as u32),
-                    );
-                }
+            if let Some(nfetch) = st.off.as_ref().map(|o| o.nfetch_buffer()) {
+                let s = self.gpu.stream();
+                let mut copy = s
+                    .alloc_zeros::<i32>(nfetch.len())
+                    .cuda("allocating a trace fetch-count copy")?;
+                s.memcpy_dtod(nfetch, &mut copy)
+                    .cuda("copying the fetch counts for the trace")?;
+                self.trace_fetches.borrow_mut().push(PendingFetch {
+                    nfetch: copy,
+                    layers: self.layers.len(),
+                    step: self.trace_step.get(),
+                    spans,
+                });
             }
         }
         self.trace_step.set(self.trace_step.get() + 1);
