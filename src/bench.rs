@@ -687,6 +687,9 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
     if forecast.is_some() {
         sel_modes.extend(spec.prefetch.iter().map(|&p| Some(p)));
     }
+    if spec.equivalent_batches.contains(&0) {
+        return Err(Error::Input("--equivalent-batch: give sizes ≥ 1".into()));
+    }
     if !spec.equivalent_batches.is_empty() {
         let off = kv_modes
             .iter()
@@ -703,8 +706,13 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
                         continue; // needs --forecast
                     }
                     let mut o = opts(mode != EbMode::DenseGpu);
-                    if mode == EbMode::InfllmOffload {
-                        o.attention.selection = Some(SelectionRule::InfLlmV2);
+                    if mode != EbMode::DenseGpu {
+                        // each mode's own rule, whatever --selection says
+                        o.attention.selection = Some(if mode == EbMode::InfllmOffload {
+                            SelectionRule::InfLlmV2
+                        } else {
+                            SelectionRule::Nosa
+                        });
                     }
                     model.set_options(o)?;
                     model.set_offload(mode.offloaded().then_some(off))?;
@@ -839,22 +847,29 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
 /// the bound.
 pub fn forecast_comparison(cases: &[Value]) -> Value {
     let mut out = Vec::new();
-    let find = |kv: &Value, b: &Value, l: &Value, sel: &str| {
+    let find = |kv: &Value, b: &Value, l: &Value, rule: &Value, sel: &str| {
         cases.iter().find(|c| {
-            &c["kv"] == kv && &c["batch"] == b && &c["context"] == l && c["selection"] == sel
+            &c["kv"] == kv
+                && &c["batch"] == b
+                && &c["context"] == l
+                && &c["mode"] == rule
+                && c["selection"] == sel
         })
     };
     for c in cases {
-        if c["selection"] != "query-aware (sync NOSA)"
+        if !c["selection"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("query-aware"))
             || !c["kv"].as_str().is_some_and(|k| k.starts_with("offload"))
             || c.get("skipped").is_some()
         {
             continue;
         }
-        let (kv, b, l) = (&c["kv"], &c["batch"], &c["context"]);
+        // the forecast runs of the same cell and selection rule (NOSA or InfLLM-V2)
+        let (kv, b, l, rule) = (&c["kv"], &c["batch"], &c["context"], &c["mode"]);
         let (Some(pre), Some(nopre)) = (
-            find(kv, b, l, "forecast+prefetch"),
-            find(kv, b, l, "forecast, no prefetch"),
+            find(kv, b, l, rule, "forecast+prefetch"),
+            find(kv, b, l, rule, "forecast, no prefetch"),
         ) else {
             continue;
         };

@@ -402,7 +402,9 @@ struct BenchArgs {
     /// Equivalent batch sizes (runtime.md §5): per context, run every mode
     /// (dense and NOSA on the GPU, NOSA and InfLLM-V2 offloaded, and with
     /// --forecast forecast ± prefetch) at the real batch that fills the same
-    /// GPU KV memory as EB offloaded sequences; replaces --batch.
+    /// GPU KV memory as EB offloaded sequences; replaces --batch. Offloaded
+    /// modes use the first --fetch engine; --prefetch, --sync and --selection
+    /// do not apply (each mode has its own).
     #[arg(long, value_delimiter = ',', num_args = 1..)]
     equivalent_batch: Vec<usize>,
     /// Traced steps per case with --trace.

@@ -27,7 +27,8 @@ pub(super) struct PendingFetch {
     nfetch: CudaSlice<i32>,
     layers: usize,
     step: u32,
-    spans: Vec<(usize, SpanId)>,
+    /// Layers that recorded a fetch span in that step.
+    fetch_layers: Vec<usize>,
 }
 
 impl GpuModel {
@@ -44,6 +45,8 @@ impl GpuModel {
         }
         let tl = GpuTimeline::new(&self.gpu, enabled)?;
         *self.timeline.borrow_mut() = tl;
+        self.fetch_spans.borrow_mut().clear();
+        self.trace_fetches.borrow_mut().clear();
         self.step = None;
         Ok(())
     }
@@ -58,25 +61,33 @@ impl GpuModel {
     ///
     /// Errors: CUDA failures while timing the events.
     pub fn flush_trace(&mut self) -> Result<usize> {
-        // Fetch spans get their bytes now, from the counts copied each step.
+        // Fetch spans get their bytes now, from the counts each traced step
+        // copied on the device, matched by (layer, step) on the collected
+        // spans (span ids may have been reused since).
         let pending: Vec<PendingFetch> = self.trace_fetches.borrow_mut().drain(..).collect();
         let chunk = (2 * self.plan.budget.block_size * self.config.head_dim * 2) as u64;
+        let mut tiles = std::collections::HashMap::new();
         for p in pending {
             let nf = self.gpu.download(&p.nfetch)?;
             let per = nf.len() / p.layers.max(1);
-            let mut tl = self.timeline.borrow_mut();
-            for (l, id) in p.spans {
-                let tiles: u64 = nf[l * per..((l + 1) * per).min(nf.len())]
+            for l in p.fetch_layers {
+                let t: u64 = nf[l * per..((l + 1) * per).min(nf.len())]
                     .iter()
                     .map(|&x| x.max(0) as u64)
                     .sum();
-                tl.set_meta(
-                    id,
-                    SpanMeta::at(l as u32, p.step).moved(tiles * chunk, tiles as u32),
-                );
+                tiles.insert((l as u32, p.step), t);
             }
         }
-        self.timeline.borrow_mut().submit()
+        self.timeline.borrow_mut().submit_with(|spans| {
+            for s in spans.iter_mut().filter(|s| s.name == "fetch") {
+                if let (Some(l), Some(st)) = (s.layer, s.step) {
+                    if let Some(&t) = tiles.get(&(l, st)) {
+                        s.bytes = Some(t * chunk);
+                        s.blocks = Some(t as u32);
+                    }
+                }
+            }
+        })
     }
 
     /// Begins a span of `name` at `layer` on `stream` (no-op when tracing is off).
@@ -135,7 +146,7 @@ impl GpuModel {
                     nfetch: copy,
                     layers: self.layers.len(),
                     step: self.trace_step.get(),
-                    spans,
+                    fetch_layers: spans.into_iter().map(|(l, _)| l).collect(),
                 });
             }
         }

@@ -320,17 +320,6 @@ impl GpuTimeline {
         Ok(())
     }
 
-    /// Replaces the metadata of span `id` (open, or ended and not yet
-    /// collected), e.g. the bytes of a fetch known only after the step.
-    /// No-op when disabled, for [`SpanId::NONE`] or a span already collected.
-    pub fn set_meta(&mut self, id: SpanId, meta: SpanMeta) {
-        if let Some(r) = self.rec.as_deref_mut() {
-            if let Some(Some(slot)) = r.slots.get_mut(id.0 as usize) {
-                slot.meta = meta;
-            }
-        }
-    }
-
     /// Runs `enqueue` (which puts work on `stream`) inside a span: `begin`,
     /// `enqueue()`, `end`. The span is ended also when `enqueue` fails.
     ///
@@ -381,7 +370,16 @@ impl GpuTimeline {
     ///
     /// Errors: as `collect`.
     pub fn submit(&mut self) -> Result<usize> {
-        let spans = self.collect()?;
+        self.submit_with(|_| {})
+    }
+
+    /// As [`submit`](Self::submit), letting `patch` complete the collected
+    /// spans first (e.g. bytes known only after the run).
+    ///
+    /// Errors: as [`collect`](Self::collect).
+    pub fn submit_with(&mut self, patch: impl FnOnce(&mut [GpuSpan])) -> Result<usize> {
+        let mut spans = self.collect()?;
+        patch(&mut spans);
         let (Some(anchor), n) = (self.anchor_id(), spans.len()) else {
             return Ok(0);
         };
