@@ -1008,6 +1008,33 @@ mod tests {
     }
 
     #[test]
+    fn forecast_runs_pair_with_the_sync_run_of_their_own_selection_rule() {
+        let with_mode = |mut c: Value, m: &str| {
+            c["mode"] = json!(m);
+            c
+        };
+        let cases = vec![
+            with_mode(
+                case("query-aware (sync NOSA)", 16, 65_536, 30.0, Some(10.0)),
+                "Nosa",
+            ),
+            with_mode(
+                case("query-aware (InfLLM-V2)", 16, 65_536, 25.0, Some(9.0)),
+                "InfLlmV2",
+            ),
+            with_mode(case("forecast+prefetch", 16, 65_536, 21.0, None), "Nosa"),
+            with_mode(
+                case("forecast, no prefetch", 16, 65_536, 28.0, None),
+                "Nosa",
+            ),
+        ];
+        let v = forecast_comparison(&cases);
+        let a = v.as_array().unwrap();
+        assert_eq!(a.len(), 1);
+        assert_eq!(a[0]["P_fetch_ms"], 10.0);
+    }
+
+    #[test]
     fn forecast_comparison_skips_cells_that_did_not_run() {
         let mut pre = case("forecast+prefetch", 32, 131_072, 0.0, None);
         pre["skipped"] = json!("needs more pinned memory");
