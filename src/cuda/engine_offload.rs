@@ -249,6 +249,8 @@ pub(super) struct StepOffload {
     offloaded: Vec<bool>,
     /// u64 [L][3][n]: pool, slot map, host base per row.
     tabs: CudaSlice<u64>,
+    /// The same tables on the host (the copy-engine fetch reads them).
+    tabs_host: Vec<u64>,
     /// i32 [L, n, Hkv, s_max]: slot of each list entry (−1 ring).
     slot_list: CudaSlice<i32>,
     /// i32 [L, n, Hkv, S, 2]: (slot, block) misses.
@@ -324,6 +326,19 @@ fn copy_stream(gpu: &Gpu) -> Result<Arc<CudaStream>> {
     gpu.context()
         .new_stream_with_priority(greatest)
         .cuda("cuStreamCreateWithPriority (copy)")
+}
+
+/// `n` events without timing, for ordering streams (one per layer).
+fn sync_events(gpu: &Gpu, n: usize, what: &str) -> Result<Vec<CudaEvent>> {
+    (0..n)
+        .map(|_| {
+            gpu.context()
+                .new_event(Some(
+                    cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+                ))
+                .cuda(what)
+        })
+        .collect()
 }
 
 /// Tokens a tail ring holds.
@@ -761,6 +776,7 @@ impl GpuModel {
             ring: ring_tokens(self.plan.budget.block_size),
             offloaded,
             tabs: gpu.upload(&tabs)?,
+            tabs_host: tabs,
             slot_list: s.alloc_zeros((nl * n * hk * s_max).max(1)).cuda(what)?,
             fetch: s.alloc_zeros((nl * n * hk * slots * 2).max(1)).cuda(what)?,
             nfetch: s.alloc_zeros((nl * n * hk).max(1)).cuda(what)?,
@@ -773,24 +789,8 @@ impl GpuModel {
             timing,
             completes: false,
             copy_stream: copy_stream(gpu)?,
-            ready: (0..nl)
-                .map(|_| {
-                    gpu.context()
-                        .new_event(Some(
-                            cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
-                        ))
-                        .cuda("cuEventCreate (ready)")
-                })
-                .collect::<Result<Vec<_>>>()?,
-            fetched: (0..nl)
-                .map(|_| {
-                    gpu.context()
-                        .new_event(Some(
-                            cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
-                        ))
-                        .cuda("cuEventCreate (fetched)")
-                })
-                .collect::<Result<Vec<_>>>()?,
+            ready: sync_events(gpu, nl, "cuEventCreate (ready)")?,
+            fetched: sync_events(gpu, nl, "cuEventCreate (fetched)")?,
         })
     }
 
@@ -1010,7 +1010,7 @@ impl GpuModel {
         }
         let base = l * n * hk * s_slots * 2;
         let fl = gpu.download(&off.fetch.slice(base..base + n * hk * s_slots * 2))?;
-        let tabs = gpu.download(&off.tabs.slice(l * 3 * n..(l + 1) * 3 * n))?;
+        let tabs = &off.tabs_host[l * 3 * n..(l + 1) * 3 * n];
         let rows: Vec<crate::cuda::offload::DmaRow> = (0..n)
             .map(|r| crate::cuda::offload::DmaRow {
                 host: tabs[2 * n + r],
