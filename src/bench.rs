@@ -311,13 +311,14 @@ fn time_steps(
     steps: usize,
     fed: bool,
     token: &[u32],
-) -> Result<Vec<f64>> {
+) -> Result<StepTimes> {
     let gpu = model.gpu().clone();
     let events = (0..=steps)
         .map(|_| gpu.timing_event())
         .collect::<Result<Vec<_>>>()?;
     use crate::cuda::context::CudaResultExt;
     events[0].record(gpu.stream()).cuda("cuEventRecord")?;
+    let t_host = std::time::Instant::now();
     for ev in &events[1..] {
         if fed {
             model.decode_greedy(seqs)?;
@@ -326,12 +327,26 @@ fn time_steps(
         }
         ev.record(gpu.stream()).cuda("cuEventRecord")?;
     }
+    let host_ms = t_host.elapsed().as_secs_f64() * 1e3;
     events[steps].synchronize().cuda("cuEventSynchronize")?;
     gpu.synchronize()?;
-    events
+    let gpu_ms = events
         .windows(2)
         .map(|w| Ok(w[0].elapsed_ms(&w[1]).cuda("cuEventElapsedTime")? as f64))
-        .collect()
+        .collect::<Result<Vec<f64>>>()?;
+    Ok(StepTimes {
+        host_ms_per_step: host_ms / steps.max(1) as f64,
+        gpu_ms,
+    })
+}
+
+/// Times of [`time_steps`]: GPU step times from CUDA events (ms each) and
+/// the host's wall time per step spent issuing them (ms). Host time close to
+/// the GPU step time means the host, not the GPU, sets the pace (or a step
+/// waits for the GPU inside).
+struct StepTimes {
+    host_ms_per_step: f64,
+    gpu_ms: Vec<f64>,
 }
 
 /// One case's result (or skip reason) as JSON.
@@ -464,7 +479,9 @@ fn run_case(
     if offload.is_some() {
         model.reset_offload_stats()?;
     }
-    let per_step = time_steps(model, &mut seqs, spec.steps, true, &first)?;
+    let timed = time_steps(model, &mut seqs, spec.steps, true, &first)?;
+    let host_ms_per_step = timed.host_ms_per_step;
+    let per_step = timed.gpu_ms;
     let graph = model.last_step_was_graph();
     let offload_json = if offload.is_some() {
         let st = model.offload_stats()?;
@@ -511,6 +528,7 @@ fn run_case(
     v["step_ms_p10"] = json!(percentile(&per_step, 10.0));
     v["step_ms_p90"] = json!(percentile(&per_step, 90.0));
     v["step_ms_min"] = json!(per_step.iter().copied().fold(f64::INFINITY, f64::min));
+    v["host_issue_ms_per_step"] = json!(host_ms_per_step);
     v["tokens_per_s"] = json!(tokens_per_s);
     v["gpu_mem_used_bytes"] = json!(total - free_after);
     v["final_len"] = json!(seqs[0].len());
@@ -524,11 +542,12 @@ fn run_case(
         v["offload"] = j;
     }
     eprintln!(
-        "  {:>6} {} B={batch:<3} L={context:<6} step {:.3} ms (median {:.3}), {:.1} tokens/s, graph {graph}, {:.1} GiB in use",
+        "  {:>6} {} B={batch:<3} L={context:<6} step {:.3} ms (median {:.3}; host issues a step in {:.3}), {:.1} tokens/s, graph {graph}, {:.1} GiB in use",
         if sparse { "sparse" } else { "dense" },
         kv_name(&offload),
         total_ms / spec.steps as f64,
         median(&per_step),
+        host_ms_per_step,
         tokens_per_s,
         (total - free_after) as f64 / (1u64 << 30) as f64
     );
@@ -540,7 +559,7 @@ fn run_case(
             let toks: Vec<u32> = first.clone();
             model.decode(&mut seqs, &toks)?; // rebuild / warm up
             let n = spec.steps.min(32);
-            let ms = time_steps(model, &mut seqs, n, fed, &toks)?;
+            let ms = time_steps(model, &mut seqs, n, fed, &toks)?.gpu_ms;
             let mean = ms.iter().sum::<f64>() / n as f64;
             eprintln!(
                 "    {mode:?}: step {mean:.3} ms (median {:.3})",
@@ -562,6 +581,8 @@ fn run_case(
         model.decode(&mut seqs, &first)?;
         let plain = time_steps(model, &mut seqs, spec.trace_steps, true, &first)?;
         model.set_trace(true)?;
+        // events for the warm-up and timed traced steps, made before timing
+        model.reserve_trace(spec.trace_steps + 1)?;
         let _span = tracing::info_span!(target: "sparda::bench", "traced steps",
             batch, context, kv = kv_name(&offload).as_str(), selection = v["selection"].as_str().unwrap_or(""))
         .entered();
@@ -571,10 +592,8 @@ fn run_case(
         let spans = model.flush_trace()?;
         model.set_trace(false)?;
         model.set_decode_mode(mode);
-        let (pm, tm) = (
-            plain.iter().sum::<f64>() / plain.len() as f64,
-            traced.iter().sum::<f64>() / traced.len() as f64,
-        );
+        let mean = |t: &StepTimes| t.gpu_ms.iter().sum::<f64>() / t.gpu_ms.len().max(1) as f64;
+        let (pm, tm) = (mean(&plain), mean(&traced));
         eprintln!(
             "    trace: {} steps, {:.3} ms/step untraced vs {:.3} traced (+{:.1}%), {spans} GPU spans",
             spec.trace_steps,
@@ -583,6 +602,7 @@ fn run_case(
             100.0 * (tm / pm - 1.0)
         );
         v["trace"] = json!({"steps": spec.trace_steps, "untraced_step_ms": pm, "traced_step_ms": tm,
+            "untraced_host_ms_per_step": plain.host_ms_per_step, "traced_host_ms_per_step": traced.host_ms_per_step,
             "overhead_pct": 100.0 * (tm / pm - 1.0), "gpu_spans": spans,
             "note": "both eager (no CUDA graph), same batch, consecutive steps; a traced step also copies its fetch counts on the device (read after the timed steps)"});
     }

@@ -21,6 +21,11 @@ use crate::cuda::timeline::{GpuTimeline, SpanId, SpanMeta};
 use crate::trace::Track;
 use cudarc::driver::{CudaSlice, CudaStream};
 
+/// Upper bound of the spans one layer records in a decode step (qkv,
+/// select, diff, fetch, wait, attention, o_proj, ffn, write-back, and the
+/// layer-0 fetch of forecast mode).
+pub const SPANS_PER_LAYER: usize = 10;
+
 /// Fetch counts of one traced step, read when the trace is flushed.
 pub(super) struct PendingFetch {
     /// i32 [L, rows, Hkv]: the step's per-(layer, row, head) fetches.
@@ -49,6 +54,16 @@ impl GpuModel {
         self.trace_fetches.borrow_mut().clear();
         self.step = None;
         Ok(())
+    }
+
+    /// Pre-creates the CUDA events of `steps` traced decode steps
+    /// ([`SPANS_PER_LAYER`] spans per layer), so that timed traced steps do
+    /// not create events between launches. No-op when tracing is off.
+    ///
+    /// Errors: CUDA failures creating events.
+    pub fn reserve_trace(&mut self, steps: usize) -> Result<()> {
+        let spans = steps * self.layers.len() * SPANS_PER_LAYER;
+        self.timeline.borrow_mut().reserve(spans)
     }
 
     /// Whether GPU spans are being recorded.
@@ -151,6 +166,9 @@ impl GpuModel {
             }
         }
         self.trace_step.set(self.trace_step.get() + 1);
-        Ok(())
+        // events for the next step, made while the GPU runs this one
+        self.timeline
+            .borrow_mut()
+            .prepare(self.layers.len() * SPANS_PER_LAYER)
     }
 }

@@ -231,6 +231,22 @@ impl GpuTimeline {
         Ok(())
     }
 
+    /// Before a traced step of about `spans` spans: converts the spans that
+    /// have finished (non-blocking, returning their events to the pool),
+    /// then tops the pool up to `2 · spans` events, so that the step's
+    /// `begin`/`end` calls only record (no `cuEventCreate` between kernel
+    /// launches). No-op when disabled.
+    ///
+    /// Errors: [`Error::Cuda`] when an event cannot be queried, timed or
+    /// created.
+    pub fn prepare(&mut self, spans: usize) -> Result<()> {
+        let Some(r) = self.rec.as_deref_mut() else {
+            return Ok(());
+        };
+        r.harvest()?;
+        self.reserve(spans)
+    }
+
     /// Starts a span named `name` on `track`: records a start event on
     /// `stream` (after the work already enqueued there). Returns
     /// [`SpanId::NONE`] and records nothing when disabled or when `stream`
