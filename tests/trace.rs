@@ -640,6 +640,37 @@ fn gpu_timeline_records_streams_waits_and_skips_capture() {
         }
         submitted += tl.submit().unwrap();
         assert_eq!(submitted, (steps - 1) as usize * layers as usize * 3);
+        // `next`: back-to-back spans share their boundary event, so each
+        // starts exactly where the previous one ended; the events come back
+        // to the pool (a second chain creates none).
+        let mut chain = |tl: &mut GpuTimeline| {
+            let m = SpanMeta::at(0, 99);
+            let a = tl.begin(&compute, Track::Compute, "a", m).unwrap();
+            compute.memset_zeros(&mut work).unwrap();
+            let b = tl.next(&compute, a, Track::Compute, "b", m).unwrap();
+            compute.memset_zeros(&mut work).unwrap();
+            let c = tl.next(&compute, b, Track::Compute, "c", m).unwrap();
+            compute.memset_zeros(&mut work).unwrap();
+            tl.end(&compute, c).unwrap();
+            let mut got = tl.collect().unwrap();
+            got.sort_by(|x, y| x.name.cmp(&y.name));
+            got
+        };
+        let got = chain(&mut tl);
+        let names: Vec<&str> = got.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["a", "b", "c"]);
+        for w in got.windows(2) {
+            assert!(w[0].dur_ms > 0.0, "{:?}", w[0]);
+            assert!(
+                (w[0].start_ms + w[0].dur_ms - w[1].start_ms).abs() < 1e-6,
+                "{:?} then {:?}",
+                w[0],
+                w[1]
+            );
+        }
+        let created = tl.events_created();
+        assert_eq!(chain(&mut tl).len(), 3);
+        assert_eq!(tl.events_created(), created);
         // Host cost of a span on an idle stream: first while the pool grows
         // (events created or harvested in the loop), then with a full pool,
         // and the conversion that `collect` does per span.

@@ -1840,21 +1840,22 @@ impl GpuModel {
             let sp = self.tspan(&cs, Track::Compute, "qkv", l)?;
             self.layer_front(l, &mut st.ws, n, n, qkv_off, &inp, &tab, comp, ring)?;
             self.rope_forecast(&st.ws, n, qkv_off, inp.pos)?;
-            self.tspan_end(&cs, sp)?;
             let (sel_off, nsel_off) = lists(l);
             let slots = match forecast {
                 None => {
                     if st.attn.sparse {
-                        let sp = self.tspan(&cs, Track::Compute, "select", l)?;
+                        let sp = self.tspan_next(&cs, sp, "select", l)?;
                         self.gpu_select(
                             &st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.sel,
                         )?;
+                        self.tspan_end(&cs, sp)?;
+                    } else {
                         self.tspan_end(&cs, sp)?;
                     }
                     self.offload_layer(st, l, sel_off, nsel_off, inp.lens)?
                 }
                 Some((fut, cur)) => {
-                    let sp = self.tspan(&cs, Track::Compute, "select", l)?;
+                    let sp = self.tspan_next(&cs, sp, "select", l)?;
                     if l == 0 {
                         // layer 0 scores its own current-step windows with q_curr_proj
                         self.forecast_select(
@@ -1888,8 +1889,7 @@ impl GpuModel {
                             inp.pos,
                             &st.sel,
                         )?;
-                        self.tspan_end(&cs, sp)?;
-                        let sp = self.tspan(&cs, Track::Compute, "diff", l + 1)?;
+                        let sp = self.tspan_next(&cs, sp, "diff", l + 1)?;
                         let offloaded = self.offload_diff(st, l + 1, ns_off, nn_off, inp.lens)?;
                         self.tspan_end(&cs, sp)?;
                         if offloaded && prefetch {
@@ -2196,8 +2196,7 @@ impl GpuModel {
                 geo.nsplit,
             )?;
         }
-        self.tspan_end(cs, sp)?;
-        let sp = self.tspan(cs, Track::Compute, "o_proj", l)?;
+        let sp = self.tspan_next(cs, sp, "o_proj", l)?;
         let lw = &self.layers[l];
         if self.on(StepPart::OProj) {
             gpu.linear(
@@ -2212,8 +2211,7 @@ impl GpuModel {
                 Self::bias_add(gpu, dptr(gpu, &ws.delta), d, b, n, d)?;
             }
         }
-        self.tspan_end(cs, sp)?;
-        let sp = self.tspan(cs, Track::Compute, "ffn", l)?;
+        let sp = self.tspan_next(cs, sp, "ffn", l)?;
         if self.on(StepPart::NormPost) {
             ops::add_rmsnorm(
                 gpu,

@@ -125,6 +125,29 @@ impl GpuModel {
         )
     }
 
+    /// Ends span `id` and begins `name` at `layer` on the same stream with
+    /// one shared event ([`GpuTimeline::next`]): for phases that follow each
+    /// other directly on `stream`.
+    pub(super) fn tspan_next(
+        &self,
+        stream: &CudaStream,
+        id: SpanId,
+        name: &'static str,
+        layer: usize,
+    ) -> Result<SpanId> {
+        let mut tl = self.timeline.borrow_mut();
+        if !tl.is_enabled() {
+            return Ok(SpanId::NONE);
+        }
+        tl.next(
+            stream,
+            id,
+            Track::Compute,
+            name,
+            SpanMeta::at(layer as u32, self.trace_step.get()),
+        )
+    }
+
     /// Ends a span begun by [`GpuModel::tspan`].
     pub(super) fn tspan_end(&self, stream: &CudaStream, id: SpanId) -> Result<()> {
         if id.is_none() {

@@ -33,6 +33,7 @@ use cudarc::driver::result::event;
 use cudarc::driver::sys::CUstreamCaptureStatus;
 use cudarc::driver::{CudaEvent, CudaStream};
 use std::collections::VecDeque;
+use std::rc::Rc;
 use std::sync::Arc;
 
 /// Events a timeline creates before it reuses those of finished spans
@@ -96,8 +97,17 @@ struct Slot {
     track: Track,
     name: &'static str,
     meta: SpanMeta,
-    start: CudaEvent,
-    end: Option<CudaEvent>,
+    /// Shared with the previous span's end when begun by [`GpuTimeline::next`].
+    start: Rc<CudaEvent>,
+    /// Shared with the next span's start when that one was begun by `next`.
+    end: Option<Rc<CudaEvent>>,
+}
+
+/// Returns an event to `pool` once no span holds it any more.
+fn give_back(pool: &mut Vec<CudaEvent>, ev: Rc<CudaEvent>) {
+    if let Ok(e) = Rc::try_unwrap(ev) {
+        pool.push(e);
+    }
 }
 
 /// The state of an enabled timeline.
@@ -274,22 +284,46 @@ impl GpuTimeline {
                 "cuEventRecord (trace span `{name}` start): {e}"
             )));
         }
-        let idx = match r.free.pop() {
-            Some(i) => i,
-            None => {
-                r.slots.push(None);
-                (r.slots.len() - 1) as u32
-            }
-        };
-        r.slots[idx as usize] = Some(Slot {
-            track,
-            name,
-            meta,
-            start,
-            end: None,
-        });
-        r.open += 1;
-        Ok(SpanId(idx))
+        Ok(r.open_slot(track, name, meta, Rc::new(start)))
+    }
+
+    /// Ends span `id` and begins the next one (`name` on `track`) on the
+    /// same `stream` with one event, which is both the end of `id` and the
+    /// start of the new span: back-to-back phases of one stream cost one
+    /// `cuEventRecord` each instead of two. Work enqueued on `stream`
+    /// between the two calls would count in neither span, so call it where
+    /// one phase directly follows the other. With `id` = [`SpanId::NONE`]
+    /// it is [`begin`](Self::begin); on a capturing stream it ends `id` as
+    /// [`end`](Self::end) does and records nothing.
+    ///
+    /// Errors: as [`end`](Self::end) and [`begin`](Self::begin).
+    pub fn next(
+        &mut self,
+        stream: &CudaStream,
+        id: SpanId,
+        track: Track,
+        name: &'static str,
+        meta: SpanMeta,
+    ) -> Result<SpanId> {
+        if self.rec.is_none() {
+            return Ok(SpanId::NONE);
+        }
+        if id.is_none() || capturing(stream)? {
+            self.end(stream, id)?;
+            return self.begin(stream, track, name, meta);
+        }
+        let r = self.rec.as_deref_mut().expect("checked above");
+        let i = r.open_index(id)?;
+        let ev = r.take_event()?;
+        if let Err(e) = ev.record(stream) {
+            r.pool.push(ev);
+            return Err(Error::Cuda(format!(
+                "cuEventRecord (trace span `{name}` start): {e}"
+            )));
+        }
+        let ev = Rc::new(ev);
+        r.close_slot(i, ev.clone());
+        Ok(r.open_slot(track, name, meta, ev))
     }
 
     /// Ends span `id`: records its end event on `stream` (normally the
@@ -306,23 +340,15 @@ impl GpuTimeline {
         if id.is_none() {
             return Ok(());
         }
-        let i = id.0 as usize;
-        let name = match r.slots.get(i) {
-            Some(Some(s)) if s.end.is_none() => s.name,
-            _ => {
-                return Err(Error::Cuda(format!(
-                    "trace span {}: end() without an open begin() (ended twice, or from another timeline)",
-                    id.0
-                )))
-            }
-        };
+        let i = r.open_index(id)?;
         if capturing(stream)? {
             let slot = r.slots[i].take().expect("checked above");
-            r.pool.push(slot.start);
+            give_back(&mut r.pool, slot.start);
             r.free.push(id.0);
             r.open -= 1;
             return Ok(());
         }
+        let name = r.slots[i].as_ref().expect("checked above").name;
         let end = r.take_event()?;
         if let Err(e) = end.record(stream) {
             r.pool.push(end);
@@ -330,9 +356,7 @@ impl GpuTimeline {
                 "cuEventRecord (trace span `{name}` end): {e}"
             )));
         }
-        r.slots[i].as_mut().expect("checked above").end = Some(end);
-        r.open -= 1;
-        r.closed.push_back(id.0);
+        r.close_slot(i, Rc::new(end));
         Ok(())
     }
 
@@ -407,6 +431,51 @@ impl GpuTimeline {
 }
 
 impl Recorder {
+    /// Index of open span `id`.
+    fn open_index(&self, id: SpanId) -> Result<usize> {
+        let i = id.0 as usize;
+        match self.slots.get(i) {
+            Some(Some(s)) if s.end.is_none() => Ok(i),
+            _ => Err(Error::Cuda(format!(
+                "trace span {}: end() without an open begin() (ended twice, or from another timeline)",
+                id.0
+            ))),
+        }
+    }
+
+    /// Stores a new open span starting at `start`.
+    fn open_slot(
+        &mut self,
+        track: Track,
+        name: &'static str,
+        meta: SpanMeta,
+        start: Rc<CudaEvent>,
+    ) -> SpanId {
+        let idx = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.slots.push(None);
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.slots[idx as usize] = Some(Slot {
+            track,
+            name,
+            meta,
+            start,
+            end: None,
+        });
+        self.open += 1;
+        SpanId(idx)
+    }
+
+    /// Marks open span `i` ended at `end` (recorded).
+    fn close_slot(&mut self, i: usize, end: Rc<CudaEvent>) {
+        self.slots[i].as_mut().expect("an open span").end = Some(end);
+        self.open -= 1;
+        self.closed.push_back(i as u32);
+    }
+
     /// Makes the context current on this thread (for the raw event calls).
     fn bind(&self) -> Result<()> {
         self.gpu_ctx
@@ -486,8 +555,8 @@ impl Recorder {
             bytes: slot.meta.bytes,
             blocks: slot.meta.blocks,
         });
-        self.pool.push(slot.start);
-        self.pool.push(end);
+        give_back(&mut self.pool, slot.start);
+        give_back(&mut self.pool, end);
         self.free.push(i);
         Ok(())
     }
