@@ -66,10 +66,10 @@ use super::select::{ensure_smem, launch_select_blocks, SelectBlocksArgs};
 use super::{bf16_bits, Bf16, Gpu};
 use crate::config::{AttentionMode, ModelConfig, Rope, RopeScaling};
 use crate::cpu::EngineOptions;
+use crate::cuda::timeline::SpanId;
 use crate::model::select::{self, Budget};
 use crate::model::state::LayerKv;
 use crate::model::{AttentionPlan, PrefillMode};
-use crate::trace::Track;
 use crate::weights::names::{self, LayerTensor};
 use crate::weights::Checkpoint;
 use crate::{Error, Result};
@@ -544,7 +544,7 @@ pub struct GpuModel {
     /// Decode steps traced so far (span args).
     trace_step: std::cell::Cell<u32>,
     /// Fetch spans of the step being enqueued, (layer, span).
-    fetch_spans: std::cell::RefCell<Vec<(usize, super::timeline::SpanId)>>,
+    fetch_spans: std::cell::RefCell<Vec<(usize, SpanId)>>,
     /// Fetch counts of traced steps, read at [`GpuModel::flush_trace`].
     trace_fetches: std::cell::RefCell<Vec<tracing_spans::PendingFetch>>,
 }
@@ -1831,13 +1831,16 @@ impl GpuModel {
         let prefetch = forecast.is_some() && self.prefetch && st.off.is_some();
         let s_max = st.attn.s_max;
         let lists = |l: usize| (l * n * hk * s_max, l * n * hk);
+        // The open compute-stream span: consecutive phases share their
+        // boundary event (`tspan_next`), across layers too.
+        let mut open = SpanId::NONE;
         for l in 0..nl {
             let tab = Tables::new(ptrs + (l * per_layer * 8) as u64, n, n);
             let qkv_off = l * n * w;
             let comp = self.gpu_selection().then_some((1usize, 1usize));
             let ring = st.off.as_ref().map_or(0, |o| o.ring_of(l));
             let cs = gpu.stream().clone();
-            let sp = self.tspan(&cs, Track::Compute, "qkv", l)?;
+            let sp = self.tspan_next(&cs, open, "qkv", l)?;
             self.layer_front(l, &mut st.ws, n, n, qkv_off, &inp, &tab, comp, ring)?;
             self.rope_forecast(&st.ws, n, qkv_off, inp.pos)?;
             let (sel_off, nsel_off) = lists(l);
@@ -1852,10 +1855,13 @@ impl GpuModel {
                     } else {
                         self.tspan_end(&cs, sp)?;
                     }
-                    self.offload_layer(st, l, sel_off, nsel_off, inp.lens)?
+                    (
+                        self.offload_layer(st, l, sel_off, nsel_off, inp.lens)?,
+                        SpanId::NONE,
+                    )
                 }
                 Some((fut, cur)) => {
-                    let sp = self.tspan_next(&cs, sp, "select", l)?;
+                    let mut sp = self.tspan_next(&cs, sp, "select", l)?;
                     if l == 0 {
                         // layer 0 scores its own current-step windows with q_curr_proj
                         self.forecast_select(
@@ -1889,31 +1895,32 @@ impl GpuModel {
                             inp.pos,
                             &st.sel,
                         )?;
-                        let sp = self.tspan_next(&cs, sp, "diff", l + 1)?;
+                        sp = self.tspan_next(&cs, sp, "diff", l + 1)?;
                         let offloaded = self.offload_diff(st, l + 1, ns_off, nn_off, inp.lens)?;
-                        self.tspan_end(&cs, sp)?;
                         if offloaded && prefetch {
+                            // only events on the compute stream: the diff span stays open
                             self.offload_prefetch(st, l + 1)?;
                         }
-                    } else {
-                        self.tspan_end(&cs, sp)?;
                     }
                     if l >= 1 {
                         if prefetch {
-                            let sp = self.tspan(&cs, Track::Compute, "wait", l)?;
+                            sp = self.tspan_next(&cs, sp, "wait", l)?;
                             self.offload_wait_fetched(st, l)?;
-                            self.tspan_end(&cs, sp)?;
                         } else if st.off.as_ref().is_some_and(|o| o.offloaded(l)) {
+                            self.tspan_end(&cs, sp)?;
+                            sp = SpanId::NONE;
                             self.offload_fetch(st, l, &cs)?;
                         }
                     }
-                    self.offload_attn_slots(st, l)
+                    (self.offload_attn_slots(st, l), sp)
                 }
             };
-            self.layer_back(
-                l, &mut st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.attn, slots,
+            let (slots, sp) = slots;
+            open = self.layer_back(
+                l, &mut st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.attn, slots, sp,
             )?;
         }
+        self.tspan_end(&gpu.stream().clone(), open)?;
         self.offload_write_back(st, inp.lens)?;
         self.head(&mut st.ws, n, 0, n)?;
         if !self.on(StepPart::Argmax) {
@@ -2123,7 +2130,8 @@ impl GpuModel {
         tab: &Tables,
         geo: &AttnGeometry,
         slots: Option<(u64, u64, usize, usize)>,
-    ) -> Result<()> {
+        open: SpanId,
+    ) -> Result<SpanId> {
         let gpu = &*self.gpu;
         let cfg = &self.config;
         let (d, hq, hk, dh, inter) = (
@@ -2179,7 +2187,7 @@ impl GpuModel {
             ..args
         };
         let cs = gpu.stream();
-        let sp = self.tspan(cs, Track::Compute, "attention", l)?;
+        let sp = self.tspan_next(cs, open, "attention", l)?;
         if self.on(StepPart::Attention) {
             ops::launch_attn_partial(gpu, &args)?;
         }
@@ -2258,7 +2266,7 @@ impl GpuModel {
                 Self::bias_add(gpu, dptr(gpu, &ws.delta), d, b, n, d)?;
             }
         }
-        self.tspan_end(cs, sp)
+        Ok(sp)
     }
 
     /// Final residual add + norm (÷ logit divisor folded into its weight)
@@ -2945,7 +2953,20 @@ impl GpuModel {
                 if self.record_selections {
                     self.record_forward_layer(l, &ws, rows, any_sparse, s_max)?;
                 }
-                self.layer_back(l, &mut ws, n, 0, 0, 0, &inp, &tab, &attn_geo, None)?;
+                let sp = self.layer_back(
+                    l,
+                    &mut ws,
+                    n,
+                    0,
+                    0,
+                    0,
+                    &inp,
+                    &tab,
+                    &attn_geo,
+                    None,
+                    SpanId::NONE,
+                )?;
+                self.tspan_end(self.gpu.stream(), sp)?;
             }
             Ok(())
         })();
