@@ -218,7 +218,13 @@ impl Stepper for GpuStepper<'_> {
                 .copied()
                 .ok_or_else(|| Error::Cuda("argmax returned no token".into()))
         } else {
-            Ok(sampler.sample(&self.model.download_logits()?))
+            // on the GPU with the CPU sampler's next draw: only the id travels
+            let u = sampler.draw();
+            let params = *sampler.params();
+            let ids = self.model.sample(&params, &[u])?;
+            ids.first()
+                .copied()
+                .ok_or_else(|| Error::Cuda("sampling returned no token".into()))
         }
     }
 }

@@ -74,50 +74,133 @@ impl Sampler {
         }
     }
 
-    /// Draws the next token from `logits` ([V], f32).
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let p = self.params;
-        if p.temperature == 0.0 || p.top_k == 1 {
-            return argmax(logits);
-        }
-        let mut idx: Vec<usize> = (0..logits.len())
-            .filter(|&i| logits[i].is_finite())
-            .collect();
-        if idx.is_empty() {
-            return argmax(logits);
-        }
-        idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-        if p.top_k > 0 {
-            idx.truncate(p.top_k);
-        }
-        let mx = logits[idx[0]];
-        let mut probs: Vec<f64> = idx
-            .iter()
-            .map(|&i| (((logits[i] - mx) / p.temperature) as f64).exp())
-            .collect();
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|x| *x /= total);
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            let mut keep = probs.len();
-            for (j, pr) in probs.iter().enumerate() {
-                acc += pr;
-                if acc >= p.top_p as f64 {
-                    keep = j + 1;
-                    break;
-                }
-            }
-            probs.truncate(keep);
-            idx.truncate(keep);
-        }
-        let total: f64 = probs.iter().sum();
-        let mut u = self.rng.random::<f64>() * total;
-        for (j, pr) in probs.iter().enumerate() {
-            if u < *pr {
-                return idx[j] as u32;
-            }
-            u -= pr;
-        }
-        idx[idx.len() - 1] as u32
+    /// The parameters this sampler was made with.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
     }
+
+    /// Whether a draw picks the argmax without using the RNG
+    /// (temperature 0 or top_k 1).
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature == 0.0 || self.params.top_k == 1
+    }
+
+    /// The next uniform draw in [0, 1) of this sampler's RNG: what
+    /// [`Sampler::sample`] consumes per non-greedy token. A GPU sampler that
+    /// is handed it ([`sample_with_u`]'s rule) picks the token the CPU would
+    /// pick from the same logits.
+    pub fn draw(&mut self) -> f64 {
+        self.rng.random::<f64>()
+    }
+
+    /// Draws the next token from `logits` ([V], f32): the argmax when greedy
+    /// or when no logit is finite (no draw then), else [`sample_with_u`]
+    /// with the next [`Sampler::draw`].
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        if self.is_greedy() || !logits.iter().any(|x| x.is_finite()) {
+            return argmax(logits);
+        }
+        let u = self.draw();
+        sample_with_u(&self.params, logits, u)
+    }
+}
+
+/// Temperature / top-k / top-p sampling of `logits` ([V], f32) with the
+/// uniform draw `u01` in [0, 1) (the rule of the GPU kernel
+/// kernels/sample.cu as well):
+/// 1. the finite logits, ordered by logit descending, then index ascending;
+/// 2. `top_k` > 0 keeps the first `top_k`;
+/// 3. p_i = exp(f64((l_i − max) / T)), normalised by their sum;
+/// 4. `top_p` < 1 keeps the shortest prefix whose cumulative mass reaches
+///    `top_p`;
+/// 5. returns the token where the cumulative mass of that prefix first
+///    exceeds `u01` × its total (the last one if rounding leaves none).
+///
+/// Greedy parameters (T = 0 or top_k = 1) and rows without a finite logit
+/// give [`argmax`].
+pub fn sample_with_u(p: &SamplingParams, logits: &[f32], u01: f64) -> u32 {
+    match sample_order(p, logits) {
+        None => argmax(logits),
+        Some((idx, probs)) => {
+            let total: f64 = probs.iter().sum();
+            let mut u = u01 * total;
+            for (j, pr) in probs.iter().enumerate() {
+                if u < *pr {
+                    return idx[j] as u32;
+                }
+                u -= pr;
+            }
+            idx[idx.len() - 1] as u32
+        }
+    }
+}
+
+/// How close `u01` lies to a point where [`sample_with_u`] would switch
+/// tokens, relative to the kept mass: the distance of u01·total to the
+/// nearest cumulative boundary of the kept prefix, and of `top_p` to the
+/// nearest cumulative mass where the top-p cut would move. Two correct
+/// implementations that sum in different orders may disagree only when this
+/// is within a few f64 ulps (≈ 1e-15). `f64::INFINITY` for greedy rows.
+pub fn sample_margin(p: &SamplingParams, logits: &[f32], u01: f64) -> f64 {
+    let Some((_, probs)) = sample_order(p, logits) else {
+        return f64::INFINITY;
+    };
+    let mut margin = f64::INFINITY;
+    if p.top_p < 1.0 {
+        // the cut of step 4, over the normalised masses before it
+        let (_, all) = sample_order(&SamplingParams { top_p: 1.0, ..*p }, logits)
+            .expect("the same finite logits");
+        let mut acc = 0.0;
+        for pr in &all {
+            acc += pr;
+            margin = margin.min((acc - p.top_p as f64).abs());
+        }
+    }
+    let total: f64 = probs.iter().sum();
+    let target = u01 * total;
+    let mut acc = 0.0;
+    for pr in &probs {
+        acc += pr;
+        margin = margin.min((acc - target).abs() / total.max(f64::MIN_POSITIVE));
+    }
+    margin
+}
+
+/// Steps 1–4 of [`sample_with_u`]: the kept token ids in order and their
+/// normalised masses; `None` when greedy or no logit is finite.
+fn sample_order(p: &SamplingParams, logits: &[f32]) -> Option<(Vec<usize>, Vec<f64>)> {
+    if p.temperature == 0.0 || p.top_k == 1 {
+        return None;
+    }
+    let mut idx: Vec<usize> = (0..logits.len())
+        .filter(|&i| logits[i].is_finite())
+        .collect();
+    if idx.is_empty() {
+        return None;
+    }
+    idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    if p.top_k > 0 {
+        idx.truncate(p.top_k);
+    }
+    let mx = logits[idx[0]];
+    let mut probs: Vec<f64> = idx
+        .iter()
+        .map(|&i| (((logits[i] - mx) / p.temperature) as f64).exp())
+        .collect();
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|x| *x /= total);
+    if p.top_p < 1.0 {
+        let mut acc = 0.0;
+        let mut keep = probs.len();
+        for (j, pr) in probs.iter().enumerate() {
+            acc += pr;
+            if acc >= p.top_p as f64 {
+                keep = j + 1;
+                break;
+            }
+        }
+        probs.truncate(keep);
+        idx.truncate(keep);
+    }
+    Some((idx, probs))
 }

@@ -671,7 +671,7 @@ pub fn gpu_check(out_json: &Path) -> Result<bool> {
         results: Vec::new(),
     };
     // `$SPARDA_CHECK_ONLY` (comma-separated group names: kernels, select,
-    // offload) runs only those groups; unset, all of them.
+    // sample, offload) runs only those groups; unset, all of them.
     let only = std::env::var("SPARDA_CHECK_ONLY").ok();
     let group = |g: &str| {
         only.as_deref()
@@ -690,6 +690,10 @@ pub fn gpu_check(out_json: &Path) -> Result<bool> {
     if group("select") {
         c.results
             .extend(super::check_select::check_selection(&gpu, &mut c.inp.rng));
+    }
+    if group("sample") {
+        c.results
+            .extend(super::check_sample::check_sampling(&gpu, &mut c.inp.rng));
     }
     if group("offload") {
         c.results

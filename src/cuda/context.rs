@@ -146,6 +146,13 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         functions: &["slot_diff", "kv_fetch_sm", "kv_store_blocks"],
     },
     KernelSource {
+        file: "sample.cu",
+        text: include_str!("../../kernels/sample.cu"),
+        // argmax_row, for greedy rows
+        preludes: &[include_str!("../../kernels/argmax.cu")],
+        functions: &["sample_rows"],
+    },
+    KernelSource {
         file: "synth.cu",
         text: include_str!("../../kernels/synth.cu"),
         preludes: &[],

@@ -1492,6 +1492,34 @@ impl GpuModel {
         self.gpu.download(&l)
     }
 
+    /// Sampling on the GPU: one token per row of the last logits
+    /// ([`GpuModel::logits`]) with the uniform draws `u01` ([rows], in
+    /// [0, 1); e.g. [`crate::sample::Sampler::draw`]), by the rule of
+    /// [`crate::sample::sample_with_u`]; greedy parameters give
+    /// [`GpuModel::argmax`]. Synchronises; only the ids travel.
+    ///
+    /// Errors: as [`ops::sample_rows`]; [`Error::Input`] before any logits
+    /// or when `u01` does not hold one draw per row.
+    pub fn sample(
+        &mut self,
+        params: &crate::sample::SamplingParams,
+        u01: &[f64],
+    ) -> Result<Vec<u32>> {
+        if params.temperature == 0.0 || params.top_k == 1 {
+            return self.argmax();
+        }
+        let rows = self.logit_rows();
+        let logits = self.logits()?;
+        ops::sample_rows(
+            &self.gpu,
+            &logits,
+            rows,
+            self.config.vocab_size,
+            params,
+            u01,
+        )
+    }
+
     /// Greedy sampling on the GPU: the argmax of each logits row (ties to the
     /// lower id, NaN never wins), [rows] (synchronises; only the ids travel).
     /// After a device-resident decode step the step computed it already.

@@ -25,6 +25,7 @@ pub mod check;
 pub mod check_e2e;
 pub mod check_identity;
 pub mod check_offload;
+pub mod check_sample;
 pub mod check_select;
 pub mod context;
 pub mod engine;

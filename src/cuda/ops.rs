@@ -351,6 +351,73 @@ where
     unsafe { b.launch(cfg) }.cuda("swiglu").map(drop)
 }
 
+/// Temperature / top-k / top-p sampling of `rows` f32 logits rows of
+/// `vocab` values (row r at r·vocab of `logits`), one token per row, with
+/// the uniform draws `u01` ([rows], f64 in [0, 1)): the rule of
+/// [`crate::sample::sample_with_u`] (kernels/sample.cu; issue 3 item 4).
+/// Greedy parameters give the argmax. Returns the ids (synchronises: only
+/// rows ids travel back, not the logits).
+///
+/// Errors: [`Error::Input`] on a length mismatch, a draw outside [0, 1) or
+/// invalid parameters ([`crate::sample::SamplingParams::validate`]);
+/// [`Error::Cuda`] on a launch or copy failure.
+pub fn sample_rows<L>(
+    gpu: &Gpu,
+    logits: &L,
+    rows: usize,
+    vocab: usize,
+    params: &crate::sample::SamplingParams,
+    u01: &[f64],
+) -> Result<Vec<u32>>
+where
+    L: DevicePtr<f32>,
+{
+    params.validate()?;
+    if logits.len() < rows * vocab {
+        return Err(Error::Input(format!(
+            "sample_rows: logits hold {} values, {rows} rows of {vocab} need {}",
+            logits.len(),
+            rows * vocab
+        )));
+    }
+    expect_len("sample_rows", "u01", u01.len(), rows)?;
+    if let Some(bad) = u01.iter().find(|u| !(0.0..1.0).contains(*u)) {
+        return Err(Error::Input(format!(
+            "sample_rows: draw {bad} outside [0, 1)"
+        )));
+    }
+    if rows == 0 {
+        return Ok(Vec::new());
+    }
+    let u = gpu.upload(u01)?;
+    let mut out = gpu.zeros::<u32>(rows)?;
+    let (lp, up, op) = (dptr(gpu, logits), dptr(gpu, &u), dptr_mut(gpu, &mut out));
+    let ld = vocab as i64;
+    let (r_, v_) = (i32_dim(rows, "rows")?, i32_dim(vocab, "vocab")?);
+    let k_ = i32::try_from(params.top_k.min(vocab + 1))
+        .map_err(|_| Error::Input(format!("sample_rows: top_k {} too large", params.top_k)))?;
+    let f = gpu.function("sample_rows")?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid(rows, "rows")?, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(&lp)
+        .arg(&ld)
+        .arg(&r_)
+        .arg(&v_)
+        .arg(&params.temperature)
+        .arg(&k_)
+        .arg(&params.top_p)
+        .arg(&up)
+        .arg(&op);
+    // SAFETY: argument list matches kernels/sample.cu; logits hold rows·vocab
+    // values, u and out rows each.
+    unsafe { b.launch(cfg) }.cuda("sample_rows")?;
+    gpu.download(&out)
+}
+
 /// One layer's NOSA eviction head on the device (spec §2–§3).
 #[derive(Debug)]
 pub struct EvictionWeights {
