@@ -183,10 +183,12 @@ pub fn generate_cpu(
     Ok((out, st.seq))
 }
 
-/// The GPU engine as a [`Stepper`]: one sequence; greedy picks run on the
-/// GPU (only the id is copied back), other sampling downloads the logits
-/// row and samples on the host (GPU sampling with temperature/top-k/top-p
-/// is not built yet).
+/// The GPU engine as a [`Stepper`]: one sequence; greedy picks and
+/// temperature/top-k/top-p sampling run on the GPU ([`GpuModel::sample`],
+/// fed the CPU sampler's seeded draws; only the id is copied back). Unlike
+/// [`Sampler::sample`], a draw is taken even for a row without a finite
+/// logit (the GPU cannot tell beforehand), so after such a row the two
+/// draw streams part.
 struct GpuStepper<'a> {
     model: &'a mut GpuModel,
     seq: GpuSequence,

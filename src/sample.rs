@@ -54,11 +54,12 @@ pub struct Sampler {
     rng: StdRng,
 }
 
-/// Index of the largest logit, ties to the lower index; NaN never wins.
+/// Index of the largest logit, ties to the lower index; NaN never wins
+/// (a row of only NaN gives 0, as the GPU's argmax kernels do).
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0usize;
     for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] || logits[best].is_nan() {
+        if v > logits[best] || (logits[best].is_nan() && !v.is_nan()) {
             best = i;
         }
     }

@@ -6,6 +6,10 @@ use sparda::sample::{argmax, Sampler, SamplingParams};
 fn greedy_is_argmax_with_ties_to_the_lower_id() {
     assert_eq!(argmax(&[0.5, 2.0, -1.0, 2.0]), 1);
     assert_eq!(argmax(&[f32::NAN, 1.0, 3.0]), 2);
+    // all NaN: 0, as the GPU argmax kernels give; NaN after a value never wins
+    assert_eq!(argmax(&[f32::NAN, f32::NAN, f32::NAN]), 0);
+    assert_eq!(argmax(&[f32::NAN, -1.0, f32::NAN, -2.0]), 1);
+    assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NAN]), 0);
     let mut s = Sampler::new(SamplingParams::default());
     assert_eq!(s.sample(&[0.1, 0.3, 0.2]), 1);
 }

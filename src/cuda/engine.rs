@@ -1926,7 +1926,13 @@ impl GpuModel {
                         sp = self.tspan_next(&cs, sp, "diff", l + 1)?;
                         let offloaded = self.offload_diff(st, l + 1, ns_off, nn_off, inp.lens)?;
                         if offloaded && prefetch {
-                            // only events on the compute stream: the diff span stays open
+                            // The SM kernel's prefetch puts only events on the compute
+                            // stream, so the diff span stays open into the wait; the
+                            // copy engines' reads the fetch lists back on it first.
+                            if matches!(self.fetch_engine(n), FetchEngine::Dma) {
+                                self.tspan_end(&cs, sp)?;
+                                sp = SpanId::NONE;
+                            }
                             self.offload_prefetch(st, l + 1)?;
                         }
                     }

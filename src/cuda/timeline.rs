@@ -241,11 +241,13 @@ impl GpuTimeline {
         Ok(())
     }
 
-    /// Before a traced step of about `spans` spans: converts the spans that
-    /// have finished (non-blocking, returning their events to the pool),
-    /// then tops the pool up to `2 · spans` events, so that the step's
-    /// `begin`/`end` calls only record (no `cuEventCreate` between kernel
-    /// launches). No-op when disabled.
+    /// Before a traced step of about `spans` spans: when the pool holds
+    /// fewer than `2 · spans` events, converts the spans that have finished
+    /// (non-blocking, returning their events to the pool), then tops the
+    /// pool up to `2 · spans` events, so that the step's `begin`/`end` calls
+    /// only record (no `cuEventCreate` between kernel launches). A pool that
+    /// is already full (e.g. after [`reserve`](Self::reserve)) costs
+    /// nothing. No-op when disabled.
     ///
     /// Errors: [`Error::Cuda`] when an event cannot be queried, timed or
     /// created.
@@ -253,7 +255,9 @@ impl GpuTimeline {
         let Some(r) = self.rec.as_deref_mut() else {
             return Ok(());
         };
-        r.harvest()?;
+        if r.pool.len() < 2 * spans {
+            r.harvest()?;
+        }
         self.reserve(spans)
     }
 
