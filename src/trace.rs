@@ -26,6 +26,10 @@
 //!   busy with any span other than `wait`;
 //! - **exposed**: the rest (transfer while compute was idle or waiting);
 //! - **overlap %** = hidden / H2D total.
+//!
+//! Per-step means divide by the number of decode steps ([`Summary::steps`]):
+//! the steps of the GPU spans when the trace has any, else those of the host
+//! decode-step spans (a `generate --backend cpu --trace` run).
 
 use crate::{Error, Result};
 use serde::Serialize;
@@ -441,6 +445,9 @@ struct Ev {
     layer: Option<u64>,
     step: Option<u64>,
     bytes: Option<u64>,
+    /// Read from a B/E pair (tracing-chrome's host spans) rather than a
+    /// complete (`X`) event; only its `step` arg is kept.
+    paired: bool,
 }
 
 /// Per-phase totals.
@@ -450,7 +457,7 @@ pub struct PhaseStats {
     pub count: usize,
     /// Sum of durations, ms.
     pub total_ms: f64,
-    /// total_ms / number of distinct steps (ms per step; 0 when no step args).
+    /// total_ms / [`Summary::steps`] (ms per step; 0 when no steps).
     pub per_step_ms: f64,
 }
 
@@ -470,7 +477,11 @@ pub struct LayerStats {
 /// What `sparda trace summarize` prints.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Summary {
-    /// Distinct decode steps seen (from `args.step`).
+    /// Distinct decode steps seen (from `args.step`). In a trace with GPU
+    /// spans: the `step` args of complete (`X`) events. In a host-only trace
+    /// (e.g. `generate --backend cpu --trace`): the `step` args of its host
+    /// spans, B/E pairs included, or, when none carries one, the number of
+    /// host spans named `decode step` / `decode_step`.
     pub steps: usize,
     /// Per phase (span name, GPU and host alike; host names prefixed `host:`).
     pub phases: BTreeMap<String, PhaseStats>,
@@ -542,8 +553,10 @@ fn parse_events(trace: &Value) -> Result<Vec<Ev>> {
         }
     };
     let mut out = Vec::new();
-    // tracing-chrome may write B/E pairs; pair them per (pid, tid, name).
-    let mut open: BTreeMap<(u64, u64, String), Vec<f64>> = BTreeMap::new();
+    // tracing-chrome may write B/E pairs; pair them per (pid, tid, name),
+    // keeping the `step` arg of the B event (or else of the E event).
+    type Begun = Vec<(f64, Option<u64>)>;
+    let mut open: BTreeMap<(u64, u64, String), Begun> = BTreeMap::new();
     for (i, e) in arr.iter().enumerate() {
         let ph = e.get("ph").and_then(Value::as_str).unwrap_or("");
         let name = e
@@ -585,14 +598,17 @@ fn parse_events(trace: &Value) -> Result<Vec<Ev>> {
                     layer: arg("layer"),
                     step: arg("step"),
                     bytes: arg("bytes"),
+                    paired: false,
                 });
             }
             "B" => open
                 .entry((pid, tid, name))
                 .or_default()
-                .push(ts.unwrap_or(0.0)),
+                .push((ts.unwrap_or(0.0), arg("step"))),
             "E" => {
-                if let Some(start) = open.get_mut(&(pid, tid, name.clone())).and_then(Vec::pop) {
+                if let Some((start, step)) =
+                    open.get_mut(&(pid, tid, name.clone())).and_then(Vec::pop)
+                {
                     let end = ts.unwrap_or(start);
                     out.push(Ev {
                         track,
@@ -600,8 +616,9 @@ fn parse_events(trace: &Value) -> Result<Vec<Ev>> {
                         ts: start,
                         dur: end - start,
                         layer: None,
-                        step: None,
+                        step: step.or_else(|| arg("step")),
                         bytes: None,
+                        paired: true,
                     });
                 }
             }
@@ -611,14 +628,37 @@ fn parse_events(trace: &Value) -> Result<Vec<Ev>> {
     Ok(out)
 }
 
+/// Host span names that mark one decode step (`generate`'s `decode step`;
+/// `decode_step` in older traces and the tests).
+const HOST_STEP_SPANS: [&str; 2] = ["host:decode step", "host:decode_step"];
+
+/// [`Summary::steps`]: with GPU spans, the distinct `step` args of complete
+/// events (B/E pairs not counted, as before); in a host-only trace, those of
+/// every host span, else the number of host decode-step spans.
+fn count_steps(evs: &[Ev]) -> usize {
+    let has_gpu = evs.iter().any(|e| e.track.is_some());
+    let steps: std::collections::BTreeSet<u64> = evs
+        .iter()
+        .filter(|e| !(has_gpu && e.paired))
+        .filter_map(|e| e.step)
+        .collect();
+    if has_gpu || !steps.is_empty() {
+        return steps.len();
+    }
+    evs.iter()
+        .filter(|e| HOST_STEP_SPANS.contains(&e.name.as_str()))
+        .count()
+}
+
 /// Summarizes a trace (see the module doc for the definitions).
 ///
 /// Errors: a JSON value that is not a trace, or complete events without times.
 pub fn summarize(trace: &Value) -> Result<Summary> {
     let evs = parse_events(trace)?;
-    let mut s = Summary::default();
-    let steps: std::collections::BTreeSet<u64> = evs.iter().filter_map(|e| e.step).collect();
-    s.steps = steps.len();
+    let mut s = Summary {
+        steps: count_steps(&evs),
+        ..Summary::default()
+    };
     for e in &evs {
         let p = s.phases.entry(e.name.clone()).or_default();
         p.count += 1;

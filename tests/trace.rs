@@ -882,6 +882,31 @@ fn generate_with_trace_writes_host_spans_of_prefill_and_each_decode_step() {
     assert!(events
         .iter()
         .all(|e| e["tid"].as_u64().is_none_or(|t| t < 1_000_000) || e["ph"] == "M"));
+    // `trace summarize` counts those 4 decode steps (host-only trace) and
+    // gives per-step means over them.
+    let sum = std::process::Command::new(env!("CARGO_BIN_EXE_sparda"))
+        .args(["trace", "summarize", "--json"])
+        .arg(&trace)
+        .output()
+        .unwrap();
+    assert!(
+        sum.status.success(),
+        "{}",
+        String::from_utf8_lossy(&sum.stderr)
+    );
+    let s: serde_json::Value = serde_json::from_slice(&sum.stdout).unwrap();
+    assert_eq!(s["steps"].as_u64(), Some(4), "{s}");
+    let d = &s["phases"]["host:decode step"];
+    assert_eq!(d["count"].as_u64(), Some(4), "{s}");
+    let (total, per) = (
+        d["total_ms"].as_f64().unwrap(),
+        d["per_step_ms"].as_f64().unwrap(),
+    );
+    assert!(per > 0.0 && (per * 4.0 - total).abs() < 1e-9, "{s}");
+    assert!(
+        s["phases"]["host:prefill"]["per_step_ms"].as_f64().unwrap() > 0.0,
+        "{s}"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -899,4 +924,78 @@ fn host_span_steps_written_as_strings_are_counted() {
     let p = &s.phases["host:decode step"];
     assert_eq!(p.count, 3);
     assert!((p.total_ms - 0.03).abs() < 1e-12, "{}", p.total_ms);
+    assert!((p.per_step_ms - 0.01).abs() < 1e-12, "{}", p.per_step_ms);
+}
+
+/// A host-only trace as tracing-chrome writes `generate --backend cpu
+/// --trace`: B/E pairs carrying the span's fields as strings on both events,
+/// a prefill and N decode steps of known durations. Steps come from the
+/// decode-step spans; per-step means are over them.
+fn cpu_generate_trace(decode_ms: &[f64], with_step_args: bool) -> serde_json::Value {
+    let ev = |ph: &str, name: &str, ts: f64, args: serde_json::Value| json!({"args": args, "cat": "sparda::generate", "name": name, "ph": ph, "pid": 1, "tid": 0, "ts": ts});
+    let mut evs = vec![
+        json!({"args": {"name": "main"}, "name": "thread_name", "ph": "M", "pid": 1, "tid": 0}),
+        ev("B", "prefill", 1000.0, json!({"tokens": "4"})),
+        ev("E", "prefill", 7000.0, json!({"tokens": "4"})),
+    ];
+    let mut t = 7500.0;
+    for (i, ms) in decode_ms.iter().enumerate() {
+        let args = if with_step_args {
+            json!({"step": i.to_string()})
+        } else {
+            json!({})
+        };
+        evs.push(ev("B", "decode step", t, args.clone()));
+        evs.push(ev("E", "decode step", t + ms * 1e3, args));
+        t += ms * 1e3 + 250.0;
+    }
+    evs.push(
+        json!({"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "sparda (host)"}}),
+    );
+    json!({"traceEvents": evs, "displayTimeUnit": "ms"})
+}
+
+#[test]
+fn host_only_trace_counts_decode_steps_from_b_e_pairs() {
+    let decode = [2.0, 3.0, 4.0, 3.0, 3.0];
+    for with_step_args in [true, false] {
+        let s = trace::summarize(&cpu_generate_trace(&decode, with_step_args)).unwrap();
+        assert_eq!(s.steps, decode.len(), "step args: {with_step_args}");
+        let d = &s.phases["host:decode step"];
+        assert_eq!(d.count, 5);
+        assert!(
+            close(d.total_ms, 15.0) && close(d.per_step_ms, 3.0),
+            "{d:?}"
+        );
+        let p = &s.phases["host:prefill"];
+        assert_eq!(p.count, 1);
+        assert!(close(p.total_ms, 6.0) && close(p.per_step_ms, 1.2), "{p:?}");
+        assert_eq!(s.h2d_total_ms, 0.0);
+        assert!(s.layers.is_empty());
+        let text = s.to_text();
+        assert!(text.contains("steps: 5\n"), "{text}");
+        assert!(
+            text.contains("host:decode step                    5       15.000        3.000"),
+            "{text}"
+        );
+    }
+    // No decode step at all (one token generated): 0 steps, means 0.
+    let s = trace::summarize(&cpu_generate_trace(&[], true)).unwrap();
+    assert_eq!(s.steps, 0);
+    assert_eq!(s.phases["host:prefill"].per_step_ms, 0.0);
+}
+
+/// With GPU spans the step count stays that of complete events: the host
+/// B/E decode-step spans around them (here one more step than the GPU
+/// recorded, as when step 0 is collected before tracing submits) add none.
+#[test]
+fn gpu_traces_count_steps_from_complete_events_only() {
+    let host = cpu_generate_trace(&[10.0, 10.0, 10.0], true);
+    let merged = trace::merge(host, &two_steps(), 20_000.0).unwrap();
+    let s = trace::summarize(&merged).unwrap();
+    assert_eq!(s.steps, 2);
+    assert!(close(s.phases["attention"].per_step_ms, 4.0));
+    assert!(close(s.phases["host:decode step"].total_ms, 30.0));
+    assert!(close(s.phases["host:decode step"].per_step_ms, 15.0));
+    assert!(close(s.h2d_total_ms, 8.0) && close(s.overlap_pct, 75.0));
 }
