@@ -26,6 +26,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Generate text from a prompt (streams tokens; prints tokens/s at the end).
+    #[command(mut_arg("fetch", |a| a.help(GENERATE_FETCH_HELP).num_args(1)))]
     Generate(GenerateArgs),
     /// Write a random-weight checkpoint (config.json, safetensors, tokenizer.json).
     Synth(SynthArgs),
@@ -177,22 +178,22 @@ struct GenerateArgs {
     #[arg(long)]
     prompt_file: Option<PathBuf>,
     /// Keep only the first N prompt tokens (e.g. a whole book truncated to a context length).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     prompt_tokens: Option<usize>,
     /// Upper bound on generated tokens.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, allow_negative_numbers = true)]
     max_new_tokens: usize,
     /// 0 = greedy.
     #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
     temperature: f32,
     /// Keep the k most likely tokens (0 = all).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     top_k: usize,
     /// Nucleus sampling threshold (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
     top_p: f32,
     /// RNG seed for sampling.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     seed: u64,
     /// Compute backend.
     #[arg(long, value_enum, default_value_t = Backend::Auto)]
@@ -207,10 +208,10 @@ struct GenerateArgs {
     #[arg(long, value_enum)]
     prefill: Option<PrefillArg>,
     /// Attended blocks S per (sequence, KV head) (sets topk = S − window blocks).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     budget_blocks: Option<usize>,
     /// Query-aware shortlist parameter select_blocks.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     select_blocks: Option<usize>,
     /// SparDA forecast weights (.safetensors, or a SparDA trainer .pt, with
     /// `model.layers.{l}.self_attn.q_future_proj.weight`, keys matched by suffix,
@@ -226,7 +227,7 @@ struct GenerateArgs {
     #[arg(long, allow_hyphen_values = true)]
     rope_theta: Option<f64>,
     /// Override max_position_embeddings.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     max_position: Option<usize>,
     /// Do not stop at EOS.
     #[arg(long)]
@@ -271,14 +272,20 @@ enum FetchArg {
     Dma,
 }
 
-/// Offload flags shared by generate and bench (runtime.md §6).
+/// `generate --help`'s text for `--fetch` (generate runs one engine; the
+/// shared [`OffloadArgs`] text describes bench's and offload-check's list).
+const GENERATE_FETCH_HELP: &str =
+    "Fetch engine of offloaded KV (with --kv offload; give one engine)";
+
+/// Offload flags shared by generate, bench and offload-check (runtime.md §6).
 #[derive(Args, Clone)]
 struct OffloadArgs {
-    /// Fetch engine(s) of offloaded KV (bench: each run in turn).
+    /// Fetch engines of offloaded KV, each run in turn (comma-separated or
+    /// repeated; generate takes one).
     #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "auto")]
     fetch: Vec<FetchArg>,
     /// CTAs of the SM fetch kernel (default: by the per-GPU rule with --fetch auto, 16 with --fetch sm).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     prefetch_ctas: Option<usize>,
     /// Offload layer 0 too (default: it stays on the GPU, for every mode compared).
     #[arg(long)]
@@ -743,19 +750,31 @@ fn cmd_synth(a: SynthArgs) -> Result<()> {
     Ok(())
 }
 
-fn cmd_generate(a: GenerateArgs) -> Result<()> {
-    let backend = match a.backend {
-        Backend::Auto if sparda::cuda::is_available() => Backend::Cuda,
-        Backend::Auto => Backend::Cpu,
-        b => b,
-    };
-    if backend == Backend::Cuda {
-        sparda::cuda::require()?;
-    }
+/// Checks everything `generate` can check from its flags alone (flag
+/// combinations, value ranges, output directories) for the resolved
+/// `backend`; runs before any model is built or loaded.
+fn check_generate_flags(a: &GenerateArgs, backend: Backend) -> Result<()> {
     a.offload.validate()?;
     if a.kv != KvArg::Offload && a.offload.given() {
         return Err(Error::Input(
             "--fetch, --prefetch-ctas and --offload-layer0 apply to offloaded KV: add --kv offload (CUDA backend)".into(),
+        ));
+    }
+    if a.kv == KvArg::Offload && a.offload.fetch.len() != 1 {
+        let given: Vec<String> = a
+            .offload
+            .fetch
+            .iter()
+            .filter_map(|f| f.to_possible_value().map(|v| v.get_name().to_string()))
+            .collect();
+        return Err(Error::Input(format!(
+            "generate: give one --fetch engine (got --fetch {})",
+            given.join(",")
+        )));
+    }
+    if a.kv == KvArg::Offload && backend != Backend::Cuda {
+        return Err(Error::Input(
+            "--kv offload needs the CUDA backend (--backend cuda)".into(),
         ));
     }
     if a.prefetch == OnOff::Off && (a.kv != KvArg::Offload || a.forecast.is_none()) {
@@ -764,8 +783,28 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
                 .into(),
         ));
     }
+    if let (Some(spec), Some(AttentionArg::Dense)) = (&a.forecast, a.attention) {
+        return Err(Error::Input(format!(
+            "--forecast {spec} selects blocks for sparse attention, but --attention dense was given: drop one"
+        )));
+    }
+    if let Some(spec) = a.forecast.as_deref() {
+        let synth = spec == "synth" || spec.starts_with("synth:");
+        if !synth && !std::path::Path::new(spec).exists() {
+            return Err(Error::Input(format!(
+                "--forecast {spec}: no such file or directory (give a .safetensors or .pt file, or synth[:SEED])"
+            )));
+        }
+    }
     if a.prompt_tokens == Some(0) {
         return Err(Error::Input("--prompt-tokens must be ≥ 1".into()));
+    }
+    if let Some(t) = a.rope_theta {
+        if !(t.is_finite() && t > 0.0) {
+            return Err(Error::Input(format!(
+                "--rope-theta must be a finite value > 0, got {t}"
+            )));
+        }
     }
     for p in [&a.json, &a.trace].into_iter().flatten() {
         let dir = p.parent().filter(|d| !d.as_os_str().is_empty());
@@ -777,6 +816,40 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             )));
         }
     }
+    Ok(())
+}
+
+/// The config of `generate --model` (a checkpoint's config.json, or a
+/// `synth:` preset's) with the --rope-theta and --max-position overrides,
+/// read without loading or building any weights.
+fn generate_config(a: &GenerateArgs) -> Result<sparda::config::ModelConfig> {
+    let name = a.model.to_string_lossy();
+    let mut config = match name.strip_prefix("synth:") {
+        Some(spec) => sparda::synth::parse_spec(spec)?.0.config(),
+        None => sparda::config::ModelConfig::from_file(&a.model)?,
+    };
+    if let Some(t) = a.rope_theta {
+        config = config.with_rope_theta(t);
+    }
+    if let Some(m) = a.max_position {
+        config = config.with_max_position(m);
+    }
+    Ok(config)
+}
+
+fn cmd_generate(a: GenerateArgs) -> Result<()> {
+    let backend = match a.backend {
+        Backend::Auto if sparda::cuda::is_available() => Backend::Cuda,
+        Backend::Auto => Backend::Cpu,
+        b => b,
+    };
+    if backend == Backend::Cuda {
+        sparda::cuda::require()?;
+    }
+    // Everything below up to the model build reads only flags and small
+    // files, so a bad invocation fails in well under a second, before
+    // e.g. synth:nosa-8b spends minutes and ~17 GB on its weights.
+    check_generate_flags(&a, backend)?;
     let text = match (&a.prompt, &a.prompt_file) {
         (Some(t), None) => t.clone(),
         (None, Some(p)) => std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?,
@@ -793,28 +866,16 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         seed: a.seed,
     };
     sampling.validate()?;
-    if let Some(t) = a.rope_theta {
-        if !(t.is_finite() && t > 0.0) {
-            return Err(Error::Input(format!(
-                "--rope-theta must be a finite value > 0, got {t}"
-            )));
-        }
-    }
+    let config = generate_config(&a)?;
     let model_name = a.model.to_string_lossy().into_owned();
-    let default_tok = if model_name.starts_with("synth:") {
-        eprintln!("building {model_name} in memory…");
-        fixture_tokenizer()
-    } else {
-        a.model.join("tokenizer.json")
-    };
-    let mut ckpt = sparda::bench::open_model(&model_name)?;
-    if let Some(t) = a.rope_theta {
-        ckpt.config = ckpt.config.with_rope_theta(t);
-    }
-    if let Some(m) = a.max_position {
-        ckpt.config = ckpt.config.with_max_position(m);
-    }
-    let tok_path = a.tokenizer.clone().unwrap_or(default_tok);
+    let synth = model_name.starts_with("synth:");
+    let tok_path = a.tokenizer.clone().unwrap_or_else(|| {
+        if synth {
+            fixture_tokenizer()
+        } else {
+            a.model.join("tokenizer.json")
+        }
+    });
     let tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| match e {
         Error::Io { path, source } => Error::Input(format!(
             "{}: {source} (give the tokenizer with --tokenizer FILE; scripts/fixture.sh builds the default one)",
@@ -829,8 +890,23 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     generate::check_length(
         prompt.len(),
         a.max_new_tokens,
-        ckpt.config.max_position_embeddings,
+        config.max_position_embeddings,
     )?;
+    let forecast = a
+        .forecast
+        .as_deref()
+        .map(|spec| sparda::model::forecast::ForecastWeights::from_arg(spec, &config))
+        .transpose()?;
+    if synth {
+        eprintln!("building {model_name} in memory…");
+    }
+    let mut ckpt = sparda::bench::open_model(&model_name)?;
+    if let Some(t) = a.rope_theta {
+        ckpt.config = ckpt.config.with_rope_theta(t);
+    }
+    if let Some(m) = a.max_position {
+        ckpt.config = ckpt.config.with_max_position(m);
+    }
     let opts = EngineOptions {
         attention: AttentionOverrides {
             sparse: a.attention.map(|x| matches!(x, AttentionArg::Sparse)),
@@ -846,11 +922,6 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             _ => PrefillMode::Auto,
         },
     };
-    let forecast = a
-        .forecast
-        .as_deref()
-        .map(|spec| sparda::model::forecast::ForecastWeights::from_arg(spec, &ckpt.config))
-        .transpose()?;
     enum Engine {
         Cpu(Box<CpuModel>),
         Cuda(Box<GpuModel>),
@@ -860,11 +931,8 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         let t = std::time::Instant::now();
         let mut m = GpuModel::new(gpu, &ckpt, opts)?;
         if a.kv == KvArg::Offload {
-            let o = a.offload.options();
-            if o.len() != 1 {
-                return Err(Error::Input("generate: give one --fetch engine".into()));
-            }
-            m.set_offload(Some(o[0]))?;
+            // check_generate_flags made sure there is exactly one engine.
+            m.set_offload(a.offload.options().first().copied())?;
         }
         if let Some(f) = &forecast {
             m.set_forecast(Some(f), a.prefetch == OnOff::On)?;
@@ -888,11 +956,6 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         }
         Engine::Cpu(Box::new(m))
     };
-    if a.kv == KvArg::Offload && backend != Backend::Cuda {
-        return Err(Error::Input(
-            "--kv offload needs the CUDA backend (--backend cuda)".into(),
-        ));
-    }
     let (plan, backend_name) = match &engine {
         Engine::Cpu(m) => (m.plan, "cpu".to_string()),
         Engine::Cuda(m) => (m.plan, format!("cuda (selection {:?})", m.selection_path())),

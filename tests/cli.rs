@@ -2,7 +2,9 @@
 //! offloaded KV or forecast prefetch are refused with a message naming the
 //! flag, and GPU-only commands say what they need (never a panic).
 
-use std::process::Command;
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 fn sparda(args: &[&str]) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_sparda"))
@@ -14,6 +16,54 @@ fn sparda(args: &[&str]) -> (bool, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// Runs the binary like [`sparda`], but kills it if it is still running
+/// after `limit` (a check that regressed to after the model build would
+/// otherwise build synth:nosa-8b, ~17 GB, for minutes). Returns success,
+/// stderr and the elapsed time.
+fn sparda_within(args: &[&str], limit: Duration) -> (bool, String, Duration) {
+    let start = Instant::now();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sparda"))
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("runs the binary");
+    let mut stderr = child.stderr.take().expect("piped stderr");
+    // Read stderr on a thread so a chatty child never blocks on a full pipe.
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        stderr.read_to_string(&mut s).ok();
+        s
+    });
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("waits on the binary") {
+            break st;
+        }
+        if start.elapsed() > limit {
+            child.kill().ok();
+            child.wait().ok();
+            panic!(
+                "sparda {} still running after {limit:?}: the check runs too late",
+                args.join(" ")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let elapsed = start.elapsed();
+    (
+        status.success(),
+        reader.join().expect("stderr reader"),
+        elapsed,
+    )
+}
+
+/// `generate` on the 8B synthetic preset: building it takes minutes, so
+/// anything that fails through this must fail before the build.
+const NOSA_8B: [&str; 5] = ["generate", "--model", "synth:nosa-8b", "--prompt", "hi"];
+
+/// Generous sanity bound: the checks themselves take milliseconds.
+const FAST: Duration = Duration::from_secs(20);
 
 const TINY: [&str; 6] = [
     "generate",
@@ -105,4 +155,150 @@ fn gpu_commands_without_cuda_name_what_they_need() {
         "/tmp/sparda-cli-bench.json",
     ]);
     assert!(!ok && err.contains("needs an NVIDIA GPU"), "{err}");
+}
+
+#[test]
+fn offloaded_kv_on_the_cpu_backend_fails_before_the_model_is_built() {
+    let mut a = NOSA_8B.to_vec();
+    a.extend(["--kv", "offload", "--backend", "cpu"]);
+    let (ok, err, took) = sparda_within(&a, FAST);
+    assert!(!ok, "{err}");
+    assert!(
+        err.contains("--kv offload needs the CUDA backend (--backend cuda)"),
+        "{err}"
+    );
+    assert!(!err.contains("building synth:nosa-8b"), "{err}");
+    assert!(took < FAST, "took {took:?}");
+}
+
+#[test]
+fn more_than_one_fetch_engine_for_generate_fails_before_the_model_is_built() {
+    let mut a = NOSA_8B.to_vec();
+    a.extend(["--kv", "offload", "--backend", "cpu", "--fetch", "sm,dma"]);
+    let (ok, err, _) = sparda_within(&a, FAST);
+    assert!(
+        !ok && err.contains("generate: give one --fetch engine (got --fetch sm,dma)"),
+        "{err}"
+    );
+    let mut a = NOSA_8B.to_vec();
+    a.extend(["--kv", "offload", "--fetch", "sm", "--fetch", "dma"]);
+    let (ok, err, _) = sparda_within(&a, FAST);
+    assert!(
+        !ok && err.contains("generate: give one --fetch engine (got --fetch sm,dma)"),
+        "{err}"
+    );
+}
+
+#[test]
+fn missing_tokenizer_prompt_file_and_forecast_fail_before_the_model_is_built() {
+    let mut a = NOSA_8B.to_vec();
+    a.extend([
+        "--backend",
+        "cpu",
+        "--tokenizer",
+        "/nonexistent-dir-sparda/tokenizer.json",
+    ]);
+    let (ok, err, _) = sparda_within(&a, FAST);
+    assert!(
+        !ok && err.contains("/nonexistent-dir-sparda/tokenizer.json")
+            && err.contains("--tokenizer"),
+        "{err}"
+    );
+    assert!(!err.contains("building synth:nosa-8b"), "{err}");
+    let (ok, err, _) = sparda_within(
+        &[
+            "generate",
+            "--model",
+            "synth:nosa-8b",
+            "--backend",
+            "cpu",
+            "--prompt-file",
+            "/nonexistent-dir-sparda/prompt.txt",
+        ],
+        FAST,
+    );
+    assert!(
+        !ok && err.contains("/nonexistent-dir-sparda/prompt.txt"),
+        "{err}"
+    );
+    let mut a = NOSA_8B.to_vec();
+    a.extend([
+        "--backend",
+        "cpu",
+        "--forecast",
+        "/nonexistent-dir-sparda/forecast.safetensors",
+    ]);
+    let (ok, err, _) = sparda_within(&a, FAST);
+    assert!(
+        !ok && err.contains("--forecast /nonexistent-dir-sparda/forecast.safetensors"),
+        "{err}"
+    );
+    let mut a = NOSA_8B.to_vec();
+    a.extend([
+        "--backend",
+        "cpu",
+        "--forecast",
+        "synth",
+        "--attention",
+        "dense",
+    ]);
+    let (ok, err, _) = sparda_within(&a, FAST);
+    assert!(
+        !ok && err.contains("--forecast synth") && err.contains("--attention dense"),
+        "{err}"
+    );
+}
+
+#[test]
+fn negative_sampling_values_get_range_errors_naming_the_flag() {
+    let mut a = NOSA_8B.to_vec();
+    a.extend(["--backend", "cpu", "--top-p", "-0.1"]);
+    let (ok, err, _) = sparda_within(&a, FAST);
+    assert!(
+        !ok && err.contains("--top-p must lie in (0, 1], got -0.1"),
+        "{err}"
+    );
+    assert!(!err.contains("unexpected argument"), "{err}");
+    let mut a = NOSA_8B.to_vec();
+    a.extend(["--backend", "cpu", "--temperature", "-1"]);
+    let (ok, err, _) = sparda_within(&a, FAST);
+    assert!(
+        !ok && err.contains("--temperature must be a finite value ≥ 0, got -1"),
+        "{err}"
+    );
+    // Unsigned flags: clap's invalid-value error names the flag and value.
+    for flag in ["--top-k", "--seed", "--max-new-tokens", "--prompt-tokens"] {
+        let mut a = NOSA_8B.to_vec();
+        a.extend(["--backend", "cpu", flag, "-1"]);
+        let (ok, err, _) = sparda_within(&a, FAST);
+        assert!(
+            !ok && err.contains("invalid value '-1'") && err.contains(flag),
+            "{flag}: {err}"
+        );
+        assert!(!err.contains("unexpected argument"), "{flag}: {err}");
+    }
+}
+
+#[test]
+fn generate_help_describes_fetch_as_one_engine() {
+    let out = Command::new(env!("CARGO_BIN_EXE_sparda"))
+        .args(["generate", "--help"])
+        .output()
+        .expect("runs the binary");
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(!help.contains("each run in turn"), "{help}");
+    assert!(help.contains("give one engine"), "{help}");
+    // bench and offload-check still run each engine in turn.
+    for cmd in ["bench", "offload-check"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_sparda"))
+            .args([cmd, "--help"])
+            .output()
+            .expect("runs the binary");
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            help.contains("Fetch engines of offloaded KV, each run in turn"),
+            "{cmd}: {help}"
+        );
+    }
 }
