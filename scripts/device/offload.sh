@@ -12,6 +12,7 @@
 #   scripts/device/offload.sh priority OUT copy stream priority high vs default under prefetch
 #   scripts/device/offload.sh eb OUT       all modes under the equivalent-batch protocol
 #   scripts/device/offload.sh dmaprefetch OUT  copy engines vs SM kernel with prefetch
+#   scripts/device/offload.sh ctas OUT     SM fetch kernel on 8 vs 16 CTAs under prefetch (CTAS, BATCH, CONTEXT)
 set -euo pipefail
 phase=${1:?phase}
 out=${2:?out dir}
@@ -105,6 +106,15 @@ dmaprefetch)
   $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch sm,dma --forecast synth:1 \
     --prefetch on --batch 32 --context 64K --steps 16 --fetch-timing-steps 4 --ceiling-reps 0 \
     --profile-reps 0 --tokenizer "$tok" --json "$out/bench_dma_prefetch.json" 2>&1 | tail -12 || true
+  ;;
+ctas)
+  # fewer fetch CTAs leave more SMs to the compute the prefetch overlaps (issue 5 follow-up)
+  for n in ${CTAS:-8 16}; do
+    $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch sm --prefetch-ctas "$n" \
+      --forecast synth:1 --prefetch on,off --batch "${BATCH:-16,32}" --context "${CONTEXT:-64K}" --steps 16 \
+      --fetch-timing-steps 4 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
+      --json "$out/bench_ctas_$n.json" 2>&1 | tail -4 || true
+  done
   ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac
