@@ -12,7 +12,8 @@
 #   scripts/device/offload.sh priority OUT copy stream priority high vs default under prefetch
 #   scripts/device/offload.sh eb OUT       all modes under the equivalent-batch protocol
 #   scripts/device/offload.sh dmaprefetch OUT  copy engines vs SM kernel with prefetch
-#   scripts/device/offload.sh ctas OUT     SM fetch kernel on 8 vs 16 CTAs under prefetch (CTAS, BATCH, CONTEXT)
+#   scripts/device/offload.sh ctas OUT     SM fetch kernel under prefetch: 16 vs 8 persistent CTAs vs 264
+#                                          short CTAs behind a high-priority compute stream (BATCH, CONTEXT)
 set -euo pipefail
 phase=${1:?phase}
 out=${2:?out dir}
@@ -108,13 +109,19 @@ dmaprefetch)
     --profile-reps 0 --tokenizer "$tok" --json "$out/bench_dma_prefetch.json" 2>&1 | tail -12 || true
   ;;
 ctas)
-  # fewer fetch CTAs leave more SMs to the compute the prefetch overlaps (issue 5 follow-up)
-  for n in ${CTAS:-8 16}; do
-    $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch sm --prefetch-ctas "$n" \
+  # Issue 5 follow-up: the persistent fetch kernel holds SMs that a wave of
+  # GEMM/attention CTAs then waits for. Fewer persistent CTAs, and many short
+  # fetch CTAs behind a higher-priority compute stream, against 16 CTAs.
+  run_ctas() {  # name, CTAs, then env assignments
+    local name=$1 n=$2; shift 2
+    env "$@" $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch sm --prefetch-ctas "$n" \
       --forecast synth:1 --prefetch on,off --batch "${BATCH:-16,32}" --context "${CONTEXT:-64K}" --steps 16 \
       --fetch-timing-steps 4 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
-      --json "$out/bench_ctas_$n.json" 2>&1 | tail -4 || true
-  done
+      --json "$out/bench_ctas_$name.json" 2>&1 | tail -4 || true
+  }
+  run_ctas 16 16
+  run_ctas 8 8
+  run_ctas short264 264 SPARDA_COMPUTE_PRIORITY=high SPARDA_COPY_PRIORITY=0
   ;;
 *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -318,6 +318,28 @@ pub fn cuda_include_dir() -> String {
     "/usr/local/cuda/include".to_string()
 }
 
+/// The compute stream of a [`Gpu`]: the default stream priority, or the
+/// context's greatest with `SPARDA_COMPUTE_PRIORITY=high`. With the copy
+/// stream at the default priority (`SPARDA_COPY_PRIORITY=0`) and a fetch
+/// grid of many short CTAs (`--prefetch-ctas` in the hundreds), the block
+/// scheduler then starts pending GEMM and attention CTAs before further
+/// fetch CTAs: an experiment against the wave of compute CTAs that waits
+/// for SMs held by a persistent fetch kernel (traces/README.md). Priority
+/// changes timing only, never results.
+///
+/// Errors: [`Error::Cuda`] when the stream cannot be created.
+fn compute_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
+    if std::env::var("SPARDA_COMPUTE_PRIORITY").as_deref() != Ok("high") {
+        return ctx.new_stream().cuda("cuStreamCreate");
+    }
+    ctx.bind_to_thread()
+        .cuda("binding the context (compute stream)")?;
+    let (_least, greatest) = cudarc::driver::result::stream::get_priority_range()
+        .cuda("cuCtxGetStreamPriorityRange")?;
+    ctx.new_stream_with_priority(greatest)
+        .cuda("cuStreamCreateWithPriority (compute)")
+}
+
 /// NVRTC options for `arch` (e.g. "sm_90"): a real architecture, so NVRTC
 /// emits a cubin and the driver does no JIT at load time.
 pub fn compile_options(arch: &str) -> Vec<String> {
@@ -471,7 +493,7 @@ impl Gpu {
             driver_version,
             nvrtc_version: nvrtc_version()?,
         };
-        let stream = ctx.new_stream().cuda("cuStreamCreate")?;
+        let stream = compute_stream(&ctx)?;
         let (functions, builds) = Self::load_kernels(&ctx, &info)?;
         // The decode attention kernel takes more than the default 48 KiB of shared
         // memory at D = 128 (double-buffered K/V tiles): opt in once, here.

@@ -311,8 +311,9 @@ impl StepOffload {
 /// priority, so that the fetch kernel's CTAs are scheduled as soon as SMs
 /// free up instead of queueing behind the compute stream's GEMM tiles
 /// (`SPARDA_COPY_PRIORITY=0` gives it the default priority, for comparison).
-/// Priority changes timing only, never results. Not yet measured on the
-/// H200: the issue-5 figures of 2026-11-30 used the default priority.
+/// Priority changes timing only, never results. Measured on the H200
+/// (benches/results/issue5_copy_priority_*): no difference with the
+/// persistent 16-CTA fetch kernel (14.53 vs 14.44 ms/step at 64K, B = 16).
 fn copy_stream(gpu: &Gpu) -> Result<Arc<CudaStream>> {
     let high = std::env::var("SPARDA_COPY_PRIORITY").map_or(true, |v| v != "0");
     if !high {
