@@ -217,7 +217,8 @@ pub enum SelectionPath {
     /// the blocks of every sparse row, through the engine's per-row pointer
     /// tables (so a prefill chunk's rows each select over their own prefix).
     Gpu,
-    /// TEMPORARY FALLBACK: K and c mirrored on the host, Kc/p and selection
+    /// A check path (`SPARDA_SELECTION=host`, gpu-check-e2e's host-selection
+    /// case): K and c mirrored on the host, Kc/p and selection
     /// computed by [`crate::model::select`] on the GPU's own post-RoPE
     /// queries (downloaded every layer), block lists uploaded. Correct but
     /// synchronous: for checks, not for speed.
@@ -3188,7 +3189,7 @@ fn compress(
     unsafe { b.launch(lc) }.cuda("compress_windows").map(drop)
 }
 
-/// TEMPORARY FALLBACK selection ([`SelectionPath::HostFallback`]) for layer
+/// Host selection of the check path ([`SelectionPath::HostFallback`]) for layer
 /// `l`: downloads the fused QKV rows (post-RoPE q and k, v) and the new
 /// eviction scores, appends them to each sequence's host mirror (which
 /// completes Kc and p as [`LayerKv::append`] does), then selects per row
