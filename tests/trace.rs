@@ -671,6 +671,18 @@ fn gpu_timeline_records_streams_waits_and_skips_capture() {
         let created = tl.events_created();
         assert_eq!(chain(&mut tl).len(), 3);
         assert_eq!(tl.events_created(), created);
+        // A span left open (a failed step) is dropped; collection goes on.
+        let m = SpanMeta::at(0, 98);
+        let a = tl.begin(&compute, Track::Compute, "open", m).unwrap();
+        let b = tl.next(&compute, a, Track::Compute, "left", m).unwrap();
+        assert!(!b.is_none());
+        assert_eq!(tl.drop_open(), 1);
+        let got = tl.collect().unwrap();
+        assert_eq!(
+            got.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
+            ["open"]
+        );
+        assert_eq!(tl.drop_open(), 0);
         // Host cost of a span on an idle stream: first while the pool grows
         // (events created or harvested in the loop), then with a full pool,
         // and the conversion that `collect` does per span.

@@ -334,8 +334,8 @@ fn compute_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
     }
     ctx.bind_to_thread()
         .cuda("binding the context (compute stream)")?;
-    let (_least, greatest) = cudarc::driver::result::stream::get_priority_range()
-        .cuda("cuCtxGetStreamPriorityRange")?;
+    let (_least, greatest) =
+        cudarc::driver::result::stream::get_priority_range().cuda("cuCtxGetStreamPriorityRange")?;
     ctx.new_stream_with_priority(greatest)
         .cuda("cuStreamCreateWithPriority (compute)")
 }

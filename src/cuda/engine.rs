@@ -1678,6 +1678,10 @@ impl GpuModel {
             }
         })();
         let ok = r.is_ok();
+        if !ok {
+            // spans the failed step began and never ended
+            self.timeline.borrow_mut().drop_open();
+        }
         st.steps += 1;
         if st.off.is_some() {
             self.offload_steps += 1;

@@ -384,6 +384,28 @@ impl GpuTimeline {
         Ok(out)
     }
 
+    /// Drops every span that was begun but not ended (after a failed
+    /// step, whose error path skipped the `end` calls), so that
+    /// [`collect`](Self::collect) re-anchors again. Returns how many were
+    /// dropped. Their recorded start events go back to the pool unless an
+    /// ended span shares them.
+    pub fn drop_open(&mut self) -> usize {
+        let Some(r) = self.rec.as_deref_mut() else {
+            return 0;
+        };
+        let mut dropped = 0;
+        for i in 0..r.slots.len() {
+            if r.slots[i].as_ref().is_some_and(|s| s.end.is_none()) {
+                let slot = r.slots[i].take().expect("checked");
+                give_back(&mut r.pool, slot.start);
+                r.free.push(i as u32);
+                dropped += 1;
+            }
+        }
+        r.open -= dropped;
+        dropped
+    }
+
     /// Waits for every ended span and returns all spans not returned before,
     /// `start_ms` after the anchor (f64 ms; CUDA's event resolution is about
     /// 0.5 µs). Open spans stay open. When none is open, re-anchors on the
