@@ -349,6 +349,25 @@ struct StepTimes {
     gpu_ms: Vec<f64>,
 }
 
+/// The report's `what`: which comparison `spec` runs (runtime.md §5).
+fn bench_what(spec: &BenchSpec) -> String {
+    let mut w = if !spec.equivalent_batches.is_empty() {
+        "sparda bench: every mode side by side under the equivalent-batch protocol (runtime.md §5)"
+            .to_string()
+    } else if spec.forecast.is_some() {
+        "sparda bench: synchronous NOSA fetch vs forecast selection with and without prefetch, offloaded KV (issue 5, runtime.md §5)".to_string()
+    } else if spec.kv.iter().any(|k| k.is_some()) {
+        "sparda bench: offloaded KV (synchronous fetch) vs GPU-resident decode (issue 4, runtime.md §5)"
+            .to_string()
+    } else {
+        "sparda bench: GPU-resident decode throughput (issue 3, runtime.md §5)".to_string()
+    };
+    if spec.trace_steps > 0 && crate::trace::is_recording() {
+        w.push_str("; with the step-time overhead of --trace (issue 6)");
+    }
+    w
+}
+
 /// One case's result (or skip reason) as JSON.
 #[allow(clippy::too_many_arguments)]
 fn run_case(
@@ -826,7 +845,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
     let forecast_comparison = forecast_comparison(&cases);
     let info = gpu.info();
     Ok(json!({
-        "what": "sparda bench: GPU-resident decode throughput (issue 3 benchmark, runtime.md §5)",
+        "what": bench_what(spec),
         "gpu": info.name, "arch": info.arch, "sm_count": info.sm_count,
         "total_mem_bytes": info.total_mem_bytes,
         "driver_cuda_version": info.driver_version_string(),
@@ -1126,12 +1145,8 @@ mod tests {
         assert_eq!(percentile(&v, 100.0), 5.0);
     }
 
-    #[test]
-    fn bench_without_cuda_is_an_error_not_a_panic() {
-        if crate::cuda::is_available() {
-            return;
-        }
-        let spec = BenchSpec {
+    fn tiny_spec() -> BenchSpec {
+        BenchSpec {
             model: "synth:tiny".into(),
             sparse: vec![false],
             selection: None,
@@ -1154,7 +1169,26 @@ mod tests {
             sync: true,
             equivalent_batches: vec![],
             trace_steps: 0,
-        };
-        assert!(matches!(run(&spec), Err(Error::Cuda(_))));
+        }
+    }
+
+    #[test]
+    fn bench_without_cuda_is_an_error_not_a_panic() {
+        if crate::cuda::is_available() {
+            return;
+        }
+        assert!(matches!(run(&tiny_spec()), Err(Error::Cuda(_))));
+    }
+
+    #[test]
+    fn report_names_the_comparison_it_runs() {
+        let mut s = tiny_spec();
+        assert!(bench_what(&s).contains("GPU-resident decode throughput (issue 3"));
+        s.kv = vec![None, Some(OffloadOptions::default())];
+        assert!(bench_what(&s).contains("offloaded KV (synchronous fetch) vs GPU-resident"));
+        s.forecast = Some("synth:1".into());
+        assert!(bench_what(&s).contains("forecast selection with and without prefetch"));
+        s.equivalent_batches = vec![128];
+        assert!(bench_what(&s).contains("equivalent-batch protocol"));
     }
 }

@@ -843,16 +843,18 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         Backend::Auto => Backend::Cpu,
         b => b,
     };
+    // Everything below up to the model build reads only flags and small
+    // files, so a bad invocation fails in well under a second, before
+    // e.g. synth:nosa-8b spends minutes and ~17 GB on its weights; flag
+    // errors come before a missing CUDA library is reported.
+    check_generate_flags(&a, backend)?;
     if backend == Backend::Cuda {
         sparda::cuda::require()?;
     }
-    // Everything below up to the model build reads only flags and small
-    // files, so a bad invocation fails in well under a second, before
-    // e.g. synth:nosa-8b spends minutes and ~17 GB on its weights.
-    check_generate_flags(&a, backend)?;
     let text = match (&a.prompt, &a.prompt_file) {
         (Some(t), None) => t.clone(),
-        (None, Some(p)) => std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?,
+        (None, Some(p)) => std::fs::read_to_string(p)
+            .map_err(|e| Error::Input(format!("--prompt-file {}: {e}", p.display())))?,
         _ => {
             return Err(Error::Input(
                 "give --prompt TEXT or --prompt-file FILE".into(),
@@ -877,6 +879,9 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         }
     });
     let tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| match e {
+        Error::Io { path, source } if a.tokenizer.is_some() => {
+            Error::Input(format!("--tokenizer {}: {source}", path.display()))
+        }
         Error::Io { path, source } => Error::Input(format!(
             "{}: {source} (give the tokenizer with --tokenizer FILE; scripts/fixture.sh builds the default one)",
             path.display()

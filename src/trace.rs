@@ -763,11 +763,19 @@ impl Summary {
                 name, p.count, p.total_ms, p.per_step_ms
             );
         }
-        let _ = writeln!(
-            o,
-            "H2D: total {:.3} ms, hidden {:.3} ms, exposed {:.3} ms, overlap {:.1}%, {} bytes, {:.1} GB/s; compute waited {:.3} ms",
-            self.h2d_total_ms, self.h2d_hidden_ms, self.h2d_exposed_ms, self.overlap_pct, self.h2d_bytes, self.h2d_gb_per_s, self.compute_wait_ms
-        );
+        if self.h2d_total_ms > 0.0 {
+            let _ = writeln!(
+                o,
+                "H2D: total {:.3} ms, hidden {:.3} ms, exposed {:.3} ms, overlap {:.1}%, {} bytes, {:.1} GB/s; compute waited {:.3} ms",
+                self.h2d_total_ms, self.h2d_hidden_ms, self.h2d_exposed_ms, self.overlap_pct, self.h2d_bytes, self.h2d_gb_per_s, self.compute_wait_ms
+            );
+        } else {
+            let _ = writeln!(
+                o,
+                "H2D: no fetch spans on the copy track (KV on the GPU, or a CPU trace); compute waited {:.3} ms",
+                self.compute_wait_ms
+            );
+        }
         if !self.layers.is_empty() {
             let _ = writeln!(
                 o,

@@ -187,6 +187,14 @@ fn more_than_one_fetch_engine_for_generate_fails_before_the_model_is_built() {
         !ok && err.contains("generate: give one --fetch engine (got --fetch sm,dma)"),
         "{err}"
     );
+    // with --backend cuda on a machine without CUDA, the flag error still comes first
+    let mut a = NOSA_8B.to_vec();
+    a.extend(["--kv", "offload", "--backend", "cuda", "--fetch", "sm,dma"]);
+    let (ok, err, _) = sparda_within(&a, FAST);
+    assert!(
+        !ok && err.contains("generate: give one --fetch engine (got --fetch sm,dma)"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -200,8 +208,7 @@ fn missing_tokenizer_prompt_file_and_forecast_fail_before_the_model_is_built() {
     ]);
     let (ok, err, _) = sparda_within(&a, FAST);
     assert!(
-        !ok && err.contains("/nonexistent-dir-sparda/tokenizer.json")
-            && err.contains("--tokenizer"),
+        !ok && err.contains("--tokenizer /nonexistent-dir-sparda/tokenizer.json"),
         "{err}"
     );
     assert!(!err.contains("building synth:nosa-8b"), "{err}");
@@ -218,7 +225,7 @@ fn missing_tokenizer_prompt_file_and_forecast_fail_before_the_model_is_built() {
         FAST,
     );
     assert!(
-        !ok && err.contains("/nonexistent-dir-sparda/prompt.txt"),
+        !ok && err.contains("--prompt-file /nonexistent-dir-sparda/prompt.txt"),
         "{err}"
     );
     let mut a = NOSA_8B.to_vec();

@@ -986,6 +986,7 @@ fn host_only_trace_counts_decode_steps_from_b_e_pairs() {
         assert!(s.layers.is_empty());
         let text = s.to_text();
         assert!(text.contains("steps: 5\n"), "{text}");
+        assert!(text.contains("H2D: no fetch spans"), "{text}");
         assert!(
             text.contains("host:decode step                    5       15.000        3.000"),
             "{text}"
