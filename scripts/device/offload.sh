@@ -12,6 +12,7 @@
 #   scripts/device/offload.sh priority OUT copy stream priority high vs default under prefetch
 #   scripts/device/offload.sh eb OUT       all modes under the equivalent-batch protocol
 #   scripts/device/offload.sh dmaprefetch OUT  copy engines vs SM kernel with prefetch
+#   scripts/device/offload.sh b1 OUT       issue 3: B=1 L=4K step vs the split-K cap (SPARDA_ATTN_MAX_SPLITS)
 #   scripts/device/offload.sh ctas OUT     SM fetch kernel under prefetch: 16 vs 8 persistent CTAs vs 264
 #                                          short CTAs behind a high-priority compute stream (BATCH, CONTEXT)
 set -euo pipefail
@@ -107,6 +108,19 @@ dmaprefetch)
   $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch sm,dma --forecast synth:1 \
     --prefetch on --batch 32 --context 64K --steps 16 --fetch-timing-steps 4 --ceiling-reps 0 \
     --profile-reps 0 --tokenizer "$tok" --json "$out/bench_dma_prefetch.json" 2>&1 | tail -12 || true
+  ;;
+b1)
+  # Issue 3: the B=1 4K dense step (5.19 ms vs the 5.0 ms target) against the split-K cap
+  # (64 one-tile splits by default at 4K) and the fused combine
+  b1run() {  # name, then env assignments
+    local name=$1; shift
+    env "$@" $bin bench --model synth:nosa-8b --attention dense,sparse --batch 1 --context 4K --steps 64 \
+      --tokenizer "$tok" --json "$out/bench_b1_$name.json" 2>&1 | tail -3 || true
+  }
+  b1run default
+  b1run splits16 SPARDA_ATTN_MAX_SPLITS=16
+  b1run splits8 SPARDA_ATTN_MAX_SPLITS=8
+  b1run splits16_fused SPARDA_ATTN_MAX_SPLITS=16 SPARDA_FUSED_COMBINE=1
   ;;
 ctas)
   # Issue 5 follow-up: the persistent fetch kernel holds SMs that a wave of

@@ -775,6 +775,21 @@ pub const ATTN_TARGET_CTAS: usize = 1536;
 /// so at batch 1 a long context takes longer splits rather than more.
 pub const ATTN_MAX_SPLITS: usize = 128;
 
+/// The split cap in force: [`ATTN_MAX_SPLITS`], or `SPARDA_ATTN_MAX_SPLITS`
+/// (1 ..= [`ATTN_MAX_SPLITS`], read once) for the batch-1 geometry sweep of
+/// `scripts/device/offload.sh b1`. Changes timing only: the combine merges
+/// any number of splits to the same softmax (up to f32 rounding).
+pub fn attn_max_splits() -> usize {
+    static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CAP.get_or_init(|| {
+        std::env::var("SPARDA_ATTN_MAX_SPLITS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| (1..=ATTN_MAX_SPLITS).contains(&n))
+            .unwrap_or(ATTN_MAX_SPLITS)
+    })
+}
+
 /// Dynamic shared memory of `attn_partial` at head dim `d`, bytes: two
 /// stages of K and V tiles of [`ATTN_TILE`] rows of d + 8 bf16, plus the
 /// per-token bias and validity of both stages.
@@ -808,7 +823,7 @@ pub fn attn_head_blocks(heads: usize, kv_heads: usize) -> usize {
 pub fn attn_dense_split(rows: usize, head_blocks: usize, max_len: usize) -> (usize, usize) {
     let mut span = ATTN_TILE;
     while (rows * head_blocks * max_len.div_ceil(span) > ATTN_TARGET_CTAS
-        || max_len.div_ceil(span) > ATTN_MAX_SPLITS)
+        || max_len.div_ceil(span) > attn_max_splits())
         && span < max_len
     {
         span *= 2;
@@ -821,7 +836,7 @@ pub fn attn_dense_split(rows: usize, head_blocks: usize, max_len: usize) -> (usi
 pub fn attn_sparse_split(rows: usize, head_blocks: usize, s_max: usize) -> (usize, usize) {
     let mut span = 1;
     while (rows * head_blocks * s_max.div_ceil(span) > ATTN_TARGET_CTAS
-        || s_max.div_ceil(span) > ATTN_MAX_SPLITS)
+        || s_max.div_ceil(span) > attn_max_splits())
         && span < s_max
     {
         span *= 2;
