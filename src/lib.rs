@@ -13,7 +13,7 @@
 //! - [`sample`]: token sampling;
 //! - [`synth`]: random-weight checkpoints for tests and benchmarks;
 //! - [`generate`]: the text-generation loop behind `sparda generate`;
-//! - [`bench`]: the decode benchmark behind `sparda bench`;
+//! - [`mod@bench`]: the decode benchmark behind `sparda bench`;
 //! - [`trace`]: Chrome/Perfetto traces of copy/compute overlap and their summary.
 #![warn(missing_docs)]
 

@@ -94,7 +94,7 @@ impl Sampler {
         self.rng.random::<f64>()
     }
 
-    /// Draws the next token from `logits` ([V], f32): the argmax when greedy
+    /// Draws the next token from `logits` (\[V\], f32): the argmax when greedy
     /// or when no logit is finite (no draw then), else [`sample_with_u`]
     /// with the next [`Sampler::draw`].
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
@@ -106,7 +106,7 @@ impl Sampler {
     }
 }
 
-/// Temperature / top-k / top-p sampling of `logits` ([V], f32) with the
+/// Temperature / top-k / top-p sampling of `logits` (\[V\], f32) with the
 /// uniform draw `u01` in [0, 1) (the rule of the GPU kernel
 /// kernels/sample.cu as well):
 /// 1. the finite logits, ordered by logit descending, then index ascending;

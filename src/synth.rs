@@ -43,7 +43,7 @@ pub const BOS_ID: u32 = 1;
 pub const EOS_ID: u32 = 2;
 /// Elements per independently seeded chunk of a tensor.
 pub const CHUNK: usize = 1 << 16;
-/// Largest shard [`write`] produces, in bytes (2 GiB); checkpoints above it are sharded.
+/// Largest shard [`write()`] produces, in bytes (2 GiB); checkpoints above it are sharded.
 pub const SHARD_BYTES: usize = 2 << 30;
 
 /// A synthetic model shape (spec §1 preset table).
@@ -335,10 +335,10 @@ pub fn write(preset: Preset, seed: u64, out_dir: &Path, tokenizer_json: &Path) -
     write_config(&preset.config(), true, seed, out_dir, tokenizer_json)
 }
 
-/// [`write`] for any config (eviction heads iff `eviction_heads`).
+/// [`write()`] for any config (eviction heads iff `eviction_heads`).
 ///
 /// # Errors
-/// As [`write`], plus [`Error::Config`] when `config` fails validation.
+/// As [`write()`], plus [`Error::Config`] when `config` fails validation.
 pub fn write_config(
     config: &ModelConfig,
     eviction_heads: bool,

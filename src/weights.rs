@@ -553,7 +553,7 @@ pub mod names {
     pub fn embed() -> String {
         "model.embed_tokens.weight".to_string()
     }
-    /// `model.norm.weight` [d].
+    /// `model.norm.weight` \[d\].
     pub fn final_norm() -> String {
         "model.norm.weight".to_string()
     }
@@ -565,9 +565,9 @@ pub mod names {
     /// The per-layer tensors (prefix `model.layers.{i}.`).
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     pub enum LayerTensor {
-        /// `input_layernorm.weight` [d].
+        /// `input_layernorm.weight` \[d\].
         InputNorm,
-        /// `post_attention_layernorm.weight` [d].
+        /// `post_attention_layernorm.weight` \[d\].
         PostAttnNorm,
         /// `self_attn.q_proj.weight` [H·D, d].
         QProj,
@@ -583,7 +583,7 @@ pub mod names {
         KBias,
         /// `self_attn.v_proj.bias` [Hkv·D] (attention_bias).
         VBias,
-        /// `self_attn.o_proj.bias` [d] (attention_bias).
+        /// `self_attn.o_proj.bias` \[d\] (attention_bias).
         OBias,
         /// `mlp.gate_proj.weight` [I, d].
         GateProj,
@@ -591,17 +591,17 @@ pub mod names {
         UpProj,
         /// `mlp.down_proj.weight` [d, I].
         DownProj,
-        /// `mlp.gate_proj.bias` [I] (mlp_bias).
+        /// `mlp.gate_proj.bias` \[I\] (mlp_bias).
         GateBias,
-        /// `mlp.up_proj.bias` [I] (mlp_bias).
+        /// `mlp.up_proj.bias` \[I\] (mlp_bias).
         UpBias,
-        /// `mlp.down_proj.bias` [d] (mlp_bias).
+        /// `mlp.down_proj.bias` \[d\] (mlp_bias).
         DownBias,
-        /// Eviction head `self_attn.A` [Hkv] (NOSA).
+        /// Eviction head `self_attn.A` \[Hkv\] (NOSA).
         EvictA,
         /// Eviction head `self_attn.delta.weight` [Hkv, Hkv·D] (NOSA).
         EvictDelta,
-        /// Eviction head `self_attn.delta.bias` [Hkv] (NOSA with attention_bias).
+        /// Eviction head `self_attn.delta.bias` \[Hkv\] (NOSA with attention_bias).
         EvictDeltaBias,
         /// SparDA forecast `self_attn.q_future_proj.weight` [Hkv·D, d] (separate file, §2).
         QFutureProj,

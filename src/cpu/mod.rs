@@ -60,7 +60,7 @@ pub const PREFILL_CHUNK: usize = 512;
 /// Which logits a forward call returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
-    /// Only the last position's, [V].
+    /// Only the last position's, \[V\].
     Last,
     /// Every position's, [n, V].
     All,
@@ -86,7 +86,7 @@ pub struct EngineOptions {
 /// reference is the plain f32 path, untouched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Bf16Points {
-    /// `embed_gather` (kernels/embedding.cu): x = bf16(embed[tok] · scale_emb),
+    /// `embed_gather` (kernels/embedding.cu): x = bf16(embed\[tok\] · scale_emb),
     /// the engine's layer-0 `delta`.
     pub embed: bool,
     /// Input/post-attention RMSNorm (kernels/rmsnorm.cu `rmsnorm_residual`):
@@ -480,7 +480,7 @@ impl CpuModel {
     }
 
     /// Runs `tokens` through the model at positions T … T+n−1 of `seq`,
-    /// appending their §3 state, and returns logits (f32, [V] or [n, V]).
+    /// appending their §3 state, and returns logits (f32, \[V\] or [n, V]).
     ///
     /// Dense or sparse per spec §1/§6: sparse iff the plan is sparse, the
     /// sequence reaches dense_len with this call, and this is not a prefill
@@ -619,7 +619,7 @@ impl CpuModel {
         Ok(logits)
     }
 
-    /// Decode one token; its logits [V].
+    /// Decode one token; its logits \[V\].
     pub fn decode(&self, seq: &mut Sequence, token: u32) -> Result<Vec<f32>> {
         self.forward(seq, &[token], Phase::Decode, Logits::Last)
     }
@@ -793,7 +793,7 @@ pub struct ForecastQuery<'a> {
     pub windows: usize,
 }
 
-/// Forecast window scores of one KV head: f_h · Kc[i,h] for i < windows
+/// Forecast window scores of one KV head: f_h · Kc\[i,h\] for i < windows
 /// (plain dot product: no scale, no softmax, no head sum; spec §4).
 pub fn forecast_window_scores(f_h: &[f32], kv: &LayerKv, h: usize, windows: usize) -> Vec<f32> {
     let dh = f_h.len();

@@ -25,7 +25,7 @@ pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
-/// y[n, out] = x[n, in] · W[out, in]ᵀ (+ bias[out]), the layout of HF linear
+/// y[n, out] = x[n, in] · W[out, in]ᵀ (+ bias\[out\]), the layout of HF linear
 /// weights; f32 GEMM through `matrixmultiply`.
 pub fn linear(x: &[f32], n: usize, w: &[f32], bias: Option<&[f32]>, out: usize) -> Vec<f32> {
     let k = w.len() / out;
@@ -68,7 +68,7 @@ pub fn linear(x: &[f32], n: usize, w: &[f32], bias: Option<&[f32]>, out: usize) 
     y
 }
 
-/// Inputs of at most this many rows go through [`matvec`] instead of GEMM.
+/// Inputs of at most this many rows go through `matvec` (dot products) instead of GEMM.
 pub const MATVEC_ROWS: usize = 4;
 
 /// y[n, out] = x[n, k] · W[out, k]ᵀ by dot products, output columns split

@@ -1494,7 +1494,7 @@ impl GpuModel {
     }
 
     /// Sampling on the GPU: one token per row of the last logits
-    /// ([`GpuModel::logits`]) with the uniform draws `u01` ([rows], in
+    /// ([`GpuModel::logits`]) with the uniform draws `u01` (\[rows\], in
     /// [0, 1); e.g. [`crate::sample::Sampler::draw`]), by the rule of
     /// [`crate::sample::sample_with_u`]; greedy parameters give
     /// [`GpuModel::argmax`]. Synchronises; only the ids travel.
@@ -1522,7 +1522,7 @@ impl GpuModel {
     }
 
     /// Greedy sampling on the GPU: the argmax of each logits row (ties to the
-    /// lower id, NaN never wins), [rows] (synchronises; only the ids travel).
+    /// lower id, NaN never wins), \[rows\] (synchronises; only the ids travel).
     /// After a device-resident decode step the step computed it already.
     ///
     /// Errors: as [`GpuModel::logits`]; [`Error::Cuda`] on a failure.

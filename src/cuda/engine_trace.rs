@@ -57,7 +57,7 @@ impl GpuModel {
     }
 
     /// Pre-creates the CUDA events of `steps` traced decode steps
-    /// ([`SPANS_PER_LAYER`] spans per layer), so that timed traced steps do
+    /// (`SPANS_PER_LAYER` spans per layer), so that timed traced steps do
     /// not create events between launches. No-op when tracing is off.
     ///
     /// Errors: CUDA failures creating events.

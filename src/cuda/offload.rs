@@ -12,9 +12,9 @@
 //! - host store per (sequence, layer): block-major, block b of head h is its
 //!   K tile then its V tile, [B, D] bf16 each, at byte
 //!   `b · block_bytes + h · 2 · tile_bytes` ([`HostLayout`](crate::kv::HostLayout));
-//! - slot pool per (sequence, layer): bf16 [hkv][S][2][B][D];
-//! - slot map per (sequence, layer): i32 [hkv][S], block id or −1;
-//! - fetch list: i32 [rows][hkv][S][2] (slot, block) pairs, nfetch i32 [rows][hkv].
+//! - slot pool per (sequence, layer): bf16 \[hkv\]\[S\]\[2\]\[B\]\[D\];
+//! - slot map per (sequence, layer): i32 \[hkv\]\[S\], block id or −1;
+//! - fetch list: i32 \[rows\]\[hkv\]\[S\]\[2\] (slot, block) pairs, nfetch i32 \[rows\]\[hkv\].
 //!
 //! The launch wrappers take raw device addresses (like `ops::AttnArgs`) and
 //! an explicit stream, since the engine runs the fetch on a copy stream.
@@ -251,19 +251,19 @@ fn parse_mem_available(text: &str) -> Option<usize> {
 /// ring_first(len))` per (row, head).
 #[derive(Debug, Clone, Copy)]
 pub struct SlotDiffArgs {
-    /// i32 [rows][kv_heads][s_max]: selected block ids, strictly ascending
+    /// i32 \[rows\]\[kv_heads\]\[s_max\]: selected block ids, strictly ascending
     /// among the first nsel entries that are ≥ 0 (negative entries inside
     /// nsel are absent: slot −1, no fetch).
     pub sel: u64,
-    /// i32 [rows][kv_heads]: valid entries of each selection row.
+    /// i32 \[rows\]\[kv_heads\]: valid entries of each selection row.
     pub nsel: u64,
     /// Width of a selection row (≤ [`SLOT_DIFF_MAX_SEL`]).
     pub s_max: usize,
-    /// i32 [rows]: tokens each row attends to, its new token included (sets
+    /// i32 \[rows\]: tokens each row attends to, its new token included (sets
     /// the ring: blocks ≥ `kv::ring_first(len)` take no slot).
     pub lens: u64,
-    /// u64 [rows]: per row, the address of its (sequence, layer)'s slot map
-    /// i32 [kv_heads][slots], updated in place.
+    /// u64 \[rows\]: per row, the address of its (sequence, layer)'s slot map
+    /// i32 \[kv_heads\]\[slots\], updated in place.
     pub slot_tab: u64,
     /// Slots per (sequence, layer, KV head), S (≤ [`SLOT_DIFF_MAX_SLOTS`]).
     pub slots: usize,
@@ -273,15 +273,15 @@ pub struct SlotDiffArgs {
     pub kv_heads: usize,
     /// Rows (sequences) of the launch.
     pub rows: usize,
-    /// Out i32 [rows][kv_heads][s_max]: per selection entry its slot, −1 for
+    /// Out i32 \[rows\]\[kv_heads\]\[s_max\]: per selection entry its slot, −1 for
     /// ring blocks, absent entries and entries ≥ nsel.
     pub slot_list: u64,
-    /// Out i32 [rows][kv_heads][slots][2]: (slot, block) to fetch, ascending block.
+    /// Out i32 \[rows\]\[kv_heads\]\[slots\]\[2\]: (slot, block) to fetch, ascending block.
     pub fetch: u64,
-    /// Out i32 [rows][kv_heads]: valid pairs of `fetch`.
+    /// Out i32 \[rows\]\[kv_heads\]: valid pairs of `fetch`.
     pub nfetch: u64,
-    /// u64 [2] or 0: `[0] +=` selected blocks, `[1] +=` fetched blocks
-    /// (locality γ = 1 − [1]/[0]); typically one pair per layer.
+    /// u64 \[2\] or 0: `[0] +=` selected blocks, `[1] +=` fetched blocks
+    /// (locality γ = 1 − \[1\]/\[0\]); typically one pair per layer.
     pub stats: u64,
 }
 
@@ -359,9 +359,9 @@ pub fn slot_diff(gpu: &Gpu, stream: &CudaStream, a: &SlotDiffArgs) -> Result<()>
 /// Device addresses and geometry of one fetch (SM kernel or copy engines).
 #[derive(Debug, Clone, Copy)]
 pub struct FetchArgs {
-    /// i32 [rows][kv_heads][slots][2]: (slot, block) pairs (`slot_diff`'s output).
+    /// i32 \[rows\]\[kv_heads\]\[slots\]\[2\]: (slot, block) pairs (`slot_diff`'s output).
     pub fetch: u64,
-    /// i32 [rows][kv_heads]: valid pairs per (row, head).
+    /// i32 \[rows\]\[kv_heads\]: valid pairs per (row, head).
     pub nfetch: u64,
     /// Slots per (sequence, layer, KV head), S.
     pub slots: usize,
@@ -369,10 +369,10 @@ pub struct FetchArgs {
     pub rows: usize,
     /// KV heads.
     pub kv_heads: usize,
-    /// u64 [rows]: device-visible address of block 0 of each row's host
+    /// u64 \[rows\]: device-visible address of block 0 of each row's host
     /// store ([`PinnedKv::device_ptr`] + the (sequence, layer) offset).
     pub host_tab: u64,
-    /// u64 [rows]: address of each row's slot pool bf16 [kv_heads][slots][2][B][D].
+    /// u64 \[rows\]: address of each row's slot pool bf16 \[kv_heads\]\[slots\]\[2\]\[B\]\[D\].
     pub pool_tab: u64,
     /// Tokens per block, B.
     pub block_size: usize,
@@ -453,18 +453,18 @@ fn check_geometry(op: &str, block_size: usize, head_dim: usize) -> Result<()> {
 /// Which blocks [`kv_store_blocks`] writes per row.
 #[derive(Debug, Clone, Copy)]
 pub enum StoreBlocks {
-    /// Write-back of a decode step: i32 [rows] lens (tokens incl. the new
+    /// Write-back of a decode step: i32 \[rows\] lens (tokens incl. the new
     /// one); a row with len > 0 and len % B == 0 writes block len/B − 1,
     /// any other row nothing.
     Completed {
-        /// Address of i32 [rows].
+        /// Address of i32 \[rows\].
         lens: u64,
     },
-    /// Prefill spill: blocks [lo[r], hi[r]) of each row.
+    /// Prefill spill: blocks [lo\[r\], hi\[r\]) of each row.
     Range {
-        /// Address of i32 [rows] first blocks.
+        /// Address of i32 \[rows\] first blocks.
         lo: u64,
-        /// Address of i32 [rows] end blocks (exclusive).
+        /// Address of i32 \[rows\] end blocks (exclusive).
         hi: u64,
     },
 }
@@ -472,11 +472,11 @@ pub enum StoreBlocks {
 /// Device addresses and geometry of one `kv_store_blocks` launch.
 #[derive(Debug, Clone, Copy)]
 pub struct StoreArgs {
-    /// u64 [rows]: K cache bf16 [tokens][kv_heads][D] of each row.
+    /// u64 \[rows\]: K cache bf16 \[tokens\]\[kv_heads\]\[D\] of each row.
     pub kptr: u64,
-    /// u64 [rows]: V cache, same layout.
+    /// u64 \[rows\]: V cache, same layout.
     pub vptr: u64,
-    /// u64 [rows]: device-visible address of block 0 of each row's host store.
+    /// u64 \[rows\]: device-visible address of block 0 of each row's host store.
     pub host_tab: u64,
     /// Token t sits at cache row t % ring (the tail ring, 2·B), or row t when 0.
     pub ring: usize,
@@ -562,7 +562,7 @@ pub struct DmaRow {
     /// Address (host or device-visible: same under UVA) of block 0 of the
     /// row's host store.
     pub host: u64,
-    /// Device address of the row's slot pool bf16 [kv_heads][slots][2][B][D].
+    /// Device address of the row's slot pool bf16 \[kv_heads\]\[slots\]\[2\]\[B\]\[D\].
     pub pool: u64,
 }
 
@@ -571,8 +571,8 @@ pub struct DmaRow {
 /// → slot), with one attribute set: source access in stream order, prefer
 /// overlap with compute, source hint host, destination hint the device.
 ///
-/// - `fetch`: i32 [rows][kv_heads][slots][2] (slot, block) pairs and
-///   `nfetch`: i32 [rows][kv_heads], as `slot_diff` wrote them, downloaded
+/// - `fetch`: i32 \[rows\]\[kv_heads\]\[slots\]\[2\] (slot, block) pairs and
+///   `nfetch`: i32 \[rows\]\[kv_heads\], as `slot_diff` wrote them, downloaded
 ///   to the host (pairs past nfetch are ignored; a negative slot or block,
 ///   or a slot ≥ slots, is an error);
 /// - `rows`: per row its host and pool base addresses.

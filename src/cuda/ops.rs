@@ -26,9 +26,9 @@ fn expect_len(op: &str, what: &str, got: usize, want: usize) -> Result<()> {
     Ok(())
 }
 
-/// Embedding gather (spec §1 `scale_emb`): out[i, :] = bf16(table[ids[i], :] · scale).
+/// Embedding gather (spec §1 `scale_emb`): out[i, :] = bf16(table[ids\[i\], :] · scale).
 ///
-/// - `table`: [vocab, d] bf16; `ids`: [n] u32; `out`: [n, d] bf16.
+/// - `table`: [vocab, d] bf16; `ids`: \[n\] u32; `out`: [n, d] bf16.
 /// - Ids are not read on the host: the caller validates them (< vocab)
 ///   before they reach the device; an out-of-range id yields a NaN row,
 ///   never an out-of-bounds read.
@@ -255,7 +255,7 @@ impl RopeTables {
 /// Positions are not read on the host; one outside the table yields NaN.
 ///
 /// Errors: [`Error::Input`] when head_dim is odd or ≠ 2·tables.half, the
-/// heads overrun the row, x is not rows·row_stride, or pos is not [rows].
+/// heads overrun the row, x is not rows·row_stride, or pos is not \[rows\].
 #[allow(clippy::too_many_arguments)]
 pub fn rope_neox<X, P>(
     gpu: &Gpu,
@@ -353,7 +353,7 @@ where
 
 /// Temperature / top-k / top-p sampling of `rows` f32 logits rows of
 /// `vocab` values (row r at r·vocab of `logits`), one token per row, with
-/// the uniform draws `u01` ([rows], f64 in [0, 1)): the rule of
+/// the uniform draws `u01` (\[rows\], f64 in [0, 1)): the rule of
 /// [`crate::sample::sample_with_u`] (kernels/sample.cu; issue 3 item 4).
 /// Greedy parameters give the argmax. Returns the ids (synchronises: only
 /// rows ids travel back, not the logits).
@@ -421,11 +421,11 @@ where
 /// One layer's NOSA eviction head on the device (spec §2–§3).
 #[derive(Debug)]
 pub struct EvictionWeights {
-    /// A, [Hkv] f32.
+    /// A, \[Hkv\] f32.
     pub a: CudaSlice<f32>,
     /// δ, [Hkv, Hkv·D] bf16.
     pub delta: CudaSlice<Bf16>,
-    /// b, [Hkv] f32 (only with `attention_bias`).
+    /// b, \[Hkv\] f32 (only with `attention_bias`).
     pub bias: Option<CudaSlice<f32>>,
     /// Hkv.
     pub kv_heads: usize,
@@ -434,7 +434,7 @@ pub struct EvictionWeights {
 }
 
 impl EvictionWeights {
-    /// Uploads A [Hkv], δ [Hkv, Hkv·D] and the optional bias [Hkv].
+    /// Uploads A \[Hkv\], δ [Hkv, Hkv·D] and the optional bias \[Hkv\].
     ///
     /// Errors: [`Error::Input`] on a shape mismatch; [`Error::Cuda`] on a copy failure.
     pub fn new(
@@ -461,7 +461,7 @@ impl EvictionWeights {
     }
 }
 
-/// Eviction scores (spec §3): c[i, h] = A[h] · softplus(δ_h · v_i + b_h),
+/// Eviction scores (spec §3): c[i, h] = A\[h\] · softplus(δ_h · v_i + b_h),
 /// softplus linear above 20, f32 out [n, Hkv]. `v`: n rows of Hkv·D bf16
 /// values at stride `ld_v` (a view into a fused QKV output works: pass the
 /// view starting at the first row's v and its row width as `ld_v`).
@@ -659,7 +659,7 @@ impl BlockSelection {
     /// From host lists `blocks[b][h]` (ascending block ids, as
     /// [`crate::model::select::select`] returns them), checked against each
     /// sequence's length: every id must be an existing block,
-    /// id·block_size < lens[b].
+    /// id·block_size < lens\[b\].
     ///
     /// Errors: [`Error::Input`] on a ragged batch, a non-ascending list or a
     /// block past the sequence; [`Error::Cuda`] on a copy failure.

@@ -22,7 +22,7 @@
 //! 1. [`compress_append`] (new_tokens = 1) completes the window the token
 //!    closed, if any ([`compress_prefill`] / `compress_append(n)` after a
 //!    prompt or a prefill chunk);
-//! 2. [`select_decode`] = [`window_scores`] (s[i,h] = Σ_g softmax_i(q_g·Kc[i,h]/√D))
+//! 2. [`select_decode`] = [`window_scores`] (s\[i,h\] = Σ_g softmax_i(q_g·Kc\[i,h\]/√D))
 //!    then [`select_from_scores`] (pooling, forced blocks, shortlist, top-S),
 //!    giving a [`BlockSelection`] for the sparse attention kernel.
 //!
@@ -261,7 +261,7 @@ pub struct SeqSelectState<'a> {
 }
 
 /// A batch of B sequences' selection state for one layer: device pointer
-/// tables and lengths (i32 [B]) that every kernel here reads. It borrows the
+/// tables and lengths (i32 \[B\]) that every kernel here reads. It borrows the
 /// buffers mutably for `'a`; build one per layer and step, or keep one and
 /// update the lengths with [`SelectBatch::set_lens`].
 #[derive(Debug)]
@@ -450,8 +450,8 @@ impl<'a> SelectBatch<'a> {
 
 /// Completes the compressed windows (spec §3) that the last `new_tokens`
 /// tokens of each sequence made whole: window i ∈ [Mc(T − new_tokens),
-/// Mc(T)) gets Kc[i] = mean of K over tokens [16i, 16i+32) and, when the
-/// batch carries c and p, p[i] = mean of c. T is each sequence's current
+/// Mc(T)) gets Kc\[i\] = mean of K over tokens [16i, 16i+32) and, when the
+/// batch carries c and p, p\[i\] = mean of c. T is each sequence's current
 /// length (the new tokens included, already written to K and c).
 /// `new_tokens` = 1 at decode; ≥ T rebuilds every window
 /// ([`compress_prefill`]). Sums run over tokens in ascending order in f32,

@@ -160,7 +160,7 @@ pub fn select(budget: &Budget, rule: SelectionRule, r: &[f32], e: &[f32]) -> Vec
 }
 
 /// Query-aware window scores of one KV head for one query position (spec
-/// §4.1): s[i] = Σ over the G query heads g of softmax_i(q_g · Kc[i] / √D).
+/// §4.1): s\[i\] = Σ over the G query heads g of softmax_i(q_g · Kc\[i\] / √D).
 ///
 /// - `q`: the G query vectors of this KV head, [G, D] row-major;
 /// - `kc`: compressed keys of this head, `mc` rows at stride `kc_stride`
