@@ -1908,8 +1908,16 @@ impl GpuModel {
                             0,
                             &st.sel,
                         )?;
-                        if self.offload_diff(st, 0, sel_off, nsel_off, inp.lens)? {
-                            self.offload_fetch(st, 0, &cs)?;
+                        if st.off.as_ref().is_some_and(|o| o.offloaded(0)) {
+                            // layer 0's own diff and synchronous fetch, in their own spans
+                            sp = self.tspan_next(&cs, sp, "diff", 0)?;
+                            if self.offload_diff(st, 0, sel_off, nsel_off, inp.lens)? {
+                                self.tspan_end(&cs, sp)?;
+                                self.offload_fetch(st, 0, &cs)?;
+                                sp = self.tspan(&cs, crate::trace::Track::Compute, "select", 0)?;
+                            } else {
+                                sp = self.tspan_next(&cs, sp, "select", 0)?;
+                            }
                         }
                     }
                     if l + 1 < nl {
