@@ -502,45 +502,46 @@ fn run_case(
     let host_ms_per_step = timed.host_ms_per_step;
     let per_step = timed.gpu_ms;
     let graph = model.last_step_was_graph();
-    let offload_json = if offload.is_some() {
+    // The timed steps' offload statistics, read before any further step.
+    let mut offload_json = if offload.is_some() {
         let st = model.offload_stats()?;
         let steps = spec.steps.max(1) as f64;
-        let mut j = json!({
+        Some(json!({
             "locality_gamma": st.locality_all(),
             "locality_gamma_per_layer": st.locality(),
             "bytes_fetched_per_step": st.bytes_fetched() as f64 / steps,
             "blocks_fetched_per_step": st.fetched.iter().sum::<u64>() as f64 / steps,
             "chunk_bytes": st.chunk_bytes,
-        });
-        if spec.fetch_timing_steps > 0 {
-            model.set_fetch_timing(true)?;
-            model.reset_offload_stats()?;
-            model.decode(&mut seqs, &first)?;
-            for _ in 1..spec.fetch_timing_steps {
-                model.decode_greedy(&mut seqs)?;
-            }
-            let t = model.offload_stats()?;
-            model.set_fetch_timing(false)?;
-            j["fetch_timing"] = json!({
-                "steps": spec.fetch_timing_steps,
-                "fetch_ms_per_step": t.fetch_ms / spec.fetch_timing_steps as f64,
-                "bytes_per_step": t.timed_bytes as f64 / spec.fetch_timing_steps as f64,
-                "achieved_gb_s": t.fetch_gb_s(),
-                "note": "CUDA events around each layer's fetch (diff excluded); extra steps after the timed ones",
-            });
-        }
-        Some(j)
+        }))
     } else {
         None
     };
     // The host's own cost of issuing one step: from an idle GPU and an
     // empty launch queue, so nothing holds the host back (the timed loop's
-    // figure is capped by the queue once the host runs ahead).
+    // figure is capped by the queue once the host runs ahead). It continues
+    // the timed steps' device-resident decode, before anything rebuilds it.
     gpu.synchronize()?;
     let t_issue = std::time::Instant::now();
     model.decode_greedy(&mut seqs)?;
     let host_issue_one_ms = t_issue.elapsed().as_secs_f64() * 1e3;
     gpu.synchronize()?;
+    if let (Some(j), true) = (offload_json.as_mut(), spec.fetch_timing_steps > 0) {
+        model.set_fetch_timing(true)?;
+        model.reset_offload_stats()?;
+        model.decode(&mut seqs, &first)?;
+        for _ in 1..spec.fetch_timing_steps {
+            model.decode_greedy(&mut seqs)?;
+        }
+        let t = model.offload_stats()?;
+        model.set_fetch_timing(false)?;
+        j["fetch_timing"] = json!({
+            "steps": spec.fetch_timing_steps,
+            "fetch_ms_per_step": t.fetch_ms / spec.fetch_timing_steps as f64,
+            "bytes_per_step": t.timed_bytes as f64 / spec.fetch_timing_steps as f64,
+            "achieved_gb_s": t.fetch_gb_s(),
+            "note": "CUDA events around each layer's fetch (diff excluded); extra steps after the timed ones",
+        });
+    }
     let (free_after, _) = gpu.mem_info()?;
     let total_ms: f64 = per_step.iter().sum();
     let tokens_per_s = (batch * spec.steps) as f64 / (total_ms / 1e3);

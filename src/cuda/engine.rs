@@ -1681,6 +1681,7 @@ impl GpuModel {
         if !ok {
             // spans the failed step began and never ended
             self.timeline.borrow_mut().drop_open();
+            self.fetch_spans.borrow_mut().clear();
         }
         st.steps += 1;
         if st.off.is_some() {
@@ -1911,13 +1912,10 @@ impl GpuModel {
                         if st.off.as_ref().is_some_and(|o| o.offloaded(0)) {
                             // layer 0's own diff and synchronous fetch, in their own spans
                             sp = self.tspan_next(&cs, sp, "diff", 0)?;
-                            if self.offload_diff(st, 0, sel_off, nsel_off, inp.lens)? {
-                                self.tspan_end(&cs, sp)?;
-                                self.offload_fetch(st, 0, &cs)?;
-                                sp = self.tspan(&cs, crate::trace::Track::Compute, "select", 0)?;
-                            } else {
-                                sp = self.tspan_next(&cs, sp, "select", 0)?;
-                            }
+                            self.offload_diff(st, 0, sel_off, nsel_off, inp.lens)?;
+                            self.tspan_end(&cs, sp)?;
+                            self.offload_fetch(st, 0, &cs)?;
+                            sp = self.tspan(&cs, crate::trace::Track::Compute, "select", 0)?;
                         }
                     }
                     if l + 1 < nl {
