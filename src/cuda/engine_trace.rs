@@ -113,16 +113,7 @@ impl GpuModel {
         name: &'static str,
         layer: usize,
     ) -> Result<SpanId> {
-        let mut tl = self.timeline.borrow_mut();
-        if !tl.is_enabled() {
-            return Ok(SpanId::NONE);
-        }
-        tl.begin(
-            stream,
-            track,
-            name,
-            SpanMeta::at(layer as u32, self.trace_step.get()),
-        )
+        self.tspan_after(stream, SpanId::NONE, track, name, layer)
     }
 
     /// Ends span `id` and begins `name` at `layer` on the same stream with
@@ -135,6 +126,18 @@ impl GpuModel {
         name: &'static str,
         layer: usize,
     ) -> Result<SpanId> {
+        self.tspan_after(stream, id, Track::Compute, name, layer)
+    }
+
+    /// [`GpuTimeline::next`] at this step (`id` = NONE: a plain begin).
+    fn tspan_after(
+        &self,
+        stream: &CudaStream,
+        id: SpanId,
+        track: Track,
+        name: &'static str,
+        layer: usize,
+    ) -> Result<SpanId> {
         let mut tl = self.timeline.borrow_mut();
         if !tl.is_enabled() {
             return Ok(SpanId::NONE);
@@ -142,7 +145,7 @@ impl GpuModel {
         tl.next(
             stream,
             id,
-            Track::Compute,
+            track,
             name,
             SpanMeta::at(layer as u32, self.trace_step.get()),
         )
