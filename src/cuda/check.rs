@@ -48,6 +48,22 @@ pub struct CaseResult {
     pub error: Option<String>,
 }
 
+impl CaseResult {
+    /// A case that could not run (or compare): `error` says why; NaN
+    /// errors, not passed, under `tolerance`.
+    pub fn failed(kernel: &str, shape: Value, tolerance: f64, error: String) -> CaseResult {
+        CaseResult {
+            kernel: kernel.into(),
+            shape,
+            rel_l2: f64::NAN,
+            max_abs_err: f64::NAN,
+            tolerance,
+            pass: false,
+            error: Some(error),
+        }
+    }
+}
+
 /// Relative L2 error and max abs error of `got` against `want` (f64 sums).
 /// Any non-finite `got` element gives NaN (a fail).
 pub fn rel_l2(got: &[f32], want: &[f32]) -> (f64, f64) {
@@ -176,15 +192,7 @@ impl Checker<'_> {
                     error: None,
                 }
             }
-            Err(err) => CaseResult {
-                kernel: kernel.into(),
-                shape,
-                rel_l2: f64::NAN,
-                max_abs_err: f64::NAN,
-                tolerance: TOLERANCE_BF16,
-                pass: false,
-                error: Some(err.to_string()),
-            },
+            Err(err) => CaseResult::failed(kernel, shape, TOLERANCE_BF16, err.to_string()),
         };
         println!(
             "{:<26} {:<70} rel_l2 {:>10.3e}  {}",

@@ -93,15 +93,7 @@ fn push(out: &mut Vec<CaseResult>, gpu: &Gpu, kernel: &str, mut shape: Value, r:
                 },
             }
         }
-        Err(e) => CaseResult {
-            kernel: kernel.into(),
-            shape,
-            rel_l2: f64::NAN,
-            max_abs_err: f64::NAN,
-            tolerance: 0.0,
-            pass: false,
-            error: Some(e.to_string()),
-        },
+        Err(e) => CaseResult::failed(kernel, shape, 0.0, e.to_string()),
     };
     let s = res.shape.to_string();
     let s: String = if s.chars().count() > 70 {

@@ -119,15 +119,7 @@ pub fn check_sampling(gpu: &Gpu, rng: &mut SmallRng) -> Vec<CaseResult> {
                             error: first,
                         }
                     }
-                    Err(e) => CaseResult {
-                        kernel: "sample_rows".into(),
-                        shape,
-                        rel_l2: f64::NAN,
-                        max_abs_err: f64::NAN,
-                        tolerance: 0.0,
-                        pass: false,
-                        error: Some(e.to_string()),
-                    },
+                    Err(e) => CaseResult::failed("sample_rows", shape, 0.0, e.to_string()),
                 });
             }
         }

@@ -247,15 +247,7 @@ impl Report {
     }
 
     fn failed(&mut self, kernel: &str, shape: Value, err: String) {
-        self.push(CaseResult {
-            kernel: kernel.into(),
-            shape,
-            rel_l2: f64::NAN,
-            max_abs_err: f64::NAN,
-            tolerance: TOLERANCE_BF16,
-            pass: false,
-            error: Some(err),
-        });
+        self.push(CaseResult::failed(kernel, shape, TOLERANCE_BF16, err));
     }
 
     /// A selection case over `rows` outcomes; `exact` forbids near-tie
