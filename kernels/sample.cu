@@ -126,7 +126,7 @@ extern "C" __global__ void sample_rows(const float* __restrict__ logits, long lo
             nfin += 1.0;
         }
     }
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    mx = warp_max(mx);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     if (lane == 0) smax[warp] = mx;
     __syncthreads();
