@@ -29,9 +29,9 @@
 //! each piece of the step alone ([`GpuModel::profile_step`]).
 
 use crate::cpu::EngineOptions;
-use crate::cuda::engine::{DecodeMode, GpuModel, GpuSequence, OffloadOptions};
 use crate::cuda::Gpu;
 use crate::model::{AttentionOverrides, PrefillMode, SelectionRule};
+use crate::pipeline::{DecodeMode, GpuModel, GpuSequence, OffloadOptions};
 use crate::tokenizer::Tokenizer;
 use crate::weights::Checkpoint;
 use crate::{Error, Result};
@@ -176,9 +176,9 @@ pub fn kv_name(kv: &Option<OffloadOptions>) -> String {
     match kv {
         None => "gpu".into(),
         Some(o) => match o.fetch {
-            crate::cuda::engine::FetchEngine::Sm { ctas } => format!("offload-sm{ctas}"),
-            crate::cuda::engine::FetchEngine::Dma => "offload-dma".into(),
-            crate::cuda::engine::FetchEngine::Auto => "offload-auto".into(),
+            crate::pipeline::FetchEngine::Sm { ctas } => format!("offload-sm{ctas}"),
+            crate::pipeline::FetchEngine::Dma => "offload-dma".into(),
+            crate::pipeline::FetchEngine::Auto => "offload-auto".into(),
         },
     }
 }
@@ -436,7 +436,7 @@ fn run_case(
         base["host_pinned_bytes"] = json!(footprint.host_pinned_bytes);
         base["host_bytes_per_sequence"] = json!(footprint.host_pinned_bytes / batch.max(1));
         base["gpu_kv_bytes_per_sequence"] = json!(footprint.gpu_kv_bytes / batch.max(1));
-        let host_avail = crate::cuda::offload::host_available_bytes()?;
+        let host_avail = crate::kv::host_store::host_available_bytes()?;
         if footprint.host_pinned_bytes + (8 << 30) > host_avail {
             let reason = format!(
                 "needs {:.1} GiB of pinned host memory + 8 GiB margin; {:.1} GiB available",
@@ -860,7 +860,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
         "total_mem_bytes": info.total_mem_bytes,
         "driver_cuda_version": info.driver_version_string(),
         "nvrtc_version": format!("{}.{}", info.nvrtc_version.0, info.nvrtc_version.1),
-        "date_utc": crate::cuda::check::utc_now_iso(),
+        "date_utc": crate::checks::kernels::utc_now_iso(),
         "commit": git_commit(),
         "model": spec.model,
         "config": {
@@ -1109,7 +1109,7 @@ mod tests {
 
     #[test]
     fn kv_names_say_where_the_kv_lives_and_how_it_is_fetched() {
-        use crate::cuda::engine::FetchEngine;
+        use crate::pipeline::FetchEngine;
         assert_eq!(kv_name(&None), "gpu");
         let o = OffloadOptions {
             fetch: FetchEngine::Sm { ctas: 16 },

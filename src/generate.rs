@@ -2,7 +2,7 @@
 //! token at a time with sampling, until EOS or the token limit.
 
 use crate::cpu::{CpuModel, Sequence};
-use crate::cuda::engine::{GpuModel, GpuSequence};
+use crate::pipeline::{GpuModel, GpuSequence};
 use crate::sample::{Sampler, SamplingParams};
 use crate::{Error, Result};
 use std::time::Instant;

@@ -8,8 +8,13 @@
 //! - [`model`]: the NOSA math once, backend-agnostic: compression state,
 //!   block pooling and selection (§3–§6);
 //! - [`cpu`]: the CPU reference backend, the oracle for everything else;
-//! - [`cuda`]: the GPU backend;
-//! - [`kv`]: host layout, slot pool, set difference and fetch plan of offloaded KV;
+//! - [`cuda`]: the device: context, NVRTC kernel cache, cuBLAS, one typed
+//!   wrapper per kernel ([`cuda::ops`]);
+//! - [`kv`]: the KV cache: host layout, slot plans and footprint (host logic),
+//!   GPU-resident caches, the pinned host store, slot pools, fetch and write-back;
+//! - [`pipeline`]: the GPU engine: weights, prefill, and the decode step with its
+//!   per-layer schedule of streams and events (sync and forecast + prefetch);
+//! - [`checks`]: GPU checks against the CPU reference (`gpu-check`, end to end, identity);
 //! - [`sample`]: token sampling;
 //! - [`synth`]: random-weight checkpoints for tests and benchmarks;
 //! - [`generate`]: the text-generation loop behind `sparda generate`;
@@ -18,6 +23,7 @@
 #![warn(missing_docs)]
 
 pub mod bench;
+pub mod checks;
 pub mod config;
 pub mod cpu;
 pub mod cuda;
@@ -25,6 +31,7 @@ pub mod error;
 pub mod generate;
 pub mod kv;
 pub mod model;
+pub mod pipeline;
 pub mod sample;
 pub mod synth;
 pub mod tokenizer;

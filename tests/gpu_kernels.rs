@@ -1,9 +1,9 @@
 //! GPU kernels against the CPU reference (spec/testing.md), through
-//! `sparda::cuda::check::gpu_check`. On a machine without CUDA (CI, the
+//! `sparda::checks::gpu_check`. On a machine without CUDA (CI, the
 //! developer machines) the check must return a clear `Error::Cuda`, never
 //! panic; set `SPARDA_REQUIRE_GPU=1` to make that a failure instead.
 
-use sparda::cuda::check::gpu_check;
+use sparda::checks::gpu_check;
 use sparda::Error;
 
 #[test]

@@ -534,7 +534,7 @@ fn init_subscriber_installs_once_and_cleans_up_after_a_refusal() {
 /// the compute stream, then the compute stream waits for the fetch.
 #[allow(clippy::too_many_arguments)]
 fn gpu_step(
-    tl: &mut sparda::cuda::timeline::GpuTimeline,
+    tl: &mut sparda::trace::timeline::GpuTimeline,
     compute: &std::sync::Arc<cudarc::driver::CudaStream>,
     copy: &std::sync::Arc<cudarc::driver::CudaStream>,
     fetched: &cudarc::driver::CudaEvent,
@@ -544,7 +544,7 @@ fn gpu_step(
     step: u32,
     layers: u32,
 ) {
-    use sparda::cuda::timeline::SpanMeta;
+    use sparda::trace::timeline::SpanMeta;
     let _host = tracing::info_span!(target: "sparda::test", "decode_step", step).entered();
     for l in 0..layers {
         let meta = SpanMeta::at(l, step);
@@ -571,7 +571,7 @@ fn gpu_step(
 /// of a span (not asserted: tests never assert on time).
 #[test]
 fn gpu_timeline_records_streams_waits_and_skips_capture() {
-    use sparda::cuda::timeline::{GpuTimeline, SpanMeta};
+    use sparda::trace::timeline::{GpuTimeline, SpanMeta};
     let require = std::env::var("SPARDA_REQUIRE_GPU").is_ok_and(|v| v == "1");
     let _g = lock();
     let gpu = match sparda::cuda::Gpu::new(0) {

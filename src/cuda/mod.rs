@@ -1,38 +1,23 @@
-//! The CUDA backend (issue 3). Built with cudarc's `dynamic-loading`, so the
-//! binary builds and runs on machines without CUDA; there, asking for the GPU
-//! is a clear error, never a panic (spec/device.md).
+//! The device: everything that knows CUDA but not the model. Built with
+//! cudarc's `dynamic-loading`, so the binary builds and runs on machines
+//! without CUDA; there, asking for the GPU is a clear error, never a panic
+//! (spec/device.md).
 //!
-//! Layout:
-//! - [`context`]: the device context, its one compute stream, NVRTC
-//!   compilation of `kernels/*.cu` with an on-disk cubin cache, the cuBLAS
-//!   handle and the bf16 GEMM;
-//! - [`ops`]: one typed wrapper per kernel (shape checks at the boundary);
-//! - [`check`]: `gpu_check`, every kernel against the CPU reference
-//!   (spec/testing.md), with a JSON report;
-//! - [`engine`]: the GPU-resident engine ([`engine::GpuModel`]): weights,
-//!   growing K/V caches, chunked prefill, batched decode, logits, argmax;
-//! - [`check_e2e`]: `gpu_check_e2e`, the engine end to end against the CPU
-//!   reference under teacher forcing;
-//! - [`offload`]: the offloaded KV cache's pinned host store, slot diff,
-//!   fetch (SM kernel or copy engines) and write-back; [`check_offload`]
-//!   checks them inside `gpu_check`.
+//! - [`context`]: the device context, its compute stream, NVRTC compilation
+//!   of `kernels/*.cu` with an on-disk cubin cache, the cuBLAS handle, the
+//!   bf16 GEMM and CUDA-graph capture;
+//! - [`ops`]: one typed wrapper per kernel, shapes checked before launch
+//!   ([`ops::select`]: selection kernels; [`ops::offload`]: offloaded-KV kernels).
+//!
+//! The model on the GPU is [`crate::pipeline`], its KV cache [`crate::kv`],
+//! the GPU checks [`crate::checks`].
 //!
 //! Device tensors are `CudaSlice<T>` from cudarc. bf16 values travel as
 //! [`Bf16`] (their 16 raw bits), since cudarc's own `half` support is a
 //! feature this crate does not enable.
 
-pub mod check;
-pub mod check_e2e;
-pub mod check_identity;
-pub mod check_offload;
-pub mod check_sample;
-pub mod check_select;
 pub mod context;
-pub mod engine;
-pub mod offload;
 pub mod ops;
-pub mod select;
-pub mod timeline;
 
 pub use context::{DeviceInfo, GemmOut, Gpu};
 

@@ -1,4 +1,4 @@
-//! KV cache bookkeeping for offloaded decode (issue 4; runtime.md §1, §3, §4):
+//! The KV cache (runtime.md §1, §3, §4). Host logic in this file:
 //! the host layout of the full cache, the GPU slot pool of one (sequence,
 //! layer, KV head), the set difference between consecutive selections, the
 //! slot assignment, the fetch tasks, the attention order and the memory
@@ -7,6 +7,25 @@
 //! Everything here is a pure function of small integer inputs, so the rules
 //! that NOSI gets wrong (runtime.md §3 faults 2–4, 7) are pinned by CPU tests;
 //! the GPU runs the same logic in kernels and is checked against these.
+
+//!
+//! The GPU side, each in its own file:
+//! - [`resident`]: GPU-resident K/V, c, Kc, p per (sequence, layer);
+//! - [`host_store`]: the pinned, device-mapped host store;
+//! - [`offload`]: offloaded sequences and batches (settings, counters,
+//!   moving a prefilled sequence to host memory);
+//! - [`slot_pool`]: the per-layer slot pools and their set difference;
+//! - [`fetch`]: the fetch engines (SM copy kernel, copy engines), sync or
+//!   prefetched on the copy stream;
+//! - [`write_back`]: completed blocks back to host memory, and the spill
+//!   of a prefill for offload.
+
+pub mod fetch;
+pub mod host_store;
+pub mod offload;
+pub mod resident;
+pub mod slot_pool;
+pub mod write_back;
 
 use crate::config::ModelConfig;
 use crate::{Error, Result};

@@ -11,7 +11,7 @@
 //! window moving, compressed state growing, many tail roll-overs and
 //! write-backs, contexts shorter than the budget at the start.
 
-use super::engine::{GpuModel, OffloadOptions};
+use crate::pipeline::{GpuModel, OffloadOptions};
 use crate::{Error, Result};
 use serde_json::{json, Value};
 
@@ -36,7 +36,7 @@ pub struct Run {
     /// Decode wall time, ms.
     pub decode_ms: f64,
     /// Offload counters of the run (None when GPU-resident).
-    pub stats: Option<super::engine::OffloadStats>,
+    pub stats: Option<crate::pipeline::OffloadStats>,
 }
 
 fn fnv1a(x: &[f32]) -> u64 {
@@ -217,7 +217,7 @@ pub fn offload_identity(
 /// (forecast on, KV as configured) is teacher-forced with those tokens and
 /// every step's block sets, per layer and KV head, are compared. A set that
 /// differs passes only as a near-tie (the CPU's own forecast scores of the
-/// differing blocks within [`super::check_e2e::NEAR_TIE`] of the cut that
+/// differing blocks within [`super::e2e::NEAR_TIE`] of the cut that
 /// decided them: inputs differ by bf16 rounding) or as a cascade of a
 /// difference in a lower layer. Returns (pass, JSON record).
 ///
@@ -290,11 +290,11 @@ pub fn forecast_selection(
                             h,
                             *windows,
                         );
-                        super::check_e2e::cut_gap_scores(&plan, &seq.layers[l], &s, h, t_len, &diff)
+                        super::e2e::cut_gap_scores(&plan, &seq.layers[l], &s, h, t_len, &diff)
                     }
                     None => f64::INFINITY,
                 };
-                let how = if gap <= super::check_e2e::NEAR_TIE {
+                let how = if gap <= super::e2e::NEAR_TIE {
                     near += 1;
                     max_gap = max_gap.max(gap);
                     "near-tie"
@@ -326,6 +326,6 @@ pub fn forecast_selection(
         json!({"steps": steps, "prompt_tokens": prompt.len(), "sets": sets, "equal": equal,
             "near_ties": near, "max_near_tie_gap": max_gap, "cascades": cascades,
             "unexplained": unexplained, "pass": pass, "examples": examples,
-            "near_tie_bound": super::check_e2e::NEAR_TIE}),
+            "near_tie_bound": super::e2e::NEAR_TIE}),
     ))
 }

@@ -1,5 +1,5 @@
 //! GPU block selection against the CPU reference (spec/testing.md), called
-//! from [`gpu_check`](super::check::gpu_check): its cases go into the same
+//! from [`gpu_check`](super::kernels::gpu_check): its cases go into the same
 //! report.
 //!
 //! On fresh random inputs (bf16 K, f32 c, bf16 q; the CPU reference gets the
@@ -27,14 +27,14 @@
 //! compression, and synthetic window scores with many exact ties and up to
 //! 8,192 blocks (512K tokens) where GPU and CPU must agree exactly.
 
-use super::check::{rel_l2, CaseResult, TOLERANCE_BF16};
-use super::select::{
+use super::kernels::{rel_l2, CaseResult, TOLERANCE_BF16};
+use crate::config::SparseConfig;
+use crate::cpu::ops as cpu_ops;
+use crate::cuda::ops::select::{
     compress_append, compress_prefill, select_from_scores, window_scores, PooledScores,
     SelectBatch, SelectWorkspace, SeqSelectState,
 };
-use super::{Bf16, Gpu};
-use crate::config::SparseConfig;
-use crate::cpu::ops as cpu_ops;
+use crate::cuda::{Bf16, Gpu};
 use crate::model::select::{self as msel, Budget, SelectionRule};
 use crate::model::state::LayerKv;
 use crate::Result;
@@ -178,11 +178,11 @@ struct Rand<'r> {
 
 impl Rand<'_> {
     fn normal(&mut self, n: usize, std: f32) -> Vec<f32> {
-        super::check::normal(self.rng, n, std)
+        super::kernels::normal(self.rng, n, std)
     }
     /// bf16-rounded normal values: (device bits, exact f32 values).
     fn bf16(&mut self, n: usize, std: f32) -> (Vec<Bf16>, Vec<f32>) {
-        super::check::bf16_normal(self.rng, n, std)
+        super::kernels::bf16_normal(self.rng, n, std)
     }
     /// Eviction scores as the head makes them: A[h] · softplus(z), z ~ N(0, 1.5²).
     fn evict(&mut self, n_tok: usize, hk: usize) -> Vec<f32> {

@@ -10,7 +10,7 @@
 //! Recording: [`init_subscriber`] installs the process's `tracing`
 //! subscriber (stderr logging filtered by `$SPARDA_LOG`, and with `--trace
 //! FILE` a tracing-chrome layer writing host spans to `FILE.host.tmp`); the
-//! CUDA engine records GPU spans with `cuda::timeline::GpuTimeline` and
+//! CUDA engine records GPU spans with `trace::timeline::GpuTimeline` and
 //! hands them over with [`submit_gpu_spans`]; [`TraceSession::finish`]
 //! merges both into `FILE`. tracing-chrome 0.7 stamps every event with µs
 //! since its layer was built (a private `Instant`), so the GPU clock is tied
@@ -30,6 +30,8 @@
 //! Per-step means divide by the number of decode steps ([`Summary::steps`]):
 //! the steps of the GPU spans when the trace has any, else those of the host
 //! decode-step spans (a `generate --backend cpu --trace` run).
+
+pub mod timeline;
 
 use crate::{Error, Result};
 use serde::Serialize;

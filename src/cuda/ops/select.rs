@@ -33,9 +33,9 @@
 //! The kernels read sequence lengths from the device (`SelectBatch`'s lens),
 //! and skip windows and blocks past each sequence's own length.
 
-use super::context::{dptr, dptr_mut, grid, i32_dim, CudaResultExt};
-use super::ops::BlockSelection;
-use super::{Bf16, Gpu};
+use super::BlockSelection;
+use crate::cuda::context::{dptr, dptr_mut, grid, i32_dim, CudaResultExt};
+use crate::cuda::{Bf16, Gpu};
 use crate::model::select::{Budget, SelectionRule};
 use crate::{Error, Result};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};

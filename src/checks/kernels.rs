@@ -10,10 +10,10 @@
 //! with NaN before each launch, so an element the kernel fails to write
 //! fails the case.
 
-use super::ops::{self, BlockSelection, EvictionWeights, KvBatch, RopeTables, SeqKv};
-use super::{Bf16, Gpu};
 use crate::config::{AttentionMode, RopeScaling, SparseConfig};
 use crate::cpu::ops as cpu_ops;
+use crate::cuda::ops::{self, BlockSelection, EvictionWeights, KvBatch, RopeTables, SeqKv};
+use crate::cuda::{Bf16, Gpu};
 use crate::model::select::Budget;
 use crate::model::state::LayerKv;
 use crate::model::AttentionPlan;
@@ -637,7 +637,7 @@ fn check_sparse_attention(c: &mut Checker<'_>) {
 /// context cannot be set up; [`Error::Io`] when the report cannot be
 /// written. Kernel failures are not errors: they are failed cases.
 pub fn gpu_check(out_json: &Path) -> Result<bool> {
-    let missing = super::missing_libraries();
+    let missing = crate::cuda::missing_libraries();
     if !missing.is_empty() {
         return Err(Error::Cuda(format!(
             "gpu-check needs an NVIDIA GPU with the CUDA 13 libraries; not found: {} (on a GPU machine set LD_LIBRARY_PATH=/usr/local/cuda/lib64)",
@@ -697,15 +697,15 @@ pub fn gpu_check(out_json: &Path) -> Result<bool> {
     }
     if group("select") {
         c.results
-            .extend(super::check_select::check_selection(&gpu, &mut c.inp.rng));
+            .extend(super::select::check_selection(&gpu, &mut c.inp.rng));
     }
     if group("sample") {
         c.results
-            .extend(super::check_sample::check_sampling(&gpu, &mut c.inp.rng));
+            .extend(super::sample::check_sampling(&gpu, &mut c.inp.rng));
     }
     if group("offload") {
         c.results
-            .extend(super::check_offload::check_offload(&gpu, &mut c.inp.rng));
+            .extend(super::offload::check_offload(&gpu, &mut c.inp.rng));
     }
     let results = c.results;
     let failed = results.iter().filter(|r| !r.pass).count();

@@ -137,7 +137,7 @@ impl GpuModel {
 
     /// RoPE on the 2·Hkv forecast heads of n rows at `qkv_off` (positions
     /// `pos`), after the fused GEMM.
-    pub(super) fn rope_forecast(
+    pub(crate) fn rope_forecast(
         &self,
         ws: &Workspace,
         n: usize,
@@ -194,7 +194,7 @@ impl GpuModel {
     /// then `select_blocks` with the target's p; windows Mc(`win_lens`)
     /// (0: the rows' lengths, the current step's windows).
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn forecast_select(
+    pub(crate) fn forecast_select(
         &self,
         ws: &Workspace,
         n: usize,

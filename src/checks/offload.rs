@@ -1,5 +1,5 @@
 //! The offloaded-KV kernels against their CPU oracles, called from
-//! [`gpu_check`](super::check::gpu_check) (its cases go into the same
+//! [`gpu_check`](super::kernels::gpu_check) (its cases go into the same
 //! report). Every case is exact: `rel_l2` is the fraction of units that
 //! differ (a (row, head) plan, a (block, head) chunk, a tile), tolerance 0.
 //!
@@ -17,10 +17,11 @@
 //!   `fetch_dma` on 256 MiB of random 32 KiB chunks from a 4 GiB pinned
 //!   store (numbers in `shape`; pass/fail only on the copied bytes).
 
-use super::check::CaseResult;
-use super::context::dptr;
-use super::offload::{self, DmaRow, FetchArgs, PinnedKv, SlotDiffArgs, StoreArgs, StoreBlocks};
-use super::Gpu;
+use super::kernels::CaseResult;
+use crate::cuda::context::dptr;
+use crate::cuda::ops::offload::{self, DmaRow, FetchArgs, SlotDiffArgs, StoreArgs, StoreBlocks};
+use crate::cuda::Gpu;
+use crate::kv::host_store::PinnedKv;
 use crate::kv::{self, HostLayout, Kv, EMPTY};
 use crate::{Error, Result};
 use cudarc::driver::CudaSlice;
@@ -1062,7 +1063,7 @@ fn time_ms(gpu: &Gpu, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<
 fn check_bandwidth(gpu: &Gpu, rng: &mut SmallRng, out: &mut Vec<CaseResult>) {
     // 4 GiB host store (16 rows × 4096 blocks × 64 KiB at hkv 2, D 128), 256
     // slots per (row, head) all fetched: 8192 random 32 KiB chunks = 256 MiB.
-    let avail = offload::host_available_bytes().unwrap_or(0);
+    let avail = crate::kv::host_store::host_available_bytes().unwrap_or(0);
     let want_host = 4usize << 30;
     let nblocks = if avail >= want_host + (8usize << 30) {
         4096

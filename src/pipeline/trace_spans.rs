@@ -17,7 +17,7 @@
 //! disabled: no events, no CUDA calls.
 
 use super::*;
-use crate::cuda::timeline::{GpuTimeline, SpanId, SpanMeta};
+use crate::trace::timeline::{GpuTimeline, SpanId, SpanMeta};
 use crate::trace::Track;
 use cudarc::driver::{CudaSlice, CudaStream};
 
@@ -27,13 +27,13 @@ use cudarc::driver::{CudaSlice, CudaStream};
 pub const SPANS_PER_LAYER: usize = 10;
 
 /// Fetch counts of one traced step, read when the trace is flushed.
-pub(super) struct PendingFetch {
+pub(crate) struct PendingFetch {
     /// i32 [L, rows, Hkv]: the step's per-(layer, row, head) fetches.
-    nfetch: CudaSlice<i32>,
-    layers: usize,
-    step: u32,
+    pub(crate) nfetch: CudaSlice<i32>,
+    pub(crate) layers: usize,
+    pub(crate) step: u32,
     /// Layers that recorded a fetch span in that step.
-    fetch_layers: Vec<usize>,
+    pub(crate) fetch_layers: Vec<usize>,
 }
 
 impl GpuModel {
@@ -106,7 +106,7 @@ impl GpuModel {
     }
 
     /// Begins a span of `name` at `layer` on `stream` (no-op when tracing is off).
-    pub(super) fn tspan(
+    pub(crate) fn tspan(
         &self,
         stream: &CudaStream,
         track: Track,
@@ -119,7 +119,7 @@ impl GpuModel {
     /// Ends span `id` and begins `name` at `layer` on the same stream with
     /// one shared event ([`GpuTimeline::next`]): for phases that follow each
     /// other directly on `stream`.
-    pub(super) fn tspan_next(
+    pub(crate) fn tspan_next(
         &self,
         stream: &CudaStream,
         id: SpanId,
@@ -130,7 +130,7 @@ impl GpuModel {
     }
 
     /// [`GpuTimeline::next`] at this step (`id` = NONE: a plain begin).
-    fn tspan_after(
+    pub(crate) fn tspan_after(
         &self,
         stream: &CudaStream,
         id: SpanId,
@@ -152,7 +152,7 @@ impl GpuModel {
     }
 
     /// Ends a span begun by [`GpuModel::tspan`].
-    pub(super) fn tspan_end(&self, stream: &CudaStream, id: SpanId) -> Result<()> {
+    pub(crate) fn tspan_end(&self, stream: &CudaStream, id: SpanId) -> Result<()> {
         if id.is_none() {
             return Ok(());
         }
@@ -160,7 +160,7 @@ impl GpuModel {
     }
 
     /// Notes a fetch span of `layer`, whose bytes are filled in after the step.
-    pub(super) fn note_fetch_span(&self, layer: usize, id: SpanId) {
+    pub(crate) fn note_fetch_span(&self, layer: usize, id: SpanId) {
         if !id.is_none() {
             self.fetch_spans.borrow_mut().push((layer, id));
         }
@@ -170,7 +170,7 @@ impl GpuModel {
     /// device (no host synchronisation; [`GpuModel::flush_trace`] reads
     /// them and puts bytes and tiles on the fetch spans) and advances the
     /// step counter of the spans.
-    pub(super) fn finish_traced_step(&self) -> Result<()> {
+    pub(crate) fn finish_traced_step(&self) -> Result<()> {
         if !self.trace_on() {
             return Ok(());
         }

@@ -1,6 +1,6 @@
 //! GPU sampling (kernels/sample.cu, [`ops::sample_rows`]) against the CPU
 //! rule [`sample::sample_with_u`], called from
-//! [`gpu_check`](super::check::gpu_check) (group `sample`). Each case
+//! [`gpu_check`](super::kernels::gpu_check) (group `sample`). Each case
 //! samples several rows of random logits with random draws and compares the
 //! token ids: equal, or a difference where the draw (or the top-p cut) lies
 //! within [`NEAR_BOUNDARY`] of a cumulative boundary
@@ -14,8 +14,8 @@
 //! both, top-k past the vocabulary, greedy (T = 0 and top-k 1); draws
 //! including 0 and 1 − 2⁻⁵³.
 
-use super::check::CaseResult;
-use super::{ops, Gpu};
+use super::kernels::CaseResult;
+use crate::cuda::{ops, Gpu};
 use crate::sample::{self, SamplingParams};
 use rand::rngs::SmallRng;
 use rand::Rng;
@@ -27,7 +27,7 @@ pub const NEAR_BOUNDARY: f64 = 1e-9;
 
 /// Logits of one case: `rows` × `vocab` values.
 fn logits(rng: &mut SmallRng, rows: usize, vocab: usize, spread: f32, kind: &str) -> Vec<f32> {
-    let mut x: Vec<f32> = super::check::normal(rng, rows * vocab, spread);
+    let mut x: Vec<f32> = super::kernels::normal(rng, rows * vocab, spread);
     match kind {
         "ties" => x.iter_mut().for_each(|v| *v = (*v * 8.0).round() / 8.0),
         "nonfinite" => {

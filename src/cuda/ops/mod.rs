@@ -9,8 +9,11 @@
 //! must match the shape exactly unless a stride is given.
 //! Spec sections refer to spec/nosa-model.md.
 
-use super::context::{dptr, dptr_mut, grid, i32_dim, CudaResultExt};
-use super::{Bf16, Gpu};
+pub mod offload;
+pub mod select;
+
+use crate::cuda::context::{dptr, dptr_mut, grid, i32_dim, CudaResultExt};
+use crate::cuda::{Bf16, Gpu};
 use crate::{Error, Result};
 use cudarc::driver::{
     CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceSlice, LaunchConfig, PushKernelArg,

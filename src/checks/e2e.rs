@@ -1,4 +1,4 @@
-//! `gpu_check_e2e`: the GPU engine ([`super::engine::GpuModel`]) end to end
+//! `gpu_check_e2e`: the GPU engine ([`crate::pipeline::GpuModel`]) end to end
 //! against the CPU reference under teacher forcing (spec/testing.md
 //! "Tokens over many steps"): the CPU reference runs each prompt greedily
 //! for `steps` decode steps; the GPU is fed the same prompt and the same
@@ -35,11 +35,11 @@
 //! SmolLM2 fixture (dense) when a model directory is given. Each case grows
 //! one sequence's cache during decode (it starts with room for its prompt only).
 
-use super::check::{rel_l2, utc_now_iso};
-use super::engine::{GpuModel, GpuSequence, SelectionPath};
-use super::Gpu;
+use super::kernels::{rel_l2, utc_now_iso};
 use crate::cpu::{Bf16Points, CpuModel, EngineOptions};
+use crate::cuda::Gpu;
 use crate::model::{AttentionOverrides, PrefillMode, SelectionRule};
+use crate::pipeline::{GpuModel, GpuSequence, SelectionPath};
 use crate::sample::argmax;
 use crate::synth::{self, Preset};
 use crate::weights::Checkpoint;
@@ -617,7 +617,7 @@ fn run_case_inner(
 /// up; [`Error::Io`] when the report cannot be written; a model directory
 /// that cannot be opened. Case failures are not errors: they are failed cases.
 pub fn gpu_check_e2e(model_dir: Option<&Path>, out_json: &Path, steps: usize) -> Result<bool> {
-    let missing = super::missing_libraries();
+    let missing = crate::cuda::missing_libraries();
     if !missing.is_empty() {
         return Err(Error::Cuda(format!(
             "gpu-check-e2e needs an NVIDIA GPU with the CUDA 13 libraries; not found: {} (on a GPU machine set LD_LIBRARY_PATH=/usr/local/cuda/lib64)",

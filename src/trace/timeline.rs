@@ -26,7 +26,7 @@
 //! on the waiting stream around the wait, so it measures the time that
 //! stream stood idle.
 
-use super::context::{CudaResultExt, Gpu};
+use crate::cuda::context::{CudaResultExt, Gpu};
 use crate::trace::{self, GpuBatch, GpuSpan, Track};
 use crate::{Error, Result};
 use cudarc::driver::result::event;

@@ -1,0 +1,64 @@
+//! `sparda bench`: the decode benchmark (runtime.md §5).
+
+use crate::*;
+use sparda::model::{PrefillMode, SelectionRule};
+use sparda::{Error, Result};
+
+pub(crate) fn cmd_bench(a: BenchArgs) -> Result<()> {
+    let contexts = a
+        .context
+        .iter()
+        .map(|c| sparda::bench::parse_tokens(c))
+        .collect::<Result<Vec<_>>>()?;
+    let spec = sparda::bench::BenchSpec {
+        model: a.model,
+        sparse: a
+            .attention
+            .iter()
+            .map(|x| matches!(x, AttentionArg::Sparse))
+            .collect(),
+        selection: a.selection.map(|s| match s {
+            SelectionArg::Nosa => SelectionRule::Nosa,
+            SelectionArg::Infllmv2 => SelectionRule::InfLlmV2,
+        }),
+        budget_blocks: a.budget_blocks,
+        select_blocks: a.select_blocks,
+        batches: a.batch,
+        contexts,
+        steps: a.steps,
+        warmup: a.warmup,
+        prefill: match a.prefill {
+            BenchPrefillArg::Synthetic => sparda::bench::BenchPrefill::Synthetic,
+            BenchPrefillArg::Dense => sparda::bench::BenchPrefill::Real(PrefillMode::Dense),
+            BenchPrefillArg::Sparse => sparda::bench::BenchPrefill::Real(PrefillMode::Auto),
+        },
+        tokenizer: a.tokenizer,
+        texts: a.texts,
+        seed: a.seed,
+        ceiling_reps: a.ceiling_reps,
+        profile_reps: a.profile_reps,
+        kv: a
+            .kv
+            .iter()
+            .flat_map(|k| match k {
+                KvArg::Gpu => vec![None],
+                KvArg::Offload => a.offload.options().into_iter().map(Some).collect(),
+            })
+            .collect(),
+        fetch_timing_steps: a.fetch_timing_steps,
+        forecast: a.forecast,
+        prefetch: a.prefetch.iter().map(|p| *p == OnOff::On).collect(),
+        sync: a.sync == OnOff::On,
+        equivalent_batches: a.equivalent_batch,
+        trace_steps: if a.trace.is_some() { a.trace_steps } else { 0 },
+    };
+    let report = sparda::bench::run(&spec)?;
+    std::fs::write(
+        &a.json,
+        serde_json::to_string_pretty(&report).expect("json"),
+    )
+    .map_err(|e| Error::io(&a.json, e))?;
+    print!("{}", sparda::bench::table(&report));
+    eprintln!("bench: report in {}", a.json.display());
+    Ok(())
+}

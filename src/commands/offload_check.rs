@@ -1,0 +1,158 @@
+//! `sparda offload-check`: bitwise identity of GPU-resident and offloaded
+//! decode (and of prefetch on/off), with selections against the CPU reference.
+
+use super::fixture_tokenizer;
+use crate::*;
+use sparda::cpu::{CpuModel, EngineOptions};
+use sparda::generate::{self};
+use sparda::model::{AttentionOverrides, PrefillMode, SelectionRule};
+use sparda::pipeline::GpuModel;
+use sparda::tokenizer::Tokenizer;
+use sparda::{Error, Result};
+use std::path::PathBuf;
+
+/// Opens a model again for the CPU reference (the GPU run dropped its copy).
+pub(crate) fn ckpt_cpu(model: &str) -> Result<sparda::weights::Checkpoint> {
+    sparda::bench::open_model(model)
+}
+
+pub(crate) fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
+    sparda::cuda::require()?;
+    let ckpt = sparda::bench::open_model(&a.model)?;
+    let tok_path = a.tokenizer.clone().unwrap_or_else(|| {
+        if a.model.starts_with("synth:") {
+            fixture_tokenizer()
+        } else {
+            PathBuf::from(&a.model).join("tokenizer.json")
+        }
+    });
+    let tokenizer = Tokenizer::from_file(&tok_path)?;
+    let text = std::fs::read_to_string(&a.prompt_file).map_err(|e| Error::io(&a.prompt_file, e))?;
+    let mut prompt = tokenizer.encode(&text)?;
+    if prompt.len() < a.prompt_tokens {
+        return Err(Error::Input(format!(
+            "{}: {} tokens, fewer than --prompt-tokens {}",
+            a.prompt_file.display(),
+            prompt.len(),
+            a.prompt_tokens
+        )));
+    }
+    if a.batch == 0 || prompt.len() < a.prompt_tokens + 997 * a.batch.saturating_sub(1) {
+        return Err(Error::Input(format!(
+            "--batch {}: {} has {} tokens; {} sequences of up to {} tokens at offsets of 997 need {}",
+            a.batch,
+            a.prompt_file.display(),
+            prompt.len(),
+            a.batch,
+            a.prompt_tokens,
+            a.prompt_tokens + 997 * a.batch.saturating_sub(1)
+        )));
+    }
+    if a.prompt_tokens <= 61 * a.batch.saturating_sub(1) {
+        return Err(Error::Input(format!(
+            "--prompt-tokens {} is too short for --batch {} (sequence b gets 61·b fewer tokens)",
+            a.prompt_tokens, a.batch
+        )));
+    }
+    let prompts: Vec<Vec<u32>> = (0..a.batch)
+        .map(|b| prompt[997 * b..997 * b + a.prompt_tokens - 61 * b].to_vec())
+        .collect();
+    prompt.truncate(a.prompt_tokens);
+    generate::check_length(
+        prompt.len(),
+        a.new_tokens,
+        ckpt.config.max_position_embeddings,
+    )?;
+    let opts = EngineOptions {
+        attention: AttentionOverrides {
+            sparse: Some(true),
+            selection: a.selection.map(|s| match s {
+                SelectionArg::Nosa => SelectionRule::Nosa,
+                SelectionArg::Infllmv2 => SelectionRule::InfLlmV2,
+            }),
+            budget_blocks: a.budget_blocks,
+            select_blocks: None,
+        },
+        prefill: PrefillMode::Auto,
+    };
+    let gpu = std::sync::Arc::new(sparda::cuda::Gpu::new(0)?);
+    let mut model = GpuModel::new(gpu.clone(), &ckpt, opts)?;
+    drop(ckpt);
+    eprintln!(
+        "offload-check: {} ({:?}, S = {} blocks) on {}, prompt {} tokens, {} new tokens",
+        a.model,
+        model.plan.mode,
+        model.plan.budget.attended,
+        gpu.info().name,
+        prompt.len(),
+        a.new_tokens
+    );
+    let forecast = a
+        .forecast
+        .as_deref()
+        .map(|spec| sparda::model::forecast::ForecastWeights::from_arg(spec, &model.config))
+        .transpose()?;
+    let mut modes = Vec::new();
+    for o in a.offload.options() {
+        if forecast.is_some() {
+            for p in &a.prefetch {
+                modes.push(sparda::checks::identity::Mode {
+                    offload: o,
+                    prefetch: *p == OnOff::On,
+                    copy_delay_us: 0,
+                });
+            }
+            if a.copy_delay_us > 0 {
+                modes.push(sparda::checks::identity::Mode {
+                    offload: o,
+                    prefetch: true,
+                    copy_delay_us: a.copy_delay_us,
+                });
+            }
+        } else {
+            modes.push(sparda::checks::identity::Mode {
+                offload: o,
+                prefetch: false,
+                copy_delay_us: 0,
+            });
+        }
+    }
+    if let Some(f) = &forecast {
+        model.set_forecast(Some(f), false)?;
+    }
+    let (mut ok, mut v) =
+        sparda::checks::identity::offload_identity(&mut model, &prompts, a.new_tokens, &modes)?;
+    v["forecast"] = serde_json::json!(a.forecast);
+    if let (Some(f), true) = (&forecast, a.cpu_check_steps > 0) {
+        let mut cpu = CpuModel::new(&ckpt_cpu(&a.model)?, opts)?;
+        cpu.set_forecast(Some(f.clone()))?;
+        let mut per_kv = serde_json::Map::new();
+        for kv in [None, a.offload.options().first().copied()] {
+            model.set_offload(kv)?;
+            let (pass, j) = sparda::checks::identity::forecast_selection(
+                &mut model,
+                &cpu,
+                &prompt,
+                a.cpu_check_steps,
+            )?;
+            ok &= pass;
+            per_kv.insert(if kv.is_some() { "offload" } else { "gpu" }.into(), j);
+        }
+        model.set_offload(None)?;
+        v["forecast_selection_vs_cpu"] = serde_json::Value::Object(per_kv);
+    }
+    let info = gpu.info();
+    v["gpu"] = serde_json::json!(info.name);
+    v["date_utc"] = serde_json::json!(sparda::checks::kernels::utc_now_iso());
+    v["commit"] = serde_json::json!(sparda::bench::git_commit());
+    v["model"] = serde_json::json!(a.model);
+    v["attention"] = serde_json::json!({
+        "mode": format!("{:?}", model.plan.mode),
+        "budget_blocks": model.plan.budget.attended,
+        "block_size": model.plan.budget.block_size,
+    });
+    v["prompt_file"] = serde_json::json!(a.prompt_file);
+    std::fs::write(&a.json, serde_json::to_string_pretty(&v).expect("json"))
+        .map_err(|e| Error::io(&a.json, e))?;
+    check_outcome("offload-check", "identity", ok, &a.json)
+}

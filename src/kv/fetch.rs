@@ -1,0 +1,300 @@
+//! Fetching a layer's misses from pinned host memory into their slots
+//! (runtime.md §1 step 5, §4): the persistent UVA copy kernel `kv_fetch_sm`
+//! or the copy engines (`cuMemcpyBatchAsync`), synchronously in the layer or
+//! as a prefetch on the copy stream (forecast mode), with optional event
+//! timing and the offload counters.
+
+use super::offload::*;
+use crate::cuda::context::{dptr, grid, i32_dim, CudaResultExt};
+use crate::pipeline::*;
+use crate::{Error, Result};
+use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+/// How misses are fetched from host memory (runtime.md §4; `--fetch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FetchEngine {
+    /// The persistent UVA copy kernel on a fixed grid of `ctas` CTAs
+    /// (`--fetch sm --prefetch-ctas N`).
+    Sm {
+        /// CTAs of the copy kernel (SparDA's default for the H200: 16).
+        ctas: usize,
+    },
+    /// The copy engines: one `cuMemcpyBatchAsync` per layer per step over
+    /// the misses (32 KiB chunks at D = 128). The host reads each layer's
+    /// fetch lists first, so this engine synchronises once per layer.
+    Dma,
+    /// Chosen per batch size and GPU by [`fetch_rule`] (the default).
+    Auto,
+}
+
+/// The default fetch engine for `batch` sequences on the GPU named
+/// `gpu_name` (runtime.md §2, §4; issue 5 item 5), used by
+/// [`FetchEngine::Auto`] until a tuning table exists:
+/// - the SM copy kernel everywhere: on the H200 (2026-11-30,
+///   benches/results/issue4_offload_*.json) it moved 49.5–50.8 GB/s on 16
+///   CTAs at B = 16–64 against 19.5–24.3 GB/s for the copy engines (32 KiB
+///   chunks, one host sync per layer for the fetch list);
+/// - its CTA count as SparDA's authors set it: H100 16 for B ≤ 16 else 32,
+///   A100 16 for B ≤ 32 else 32, every other GPU (the H200 included) 16 —
+///   on the H200 8–32 CTAs all reach 51 GB/s alone (gpu-check), so more
+///   CTAs would only take SMs from the compute stream.
+pub fn fetch_rule(gpu_name: &str, batch: usize) -> FetchEngine {
+    let name = gpu_name.to_ascii_uppercase();
+    let ctas = if name.contains("H100") {
+        if batch <= 16 {
+            16
+        } else {
+            32
+        }
+    } else if name.contains("A100") {
+        if batch <= 32 {
+            16
+        } else {
+            32
+        }
+    } else {
+        16
+    };
+    FetchEngine::Sm { ctas }
+}
+
+impl FetchEngine {
+    /// Name used in reports: `sm` or `dma`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            FetchEngine::Sm { .. } => "sm",
+            FetchEngine::Dma => "dma",
+            FetchEngine::Auto => "auto",
+        }
+    }
+}
+
+impl GpuModel {
+    /// Enqueues the fetch of layer `l`'s misses (as its last `slot_diff`
+    /// listed them) on `stream` with the configured engine, timed by events
+    /// when fetch timing is on; with an injected copy delay
+    /// ([`GpuModel::set_copy_delay_us`]) a spin kernel runs first.
+    pub(crate) fn offload_fetch(
+        &self,
+        st: &mut DecodeStep,
+        l: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        let gpu = &*self.gpu;
+        let c = &self.config;
+        let (hk, dh) = (c.num_key_value_heads, c.head_dim);
+        let n = st.n;
+        let bs = self.plan.budget.block_size;
+        let Some(off) = st.off.as_mut() else {
+            return Ok(());
+        };
+        let sl_slots = off.slots;
+        let tab = dptr(gpu, &off.tabs) + (l * 3 * n * 8) as u64;
+        let (pool_tab, host_tab) = (tab, tab + (2 * n * 8) as u64);
+        let fetch = dptr(gpu, &off.fetch) + ((l * n * hk * sl_slots * 2) * 4) as u64;
+        let nfetch = dptr(gpu, &off.nfetch) + ((l * n * hk) * 4) as u64;
+        let (ss_, bs_, hk_, d_, n_) = (
+            i32_dim(sl_slots, "pool slots")?,
+            i32_dim(bs, "block size")?,
+            i32_dim(hk, "Hkv")?,
+            i32_dim(dh, "D")?,
+            i32_dim(n, "rows")?,
+        );
+        if self.copy_delay_us > 0 {
+            let f = gpu.function("spin_wait")?;
+            let ns = self.copy_delay_us as u64 * 1000;
+            let mut b = stream.launch_builder(f);
+            b.arg(&ns);
+            let cfg = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argument list matches spin_wait (kernels/forecast.cu).
+            unsafe { b.launch(cfg) }.cuda("spin_wait")?;
+        }
+        let timed = self.fetch_timing && !off.timing.is_empty();
+        if timed {
+            off.timing[l]
+                .0
+                .record(stream)
+                .cuda("cuEventRecord (fetch)")?;
+        }
+        let span = self.tspan(stream, crate::trace::Track::Copy, "fetch", l)?;
+        self.note_fetch_span(l, span);
+        match self.fetch_engine(n) {
+            FetchEngine::Sm { ctas } => {
+                let f = gpu.function("kv_fetch_sm")?;
+                let mut b = stream.launch_builder(f);
+                b.arg(&fetch)
+                    .arg(&nfetch)
+                    .arg(&ss_)
+                    .arg(&n_)
+                    .arg(&hk_)
+                    .arg(&host_tab)
+                    .arg(&pool_tab)
+                    .arg(&bs_)
+                    .arg(&d_);
+                let cfg = LaunchConfig {
+                    grid_dim: (grid(ctas, "CTAs")?, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: argument list matches kv_fetch_sm; host tables point at
+                // stores of ≥ the blocks listed (blocks < the sequence's length),
+                // pool tables at Hkv·S slots.
+                unsafe { b.launch(cfg) }.cuda("kv_fetch_sm")?;
+            }
+            FetchEngine::Dma => self.fetch_dma_layer(off, l, n, stream)?,
+            FetchEngine::Auto => {
+                return Err(Error::Input(
+                    "fetch engine left unresolved (fetch_rule never returns Auto)".into(),
+                ))
+            }
+        }
+        self.tspan_end(stream, span)?;
+        if timed {
+            off.timing[l]
+                .1
+                .record(stream)
+                .cuda("cuEventRecord (fetch)")?;
+        }
+        Ok(())
+    }
+
+    /// The copy-engine fetch of layer `l`: waits for the layer's fetch
+    /// lists (one host synchronisation of the compute stream), then one
+    /// `cuMemcpyBatchAsync` on `stream`.
+    pub(crate) fn fetch_dma_layer(
+        &self,
+        off: &StepOffload,
+        l: usize,
+        n: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        let gpu = &*self.gpu;
+        let hk = self.config.num_key_value_heads;
+        let s_slots = off.slots;
+        let nf = gpu.download(&off.nfetch.slice(l * n * hk..(l + 1) * n * hk))?;
+        if nf.iter().all(|&x| x <= 0) {
+            return Ok(());
+        }
+        let base = l * n * hk * s_slots * 2;
+        let fl = gpu.download(&off.fetch.slice(base..base + n * hk * s_slots * 2))?;
+        let tabs = &off.tabs_host[l * 3 * n..(l + 1) * 3 * n];
+        let rows: Vec<crate::cuda::ops::offload::DmaRow> = (0..n)
+            .map(|r| crate::cuda::ops::offload::DmaRow {
+                host: tabs[2 * n + r],
+                pool: tabs[r],
+            })
+            .collect();
+        crate::cuda::ops::offload::fetch_dma(
+            gpu,
+            stream,
+            &fl,
+            &nf,
+            s_slots,
+            hk,
+            &rows,
+            self.plan.budget.block_size,
+            self.config.head_dim,
+        )
+        .map(drop)
+    }
+
+    /// Prefetch of layer `l` (forecast mode, runtime.md §2): records
+    /// ready(l) on the compute stream after its diff; the copy stream waits
+    /// for it, fetches the misses and records fetched(l).
+    pub(crate) fn offload_prefetch(&self, st: &mut DecodeStep, l: usize) -> Result<()> {
+        let Some(off) = st.off.as_ref() else {
+            return Ok(());
+        };
+        let cs = off.copy_stream.clone();
+        off.ready[l]
+            .record(self.gpu.stream())
+            .cuda("cuEventRecord (ready)")?;
+        cs.wait(&off.ready[l]).cuda("cuStreamWaitEvent (ready)")?;
+        self.offload_fetch(st, l, &cs)?;
+        let off = st.off.as_ref().expect("offloaded");
+        off.fetched[l].record(&cs).cuda("cuEventRecord (fetched)")?;
+        Ok(())
+    }
+
+    /// The compute stream waits for fetched(l) before layer `l`'s attention.
+    pub(crate) fn offload_wait_fetched(&self, st: &DecodeStep, l: usize) -> Result<()> {
+        match st.off.as_ref() {
+            Some(off) if off.offloaded[l] => self
+                .gpu
+                .stream()
+                .wait(&off.fetched[l])
+                .cuda("cuStreamWaitEvent (fetched)"),
+            _ => Ok(()),
+        }
+    }
+
+    /// Adds the fetch times of the last step (synchronises).
+    pub(crate) fn offload_collect_timing(&mut self) -> Result<()> {
+        if !self.fetch_timing {
+            return Ok(());
+        }
+        let Some(off) = self.step.as_ref().and_then(|s| s.off.as_ref()) else {
+            return Ok(());
+        };
+        let mut ms = 0.0f64;
+        for (l, (a, b)) in off.timing.iter().enumerate() {
+            if off.offloaded[l] {
+                ms += a.elapsed_ms(b).cuda("cuEventElapsedTime (fetch)")? as f64;
+            }
+        }
+        self.fetch_ms += ms;
+        let counters = self.gpu.download(&self.offload_counters)?;
+        let fetched: u64 = counters.iter().skip(1).step_by(2).sum();
+        self.timed_bytes += (fetched - self.fetched_at_timing) * self.chunk_bytes() as u64;
+        self.fetched_at_timing = fetched;
+        Ok(())
+    }
+
+    pub(crate) fn chunk_bytes(&self) -> usize {
+        2 * self.plan.budget.block_size * self.config.head_dim * 2
+    }
+
+    /// Times every fetch with CUDA events from the next step on (each
+    /// step then synchronises once to read them), for the fetch GB/s of
+    /// [`OffloadStats`]. Off by default: throughput runs stay free of it.
+    pub fn set_fetch_timing(&mut self, on: bool) -> Result<()> {
+        if on != self.fetch_timing {
+            self.fetch_timing = on;
+            self.step = None;
+        }
+        let counters = self.gpu.download(&self.offload_counters)?;
+        self.fetched_at_timing = counters.iter().skip(1).step_by(2).sum();
+        Ok(())
+    }
+
+    /// The offload counters (synchronises).
+    pub fn offload_stats(&self) -> Result<OffloadStats> {
+        let counters = self.gpu.download(&self.offload_counters)?;
+        Ok(OffloadStats {
+            selected: counters.iter().step_by(2).copied().collect(),
+            fetched: counters.iter().skip(1).step_by(2).copied().collect(),
+            chunk_bytes: self.chunk_bytes(),
+            fetch_ms: self.fetch_ms,
+            timed_bytes: self.timed_bytes,
+            steps: self.offload_steps,
+        })
+    }
+
+    /// Zeroes the offload counters.
+    pub fn reset_offload_stats(&mut self) -> Result<()> {
+        self.gpu
+            .stream()
+            .memset_zeros(&mut self.offload_counters)
+            .cuda("zeroing the offload counters")?;
+        self.fetch_ms = 0.0;
+        self.timed_bytes = 0;
+        self.fetched_at_timing = 0;
+        self.offload_steps = 0;
+        Ok(())
+    }
+}

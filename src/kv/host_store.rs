@@ -1,0 +1,242 @@
+//! The pinned host store of offloaded KV (runtime.md §1, §4): page-locked,
+//! device-mapped host memory that holds every offloaded layer's full K/V in
+//! the block-major layout of [`HostLayout`](crate::kv::HostLayout) (block b
+//! of head h is its K tile then its V tile, [B, D] bf16 each), readable by
+//! kernels through unified virtual addressing; and how much host memory is
+//! free for it.
+
+use crate::cuda::context::CudaResultExt;
+use crate::cuda::Gpu;
+use crate::{Error, Result};
+use cudarc::driver::sys;
+use cudarc::driver::CudaContext;
+use std::sync::Arc;
+
+/// A pinned, device-mapped host buffer (`cuMemHostAlloc` with
+/// `DEVICEMAP | PORTABLE`, not write-combined, so the CPU reads it at full
+/// speed): the host store of the offloaded KV cache. Kernels reach it
+/// through [`PinnedKv::device_ptr`] (UVA); freed on drop.
+pub struct PinnedKv {
+    host: *mut u8,
+    dev: u64,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the buffer is plain pinned host memory owned by this value; the
+// context handle is thread-safe (bound before every driver call).
+unsafe impl Send for PinnedKv {}
+// SAFETY: shared references only read (read() copies out); writes need &mut.
+unsafe impl Sync for PinnedKv {}
+
+impl std::fmt::Debug for PinnedKv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedKv")
+            .field("host", &self.host)
+            .field("dev", &format_args!("{:#x}", self.dev))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl PinnedKv {
+    /// Allocates `bytes` of pinned, device-mapped host memory on `gpu`'s
+    /// context (contents unspecified).
+    ///
+    /// Errors: [`Error::Input`] for 0 bytes; [`Error::Cuda`] naming the bytes
+    /// requested when the driver refuses (out of pinnable memory), or when
+    /// the device pointer cannot be obtained.
+    pub fn new(gpu: &Gpu, bytes: usize) -> Result<PinnedKv> {
+        if bytes == 0 {
+            return Err(Error::Input(
+                "pinned KV store: 0 bytes requested".to_string(),
+            ));
+        }
+        let ctx = gpu.context().clone();
+        ctx.bind_to_thread().cuda("binding the CUDA context")?;
+        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; the context is current on this thread.
+        let r = unsafe {
+            sys::cuMemHostAlloc(
+                &mut p,
+                bytes,
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS || p.is_null() {
+            return Err(Error::Cuda(format!(
+                "cuMemHostAlloc of {bytes} bytes ({:.2} GiB) of pinned host memory failed: {r:?}",
+                bytes as f64 / (1u64 << 30) as f64
+            )));
+        }
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: p was just allocated with DEVICEMAP on this context.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, p, 0) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: p came from cuMemHostAlloc and is freed once.
+            unsafe { sys::cuMemFreeHost(p) };
+            return Err(Error::Cuda(format!(
+                "cuMemHostGetDevicePointer for {bytes} bytes of pinned host memory: {r:?}"
+            )));
+        }
+        Ok(PinnedKv {
+            host: p.cast(),
+            dev,
+            len: bytes,
+            ctx,
+        })
+    }
+
+    /// The host address (also valid on the device under UVA).
+    pub fn host_ptr(&self) -> *mut u8 {
+        self.host
+    }
+
+    /// The device-visible address of byte 0 (`cuMemHostGetDevicePointer`).
+    pub fn device_ptr(&self) -> u64 {
+        self.dev
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty (never: 0-byte buffers are refused).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn range(&self, offset: usize, n: usize) -> Result<()> {
+        if offset.checked_add(n).is_none_or(|e| e > self.len) {
+            return Err(Error::Input(format!(
+                "pinned KV store: bytes {offset}..{} out of range (0..{})",
+                offset.saturating_add(n),
+                self.len
+            )));
+        }
+        Ok(())
+    }
+
+    /// Copies `out.len()` bytes starting at `offset` out of the buffer. Call
+    /// it after the GPU work that writes the range has completed (e.g. after
+    /// [`Gpu::synchronize`]); bytes written concurrently are unspecified.
+    ///
+    /// Errors: [`Error::Input`] when the range exceeds the buffer.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.range(offset, out.len())?;
+        // SAFETY: in range (checked); `out` is a distinct Rust allocation.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.host.add(offset), out.as_mut_ptr(), out.len())
+        };
+        Ok(())
+    }
+
+    /// Copies `data` into the buffer at `offset`. GPU work reading the range
+    /// must not be in flight.
+    ///
+    /// Errors: [`Error::Input`] when the range exceeds the buffer.
+    pub fn write(&mut self, offset: usize, data: &[u8]) -> Result<()> {
+        self.range(offset, data.len())?;
+        // SAFETY: in range (checked); `data` is a distinct Rust allocation.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.host.add(offset), data.len()) };
+        Ok(())
+    }
+
+    /// The whole buffer as a byte slice.
+    ///
+    /// # Safety
+    /// No GPU work that writes the buffer may be in flight while the slice lives.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        std::slice::from_raw_parts(self.host, self.len)
+    }
+
+    /// The whole buffer as a mutable byte slice.
+    ///
+    /// # Safety
+    /// No GPU work that reads or writes the buffer may be in flight while the
+    /// slice lives.
+    pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
+        std::slice::from_raw_parts_mut(self.host, self.len)
+    }
+}
+
+impl PinnedKv {
+    /// Waits for all work on the buffer's context (every stream): before
+    /// freeing memory that kernels or copies may still use.
+    ///
+    /// Errors: [`Error::Cuda`] when the context cannot synchronise.
+    pub fn synchronize_context(&self) -> Result<()> {
+        self.ctx
+            .synchronize()
+            .map_err(|e| Error::Cuda(format!("cuCtxSynchronize: {e}")))
+    }
+}
+
+impl Drop for PinnedKv {
+    /// Waits for the context's work (a kernel may still read or write the
+    /// buffer through its device pointer), then frees it.
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_err() {
+            return; // the context is gone; nothing safe to do
+        }
+        if let Err(e) = self.ctx.synchronize() {
+            tracing::warn!("synchronising before cuMemFreeHost: {e}");
+        }
+        // SAFETY: allocated by cuMemHostAlloc in `new`, freed exactly once here.
+        let r = unsafe { sys::cuMemFreeHost(self.host.cast()) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            tracing::warn!("cuMemFreeHost of {} pinned bytes: {r:?}", self.len);
+        }
+    }
+}
+
+/// `MemAvailable` of /proc/meminfo in bytes: the host memory that can still
+/// be pinned without swapping (compare with
+/// [`Footprint::host_pinned_bytes`](crate::kv::Footprint) via
+/// [`Footprint::check`](crate::kv::Footprint::check)).
+///
+/// Errors: [`Error::Io`] when /proc/meminfo cannot be read,
+/// [`Error::Limit`] when it has no parsable `MemAvailable` line.
+pub fn host_available_bytes() -> Result<usize> {
+    let path = std::path::Path::new("/proc/meminfo");
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    parse_mem_available(&text).ok_or_else(|| {
+        Error::Limit("/proc/meminfo has no parsable `MemAvailable: N kB` line".to_string())
+    })
+}
+
+/// The `MemAvailable: N kB` line of a /proc/meminfo text, in bytes.
+fn parse_mem_available(text: &str) -> Option<usize> {
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let mut it = line["MemAvailable:".len()..].split_whitespace();
+    let n: usize = it.next()?.parse().ok()?;
+    let mult = match it.next() {
+        Some("kB") | Some("KB") => 1024,
+        None => 1,
+        Some(_) => return None,
+    };
+    n.checked_mul(mult)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mem_available_parses() {
+        let t = "MemTotal:       131000000 kB\nMemFree:  5 kB\nMemAvailable:   1000 kB\n";
+        assert_eq!(parse_mem_available(t), Some(1000 * 1024));
+        assert_eq!(parse_mem_available("MemFree: 3 kB\n"), None);
+        assert_eq!(parse_mem_available("MemAvailable: x kB\n"), None);
+        assert_eq!(parse_mem_available("MemAvailable: 7 MB\n"), None);
+    }
+
+    #[test]
+    fn host_available_reads_proc_on_linux() {
+        if std::path::Path::new("/proc/meminfo").exists() {
+            let b = host_available_bytes().expect("MemAvailable");
+            assert!(b > 0);
+        }
+    }
+}

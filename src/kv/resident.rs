@@ -1,0 +1,240 @@
+//! GPU-resident KV of one sequence (spec/nosa-model.md §3): every layer's
+//! post-RoPE K and V, eviction scores c, compressed keys Kc and pooled
+//! scores p on the device, grown by reallocation whenever a call needs
+//! more room (runtime.md §3 fault 1: nothing is sized once).
+
+use crate::cuda::context::CudaResultExt;
+use crate::cuda::Bf16;
+use crate::model::state::LayerKv;
+use crate::pipeline::*;
+use crate::{Error, Result};
+use cudarc::driver::CudaSlice;
+use std::sync::atomic::Ordering;
+
+/// One layer's state of one sequence on the GPU (spec §3): post-RoPE K and V,
+/// bf16 [cap, Hkv, D]; eviction scores c, f32 [cap, Hkv] (eviction heads
+/// only); for sparse plans on [`SelectionPath::Gpu`], compressed keys Kc,
+/// f32 [capw, Hkv, D], and pooled eviction scores p, f32 [capw, Hkv]
+/// (eviction heads only), capw = Mc(cap) windows.
+pub(crate) struct SeqLayer {
+    pub(crate) k: CudaSlice<Bf16>,
+    pub(crate) v: CudaSlice<Bf16>,
+    pub(crate) c: Option<CudaSlice<f32>>,
+    pub(crate) kc: Option<CudaSlice<f32>>,
+    pub(crate) p: Option<CudaSlice<f32>>,
+}
+
+/// One sequence's state on the GPU: every layer's K/V/c cache with room for
+/// `capacity()` tokens (a multiple of the block size), grown by reallocation
+/// (double, copy) whenever a forward call needs more — never silently
+/// overflowed (runtime.md §3 fault 1). Create with
+/// [`GpuModel::new_sequence`]; a sequence belongs to the model that made it.
+pub struct GpuSequence {
+    /// Offloaded KV (issue 4): the host store, slot pools and slot maps.
+    /// Offloaded layers' `k`/`v` are then tail rings of
+    /// [`crate::kv::RING_BLOCKS`] blocks. Declared first: dropped first, its
+    /// `Drop` waits for in-flight write-backs before the rings are freed.
+    pub(crate) off: Option<crate::kv::offload::SeqOffload>,
+    /// Being prefilled for offload: its store, written chunk by chunk
+    /// (dropped early too: its `Drop` waits for the spills).
+    pub(crate) spill: Option<crate::kv::offload::Spill>,
+    pub(crate) len: usize,
+    pub(crate) cap: usize,
+    pub(crate) layers: Vec<SeqLayer>,
+    /// Host mirror of K, V, c, Kc, p per layer for [`SelectionPath::HostFallback`].
+    pub(crate) mirror: Option<Vec<LayerKv>>,
+    /// Unique per sequence object (never reused).
+    pub(crate) uid: u64,
+    /// Bumped whenever the device buffers move (growth).
+    pub(crate) generation: u64,
+}
+
+impl std::fmt::Debug for GpuSequence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuSequence")
+            .field("len", &self.len)
+            .field("capacity", &self.cap)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GpuSequence {
+    /// T: tokens processed so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether no token was processed yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Tokens the caches hold without growing.
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+    /// Whether this sequence's KV lives in pinned host memory
+    /// ([`GpuModel::offload_sequence`]).
+    pub fn is_offloaded(&self) -> bool {
+        self.off.is_some()
+    }
+}
+
+impl GpuModel {
+    /// Bytes of device memory one sequence with room for `capacity_tokens`
+    /// tokens takes under the current plan and selection path (K, V, c,
+    /// and Kc/p for GPU selection), every layer.
+    pub fn sequence_bytes(&self, capacity_tokens: usize) -> usize {
+        let c = &self.config;
+        let bs = self.plan.budget.block_size.max(1);
+        let cap = capacity_tokens.max(1).div_ceil(bs) * bs;
+        let (hk, kvd) = (c.num_key_value_heads, c.num_key_value_heads * c.head_dim);
+        let mut per = cap * kvd * 2 * 2;
+        if self.eviction {
+            per += cap * hk * 4;
+        }
+        if self.gpu_selection() {
+            let capw = self.plan.budget.windows(cap).max(1);
+            per += capw * kvd * 4;
+            if self.eviction {
+                per += capw * hk * 4;
+            }
+        }
+        per * self.layers.len()
+    }
+
+    /// A new, empty sequence with room for `capacity_tokens` tokens (rounded
+    /// up to whole blocks; e.g. prompt + max_new_tokens). It grows when a
+    /// call needs more.
+    ///
+    /// Errors: [`Error::Cuda`] when device memory runs out.
+    pub fn new_sequence(&self, capacity_tokens: usize) -> Result<GpuSequence> {
+        let bs = self.plan.budget.block_size.max(1);
+        let cap = capacity_tokens.max(1).div_ceil(bs) * bs;
+        let layers = (0..self.layers.len())
+            .map(|_| self.alloc_layer(cap))
+            .collect::<Result<Vec<_>>>()?;
+        let c = &self.config;
+        let mirror =
+            (self.sparse_plan() && self.selection == SelectionPath::HostFallback).then(|| {
+                (0..c.num_hidden_layers)
+                    .map(|_| LayerKv::new(c.num_key_value_heads, c.head_dim))
+                    .collect()
+            });
+        Ok(GpuSequence {
+            len: 0,
+            cap,
+            layers,
+            mirror,
+            uid: NEXT_SEQ_UID.fetch_add(1, Ordering::Relaxed),
+            generation: 0,
+            off: None,
+            spill: None,
+        })
+    }
+
+    pub(crate) fn alloc_layer(&self, cap: usize) -> Result<SeqLayer> {
+        self.alloc_layer_state(cap, true)
+    }
+
+    /// As [`GpuModel::alloc_layer`]; without `with_kv` the K/V caches are
+    /// one-element placeholders (an offloaded layer keeps its ring).
+    pub(crate) fn alloc_layer_state(&self, cap: usize, with_kv: bool) -> Result<SeqLayer> {
+        let kv_cap = if with_kv { cap } else { 0 };
+        let c = &self.config;
+        let kvd = c.num_key_value_heads * c.head_dim;
+        let what = |x: &str| format!("allocating the {x} cache of {cap} tokens");
+        let s = self.gpu.stream();
+        let gpu_sel = self.gpu_selection();
+        let capw = self.plan.budget.windows(cap).max(1);
+        Ok(SeqLayer {
+            kc: if gpu_sel {
+                Some(s.alloc_zeros(capw * kvd).cuda(&what("compressed-key"))?)
+            } else {
+                None
+            },
+            p: if gpu_sel && self.eviction {
+                Some(
+                    s.alloc_zeros(capw * c.num_key_value_heads)
+                        .cuda(&what("pooled-score"))?,
+                )
+            } else {
+                None
+            },
+            k: s.alloc_zeros((kv_cap * kvd).max(1)).cuda(&what("K"))?,
+            v: s.alloc_zeros((kv_cap * kvd).max(1)).cuda(&what("V"))?,
+            c: if self.eviction {
+                Some(
+                    s.alloc_zeros(cap * c.num_key_value_heads)
+                        .cuda(&what("eviction-score"))?,
+                )
+            } else {
+                None
+            },
+        })
+    }
+
+    /// Grows `seq`'s caches to hold at least `need` tokens (capacity
+    /// doubled, at least `need`, whole blocks), copying the stored tokens.
+    /// An offloaded sequence grows only its GPU state (c, Kc, p; resident
+    /// layers' K/V): its tail rings move over as they are, its pools never
+    /// grow, and it may not pass its host store's capacity.
+    ///
+    /// Errors: [`Error::Limit`] past an offloaded sequence's host store;
+    /// device memory errors.
+    pub(crate) fn ensure_capacity(&self, seq: &mut GpuSequence, need: usize) -> Result<()> {
+        let bs = self.plan.budget.block_size.max(1);
+        if let Some(off) = &seq.off {
+            let host = off.capacity_tokens(bs);
+            if need > host {
+                return Err(Error::Limit(format!(
+                    "offloaded sequence: {need} tokens exceed the host KV store's {host} tokens (offload with a larger capacity: prompt + max new tokens)"
+                )));
+            }
+        }
+        if need <= seq.cap {
+            return Ok(());
+        }
+        let cap = need.max(2 * seq.cap).div_ceil(bs) * bs;
+        let c = &self.config;
+        let (kvd, hk) = (c.num_key_value_heads * c.head_dim, c.num_key_value_heads);
+        let s = self.gpu.stream();
+        let len = seq.len;
+        let offloaded: Vec<bool> = (0..seq.layers.len())
+            .map(|l| seq.off.as_ref().is_some_and(|o| o.offloaded(l)))
+            .collect();
+        for (sl, &off) in seq.layers.iter_mut().zip(&offloaded) {
+            let mut n = self.alloc_layer_state(cap, !off)?;
+            if off {
+                std::mem::swap(&mut n.k, &mut sl.k);
+                std::mem::swap(&mut n.v, &mut sl.v);
+            }
+            if len > 0 {
+                if !off {
+                    let used = len * kvd;
+                    s.memcpy_dtod(&sl.k.slice(0..used), &mut n.k.slice_mut(0..used))
+                        .cuda("growing the K cache")?;
+                    s.memcpy_dtod(&sl.v.slice(0..used), &mut n.v.slice_mut(0..used))
+                        .cuda("growing the V cache")?;
+                }
+                if let (Some(old), Some(new)) = (&sl.c, &mut n.c) {
+                    s.memcpy_dtod(&old.slice(0..len * hk), &mut new.slice_mut(0..len * hk))
+                        .cuda("growing the eviction-score cache")?;
+                }
+                let mc = self.plan.budget.windows(len);
+                if mc > 0 {
+                    if let (Some(old), Some(new)) = (&sl.kc, &mut n.kc) {
+                        s.memcpy_dtod(&old.slice(0..mc * kvd), &mut new.slice_mut(0..mc * kvd))
+                            .cuda("growing the compressed-key cache")?;
+                    }
+                    if let (Some(old), Some(new)) = (&sl.p, &mut n.p) {
+                        s.memcpy_dtod(&old.slice(0..mc * hk), &mut new.slice_mut(0..mc * hk))
+                            .cuda("growing the pooled-score cache")?;
+                    }
+                }
+            }
+            *sl = n;
+        }
+        seq.cap = cap;
+        seq.generation += 1;
+        Ok(())
+    }
+}

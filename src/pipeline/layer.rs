@@ -1,0 +1,395 @@
+//! One decoder layer's launches: the front half (norm, fused QKV GEMM,
+//! RoPE + KV append + eviction score, compression) and the back half
+//! (attention, O projection, FFN), and the final norm + lm_head.
+
+use super::*;
+
+impl GpuModel {
+    /// Adds an f32 bias to the first `cols` columns of `n` bf16 rows at stride `ld`.
+    pub(crate) fn bias_add(
+        gpu: &Gpu,
+        y: u64,
+        ld: usize,
+        b: &CudaSlice<f32>,
+        n: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let (ld_, n_, c_) = (i32_dim(ld, "ld")?, i32_dim(n, "n")?, i32_dim(cols, "cols")?);
+        let bp = dptr(gpu, b);
+        let f = gpu.function("bias_add")?;
+        let blocks = (n * cols).div_ceil(256).clamp(1, 65_535) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut bl = gpu.stream().launch_builder(f);
+        bl.arg(&y).arg(&ld_).arg(&bp).arg(&n_).arg(&c_);
+        // SAFETY: argument list matches kernels/bias.cu; y holds n rows of ld ≥ cols.
+        unsafe { bl.launch(cfg) }.cuda("bias_add").map(drop)
+    }
+
+    /// First half of layer `l` over n rows: residual add + input RMSNorm,
+    /// the fused QKV(+z) GEMM (+bias) into `ws.qkv` at element `qkv_off`,
+    /// RoPE and the KV append (+ eviction score), and — `comp` = (new
+    /// tokens, grid width) — the compression of the windows this call
+    /// completes (GPU selection).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn layer_front(
+        &self,
+        l: usize,
+        ws: &mut Workspace,
+        n: usize,
+        ns: usize,
+        qkv_off: usize,
+        inp: &RowInputs,
+        tab: &Tables,
+        comp: Option<(usize, usize)>,
+        ring: usize,
+    ) -> Result<()> {
+        let gpu = &*self.gpu;
+        let cfg = &self.config;
+        let (d, hq, hk, dh) = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let lw = &self.layers[l];
+        let w = self.qkv_cols;
+        if self.on(StepPart::NormIn) {
+            ops::add_rmsnorm(
+                gpu,
+                &mut ws.resid.slice_mut(0..n * d),
+                &ws.delta.slice(0..n * d),
+                if l == 0 { 1.0 } else { cfg.residual_scale() },
+                &lw.input_norm,
+                cfg.rms_norm_eps,
+                &mut ws.xn.slice_mut(0..n * d),
+            )?;
+        }
+        let qp = dptr(gpu, &ws.qkv) + (qkv_off * 2) as u64;
+        if self.on(StepPart::Qkv) {
+            gpu.linear(
+                &ws.xn.slice(0..n * d),
+                n,
+                d,
+                &lw.wqkv,
+                w,
+                &mut ws.qkv.slice_mut(qkv_off..qkv_off + n * w),
+            )?;
+            if let Some(b) = &lw.bqkv {
+                Self::bias_add(gpu, qp, w, b, n, w)?;
+            }
+        }
+        // RoPE + append (+ eviction score).
+        let t = self.rope_tables.as_ref().expect("rope tables ensured");
+        let (cosp, sinp) = (dptr(gpu, &t.cos), dptr(gpu, &t.sin));
+        let (ap, zbp) = match (&lw.evict_a, &lw.evict_zb) {
+            (Some(a), Some(zb)) => (dptr(gpu, a), dptr(gpu, zb)),
+            _ => (0u64, 0u64),
+        };
+        let cstate = if self.eviction { tab.c_state } else { 0u64 };
+        let (w_, h_, hk_, d_, tr, zo) = (
+            i32_dim(w, "qkv row")?,
+            i32_dim(hq, "H")?,
+            i32_dim(hk, "Hkv")?,
+            i32_dim(dh, "D")?,
+            i32_dim(t.rows, "rope rows")?,
+            i32_dim(self.z_off, "z offset")?,
+        );
+        let ring_ = i32_dim(ring, "ring tokens")?;
+        let f = gpu.function("qkv_rope_append")?;
+        let lc = LaunchConfig {
+            grid_dim: (grid(n, "rows")?, grid(hq + 2 * hk, "heads")?, 1),
+            block_dim: (((dh / 2).div_ceil(32) * 32).clamp(32, 128) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(&qp)
+            .arg(&w_)
+            .arg(&h_)
+            .arg(&hk_)
+            .arg(&d_)
+            .arg(&inp.pos)
+            .arg(&cosp)
+            .arg(&sinp)
+            .arg(&tr)
+            .arg(&tab.k)
+            .arg(&tab.v)
+            .arg(&cstate)
+            .arg(&zo)
+            .arg(&ap)
+            .arg(&zbp)
+            .arg(&ring_);
+        if self.on(StepPart::RopeAppend) {
+            // SAFETY: argument list matches kernels/kv_append.cu; every row's
+            // position is below its sequence's capacity (ensure_capacity) and the
+            // kernel skips positions past the RoPE table; pointer tables hold n rows.
+            unsafe { b.launch(lc) }.cuda("qkv_rope_append")?;
+        }
+        if let Some((n_new, gx)) = comp {
+            if gx > 0 && self.on(StepPart::Compress) {
+                compress(
+                    gpu,
+                    &self.plan.budget,
+                    tab,
+                    inp.seq_lens,
+                    ns,
+                    n_new,
+                    gx,
+                    hk,
+                    dh,
+                    self.eviction,
+                    ring,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Second half of layer `l`: attention (dense, or sparse over the lists
+    /// at `sel_off` / `nsel_off`) and its combine into `ws.attn`, O
+    /// projection (+bias), residual add + post-attention RMSNorm, gate|up
+    /// GEMM (+bias), SwiGLU, down projection (+bias) into `ws.delta`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn layer_back(
+        &self,
+        l: usize,
+        ws: &mut Workspace,
+        n: usize,
+        qkv_off: usize,
+        sel_off: usize,
+        nsel_off: usize,
+        inp: &RowInputs,
+        tab: &Tables,
+        geo: &AttnGeometry,
+        slots: Option<(u64, u64, usize, usize)>,
+        open: SpanId,
+    ) -> Result<SpanId> {
+        let gpu = &*self.gpu;
+        let cfg = &self.config;
+        let (d, hq, hk, dh, inter) = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        );
+        let budget = &self.plan.budget;
+        let (part_o, part_ml) = (dptr(gpu, &ws.part_o), dptr(gpu, &ws.part_ml));
+        let args = AttnArgs {
+            q: dptr(gpu, &ws.qkv) + (qkv_off * 2) as u64,
+            q_stride: self.qkv_cols,
+            kptr: tab.k,
+            vptr: tab.v,
+            cptr: if geo.sparse { tab.c_attn } else { 0 },
+            lens: inp.lens,
+            sel: if geo.sparse {
+                dptr(gpu, &ws.sel) + (sel_off * 4) as u64
+            } else {
+                0
+            },
+            nsel: if geo.sparse {
+                dptr(gpu, &ws.nsel) + (nsel_off * 4) as u64
+            } else {
+                0
+            },
+            s_max: geo.s_max,
+            block_size: budget.block_size,
+            span: geo.span,
+            nsplit: geo.nsplit,
+            part_o,
+            part_ml,
+            rows: n,
+            heads: hq,
+            kv_heads: hk,
+            head_dim: dh,
+            scale: cfg.attn_scale(),
+            out: dptr(gpu, &ws.attn),
+            out_stride: hq * dh,
+            counters: 0,
+            slot_list: slots.map_or(0, |s| s.0),
+            pool_ptr: slots.map_or(0, |s| s.1),
+            pool_slots: slots.map_or(0, |s| s.2),
+            ring: slots.map_or(0, |s| s.3),
+        };
+        // The split-K combine runs inside the attention kernel when asked
+        // (SPARDA_FUSED_COMBINE=1); its time then counts as Attention.
+        let fused = ops::attn_fused_combine(geo.nsplit, dh);
+        let args = AttnArgs {
+            counters: if fused { dptr(gpu, &ws.attn_count) } else { 0 },
+            ..args
+        };
+        let cs = gpu.stream();
+        let sp = self.tspan_next(cs, open, "attention", l)?;
+        if self.on(StepPart::Attention) {
+            ops::launch_attn_partial(gpu, &args)?;
+        }
+        if !fused && self.on(StepPart::Combine) {
+            ops::launch_attn_combine(
+                gpu,
+                part_o,
+                part_ml,
+                dptr(gpu, &ws.attn),
+                hq * dh,
+                n,
+                hq,
+                dh,
+                geo.nsplit,
+            )?;
+        }
+        let sp = self.tspan_next(cs, sp, "o_proj", l)?;
+        let lw = &self.layers[l];
+        if self.on(StepPart::OProj) {
+            gpu.linear(
+                &ws.attn.slice(0..n * hq * dh),
+                n,
+                hq * dh,
+                &lw.wo,
+                d,
+                &mut ws.delta.slice_mut(0..n * d),
+            )?;
+            if let Some(b) = &lw.bo {
+                Self::bias_add(gpu, dptr(gpu, &ws.delta), d, b, n, d)?;
+            }
+        }
+        let sp = self.tspan_next(cs, sp, "ffn", l)?;
+        if self.on(StepPart::NormPost) {
+            ops::add_rmsnorm(
+                gpu,
+                &mut ws.resid.slice_mut(0..n * d),
+                &ws.delta.slice(0..n * d),
+                cfg.residual_scale(),
+                &lw.post_norm,
+                cfg.rms_norm_eps,
+                &mut ws.xn.slice_mut(0..n * d),
+            )?;
+        }
+        if self.on(StepPart::GateUp) {
+            gpu.linear(
+                &ws.xn.slice(0..n * d),
+                n,
+                d,
+                &lw.wgu,
+                2 * inter,
+                &mut ws.gu.slice_mut(0..n * 2 * inter),
+            )?;
+            if let Some(b) = &lw.bgu {
+                Self::bias_add(gpu, dptr(gpu, &ws.gu), 2 * inter, b, n, 2 * inter)?;
+            }
+        }
+        if self.on(StepPart::Swiglu) {
+            ops::swiglu(
+                gpu,
+                &ws.gu.slice(0..n * 2 * inter),
+                n,
+                inter,
+                &mut ws.act.slice_mut(0..n * inter),
+            )?;
+        }
+        if self.on(StepPart::Down) {
+            gpu.linear(
+                &ws.act.slice(0..n * inter),
+                n,
+                inter,
+                &lw.wdown,
+                d,
+                &mut ws.delta.slice_mut(0..n * d),
+            )?;
+            if let Some(b) = &lw.bdown {
+                Self::bias_add(gpu, dptr(gpu, &ws.delta), d, b, n, d)?;
+            }
+        }
+        Ok(sp)
+    }
+
+    /// Final residual add + norm (÷ logit divisor folded into its weight)
+    /// over n rows, then the lm_head GEMM (f32) of rows first … first+m−1
+    /// into `ws.logits` rows 0 … m−1.
+    pub(crate) fn head(&self, ws: &mut Workspace, n: usize, first: usize, m: usize) -> Result<()> {
+        let gpu = &*self.gpu;
+        let cfg = &self.config;
+        let (d, vocab) = (cfg.hidden_size, cfg.vocab_size);
+        if self.on(StepPart::FinalNorm) {
+            ops::add_rmsnorm(
+                gpu,
+                &mut ws.resid.slice_mut(0..n * d),
+                &ws.delta.slice(0..n * d),
+                cfg.residual_scale(),
+                &self.final_norm,
+                cfg.rms_norm_eps,
+                &mut ws.xn.slice_mut(0..n * d),
+            )?;
+        }
+        if m == 0 || !self.on(StepPart::LmHead) {
+            return Ok(());
+        }
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        gpu.linear(
+            &ws.xn.slice(first * d..(first + m) * d),
+            m,
+            d,
+            head,
+            vocab,
+            &mut ws.logits.slice_mut(0..m * vocab),
+        )
+    }
+}
+
+/// Completes each sequence's compressed windows (spec §3) made whole by the
+/// last `n_new` tokens: `compress_windows` (kernels/compress.cu) over the
+/// per-sequence tables, lengths i32 [ns] at `lens`, `grid_x` blocks per
+/// sequence (they loop over further windows). p is written only with
+/// eviction heads.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn compress(
+    gpu: &Gpu,
+    budget: &Budget,
+    tab: &Tables,
+    lens: u64,
+    ns: usize,
+    n_new: usize,
+    grid_x: usize,
+    hk: usize,
+    dh: usize,
+    eviction: bool,
+    ring: usize,
+) -> Result<()> {
+    let ring_ = i32_dim(ring, "ring tokens")?;
+    let (nn, hk_, d_, st, ks) = (
+        i32_dim(n_new, "new tokens")?,
+        i32_dim(hk, "Hkv")?,
+        i32_dim(dh, "D")?,
+        i32_dim(budget.kernel_stride, "kernel_stride")?,
+        i32_dim(budget.kernel_size, "kernel_size")?,
+    );
+    let inv = 1.0 / budget.kernel_size as f32;
+    let (cp, pp) = if eviction {
+        (tab.seq_c, tab.seq_p)
+    } else {
+        (0u64, 0u64)
+    };
+    let f = gpu.function("compress_windows")?;
+    let lc = LaunchConfig {
+        grid_dim: (grid(grid_x.max(1), "windows")?, grid(ns, "sequences")?, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(&tab.seq_k)
+        .arg(&cp)
+        .arg(&tab.seq_kc)
+        .arg(&pp)
+        .arg(&lens)
+        .arg(&nn)
+        .arg(&hk_)
+        .arg(&d_)
+        .arg(&st)
+        .arg(&ks)
+        .arg(&inv)
+        .arg(&ring_);
+    // SAFETY: argument list matches kernels/compress.cu; every sequence's Kc/p
+    // hold Mc(capacity) ≥ Mc(T) windows and its K/c caches T ≤ capacity tokens.
+    unsafe { b.launch(lc) }.cuda("compress_windows").map(drop)
+}

@@ -1,0 +1,806 @@
+//! The GPU engine: a model's weights on the GPU in
+//! bf16, K/V caches on the GPU that grow with the sequences, prefill (chunked,
+//! one sequence at a time) and batched decode (one token for each of B
+//! sequences of different lengths), f32 logits and greedy argmax on the GPU.
+//!
+//! It computes what [`crate::cpu::CpuModel::forward`] computes
+//! (spec/nosa-model.md §1–§6), with bf16 activations and f32 accumulation:
+//!
+//! ```text
+//! x = embed[tok] · scale_emb                      (bf16)        embed_gather
+//! per layer:
+//!   resid += x·s ; x̂ = RMSNorm(resid)                           rmsnorm_residual
+//!   [q | k | v | z] = x̂ · Wqkvzᵀ                   one GEMM      cuBLAS
+//!   RoPE(q, k); K/V cache[pos] = k, v;                           qkv_rope_append
+//!   c[pos] = A · softplus(z + zb)
+//!   attention: dense (no bias) or sparse over the selected blocks (+c bias)
+//!   o = attn · Woᵀ ; resid += o·s ; x̂ = RMSNorm(resid)          cuBLAS, rmsnorm_residual
+//!   x = down(silu(gate) · up), gate|up one GEMM                  cuBLAS, swiglu, cuBLAS
+//! h = RMSNorm(resid + x·s) / logit_divisor ; logits = h · lm_headᵀ (f32)
+//! ```
+//!
+//! with s = scale_depth/√L under muP (else 1). Fusions and layouts:
+//! - `Wqkvz` stacks q_proj, k_proj, v_proj and, for NOSA checkpoints, the
+//!   eviction head folded into the value projection: z = δ·(W_v x̂ + b_v) =
+//!   (δ·W_v) x̂ + δ·b_v, so the Hkv rows δ·W_v (computed in f32 at load, then
+//!   rounded to bf16) ride in the same GEMM; rows are padded to a multiple of
+//!   8. The eviction score c = A·softplus(z + b + δ·b_v) is computed in f32
+//!   by the append kernel.
+//! - gate_proj and up_proj are stacked into one [2I, d] GEMM weight.
+//! - The muP logit divisor is folded into the final norm weight at load
+//!   (w / divisor, rounded to bf16; exact when the divisor is a power of two,
+//!   as for NOSA-8B's 4096/256 = 16).
+//!
+//! Attention is one tensor-core kernel for dense and sparse rows
+//! (`attn_partial`, kernels/attn_decode.cu: each thread block reads a KV
+//! head's keys and values once for up to 16 of its query heads, split-K
+//! over tokens or listed blocks) plus `attn_combine`, reached through
+//! per-row pointer tables: a "row" is one query token (a prompt token during
+//! prefill, one sequence's token during decode) with its own K/V/c pointers
+//! and length `pos + 1`, so a prefill chunk is causal attention for free and
+//! a decode batch mixes sequence lengths freely.
+//!
+//! Decode steps (the hot path, runtime.md §5) keep everything they need on
+//! the device ([`GpuModel::decode`]): per-layer pointer tables, built once
+//! per batch and capacity; token ids, positions and lengths in one small
+//! buffer (one upload per step, or none when [`GpuModel::decode_greedy`]
+//! feeds each step the previous step's argmax, which the step's last kernel
+//! writes there); every scratch buffer allocated up front; grid sizes fixed
+//! by the batch's capacity, with blocks past a row's length exiting at
+//! once. The whole step — all layers, the lm_head GEMM and the argmax — is
+//! then captured once as a CUDA graph and replayed; it is captured again
+//! only when a capacity, the batch or its sequences change (see
+//! [`DecodeMode`]).
+//!
+//! Sparse selection (spec §4) plugs in per layer after the append; see
+//! [`SelectionPath`]. A clearly labelled host fallback mirrors each
+//! sequence's K and c on the host (downloaded row by row as they are
+//! appended), computes Kc/p and the selection with the CPU reference's own
+//! functions on the GPU's post-RoPE bf16 queries, and uploads the block
+//! lists. That path synchronises every layer and is for correctness checks
+//! only.
+//!
+//! Where things are:
+//! - this file: [`GpuModel`] (weights, options, the public API) and the
+//!   step-independent settings ([`DecodeMode`], [`SelectionPath`], [`StepPart`]);
+//! - [`step`]: the decode step (buffers, pointer tables, key; launched eagerly
+//!   or as a CUDA graph) — every decode step goes through it;
+//! - [`schedule`]: the per-layer order of a decode step for sync and
+//!   forecast (+ prefetch) modes, with its streams and events;
+//! - [`layer`]: one layer's launches; [`select`]: block selection;
+//!   [`forecast`]: forecast weights and forecast selection;
+//! - [`prefill`]: prompt chunks; [`workspace`]: scratch buffers;
+//! - [`profile`]: per-piece timing and the layer-GEMM ceiling (benchmarks);
+//! - [`trace_spans`]: GPU spans of `--trace`;
+//! - the KV cache (resident caches, pinned host store, slot pools, fetch,
+//!   write-back) is [`crate::kv`].
+
+use crate::config::{AttentionMode, ModelConfig, Rope, RopeScaling};
+use crate::cpu::EngineOptions;
+use crate::cuda::context::{dptr, grid, i32_dim, CudaResultExt};
+use crate::cuda::ops::select::{ensure_smem, launch_select_blocks, SelectBlocksArgs};
+use crate::cuda::ops::{self, AttnArgs, RopeTables};
+use crate::cuda::{bf16_bits, Bf16, Gpu};
+use crate::model::select::Budget;
+use crate::model::{AttentionPlan, PrefillMode};
+use crate::trace::timeline::SpanId;
+use crate::weights::names::{self, LayerTensor};
+use crate::weights::Checkpoint;
+use crate::{Error, Result};
+use cudarc::driver::{CudaGraph, CudaSlice, LaunchConfig, PushKernelArg};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+pub mod forecast;
+pub mod layer;
+pub mod prefill;
+pub mod profile;
+pub mod schedule;
+pub mod select;
+pub mod step;
+pub mod trace_spans;
+pub mod workspace;
+
+pub use crate::kv::fetch::{fetch_rule, FetchEngine};
+pub use crate::kv::offload::{OffloadOptions, OffloadStats};
+pub use crate::kv::resident::GpuSequence;
+pub(crate) use layer::compress;
+pub use profile::GemmCeiling;
+pub(crate) use select::host_select;
+pub(crate) use step::{DecodeStep, Tables};
+pub(crate) use workspace::{
+    AttnGeometry, LastLogits, LogitRows, Row, RowInputs, SelGeometry, Workspace,
+};
+
+/// Prompt tokens per prefill forward call at most (fewer when the attention
+/// partials of a long context would exceed [`PARTIALS_BUDGET_BYTES`]).
+pub const PREFILL_CHUNK: usize = 512;
+
+/// Upper bound on the split-K attention workspace of one forward call, bytes;
+/// bounds the prefill chunk for long contexts (a dense 128K-token context
+/// then runs in chunks of a few dozen rows).
+pub const PARTIALS_BUDGET_BYTES: usize = 512 << 20;
+
+/// Rows of the fused QKV(+z) weight are padded to a multiple of this.
+pub(crate) const QKV_ROW_ALIGN: usize = 8;
+/// Per-layer pointer-table entries per row: K, V, c (state), c (bias), Kc, p.
+pub(crate) const PTRS_PER_ROW: usize = 6;
+/// Per-layer pointer-table entries per sequence: K, c, Kc, p (compression).
+pub(crate) const PTRS_PER_SEQ: usize = 4;
+/// Cap on the grid of `compress_windows` (it loops over further windows).
+pub(crate) const COMPRESS_MAX_GRID_X: usize = 8192;
+
+/// Source of [`GpuSequence`] identities (graph keys compare them).
+pub(crate) static NEXT_SEQ_UID: AtomicU64 = AtomicU64::new(1);
+
+/// The selection path from `$SPARDA_SELECTION` (`host` → the host fallback),
+/// else [`SelectionPath::Gpu`].
+pub fn default_selection_path() -> SelectionPath {
+    match std::env::var("SPARDA_SELECTION").as_deref() {
+        Ok("host") => SelectionPath::HostFallback,
+        _ => SelectionPath::Gpu,
+    }
+}
+
+/// How [`GpuModel::decode`] runs a decode step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum DecodeMode {
+    /// Device-resident step buffers, the step captured once as a CUDA graph
+    /// and replayed (the default). The first step after a (re)build runs
+    /// eagerly (it warms up cuBLAS and the kernels); the second is captured.
+    Graph,
+    /// The same device-resident step, launched kernel by kernel every time
+    /// (no graph): for comparisons and debugging.
+    Eager,
+    /// Every step through the general forward call (per-call pointer-table
+    /// and input uploads, grids sized by the current lengths), as prefill
+    /// runs: for comparisons.
+    Forward,
+}
+
+impl DecodeMode {
+    /// From `$SPARDA_DECODE` (`graph`, `eager`, `forward`); [`DecodeMode::Graph`]
+    /// when unset or unrecognised.
+    pub fn from_env() -> Self {
+        match std::env::var("SPARDA_DECODE").as_deref() {
+            Ok("eager") => DecodeMode::Eager,
+            Ok("forward") => DecodeMode::Forward,
+            _ => DecodeMode::Graph,
+        }
+    }
+}
+
+/// The pieces of a decode step, for [`GpuModel::profile_step`]: each is
+/// every launch of that kind in one step (per-layer pieces over all layers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum StepPart {
+    /// Embedding gather and the residual reset.
+    Embed,
+    /// Residual add + input RMSNorm.
+    NormIn,
+    /// Fused QKV(+z) GEMM (+bias).
+    Qkv,
+    /// RoPE, K/V append, eviction score.
+    RopeAppend,
+    /// Incremental compression (Kc, p).
+    Compress,
+    /// Query-aware window scores (logits, softmax statistics, scores).
+    WindowScores,
+    /// Block pooling and top-k selection.
+    Select,
+    /// Split-K attention partials (and their combine when it is fused
+    /// into the attention kernel: [`ops::attn_fused_combine`]).
+    Attention,
+    /// Split-K combine as its own kernel (not timed when fused).
+    Combine,
+    /// O projection (+bias).
+    OProj,
+    /// Residual add + post-attention RMSNorm.
+    NormPost,
+    /// gate|up GEMM (+bias).
+    GateUp,
+    /// SwiGLU.
+    Swiglu,
+    /// down projection (+bias).
+    Down,
+    /// Final residual add + norm.
+    FinalNorm,
+    /// lm_head GEMM.
+    LmHead,
+    /// Greedy argmax and the advance of the step inputs.
+    Argmax,
+}
+
+impl StepPart {
+    /// Every piece, in step order.
+    pub const ALL: [StepPart; 17] = [
+        StepPart::Embed,
+        StepPart::NormIn,
+        StepPart::Qkv,
+        StepPart::RopeAppend,
+        StepPart::Compress,
+        StepPart::WindowScores,
+        StepPart::Select,
+        StepPart::Attention,
+        StepPart::Combine,
+        StepPart::OProj,
+        StepPart::NormPost,
+        StepPart::GateUp,
+        StepPart::Swiglu,
+        StepPart::Down,
+        StepPart::FinalNorm,
+        StepPart::LmHead,
+        StepPart::Argmax,
+    ];
+}
+
+/// How sparse-attention rows get their selected blocks (spec §4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum SelectionPath {
+    /// On the GPU (the default): per layer, `compress_windows` completes Kc
+    /// and p (f32) of each sequence from its K/c caches, then
+    /// `qa_window_logits` / `qa_window_scores` / `select_blocks`
+    /// (kernels/compress.cu, kernels/select.cu, see [`super::select`]) choose
+    /// the blocks of every sparse row, through the engine's per-row pointer
+    /// tables (so a prefill chunk's rows each select over their own prefix).
+    Gpu,
+    /// A check path (`SPARDA_SELECTION=host`, gpu-check-e2e's host-selection
+    /// case): K and c mirrored on the host, Kc/p and selection
+    /// computed by [`crate::model::select`] on the GPU's own post-RoPE
+    /// queries (downloaded every layer), block lists uploaded. Correct but
+    /// synchronous: for checks, not for speed.
+    HostFallback,
+}
+
+/// One decoder layer's weights on the GPU (bf16 matrices in the Hugging Face
+/// `[out, in]` layout; biases f32).
+pub(crate) struct LayerWeights {
+    /// input_layernorm, [d].
+    pub(crate) input_norm: CudaSlice<Bf16>,
+    /// post_attention_layernorm, [d].
+    pub(crate) post_norm: CudaSlice<Bf16>,
+    /// [q; k; v; δ·W_v; 0-padding], [qkv_cols, d].
+    pub(crate) wqkv: CudaSlice<Bf16>,
+    /// Fused q|k|v bias (0 for the z and padding rows), [qkv_cols].
+    pub(crate) bqkv: Option<CudaSlice<f32>>,
+    /// Eviction head A, [Hkv] (NOSA).
+    pub(crate) evict_a: Option<CudaSlice<f32>>,
+    /// b + δ·b_v, [Hkv] (NOSA).
+    pub(crate) evict_zb: Option<CudaSlice<f32>>,
+    /// The eviction head on values (A, δ bf16 [Hkv, Hkv·D], b), for scoring
+    /// synthetic K/V ([`GpuModel::fill_synthetic`]); NOSA only.
+    pub(crate) evict_head: Option<ops::EvictionWeights>,
+    /// o_proj, [d, H·D].
+    pub(crate) wo: CudaSlice<Bf16>,
+    pub(crate) bo: Option<CudaSlice<f32>>,
+    /// [gate; up], [2I, d].
+    pub(crate) wgu: CudaSlice<Bf16>,
+    pub(crate) bgu: Option<CudaSlice<f32>>,
+    /// down_proj, [d, I].
+    pub(crate) wdown: CudaSlice<Bf16>,
+    pub(crate) bdown: Option<CudaSlice<f32>>,
+}
+
+/// A model on the GPU. See the module doc for what it computes.
+pub struct GpuModel {
+    pub(crate) gpu: Arc<Gpu>,
+    /// The model's config (overrides applied).
+    pub config: ModelConfig,
+    /// The attention in force (as [`crate::cpu::CpuModel::plan`]).
+    pub plan: AttentionPlan,
+    pub(crate) prefill_mode: PrefillMode,
+    pub(crate) rope: Rope,
+    pub(crate) rope_tables: Option<RopeTables>,
+    pub(crate) embed: CudaSlice<Bf16>,
+    /// `None` when tied to `embed`.
+    pub(crate) lm_head: Option<CudaSlice<Bf16>>,
+    /// Final norm weight divided by the muP logit divisor, bf16 [d].
+    pub(crate) final_norm: CudaSlice<Bf16>,
+    pub(crate) layers: Vec<LayerWeights>,
+    pub(crate) eviction: bool,
+    /// Row width of the fused QKV(+z) output (padded).
+    pub(crate) qkv_cols: usize,
+    /// Column of the first eviction logit z in a fused row.
+    pub(crate) z_off: usize,
+    pub(crate) ws: Option<Workspace>,
+    pub(crate) step: Option<DecodeStep>,
+    pub(crate) decode_mode: DecodeMode,
+    /// When set, step enqueues launch only this piece ([`GpuModel::profile_step`]).
+    pub(crate) only_part: std::cell::Cell<Option<StepPart>>,
+    pub(crate) selection: SelectionPath,
+    pub(crate) record_selections: bool,
+    /// `[layer][row][kv_head]`: the blocks each row attended in the last
+    /// forward call (empty for dense rows), when recording.
+    pub(crate) last_selections: Vec<Vec<Vec<Vec<usize>>>>,
+    /// `[layer][row]`: each row's post-RoPE query (H·D, f32 from bf16) in
+    /// the last sparse forward call, when recording.
+    pub(crate) last_queries: Vec<Vec<Vec<f32>>>,
+    /// Where the logits of the last call are.
+    pub(crate) last: LastLogits,
+    /// Offloaded KV settings (`--kv offload`), for sequences offloaded
+    /// through [`GpuModel::offload_sequence`].
+    pub(crate) offload: Option<OffloadOptions>,
+    /// u64 [L, 2]: selected and fetched blocks per layer (offload).
+    pub(crate) offload_counters: CudaSlice<u64>,
+    /// Time every fetch with events ([`GpuModel::set_fetch_timing`]).
+    pub(crate) fetch_timing: bool,
+    pub(crate) fetch_ms: f64,
+    pub(crate) timed_bytes: u64,
+    pub(crate) fetched_at_timing: u64,
+    pub(crate) offload_steps: u64,
+    /// QKV(+z) columns without forecast rows.
+    pub(crate) qkv_base_cols: usize,
+    /// Forecast mode: (column of the next layer's forecast, column of layer
+    /// 0's own forecast) in the fused QKV rows ([`GpuModel::set_forecast`]).
+    pub(crate) forecast_cols: Option<(usize, usize)>,
+    /// Forecast mode with offloaded KV: prefetch on the copy stream.
+    pub(crate) prefetch: bool,
+    /// Injected delay before each fetch, µs (stress check).
+    pub(crate) copy_delay_us: u32,
+    /// GPU spans for `--trace` (disabled: no CUDA calls).
+    pub(crate) timeline: std::cell::RefCell<crate::trace::timeline::GpuTimeline>,
+    /// Decode steps traced so far (span args).
+    pub(crate) trace_step: std::cell::Cell<u32>,
+    /// Fetch spans of the step being enqueued, (layer, span).
+    pub(crate) fetch_spans: std::cell::RefCell<Vec<(usize, SpanId)>>,
+    /// Fetch counts of traced steps, read at [`GpuModel::flush_trace`].
+    pub(crate) trace_fetches: std::cell::RefCell<Vec<trace_spans::PendingFetch>>,
+}
+
+impl std::fmt::Debug for GpuModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuModel")
+            .field("layers", &self.layers.len())
+            .field("plan", &self.plan)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Uploads tensor `name` as bf16.
+pub(crate) fn upload_bf16(gpu: &Gpu, ckpt: &Checkpoint, name: &str) -> Result<CudaSlice<Bf16>> {
+    let v = ckpt.store.to_bf16(name)?;
+    gpu.upload(bf16_bits(&v))
+}
+
+/// Tensor `name` as f32 if present.
+pub(crate) fn opt_f32(ckpt: &Checkpoint, name: &str) -> Result<Option<Vec<f32>>> {
+    if ckpt.store.get(name).is_some() {
+        Ok(Some(ckpt.store.to_f32(name)?))
+    } else {
+        Ok(None)
+    }
+}
+
+impl GpuModel {
+    /// Uploads a validated checkpoint's weights (bf16, fused as in the module
+    /// doc) and resolves the attention plan exactly as the CPU reference
+    /// does ([`AttentionPlan::resolve`]).
+    ///
+    /// Errors: [`Error::Input`] for overrides the checkpoint cannot honour or
+    /// a head dim the attention kernel does not support (not a multiple of
+    /// 16, or above 128); [`Error::Checkpoint`] for an unreadable tensor;
+    /// [`Error::Cuda`] on an allocation or copy failure (e.g. out of device
+    /// memory).
+    pub fn new(gpu: Arc<Gpu>, ckpt: &Checkpoint, opts: EngineOptions) -> Result<Self> {
+        let cfg = ckpt.config.clone();
+        let plan = AttentionPlan::resolve(&cfg, ckpt.eviction_heads, opts.attention)?;
+        let (h, hk, dh, d) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.hidden_size,
+        );
+        ops::check_attn_head_dim("the CUDA backend", dh)?;
+        if hk == 0 || h % hk != 0 {
+            return Err(Error::Input(format!(
+                "{h} query heads is not a multiple of {hk} KV heads"
+            )));
+        }
+        let kvd = hk * dh;
+        let eviction = ckpt.eviction_heads;
+        let z_off = (h + 2 * hk) * dh;
+        let qkv_rows = z_off + if eviction { hk } else { 0 };
+        let qkv_cols = qkv_rows.div_ceil(QKV_ROW_ALIGN) * QKV_ROW_ALIGN;
+        let g = &*gpu;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            use LayerTensor as T;
+            let n = |t: T| names::layer(i, t);
+            // Fused [q; k; v; δ·W_v; pad] rows.
+            let mut w: Vec<half::bf16> = Vec::with_capacity(qkv_cols * d);
+            for t in [T::QProj, T::KProj, T::VProj] {
+                w.extend_from_slice(&ckpt.store.to_bf16(&n(t))?);
+            }
+            let bv = opt_f32(ckpt, &n(T::VBias))?;
+            let (mut evict_a, mut evict_zb, mut evict_head) = (None, None, None);
+            if eviction {
+                let delta = ckpt.store.to_f32(&n(T::EvictDelta))?; // [Hkv, kvd]
+                let wv = ckpt.store.to_f32(&n(T::VProj))?; // [kvd, d]
+                let mut zw = vec![0.0f32; hk * d];
+                for hh in 0..hk {
+                    let row = &mut zw[hh * d..(hh + 1) * d];
+                    for j in 0..kvd {
+                        let c = delta[hh * kvd + j];
+                        if c != 0.0 {
+                            for (r, x) in row.iter_mut().zip(&wv[j * d..(j + 1) * d]) {
+                                *r += c * x;
+                            }
+                        }
+                    }
+                }
+                w.extend(zw.iter().map(|&x| half::bf16::from_f32(x)));
+                let b = opt_f32(ckpt, &n(T::EvictDeltaBias))?;
+                let zb: Vec<f32> = (0..hk)
+                    .map(|hh| {
+                        let mut s = b.as_ref().map_or(0.0, |b| b[hh]);
+                        if let Some(bv) = &bv {
+                            s += (0..kvd).map(|j| delta[hh * kvd + j] * bv[j]).sum::<f32>();
+                        }
+                        s
+                    })
+                    .collect();
+                let a_host = ckpt.store.to_f32(&n(T::EvictA))?;
+                let delta_bf: Vec<Bf16> = delta.iter().map(|&x| Bf16::from_f32(x)).collect();
+                evict_head = Some(ops::EvictionWeights::new(
+                    g,
+                    &a_host,
+                    &delta_bf,
+                    b.as_deref(),
+                    hk,
+                    dh,
+                )?);
+                evict_a = Some(g.upload(&a_host)?);
+                evict_zb = Some(g.upload(&zb)?);
+            }
+            w.resize(qkv_cols * d, half::bf16::ZERO);
+            let bq = opt_f32(ckpt, &n(T::QBias))?;
+            let bk = opt_f32(ckpt, &n(T::KBias))?;
+            let bqkv = if bq.is_some() || bk.is_some() || bv.is_some() {
+                let mut b = vec![0.0f32; qkv_cols];
+                for (off, src) in [(0, &bq), (h * dh, &bk), ((h + hk) * dh, &bv)] {
+                    if let Some(s) = src {
+                        b[off..off + s.len()].copy_from_slice(s);
+                    }
+                }
+                Some(g.upload(&b)?)
+            } else {
+                None
+            };
+            let mut wgu = ckpt.store.to_bf16(&n(T::GateProj))?;
+            wgu.extend_from_slice(&ckpt.store.to_bf16(&n(T::UpProj))?);
+            let bgu = match (
+                opt_f32(ckpt, &n(T::GateBias))?,
+                opt_f32(ckpt, &n(T::UpBias))?,
+            ) {
+                (None, None) => None,
+                (gb, ub) => {
+                    let i_ = cfg.intermediate_size;
+                    let mut b = gb.unwrap_or_else(|| vec![0.0; i_]);
+                    b.extend(ub.unwrap_or_else(|| vec![0.0; i_]));
+                    Some(g.upload(&b)?)
+                }
+            };
+            let up_opt = |name: String| -> Result<Option<CudaSlice<f32>>> {
+                opt_f32(ckpt, &name)?.map(|v| g.upload(&v)).transpose()
+            };
+            layers.push(LayerWeights {
+                input_norm: upload_bf16(g, ckpt, &n(T::InputNorm))?,
+                post_norm: upload_bf16(g, ckpt, &n(T::PostAttnNorm))?,
+                wqkv: g.upload(bf16_bits(&w))?,
+                bqkv,
+                evict_a,
+                evict_zb,
+                evict_head,
+                wo: upload_bf16(g, ckpt, &n(T::OProj))?,
+                bo: up_opt(n(T::OBias))?,
+                wgu: g.upload(bf16_bits(&wgu))?,
+                bgu,
+                wdown: upload_bf16(g, ckpt, &n(T::DownProj))?,
+                bdown: up_opt(n(T::DownBias))?,
+            });
+        }
+        let embed = upload_bf16(g, ckpt, &names::embed())?;
+        let lm_head = if ckpt.lm_head_tied {
+            None
+        } else {
+            Some(upload_bf16(g, ckpt, &names::lm_head())?)
+        };
+        let div = cfg.logit_divisor();
+        let fnorm: Vec<Bf16> = ckpt
+            .store
+            .to_f32(&names::final_norm())?
+            .into_iter()
+            .map(|x| Bf16::from_f32(x / div))
+            .collect();
+        let final_norm = g.upload(&fnorm)?;
+        Ok(GpuModel {
+            rope: cfg.rope(),
+            rope_tables: None,
+            embed,
+            lm_head,
+            final_norm,
+            layers,
+            eviction,
+            qkv_cols,
+            z_off,
+            ws: None,
+            step: None,
+            decode_mode: DecodeMode::from_env(),
+            only_part: std::cell::Cell::new(None),
+            selection: default_selection_path(),
+            record_selections: false,
+            last_selections: Vec::new(),
+            last_queries: Vec::new(),
+            last: LastLogits::None,
+            offload: None,
+            offload_counters: g.zeros(2 * cfg.num_hidden_layers.max(1))?,
+            fetch_timing: false,
+            fetch_ms: 0.0,
+            timed_bytes: 0,
+            fetched_at_timing: 0,
+            offload_steps: 0,
+            qkv_base_cols: qkv_cols,
+            forecast_cols: None,
+            prefetch: false,
+            copy_delay_us: 0,
+            timeline: std::cell::RefCell::new(crate::trace::timeline::GpuTimeline::new(g, false)?),
+            trace_step: std::cell::Cell::new(0),
+            fetch_spans: std::cell::RefCell::new(Vec::new()),
+            trace_fetches: std::cell::RefCell::new(Vec::new()),
+            prefill_mode: opts.prefill,
+            plan,
+            config: cfg,
+            gpu,
+        })
+    }
+
+    /// The GPU this model lives on.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// How sparse rows get their block selection.
+    pub fn selection_path(&self) -> SelectionPath {
+        self.selection
+    }
+
+    /// This model with selection path `path`. Sequences carry the state of
+    /// the path they were made under: create them after this call.
+    pub fn with_selection_path(mut self, path: SelectionPath) -> Self {
+        self.selection = path;
+        self.step = None;
+        self
+    }
+
+    /// Re-resolves the attention plan with `opts` (as [`GpuModel::new`]
+    /// does), keeping the weights: e.g. dense and sparse benchmarks on one
+    /// upload. Sequences carry the state of the plan they were made under:
+    /// create them after this call.
+    ///
+    /// Errors: [`Error::Input`] for overrides the checkpoint cannot honour.
+    pub fn set_options(&mut self, opts: EngineOptions) -> Result<()> {
+        self.plan = AttentionPlan::resolve(&self.config, self.eviction, opts.attention)?;
+        self.prefill_mode = opts.prefill;
+        self.step = None;
+        self.last = LastLogits::None;
+        Ok(())
+    }
+
+    /// Sets how decode steps run (default: `$SPARDA_DECODE`, else
+    /// [`DecodeMode::Graph`]); drops any captured step.
+    pub fn set_decode_mode(&mut self, mode: DecodeMode) {
+        self.decode_mode = mode;
+        self.step = None;
+    }
+
+    /// How decode steps run.
+    pub fn decode_mode(&self) -> DecodeMode {
+        self.decode_mode
+    }
+
+    /// Frees the decode step's and the forward call's scratch buffers (and
+    /// the captured graph); they are allocated again when next needed.
+    pub fn release_buffers(&mut self) {
+        self.step = None;
+        self.ws = None;
+        self.last = LastLogits::None;
+    }
+
+    /// Whether the last decode step ran as a replayed CUDA graph.
+    pub fn last_step_was_graph(&self) -> bool {
+        self.step.as_ref().is_some_and(|s| s.graph.is_some())
+    }
+
+    /// Whether piece `p` of a step is enqueued (always, unless profiling another piece).
+    pub(crate) fn on(&self, p: StepPart) -> bool {
+        self.only_part.get().is_none_or(|q| q == p)
+    }
+
+    /// Whether sparse attention runs anywhere in this plan (NOSA or InfLLM-V2).
+    pub(crate) fn sparse_plan(&self) -> bool {
+        self.plan.mode != AttentionMode::Dense
+    }
+
+    /// Whether this plan keeps Kc/p on the GPU (sparse plan, GPU selection).
+    pub(crate) fn gpu_selection(&self) -> bool {
+        self.sparse_plan() && self.selection == SelectionPath::Gpu
+    }
+
+    /// Keep (true) or drop the per-layer block selections of each forward
+    /// call, for [`GpuModel::last_selections`] (tests; costs a download per
+    /// layer on GPU selection paths).
+    pub fn set_record_selections(&mut self, on: bool) {
+        self.record_selections = on;
+        self.last_selections.clear();
+        self.last_queries.clear();
+    }
+
+    /// `[layer][row][kv_head]`: ascending block ids each row of the last
+    /// forward call attended (empty for dense rows), when recording is on.
+    /// Rows are prompt tokens of the last prefill chunk, or sequences of the
+    /// last decode step, in order.
+    pub fn last_selections(&self) -> &[Vec<Vec<Vec<usize>>>] {
+        &self.last_selections
+    }
+
+    /// `[layer][row]`: the post-RoPE query (H·D values, bf16 widened to f32)
+    /// each row used for selection in the last forward call, when recording
+    /// is on and the call had sparse rows (empty otherwise). For explaining
+    /// selection differences against the CPU reference.
+    pub fn last_queries(&self) -> &[Vec<Vec<f32>>] {
+        &self.last_queries
+    }
+
+    /// Bytes of device memory the weights take.
+    pub fn weight_bytes(&self) -> usize {
+        let b16 = |s: &CudaSlice<Bf16>| s.len() * 2;
+        let f = |s: &Option<CudaSlice<f32>>| s.as_ref().map_or(0, |x| x.len() * 4);
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                b16(&l.input_norm)
+                    + b16(&l.post_norm)
+                    + b16(&l.wqkv)
+                    + b16(&l.wo)
+                    + b16(&l.wgu)
+                    + b16(&l.wdown)
+                    + f(&l.bqkv)
+                    + f(&l.bo)
+                    + f(&l.bgu)
+                    + f(&l.bdown)
+                    + f(&l.evict_a)
+                    + f(&l.evict_zb)
+                    + l.evict_head
+                        .as_ref()
+                        .map_or(0, |e| e.delta.len() * 2 + e.a.len() * 4)
+            })
+            .sum();
+        layers + b16(&self.embed) + self.lm_head.as_ref().map_or(0, b16) + b16(&self.final_norm)
+    }
+
+    /// Makes the RoPE tables cover positions 0 … need−1.
+    pub(crate) fn ensure_rope(&mut self, need: usize) -> Result<()> {
+        if self.rope_tables.as_ref().is_some_and(|t| t.rows >= need) {
+            return Ok(());
+        }
+        let max = self.config.max_position_embeddings;
+        if let RopeScaling::Dynamic {
+            original_max_position_embeddings: orig,
+            ..
+        } = self.config.rope_scaling
+        {
+            if need > orig {
+                return Err(Error::Input(format!(
+                    "dynamic NTK RoPE past original_max_position_embeddings {orig} (needed {need} positions) is not supported by the CUDA backend yet; use --backend cpu"
+                )));
+            }
+        }
+        let have = self.rope_tables.as_ref().map_or(0, |t| t.rows);
+        let rows = need.max(2 * have).max(4096).min(max.max(need));
+        // seq_len only matters for dynamic NTK, refused above past its original maximum.
+        self.rope_tables = Some(RopeTables::from_rope(
+            &self.gpu,
+            &self.rope,
+            self.config.head_dim,
+            rows,
+            1,
+        )?);
+        Ok(())
+    }
+
+    /// The logits of the last call, f32 [rows, V] on the device (rows = 1
+    /// after a prefill, B after a decode step; see [`GpuModel::logit_rows`]).
+    ///
+    /// Errors: [`Error::Input`] before any call produced logits.
+    pub fn logits(&self) -> Result<cudarc::driver::CudaView<'_, f32>> {
+        let v = self.config.vocab_size;
+        match (self.last, &self.ws, &self.step) {
+            (LastLogits::Forward(n), Some(ws), _) => Ok(ws.logits.slice(0..n * v)),
+            (LastLogits::Step(n), _, Some(st)) => Ok(st.ws.logits.slice(0..n * v)),
+            _ => Err(Error::Input(
+                "no logits yet: run prefill or decode first".into(),
+            )),
+        }
+    }
+
+    /// Rows of [`GpuModel::logits`].
+    pub fn logit_rows(&self) -> usize {
+        match self.last {
+            LastLogits::None => 0,
+            LastLogits::Forward(n) | LastLogits::Step(n) => n,
+        }
+    }
+
+    /// The logits of the last call copied to the host, [rows, V] (synchronises).
+    ///
+    /// Errors: as [`GpuModel::logits`]; [`Error::Cuda`] on a copy failure.
+    pub fn download_logits(&self) -> Result<Vec<f32>> {
+        let l = self.logits()?;
+        self.gpu.download(&l)
+    }
+
+    /// Sampling on the GPU: one token per row of the last logits
+    /// ([`GpuModel::logits`]) with the uniform draws `u01` (\[rows\], in
+    /// [0, 1); e.g. [`crate::sample::Sampler::draw`]), by the rule of
+    /// [`crate::sample::sample_with_u`]; greedy parameters give
+    /// [`GpuModel::argmax`]. Synchronises; only the ids travel.
+    ///
+    /// Errors: as [`ops::sample_rows`]; [`Error::Input`] before any logits
+    /// or when `u01` does not hold one draw per row.
+    pub fn sample(
+        &mut self,
+        params: &crate::sample::SamplingParams,
+        u01: &[f64],
+    ) -> Result<Vec<u32>> {
+        if params.temperature == 0.0 || params.top_k == 1 {
+            return self.argmax();
+        }
+        let rows = self.logit_rows();
+        let logits = self.logits()?;
+        ops::sample_rows(
+            &self.gpu,
+            &logits,
+            rows,
+            self.config.vocab_size,
+            params,
+            u01,
+        )
+    }
+
+    /// Greedy sampling on the GPU: the argmax of each logits row (ties to the
+    /// lower id, NaN never wins), \[rows\] (synchronises; only the ids travel).
+    /// After a device-resident decode step the step computed it already.
+    ///
+    /// Errors: as [`GpuModel::logits`]; [`Error::Cuda`] on a failure.
+    pub fn argmax(&mut self) -> Result<Vec<u32>> {
+        match self.last {
+            LastLogits::Step(n) => {
+                let st = self.step.as_ref().expect("a step produced the logits");
+                self.gpu.download(&st.ws.argmax.slice(0..n))
+            }
+            LastLogits::Forward(rows) => {
+                let gpu = self.gpu.clone();
+                let ws = self.ws.as_mut().expect("logits imply a workspace");
+                let v = i32_dim(self.config.vocab_size, "vocab")?;
+                let n = i32_dim(rows, "rows")?;
+                let (lp, op) = (dptr(&gpu, &ws.logits), dptr(&gpu, &ws.argmax));
+                let f = gpu.function("argmax_rows")?;
+                let cfg = LaunchConfig {
+                    grid_dim: (grid(rows, "rows")?, 1, 1),
+                    block_dim: (1024, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = gpu.stream().launch_builder(f);
+                b.arg(&lp).arg(&n).arg(&v).arg(&op);
+                // SAFETY: argument list matches kernels/argmax.cu; logits hold rows·V
+                // values, argmax at least rows.
+                unsafe { b.launch(cfg) }.cuda("argmax_rows")?;
+                gpu.download(&ws.argmax.slice(0..rows))
+            }
+            LastLogits::None => Err(Error::Input(
+                "no logits yet: run prefill or decode first".into(),
+            )),
+        }
+    }
+}

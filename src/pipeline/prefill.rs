@@ -1,0 +1,584 @@
+//! Prefill (spec §6): prompt chunks through the model, any number of rows
+//! per sequence, one call per chunk; synthetic KV fill for benchmarks
+//! (runtime.md §5).
+
+use super::*;
+
+impl GpuModel {
+    /// Prefills `prompt` into `seq` (positions T … T+n−1), in chunks of at
+    /// most [`PREFILL_CHUNK`] tokens (fewer for long contexts), calling
+    /// `progress(done, total)` after each chunk. Afterwards
+    /// [`GpuModel::logits`] holds the last prompt token's logits ([1, V]).
+    ///
+    /// Dense or sparse as the CPU reference decides (spec §6): sparse iff the
+    /// plan is sparse, the whole prompt (T + n tokens) reaches dense_len, and
+    /// the prefill mode is not `Dense`.
+    ///
+    /// Errors: an empty prompt, a token id ≥ V, a length past
+    /// `max_position_embeddings` ([`Error::Input`] / [`Error::Limit`]);
+    /// [`Error::Cuda`] on a device failure.
+    pub fn prefill(
+        &mut self,
+        seq: &mut GpuSequence,
+        prompt: &[u32],
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(Error::Input("empty prompt: give at least one token".into()));
+        }
+        let t0 = seq.len;
+        let prompt_len = t0 + prompt.len();
+        self.check_tokens(prompt, prompt_len)?;
+        let sparse = self.plan.sparse_at(prompt_len) && self.prefill_mode != PrefillMode::Dense;
+        let mut done = 0;
+        while done < prompt.len() {
+            let t_end = t0 + done;
+            let n = self
+                .prefill_rows(t_end + PREFILL_CHUNK, sparse)
+                .min(prompt.len() - done);
+            let rows: Vec<Row> = prompt[done..done + n]
+                .iter()
+                .enumerate()
+                .map(|(i, &token)| Row {
+                    seq: 0,
+                    token,
+                    pos: t0 + done + i,
+                    sparse,
+                })
+                .collect();
+            done += n;
+            let which = if done == prompt.len() {
+                LogitRows::Last
+            } else {
+                LogitRows::None
+            };
+            self.forward(std::slice::from_mut(seq), &rows, which)?;
+            progress(done, prompt.len());
+        }
+        Ok(())
+    }
+
+    /// Rows per prefill chunk so the attention partials of a context of up
+    /// to `t_len` tokens stay within [`PARTIALS_BUDGET_BYTES`] (counted at
+    /// the finest split, one per [`ops::ATTN_TILE`] tokens).
+    pub(crate) fn prefill_rows(&self, t_len: usize, sparse: bool) -> usize {
+        let c = &self.config;
+        let nsplit = if sparse {
+            self.plan.budget.attended
+        } else {
+            t_len.div_ceil(ops::ATTN_TILE)
+        }
+        .max(1);
+        let mut per_row = c.num_attention_heads * nsplit * (c.head_dim + 2) * 4;
+        if sparse && self.selection == SelectionPath::Gpu {
+            // Query-aware logits, tile statistics and window scores.
+            let w_stride = self
+                .plan
+                .budget
+                .windows(t_len)
+                .max(1)
+                .div_ceil(crate::cuda::ops::select::QA_TILE)
+                * crate::cuda::ops::select::QA_TILE;
+            let tiles = w_stride / crate::cuda::ops::select::QA_TILE;
+            per_row += (c.num_attention_heads * (w_stride + 2 * tiles)
+                + c.num_key_value_heads * w_stride)
+                * 4;
+        }
+        (PARTIALS_BUDGET_BYTES / per_row.max(1)).clamp(1, PREFILL_CHUNK)
+    }
+
+    /// Fills the empty sequence `seq` with `len` tokens of synthetic state
+    /// (runtime.md §5 `--prefill synthetic`, for decode benchmarks on
+    /// random-weight models): every layer's K and V random bf16 N(0, 1)
+    /// (kernels/synth.cu, from `seed`, the layer and the sequence's uid), the
+    /// eviction scores c = A·softplus(δ·v + b) of those values with the
+    /// layer's own eviction head (kernels/eviction.cu), and, for GPU
+    /// selection, Kc and p completed from K and c (kernels/compress.cu) —
+    /// the state a prefill would leave, minus the model. The next decode
+    /// token goes to position `len`. No logits are produced.
+    ///
+    /// Errors: [`Error::Input`] when `seq` is not empty, `len` is 0 or past
+    /// max_position_embeddings, or the sequence mirrors its state on the
+    /// host ([`SelectionPath::HostFallback`]); [`Error::Cuda`] on a device
+    /// failure (e.g. out of memory when growing).
+    pub fn fill_synthetic(&mut self, seq: &mut GpuSequence, len: usize, seed: u64) -> Result<()> {
+        if seq.len != 0 || len == 0 || seq.mirror.is_some() {
+            return Err(Error::Input(format!(
+                "fill_synthetic: needs an empty sequence on the GPU selection path and len ≥ 1 (sequence has {} tokens, len {len})",
+                seq.len
+            )));
+        }
+        if len >= self.config.max_position_embeddings {
+            return Err(Error::Limit(format!(
+                "synthetic context of {len} tokens leaves no position for decoding below max_position_embeddings {}",
+                self.config.max_position_embeddings
+            )));
+        }
+        self.ensure_capacity(seq, len)?;
+        let c = &self.config;
+        let (hk, dh) = (c.num_key_value_heads, c.head_dim);
+        let kvd = hk * dh;
+        let gpu = self.gpu.clone();
+        let s = gpu.stream().clone();
+        let fill = gpu.function("fill_normal_bf16")?;
+        let n_u64 = (len * kvd) as u64;
+        let blocks = (len * kvd).div_ceil(256).clamp(1, 16_384) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let scale = 1.0f32;
+        let budget = self.plan.budget;
+        // Per-sequence table for compression: K, c, Kc, p, and its length.
+        let mut tab_host = vec![0u64; PTRS_PER_SEQ];
+        let lens_dev = gpu.upload(&[i32_dim(len, "len")?])?;
+        let mut tab_dev: CudaSlice<u64> = gpu.zeros(PTRS_PER_SEQ)?;
+        for (l, sl) in seq.layers.iter_mut().enumerate() {
+            for (which, buf) in [(0u64, &sl.k), (1u64, &sl.v)] {
+                let ptr = dptr(&gpu, buf);
+                let sd = seed
+                    .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                    .wrapping_add(seq.uid << 20)
+                    .wrapping_add((l as u64) << 2)
+                    .wrapping_add(which);
+                let mut b = s.launch_builder(fill);
+                b.arg(&ptr).arg(&n_u64).arg(&sd).arg(&scale);
+                // SAFETY: argument list matches kernels/synth.cu; the cache holds
+                // capacity ≥ len tokens of Hkv·D values.
+                unsafe { b.launch(cfg) }.cuda("fill_normal_bf16")?;
+            }
+            if let (Some(head), Some(cbuf)) = (&self.layers[l].evict_head, &mut sl.c) {
+                ops::eviction_score(
+                    &gpu,
+                    &sl.v.slice(0..len * kvd),
+                    len,
+                    kvd,
+                    head,
+                    &mut cbuf.slice_mut(0..len * hk),
+                )?;
+            }
+            if let Some(kc) = &sl.kc {
+                let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |b| dptr(&gpu, b));
+                tab_host[0] = dptr(&gpu, &sl.k);
+                tab_host[1] = opt(&sl.c);
+                tab_host[2] = dptr(&gpu, kc);
+                tab_host[3] = opt(&sl.p);
+                s.memcpy_htod(&tab_host, &mut tab_dev)
+                    .cuda("uploading a compression table")?;
+                let base = dptr(&gpu, &tab_dev);
+                let tab = Tables::new(base, 0, 1);
+                let windows = budget.windows(len);
+                if windows > 0 {
+                    compress(
+                        &gpu,
+                        &budget,
+                        &tab,
+                        dptr(&gpu, &lens_dev),
+                        1,
+                        len,
+                        windows.min(COMPRESS_MAX_GRID_X),
+                        hk,
+                        dh,
+                        self.eviction,
+                        0,
+                    )?;
+                }
+                // The table is rewritten for the next layer: finish this one first.
+                gpu.synchronize()?;
+            }
+        }
+        seq.len = len;
+        gpu.synchronize()
+    }
+
+    /// One forward call over `rows` (see [`Row`]) of `seqs`: appends every
+    /// row's token to its sequence and computes the logits `which` asks for.
+    /// Rows of one sequence must be at consecutive positions starting at its
+    /// length (the public entry points guarantee it). Grids are sized by the
+    /// call's own lengths; pointer tables and row inputs are uploaded per
+    /// call (prefill chunks, and decode batches the device-resident step
+    /// does not take).
+    pub(crate) fn forward(
+        &mut self,
+        seqs: &mut [GpuSequence],
+        rows: &[Row],
+        which: LogitRows,
+    ) -> Result<()> {
+        let n = rows.len();
+        if n == 0 {
+            return Err(Error::Input("forward called with no tokens".into()));
+        }
+        let (d, hq, hk, dh, vocab, nl) = (
+            self.config.hidden_size,
+            self.config.num_attention_heads,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+            self.config.vocab_size,
+            self.config.num_hidden_layers,
+        );
+        let ns = seqs.len();
+        if seqs.iter().any(|s| s.off.is_some()) {
+            return Err(Error::Input(
+                "an offloaded sequence takes decode steps only (prefill before offload_sequence; every row sparse)".into(),
+            ));
+        }
+        let sparse_plan = self.sparse_plan();
+        let path = self.selection;
+        // Each row extends its sequence; every sequence carries its path's state.
+        let mut new_len = seqs.iter().map(|s| s.len).collect::<Vec<_>>();
+        for r in rows {
+            if r.seq >= ns || r.pos != new_len[r.seq] {
+                return Err(Error::Input(format!(
+                    "forward: row for sequence {} at position {} does not extend it (length {})",
+                    r.seq,
+                    r.pos,
+                    new_len.get(r.seq).copied().unwrap_or(0)
+                )));
+            }
+            new_len[r.seq] += 1;
+        }
+        if sparse_plan {
+            for (i, sq) in seqs.iter().enumerate() {
+                let ok = match path {
+                    SelectionPath::HostFallback => sq.mirror.is_some(),
+                    SelectionPath::Gpu => sq.layers.iter().all(|l| l.kc.is_some()),
+                };
+                if !ok {
+                    return Err(Error::Input(format!(
+                        "forward: sequence {i} was not made by this model's selection path {path:?} (create sequences after with_selection_path)"
+                    )));
+                }
+            }
+        }
+        // Room for every row, RoPE tables, workspace (after the spills of
+        // earlier calls, which read the K/V buffers growth may replace).
+        self.spill_wait(seqs)?;
+        for (sq, &len) in seqs.iter_mut().zip(&new_len) {
+            self.ensure_capacity(sq, len)?;
+        }
+        let max_pos = rows.iter().map(|r| r.pos + 1).max().unwrap_or(1);
+        self.ensure_rope(max_pos)?;
+        self.ensure_workspace(n)?;
+        let any_sparse = rows.iter().any(|r| r.sparse);
+        let any_dense_in_sparse = any_sparse && rows.iter().any(|r| !r.sparse);
+        let budget = self.plan.budget;
+        // Block-list width: S for sparse rows; a dense row of a sparse call lists all its blocks.
+        let s_max = if any_sparse {
+            rows.iter()
+                .map(|r| {
+                    if r.sparse {
+                        budget.attended
+                    } else {
+                        budget.blocks(r.pos)
+                    }
+                })
+                .max()
+                .unwrap_or(1)
+                .max(budget.attended)
+                .max(1)
+        } else {
+            1
+        };
+        let hb = ops::attn_head_blocks(hq, hk);
+        let (span, nsplit) = if any_sparse {
+            ops::attn_sparse_split(n, hb, s_max)
+        } else {
+            ops::attn_dense_split(n, hb, max_pos)
+        };
+        let attn_geo = AttnGeometry {
+            sparse: any_sparse,
+            span,
+            nsplit,
+            s_max,
+        };
+        // Query-aware scoring workspace (GPU selection): every row of a sparse
+        // call is scored (dense rows' lists are overwritten afterwards), so
+        // the widths cover them all.
+        let mc_max = if any_sparse {
+            rows.iter()
+                .map(|r| budget.windows(r.pos + 1))
+                .max()
+                .unwrap_or(0)
+        } else {
+            0
+        };
+        let qa_tile = crate::cuda::ops::select::QA_TILE;
+        let w_stride = mc_max.max(1).div_ceil(qa_tile) * qa_tile;
+        let ntiles = w_stride / qa_tile;
+        let nb_max = rows
+            .iter()
+            .map(|r| budget.blocks(r.pos))
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let sel_geo = SelGeometry {
+            mc: mc_max,
+            w_stride,
+            nb_cap: nb_max,
+            s_max,
+        };
+        let gpu = self.gpu.clone();
+        let s = gpu.stream().clone();
+        let per_layer = PTRS_PER_ROW * n + PTRS_PER_SEQ * ns;
+        let table = self.pointer_tables(seqs, rows);
+        let mut ws = self.ws.take().expect("workspace allocated above");
+        let r = (|| -> Result<Option<()>> {
+            let part = n * hq * nsplit;
+            // SAFETY (each `alloc` below): written by a kernel or copy before it is read.
+            if ws.part_o.len() < part * dh {
+                ws.part_o = unsafe { s.alloc(part * dh) }.cuda("allocating attention partials")?;
+            }
+            if ws.part_ml.len() < part * 2 {
+                ws.part_ml = unsafe { s.alloc(part * 2) }.cuda("allocating attention partials")?;
+            }
+            let counts = n * ops::attn_head_blocks(hq, hk);
+            if ws.attn_count.len() < counts {
+                ws.attn_count = s
+                    .alloc_zeros(counts)
+                    .cuda("allocating attention counters")?;
+            }
+            if ws.sel.len() < n * hk * s_max {
+                ws.sel = unsafe { s.alloc(n * hk * s_max) }.cuda("allocating block lists")?;
+            }
+            if ws.ptrs.len() < nl * per_layer {
+                ws.ptrs = unsafe { s.alloc(nl * per_layer) }.cuda("allocating pointer tables")?;
+            }
+            if ws.seq_lens.len() < ns {
+                ws.seq_lens = unsafe { s.alloc(ns) }.cuda("allocating sequence lengths")?;
+            }
+            if any_sparse && path == SelectionPath::Gpu {
+                if ws.qa_logits.len() < n * hq * w_stride {
+                    ws.qa_logits = unsafe { s.alloc(n * hq * w_stride) }
+                        .cuda("allocating the window-score workspace")?;
+                }
+                if ws.qa_stats.len() < n * hq * ntiles * 2 {
+                    ws.qa_stats = unsafe { s.alloc(n * hq * ntiles * 2) }
+                        .cuda("allocating the window-score workspace")?;
+                }
+                if ws.qa_scores.len() < n * hk * w_stride {
+                    ws.qa_scores = unsafe { s.alloc(n * hk * w_stride) }
+                        .cuda("allocating the window-score workspace")?;
+                }
+            }
+            // Row inputs and pointer tables.
+            let ids: Vec<u32> = rows.iter().map(|r| r.token).collect();
+            let pos: Vec<i32> = rows.iter().map(|r| r.pos as i32).collect();
+            let lens: Vec<i32> = rows.iter().map(|r| r.pos as i32 + 1).collect();
+            let dense: Vec<i32> = rows.iter().map(|r| i32::from(!r.sparse)).collect();
+            let slens: Vec<i32> = new_len.iter().map(|&l| l as i32).collect();
+            s.memcpy_htod(&ids, &mut ws.ids.slice_mut(0..n))
+                .cuda("uploading token ids")?;
+            s.memcpy_htod(&pos, &mut ws.pos.slice_mut(0..n))
+                .cuda("uploading positions")?;
+            s.memcpy_htod(&lens, &mut ws.lens.slice_mut(0..n))
+                .cuda("uploading lengths")?;
+            s.memcpy_htod(&dense, &mut ws.dense.slice_mut(0..n))
+                .cuda("uploading row modes")?;
+            s.memcpy_htod(&slens, &mut ws.seq_lens.slice_mut(0..ns))
+                .cuda("uploading sequence lengths")?;
+            s.memcpy_htod(&table, &mut ws.ptrs.slice_mut(0..nl * per_layer))
+                .cuda("uploading KV pointer tables")?;
+            // Embedding; the residual stream starts at zero and takes it as layer 0's delta.
+            ops::embed_gather(
+                &gpu,
+                &self.embed,
+                vocab,
+                d,
+                &ws.ids.slice(0..n),
+                self.config.embed_scale(),
+                &mut ws.delta.slice_mut(0..n * d),
+            )?;
+            s.memset_zeros(&mut ws.resid.slice_mut(0..n * d))
+                .cuda("zeroing the residual stream")?;
+            Ok(Some(()))
+        })();
+        if let Err(e) = r {
+            self.ws = Some(ws);
+            return Err(e);
+        }
+        let inp = RowInputs {
+            pos: dptr(&gpu, &ws.pos),
+            lens: dptr(&gpu, &ws.lens),
+            seq_lens: dptr(&gpu, &ws.seq_lens),
+        };
+        // Tokens each sequence gains in this call (compression recomputes at most
+        // that many tokens' windows; recomputing a complete window is idempotent).
+        let n_new = seqs
+            .iter()
+            .zip(&new_len)
+            .map(|(sq, &l)| l - sq.len)
+            .max()
+            .unwrap_or(0);
+        let new_windows = new_len
+            .iter()
+            .map(|&t| budget.windows(t) - budget.windows(t.saturating_sub(n_new)))
+            .max()
+            .unwrap_or(0);
+        if self.record_selections {
+            self.last_selections = vec![Vec::new(); nl];
+            self.last_queries = vec![Vec::new(); nl];
+        }
+        let w = self.qkv_cols;
+        let ptrs = dptr(&gpu, &ws.ptrs);
+        // A sequence prefilled for offload writes this call's completed
+        // blocks to host memory layer by layer (begin_offload).
+        let spill = if ns == 1 {
+            self.spill_tables(&seqs[0], new_len[0])?
+        } else {
+            None
+        };
+        let r = (|| -> Result<()> {
+            for l in 0..nl {
+                let tab = Tables::new(ptrs + (l * per_layer * 8) as u64, n, ns);
+                let comp = (sparse_plan && path == SelectionPath::Gpu && new_windows > 0)
+                    .then_some((n_new, new_windows.min(COMPRESS_MAX_GRID_X)));
+                self.layer_front(l, &mut ws, n, ns, 0, &inp, &tab, comp, 0)?;
+                if let Some(t) = &spill {
+                    self.spill_layer(&seqs[0], l, t, new_len[0])?;
+                }
+                // Selection state and block lists (spec §3–§4).
+                if sparse_plan && path == SelectionPath::HostFallback {
+                    // The mirror takes every token (dense phases included).
+                    let lists = host_select(
+                        &gpu,
+                        &self.plan,
+                        &self.config,
+                        &ws,
+                        seqs,
+                        rows,
+                        l,
+                        w,
+                        any_sparse,
+                    )?;
+                    if let Some(lists) = lists {
+                        let mut sel = vec![-1i32; n * hk * s_max];
+                        let mut nsel = vec![0i32; n * hk];
+                        for (i, per) in lists.iter().enumerate() {
+                            for (h, list) in per.iter().enumerate() {
+                                for (j, &m) in list.iter().enumerate() {
+                                    sel[(i * hk + h) * s_max + j] = m as i32;
+                                }
+                                nsel[i * hk + h] = list.len() as i32;
+                            }
+                        }
+                        s.memcpy_htod(&sel, &mut ws.sel.slice_mut(0..sel.len()))
+                            .cuda("uploading block lists")?;
+                        s.memcpy_htod(&nsel, &mut ws.nsel.slice_mut(0..nsel.len()))
+                            .cuda("uploading block counts")?;
+                    }
+                } else if any_sparse {
+                    self.gpu_select(&ws, n, 0, 0, 0, &inp, &tab, &sel_geo)?;
+                    if any_dense_in_sparse {
+                        self.fill_dense_rows(&ws, n, inp.lens, s_max)?;
+                    }
+                }
+                if self.record_selections {
+                    self.record_forward_layer(l, &ws, rows, any_sparse, s_max)?;
+                }
+                let sp = self.layer_back(
+                    l,
+                    &mut ws,
+                    n,
+                    0,
+                    0,
+                    0,
+                    &inp,
+                    &tab,
+                    &attn_geo,
+                    None,
+                    SpanId::NONE,
+                )?;
+                self.tspan_end(self.gpu.stream(), sp)?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = r {
+            self.ws = Some(ws);
+            if spill.is_some() {
+                // the spill tables are dropped below: no spill may still read them
+                self.spill_wait(seqs)?;
+            }
+            return Err(e);
+        }
+        let bs = self.plan.budget.block_size;
+        for (sq, len) in seqs.iter_mut().zip(new_len) {
+            sq.len = len;
+            if spill.is_some() {
+                if let Some(sp) = sq.spill.as_mut() {
+                    sp.advance(len, bs);
+                }
+            }
+        }
+        // The spill tables are read by the write-back stream: keep them
+        // alive until it is done with them.
+        if spill.is_some() {
+            self.spill_wait(seqs)?;
+        }
+        drop(spill);
+        let (first, m) = match which {
+            LogitRows::None => (0, 0),
+            LogitRows::Last => (n - 1, 1),
+            LogitRows::All => (0, n),
+        };
+        let r = self.head(&mut ws, n, first, m);
+        self.ws = Some(ws);
+        r?;
+        self.last = if m == 0 {
+            LastLogits::None
+        } else {
+            LastLogits::Forward(m)
+        };
+        Ok(())
+    }
+
+    /// Records layer `l` of a forward call (queries and lists of sparse
+    /// calls; empty lists for dense calls).
+    pub(crate) fn record_forward_layer(
+        &mut self,
+        l: usize,
+        ws: &Workspace,
+        rows: &[Row],
+        any_sparse: bool,
+        s_max: usize,
+    ) -> Result<()> {
+        let (hq, hk, dh) = (
+            self.config.num_attention_heads,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+        );
+        let (n, w) = (rows.len(), self.qkv_cols);
+        if !any_sparse {
+            self.last_selections[l] = vec![vec![Vec::new(); hk]; n];
+            return Ok(());
+        }
+        let qkv = self.gpu.download(&ws.qkv.slice(0..n * w))?;
+        self.last_queries[l] = (0..n)
+            .map(|i| {
+                qkv[i * w..i * w + hq * dh]
+                    .iter()
+                    .map(|x| x.to_f32())
+                    .collect()
+            })
+            .collect();
+        let sel = self.gpu.download(&ws.sel.slice(0..n * hk * s_max))?;
+        let nsel = self.gpu.download(&ws.nsel.slice(0..n * hk))?;
+        self.last_selections[l] = rows
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                (0..hk)
+                    .map(|h| {
+                        if !r.sparse {
+                            return Vec::new();
+                        }
+                        let k = nsel[i * hk + h].clamp(0, s_max as i32) as usize;
+                        let row = &sel[(i * hk + h) * s_max..];
+                        row[..k].iter().map(|&m| m.max(0) as usize).collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        Ok(())
+    }
+}

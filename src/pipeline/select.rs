@@ -1,0 +1,289 @@
+//! Block selection for a layer (spec §4): query-aware scoring and
+//! `select_blocks` on the GPU, dense rows' full lists, and the host
+//! selection of the check path.
+
+use super::*;
+
+impl GpuModel {
+    /// GPU block selection of every row (spec §4) through the per-row
+    /// tables: `qa_window_logits` + `qa_window_scores` over up to `geo.mc`
+    /// windows (grids sized by it; each row scores the Mc(pos+1) windows it
+    /// sees), then `select_blocks` over up to `geo.nb_cap` blocks into the
+    /// lists at `sel_off` / `nsel_off` (width `geo.s_max`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gpu_select(
+        &self,
+        ws: &Workspace,
+        n: usize,
+        qkv_off: usize,
+        sel_off: usize,
+        nsel_off: usize,
+        inp: &RowInputs,
+        tab: &Tables,
+        geo: &SelGeometry,
+    ) -> Result<()> {
+        let gpu = &*self.gpu;
+        let cfg = &self.config;
+        let (hq, hk, dh) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
+        let budget = &self.plan.budget;
+        let g = hq / hk;
+        let qa_tile = crate::cuda::ops::select::QA_TILE;
+        let ntiles = geo.w_stride / qa_tile;
+        let (qs, h_, hk_, d_, wst, nt, st, ks) = (
+            i32_dim(self.qkv_cols, "q_stride")?,
+            i32_dim(hq, "H")?,
+            i32_dim(hk, "Hkv")?,
+            i32_dim(dh, "D")?,
+            i32_dim(geo.w_stride, "w_stride")?,
+            i32_dim(ntiles, "tiles")?,
+            i32_dim(budget.kernel_stride, "kernel_stride")?,
+            i32_dim(budget.kernel_size, "kernel_size")?,
+        );
+        let qp = dptr(gpu, &ws.qkv) + (qkv_off * 2) as u64;
+        let lp = inp.lens;
+        let (lgp, stp, sp) = (
+            dptr(gpu, &ws.qa_logits),
+            dptr(gpu, &ws.qa_stats),
+            dptr(gpu, &ws.qa_scores),
+        );
+        if geo.mc > 0 && self.on(StepPart::WindowScores) {
+            let tiles = geo.mc.div_ceil(qa_tile);
+            let grid3 = (grid(tiles, "tiles")?, grid(hk, "Hkv")?, grid(n, "rows")?);
+            let scale = 1.0 / (dh as f32).sqrt();
+            let f1 = gpu.function("qa_window_logits")?;
+            let smem1 = ensure_smem(
+                gpu,
+                f1,
+                crate::cuda::ops::select::qa_logits_smem_bytes(g, dh),
+                0,
+                "qa_window_logits",
+            )?;
+            let mut l1 = gpu.stream().launch_builder(f1);
+            l1.arg(&qp)
+                .arg(&qs)
+                .arg(&tab.kc)
+                .arg(&lp)
+                .arg(&lgp)
+                .arg(&stp)
+                .arg(&h_)
+                .arg(&hk_)
+                .arg(&d_)
+                .arg(&wst)
+                .arg(&nt)
+                .arg(&st)
+                .arg(&ks)
+                .arg(&scale);
+            let cfg1 = LaunchConfig {
+                grid_dim: grid3,
+                block_dim: (crate::cuda::ops::select::QA_THREADS, 1, 1),
+                shared_mem_bytes: smem1,
+            };
+            // SAFETY: argument list matches qa_window_logits (kernels/select.cu); each
+            // row's Kc holds ≥ Mc(pos+1) windows (compressed above); the workspace
+            // holds n·H·w_stride logits and n·H·ntiles·2 statistics.
+            unsafe { l1.launch(cfg1) }.cuda("qa_window_logits")?;
+            let f2 = gpu.function("qa_window_scores")?;
+            let smem2 = ensure_smem(gpu, f2, 2 * g * 4, 0, "qa_window_scores")?;
+            let mut l2 = gpu.stream().launch_builder(f2);
+            l2.arg(&lgp)
+                .arg(&stp)
+                .arg(&lp)
+                .arg(&sp)
+                .arg(&h_)
+                .arg(&hk_)
+                .arg(&wst)
+                .arg(&nt)
+                .arg(&st)
+                .arg(&ks);
+            let cfg2 = LaunchConfig {
+                grid_dim: grid3,
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: smem2,
+            };
+            // SAFETY: argument list matches qa_window_scores; reads what the
+            // previous kernel wrote for windows < Mc; scores hold n·Hkv·w_stride.
+            unsafe { l2.launch(cfg2) }.cuda("qa_window_scores")?;
+        }
+        if !self.on(StepPart::Select) {
+            return Ok(());
+        }
+        self.select_from_scores(ws, n, tab, sel_off, nsel_off, lp, 0, geo, "select_blocks")
+    }
+
+    /// `select_blocks` (spec §4 steps 2–6) of n rows from the window scores
+    /// in `ws.qa_scores` and the p of the layer whose tables are `tab`, into
+    /// the lists at `sel_off` / `nsel_off`; windows Mc(`win_lens`) (0: Mc of
+    /// the rows' lengths `lens`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn select_from_scores(
+        &self,
+        ws: &Workspace,
+        n: usize,
+        tab: &Tables,
+        sel_off: usize,
+        nsel_off: usize,
+        lens: u64,
+        win_lens: u64,
+        geo: &SelGeometry,
+        op: &str,
+    ) -> Result<()> {
+        let gpu = &*self.gpu;
+        let nosa = self.plan.mode == AttentionMode::Nosa;
+        let args = SelectBlocksArgs {
+            scores: dptr(gpu, &ws.qa_scores),
+            p: if nosa { tab.p } else { 0 },
+            lens,
+            sel: dptr(gpu, &ws.sel) + (sel_off * 4) as u64,
+            nsel: dptr(gpu, &ws.nsel) + (nsel_off * 4) as u64,
+            pooled_r: 0,
+            pooled_e: 0,
+            w_stride: geo.w_stride,
+            s_max: geo.s_max,
+            nb_stride: 0,
+            blocks: geo.nb_cap,
+            kv_heads: self.config.num_key_value_heads,
+            rows: n,
+            nosa,
+            win_lens,
+        };
+        // SAFETY: every row has ≤ nb_cap blocks (the kernel clears rows with
+        // more) and Mc(win_lens or lens) ≤ w_stride scored windows, its p
+        // (NOSA) holds them; the lists hold n·Hkv·s_max / n·Hkv entries.
+        unsafe { launch_select_blocks(gpu, &self.plan.budget, &args, op) }
+    }
+
+    /// Dense rows of a sparse forward call (dense_len) get every existing
+    /// block (`sel_fill_dense`); `s_max` ≥ their block counts.
+    pub(crate) fn fill_dense_rows(
+        &self,
+        ws: &Workspace,
+        n: usize,
+        lens: u64,
+        s_max: usize,
+    ) -> Result<()> {
+        let gpu = &*self.gpu;
+        let hk = self.config.num_key_value_heads;
+        let (hk_, sm, bs) = (
+            i32_dim(hk, "Hkv")?,
+            i32_dim(s_max, "s_max")?,
+            i32_dim(self.plan.budget.block_size, "block size")?,
+        );
+        let (selp, nselp, dp) = (
+            dptr(gpu, &ws.sel),
+            dptr(gpu, &ws.nsel),
+            dptr(gpu, &ws.dense),
+        );
+        let f = gpu.function("sel_fill_dense")?;
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(&selp)
+            .arg(&nselp)
+            .arg(&dp)
+            .arg(&lens)
+            .arg(&hk_)
+            .arg(&sm)
+            .arg(&bs);
+        let cfg = LaunchConfig {
+            grid_dim: (grid(n, "rows")?, grid(hk, "Hkv")?, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument list matches kernels/sel_fill.cu; s_max ≥ every dense
+        // row's block count (sized by the caller).
+        unsafe { b.launch(cfg) }.cuda("sel_fill_dense").map(drop)
+    }
+}
+
+/// Host selection of the check path ([`SelectionPath::HostFallback`]) for layer
+/// `l`: downloads the fused QKV rows (post-RoPE q and k, v) and the new
+/// eviction scores, appends them to each sequence's host mirror (which
+/// completes Kc and p as [`LayerKv::append`] does), then selects per row
+/// and KV head with [`crate::model::select`] (spec §4; for a prompt row at
+/// position t only the windows visible to it, Mc(t+1)). Dense rows of a
+/// sparse call get every existing block (their attention has no bias).
+/// Returns `[row][kv_head]` ascending block ids when `select`, else only
+/// appends (a dense call: the mirror must still see every token).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn host_select(
+    gpu: &Gpu,
+    plan: &AttentionPlan,
+    cfg: &ModelConfig,
+    ws: &Workspace,
+    seqs: &mut [GpuSequence],
+    rows: &[Row],
+    l: usize,
+    w: usize,
+    select: bool,
+) -> Result<Option<Vec<Vec<Vec<usize>>>>> {
+    let (hq, hk, dh) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    );
+    let kvd = hk * dh;
+    let n = rows.len();
+    let qkv: Vec<f32> = gpu
+        .download(&ws.qkv.slice(0..n * w))?
+        .into_iter()
+        .map(Bf16::to_f32)
+        .collect();
+    let budget: &Budget = &plan.budget;
+    // Append this call's tokens to the mirrors, sequence by sequence.
+    for (si, seq) in seqs.iter_mut().enumerate() {
+        let mine: Vec<usize> = (0..n).filter(|&i| rows[i].seq == si).collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let p0 = rows[mine[0]].pos;
+        let cnt = mine.len();
+        let c: Vec<f32> = match &seq.layers[l].c {
+            Some(cbuf) => gpu.download(&cbuf.slice(p0 * hk..(p0 + cnt) * hk))?,
+            None => vec![0.0; cnt * hk],
+        };
+        let (mut k, mut v) = (Vec::with_capacity(cnt * kvd), Vec::with_capacity(cnt * kvd));
+        for &i in &mine {
+            let row = &qkv[i * w..(i + 1) * w];
+            k.extend_from_slice(&row[hq * dh..hq * dh + kvd]);
+            v.extend_from_slice(&row[hq * dh + kvd..hq * dh + 2 * kvd]);
+        }
+        let mirror = seq.mirror.as_mut().ok_or_else(|| {
+            Error::Input("sequence has no host mirror for fallback selection".into())
+        })?;
+        mirror[l].append(budget, &k, &v, &c);
+    }
+    if !select {
+        return Ok(None);
+    }
+    let rule = plan.rule();
+    let g = hq / hk;
+    let mut out = Vec::with_capacity(n);
+    for (i, r) in rows.iter().enumerate() {
+        let t = r.pos;
+        let nb = budget.blocks(t);
+        let rule = match rule {
+            Some(rule) if r.sparse => rule,
+            _ => {
+                out.push(vec![(0..nb).collect::<Vec<usize>>(); hk]);
+                continue;
+            }
+        };
+        let kv = &seqs[r.seq].mirror.as_ref().expect("mirror checked above")[l];
+        let q = &qkv[i * w..i * w + hq * dh];
+        let mc = budget.windows(t + 1);
+        let mut per = Vec::with_capacity(hk);
+        for h in 0..hk {
+            let qh = &q[h * g * dh..(h + 1) * g * dh];
+            let kch = if mc > 0 { &kv.kc[h * dh..] } else { &[][..] };
+            let s = crate::model::select::query_window_scores(qh, dh, kch, kvd, mc);
+            let rr = crate::model::select::pool_blocks(budget, &s, nb);
+            let p: Vec<f32> = (0..mc).map(|x| kv.p[x * hk + h]).collect();
+            let e = crate::model::select::pool_blocks(budget, &p, nb);
+            per.push(crate::model::select::select(budget, rule, &rr, &e));
+        }
+        out.push(per);
+    }
+    Ok(Some(out))
+}

@@ -1,0 +1,566 @@
+//! The decode step: its buffers, pointer tables and key, and how it is
+//! launched. Every decode step goes through [`GpuModel::decode`] /
+//! [`GpuModel::decode_greedy`] → `run_step` → the per-layer schedule of
+//! [`super::schedule`], captured as a CUDA graph or launched eagerly.
+
+use super::*;
+
+/// What a captured decode step depends on besides its per-step inputs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct StepKey {
+    /// (uid, generation) of each row's sequence, in row order.
+    pub(crate) seqs: Vec<(u64, u64)>,
+    /// Every row sparse (else every row dense).
+    pub(crate) sparse: bool,
+    /// The batch's largest capacity, tokens: sizes every grid.
+    pub(crate) cap: usize,
+    /// Rows of the RoPE tables (their buffers move when they grow).
+    pub(crate) rope_rows: usize,
+    /// Offloaded KV (eager step with slot pools and fetches).
+    pub(crate) offload: bool,
+}
+
+/// The device-resident decode step of one batch (see the module doc).
+pub(crate) struct DecodeStep {
+    /// Slot lists, fetch lists and tables of an offloaded batch. First field:
+    /// dropped first, its `Drop` waits for the last write-back, which reads
+    /// the workspace's pointer tables.
+    pub(crate) off: Option<crate::kv::offload::StepOffload>,
+    pub(crate) key: StepKey,
+    /// B: rows = sequences.
+    pub(crate) n: usize,
+    pub(crate) attn: AttnGeometry,
+    pub(crate) sel: SelGeometry,
+    /// Step inputs, u32 [ids n | pos n | lens n | seq_lens n]; advanced on the
+    /// device by the step's last kernel (`argmax_advance`).
+    pub(crate) io: CudaSlice<u32>,
+    pub(crate) ws: Workspace,
+    pub(crate) graph: Option<CudaGraph>,
+    /// Capture failed once: stay eager for this build.
+    pub(crate) capture_failed: bool,
+    /// The sequence lengths the device inputs describe (the next step's positions).
+    pub(crate) dev_lens: Vec<usize>,
+    /// Steps run since the build.
+    pub(crate) steps: usize,
+}
+
+impl GpuModel {
+    /// One decode step for a batch: `tokens[b]` goes to `seqs[b]` at its
+    /// next position; afterwards [`GpuModel::logits`] holds [B, V] and the
+    /// step's greedy argmax is computed (see [`GpuModel::argmax`]). Each
+    /// sequence is sparse or dense by its own length (dense_len, spec §1).
+    ///
+    /// When every row is sparse (or every row dense), the step runs on the
+    /// device-resident step of the module doc ([`DecodeMode`]): one upload of
+    /// the B token ids, positions and lengths, then the captured graph. A
+    /// batch mixing dense and sparse rows, or the host selection fallback,
+    /// runs as a general forward call.
+    ///
+    /// Errors: B = 0, `tokens.len() != seqs.len()`, a token id ≥ V, a length
+    /// past `max_position_embeddings`; [`Error::Cuda`] on a device failure.
+    pub fn decode(&mut self, seqs: &mut [GpuSequence], tokens: &[u32]) -> Result<()> {
+        if seqs.is_empty() || tokens.len() != seqs.len() {
+            return Err(Error::Input(format!(
+                "decode: {} tokens for {} sequences (need one per sequence, at least one)",
+                tokens.len(),
+                seqs.len()
+            )));
+        }
+        for (s, &t) in seqs.iter().zip(tokens) {
+            self.check_tokens(&[t], s.len + 1)?;
+        }
+        let rows: Vec<Row> = seqs
+            .iter()
+            .zip(tokens)
+            .enumerate()
+            .map(|(b, (s, &token))| Row {
+                seq: b,
+                token,
+                pos: s.len,
+                sparse: self.plan.sparse_at(s.len + 1),
+            })
+            .collect();
+        if self.step_eligible(&rows) {
+            self.run_step(seqs, Some(tokens))
+        } else {
+            self.forward(seqs, &rows, LogitRows::All)
+        }
+    }
+
+    /// One greedy decode step fed on the device: each sequence's next token
+    /// is the argmax of its row of the previous step's logits, which that
+    /// step left in the device-resident step inputs — nothing is copied
+    /// between host and device (the benchmark loop, runtime.md §5).
+    /// Afterwards [`GpuModel::logits`] / [`GpuModel::argmax`] are as after
+    /// [`GpuModel::decode`].
+    ///
+    /// Errors: [`Error::Input`] unless the previous call was a
+    /// device-resident decode step of exactly these sequences with nothing
+    /// run on them since (call [`GpuModel::decode`] with tokens first); a
+    /// length past `max_position_embeddings` ([`Error::Limit`]);
+    /// [`Error::Cuda`] on a device failure.
+    pub fn decode_greedy(&mut self, seqs: &mut [GpuSequence]) -> Result<()> {
+        let ok = matches!(self.last, LastLogits::Step(n) if n == seqs.len())
+            && self.step.as_ref().is_some_and(|st| {
+                st.dev_lens.len() == seqs.len()
+                    && st
+                        .key
+                        .seqs
+                        .iter()
+                        .zip(seqs.iter())
+                        .all(|(&(uid, _), s)| uid == s.uid)
+                    && st
+                        .dev_lens
+                        .iter()
+                        .zip(seqs.iter())
+                        .all(|(&l, s)| l == s.len)
+            });
+        if !ok {
+            return Err(Error::Input(
+                "decode_greedy: the previous call was not a device-resident decode step of these sequences; call decode with tokens first".into(),
+            ));
+        }
+        for s in seqs.iter() {
+            self.check_tokens(&[], s.len + 1)?;
+        }
+        let sparse0 = self.plan.sparse_at(seqs[0].len + 1);
+        if seqs
+            .iter()
+            .any(|s| self.plan.sparse_at(s.len + 1) != sparse0)
+        {
+            return Err(Error::Input(
+                "decode_greedy: the batch now mixes dense and sparse rows (dense_len); call decode with tokens".into(),
+            ));
+        }
+        self.run_step(seqs, None)
+    }
+
+    /// Whether a decode call over `rows` can run on the device-resident step.
+    pub(crate) fn step_eligible(&self, rows: &[Row]) -> bool {
+        if self.decode_mode == DecodeMode::Forward {
+            return false;
+        }
+        if self.sparse_plan() && self.selection != SelectionPath::Gpu {
+            return false;
+        }
+        let s0 = rows[0].sparse;
+        rows.iter().all(|r| r.sparse == s0)
+    }
+
+    /// Token ids < V and the length `t_len` within max_position_embeddings.
+    pub(crate) fn check_tokens(&self, tokens: &[u32], t_len: usize) -> Result<()> {
+        let c = &self.config;
+        if t_len > c.max_position_embeddings {
+            return Err(Error::Limit(format!(
+                "sequence of {t_len} tokens exceeds max_position_embeddings {} (override with --max-position / --rope-theta)",
+                c.max_position_embeddings
+            )));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(Error::Input(format!(
+                "token id {bad} is outside the vocabulary of {} ids",
+                c.vocab_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// The RoPE rows a step over `seqs` needs: positions up to the batch's
+    /// capacity (device-fed steps advance without the host), or, for dynamic
+    /// NTK RoPE (tables limited to the original maximum), the next position.
+    pub(crate) fn step_rope_need(&self, seqs: &[GpuSequence], cap: usize) -> usize {
+        let next = seqs.iter().map(|s| s.len + 1).max().unwrap_or(1);
+        let want = cap.min(self.config.max_position_embeddings).max(next);
+        match self.config.rope_scaling {
+            RopeScaling::Dynamic {
+                original_max_position_embeddings: orig,
+                ..
+            } if want > orig => next,
+            _ => want,
+        }
+    }
+
+    /// Runs one device-resident decode step (see the module doc): grows
+    /// caches, (re)builds the step when its key changed, uploads the step
+    /// inputs (when `tokens` is given), then replays the graph (capturing it
+    /// on the second step of a build) or launches the kernels eagerly.
+    pub(crate) fn run_step(
+        &mut self,
+        seqs: &mut [GpuSequence],
+        tokens: Option<&[u32]>,
+    ) -> Result<()> {
+        let n = seqs.len();
+        for sq in seqs.iter_mut() {
+            let need = sq.len + 1;
+            self.ensure_capacity(sq, need)?;
+        }
+        let cap = seqs.iter().map(|s| s.cap).max().unwrap_or(1);
+        let need = self.step_rope_need(seqs, cap);
+        self.ensure_rope(need)?;
+        let rope_rows = self.rope_tables.as_ref().map_or(0, |t| t.rows);
+        let sparse = self.plan.sparse_at(seqs[0].len + 1);
+        let offload = seqs[0].off.is_some();
+        if seqs.iter().any(|s| s.off.is_some() != offload) {
+            return Err(Error::Input(
+                "decode: a batch must be all offloaded or all GPU-resident".into(),
+            ));
+        }
+        if offload && !sparse {
+            return Err(Error::Input(
+                "decode: offloaded sequences decode sparse steps only".into(),
+            ));
+        }
+        let key = StepKey {
+            seqs: seqs.iter().map(|s| (s.uid, s.generation)).collect(),
+            sparse,
+            cap,
+            rope_rows,
+            offload,
+        };
+        if self.step.as_ref().is_none_or(|st| st.key != key) {
+            if tokens.is_none() {
+                return Err(Error::Input(
+                    "decode_greedy: the step must be rebuilt (capacity or batch changed); call decode with tokens".into(),
+                ));
+            }
+            self.step = None;
+            let st = self.build_step(seqs, key)?;
+            self.step = Some(st);
+        }
+        let gpu = self.gpu.clone();
+        let mut st = self.step.take().expect("built above");
+        let r = (|| -> Result<()> {
+            if let Some(toks) = tokens {
+                let mut io = Vec::with_capacity(4 * n);
+                io.extend_from_slice(toks);
+                io.extend(seqs.iter().map(|s| s.len as u32));
+                io.extend(seqs.iter().map(|s| s.len as u32 + 1));
+                io.extend(seqs.iter().map(|s| s.len as u32 + 1));
+                gpu.stream()
+                    .memcpy_htod(&io, &mut st.io)
+                    .cuda("uploading the decode step inputs")?;
+            }
+            if let Some(off) = st.off.as_mut() {
+                off.completes =
+                    crate::kv::write_back::step_completes_block(seqs, self.plan.budget.block_size);
+            }
+            let capture = self.decode_mode == DecodeMode::Graph
+                && st.off.is_none()
+                && !self.trace_on()
+                && st.graph.is_none()
+                && !st.capture_failed
+                && st.steps >= 1;
+            if capture {
+                match gpu.capture(|| self.enqueue_step(&mut st)) {
+                    Ok(g) => st.graph = Some(g),
+                    Err(e) => {
+                        tracing::warn!(
+                            "decode step: CUDA graph capture failed ({e}); running eagerly"
+                        );
+                        st.capture_failed = true;
+                    }
+                }
+            }
+            match &st.graph {
+                Some(g) => g.launch().cuda("cuGraphLaunch (decode step)"),
+                None => self.enqueue_step(&mut st),
+            }
+        })();
+        let ok = r.is_ok();
+        if !ok {
+            // spans the failed step began and never ended
+            self.timeline.borrow_mut().drop_open();
+            self.fetch_spans.borrow_mut().clear();
+        }
+        st.steps += 1;
+        if st.off.is_some() {
+            self.offload_steps += 1;
+        }
+        st.dev_lens = seqs.iter().map(|s| s.len + 1).collect();
+        self.step = Some(st);
+        r?;
+        if ok {
+            for sq in seqs.iter_mut() {
+                sq.len += 1;
+            }
+            self.last = LastLogits::Step(n);
+            if self.record_selections {
+                self.record_step()?;
+            }
+            self.offload_collect_timing()?;
+            self.finish_traced_step()?;
+        }
+        Ok(())
+    }
+
+    /// Allocates a decode step for `seqs` under `key` and uploads its
+    /// pointer tables (the only host→device copy besides the step inputs).
+    pub(crate) fn build_step(&self, seqs: &[GpuSequence], key: StepKey) -> Result<DecodeStep> {
+        let c = &self.config;
+        let (hq, hk, dh, nl) = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.num_hidden_layers,
+        );
+        let n = seqs.len();
+        let budget = self.plan.budget;
+        let hb = ops::attn_head_blocks(hq, hk);
+        let attn = if key.sparse {
+            let s_max = budget.attended.max(1);
+            let (span, nsplit) = ops::attn_sparse_split(n, hb, s_max);
+            AttnGeometry {
+                sparse: true,
+                span,
+                nsplit,
+                s_max,
+            }
+        } else {
+            let (span, nsplit) = ops::attn_dense_split(n, hb, key.cap);
+            AttnGeometry {
+                sparse: false,
+                span,
+                nsplit,
+                s_max: 1,
+            }
+        };
+        let mc = budget.windows(key.cap);
+        let qa_tile = crate::cuda::ops::select::QA_TILE;
+        let sel = SelGeometry {
+            mc,
+            w_stride: mc.max(1).div_ceil(qa_tile) * qa_tile,
+            nb_cap: budget.blocks(key.cap.saturating_sub(1)).max(1),
+            s_max: attn.s_max,
+        };
+        let mut ws = self.new_workspace(n, nl, attn.s_max)?;
+        let s = self.gpu.stream();
+        let part = n * hq * attn.nsplit;
+        // SAFETY (each `alloc`): written by a kernel before it is read.
+        unsafe {
+            ws.part_o = s.alloc(part * dh).cuda("allocating attention partials")?;
+            ws.part_ml = s.alloc(part * 2).cuda("allocating attention partials")?;
+            if key.sparse {
+                let tiles = sel.w_stride / qa_tile;
+                ws.qa_logits = s
+                    .alloc(n * hq * sel.w_stride)
+                    .cuda("allocating the window-score workspace")?;
+                ws.qa_stats = s
+                    .alloc(n * hq * tiles * 2)
+                    .cuda("allocating the window-score workspace")?;
+                ws.qa_scores = s
+                    .alloc(n * hk * sel.w_stride)
+                    .cuda("allocating the window-score workspace")?;
+            }
+        }
+        let rows: Vec<Row> = (0..n)
+            .map(|b| Row {
+                seq: b,
+                token: 0,
+                pos: seqs[b].len,
+                sparse: key.sparse,
+            })
+            .collect();
+        let table = self.pointer_tables(seqs, &rows);
+        s.memcpy_htod(&table, &mut ws.ptrs.slice_mut(0..table.len()))
+            .cuda("uploading KV pointer tables")?;
+        let io: CudaSlice<u32> = self.gpu.zeros(4 * n)?;
+        let off = if key.offload {
+            Some(self.build_step_offload(seqs, attn.s_max)?)
+        } else {
+            None
+        };
+        Ok(DecodeStep {
+            key,
+            n,
+            attn,
+            sel,
+            io,
+            ws,
+            graph: None,
+            capture_failed: false,
+            dev_lens: Vec::new(),
+            steps: 0,
+            off,
+        })
+    }
+
+    /// Per-layer pointer tables of a call over `rows` of `seqs` (see
+    /// [`Tables`]): [L][PTRS_PER_ROW·n + PTRS_PER_SEQ·ns] u64.
+    pub(crate) fn pointer_tables(&self, seqs: &[GpuSequence], rows: &[Row]) -> Vec<u64> {
+        let gpu = &*self.gpu;
+        let (n, ns, nl) = (rows.len(), seqs.len(), self.layers.len());
+        let nosa = self.plan.mode == AttentionMode::Nosa;
+        let per_layer = PTRS_PER_ROW * n + PTRS_PER_SEQ * ns;
+        let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |c| dptr(gpu, c));
+        let mut table = vec![0u64; nl * per_layer];
+        for l in 0..nl {
+            let t = &mut table[l * per_layer..(l + 1) * per_layer];
+            for (i, r) in rows.iter().enumerate() {
+                let sl = &seqs[r.seq].layers[l];
+                let c = opt(&sl.c);
+                t[i] = dptr(gpu, &sl.k);
+                t[n + i] = dptr(gpu, &sl.v);
+                t[2 * n + i] = c;
+                t[3 * n + i] = if r.sparse && nosa { c } else { 0 };
+                t[4 * n + i] = opt(&sl.kc);
+                t[5 * n + i] = opt(&sl.p);
+            }
+            for (j, sq) in seqs.iter().enumerate() {
+                let sl = &sq.layers[l];
+                t[6 * n + j] = dptr(gpu, &sl.k);
+                t[6 * n + ns + j] = opt(&sl.c);
+                t[6 * n + 2 * ns + j] = opt(&sl.kc);
+                t[6 * n + 3 * ns + j] = opt(&sl.p);
+            }
+        }
+        table
+    }
+
+    /// Copies the last step's per-layer queries and block lists to the
+    /// recording ([`GpuModel::last_selections`] / [`GpuModel::last_queries`]).
+    pub(crate) fn record_step(&mut self) -> Result<()> {
+        let st = self.step.as_ref().expect("a step ran");
+        let c = &self.config;
+        let (hq, hk, dh, nl) = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.num_hidden_layers,
+        );
+        let (n, w, s_max) = (st.n, self.qkv_cols, st.attn.s_max);
+        if !st.attn.sparse {
+            self.last_selections = vec![vec![vec![Vec::new(); hk]; n]; nl];
+            self.last_queries = vec![Vec::new(); nl];
+            return Ok(());
+        }
+        let qkv = self.gpu.download(&st.ws.qkv.slice(0..nl * n * w))?;
+        let sel = self
+            .gpu
+            .download(&st.ws.sel.slice(0..nl * n * hk * s_max))?;
+        let nsel = self.gpu.download(&st.ws.nsel.slice(0..nl * n * hk))?;
+        self.last_queries = (0..nl)
+            .map(|l| {
+                (0..n)
+                    .map(|i| {
+                        let o = (l * n + i) * w;
+                        qkv[o..o + hq * dh].iter().map(|x| x.to_f32()).collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        self.last_selections = (0..nl)
+            .map(|l| {
+                (0..n)
+                    .map(|i| {
+                        (0..hk)
+                            .map(|h| {
+                                let r = (l * n + i) * hk + h;
+                                let k = nsel[r].clamp(0, s_max as i32) as usize;
+                                sel[r * s_max..r * s_max + k]
+                                    .iter()
+                                    .map(|&m| m.max(0) as usize)
+                                    .collect()
+                            })
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        Ok(())
+    }
+}
+
+/// Device addresses of one layer's pointer tables (see [`PTRS_PER_ROW`],
+/// [`PTRS_PER_SEQ`]): u64 arrays of n rows / ns sequences.
+pub(crate) struct Tables {
+    /// Per row: K cache, V cache, c (state, for the append), c (attention
+    /// bias: 0 for dense rows and InfLLM-V2), Kc, p.
+    pub(crate) k: u64,
+    pub(crate) v: u64,
+    pub(crate) c_state: u64,
+    pub(crate) c_attn: u64,
+    pub(crate) kc: u64,
+    pub(crate) p: u64,
+    /// Per sequence: K, c, Kc, p (compression).
+    pub(crate) seq_k: u64,
+    pub(crate) seq_c: u64,
+    pub(crate) seq_kc: u64,
+    pub(crate) seq_p: u64,
+}
+
+impl Tables {
+    /// The tables of a layer block starting at device address `base`.
+    pub(crate) fn new(base: u64, n: usize, ns: usize) -> Self {
+        let at = |i: usize| base + (i * 8) as u64;
+        Tables {
+            k: at(0),
+            v: at(n),
+            c_state: at(2 * n),
+            c_attn: at(3 * n),
+            kc: at(4 * n),
+            p: at(5 * n),
+            seq_k: at(6 * n),
+            seq_c: at(6 * n + ns),
+            seq_kc: at(6 * n + 2 * ns),
+            seq_p: at(6 * n + 3 * ns),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    pub(crate) fn pointer_tables_are_laid_out_back_to_back() {
+        let (n, ns) = (5usize, 3usize);
+        let t = Tables::new(1000, n, ns);
+        let got = [
+            t.k, t.v, t.c_state, t.c_attn, t.kc, t.p, t.seq_k, t.seq_c, t.seq_kc, t.seq_p,
+        ];
+        let want: Vec<u64> = [0, n, 2 * n, 3 * n, 4 * n, 5 * n]
+            .into_iter()
+            .chain((0..PTRS_PER_SEQ).map(|j| PTRS_PER_ROW * n + j * ns))
+            .map(|i| 1000 + 8 * i as u64)
+            .collect();
+        assert_eq!(got.to_vec(), want);
+    }
+
+    #[test]
+    pub(crate) fn selection_path_follows_the_environment_variable() {
+        // Only reads the variable; the default (unset or any other value) is the GPU path.
+        let p = default_selection_path();
+        match std::env::var("SPARDA_SELECTION").as_deref() {
+            Ok("host") => assert_eq!(p, SelectionPath::HostFallback),
+            _ => assert_eq!(p, SelectionPath::Gpu),
+        }
+    }
+
+    #[test]
+    pub(crate) fn decode_mode_follows_the_environment_variable() {
+        let m = DecodeMode::from_env();
+        match std::env::var("SPARDA_DECODE").as_deref() {
+            Ok("eager") => assert_eq!(m, DecodeMode::Eager),
+            Ok("forward") => assert_eq!(m, DecodeMode::Forward),
+            _ => assert_eq!(m, DecodeMode::Graph),
+        }
+    }
+
+    #[test]
+    pub(crate) fn step_keys_differ_when_a_sequence_moves_or_the_capacity_changes() {
+        let k = StepKey {
+            seqs: vec![(1, 0), (2, 0)],
+            sparse: true,
+            cap: 4096,
+            rope_rows: 8192,
+            offload: false,
+        };
+        let mut grown = k.clone();
+        grown.seqs[1].1 = 1;
+        assert_ne!(k, grown);
+        let mut cap = k.clone();
+        cap.cap = 8192;
+        assert_ne!(k, cap);
+        assert_eq!(k, k.clone());
+    }
+}
