@@ -24,8 +24,7 @@
 //! Also measured in the same run: the layer-GEMM ceiling at each batch size
 //! (every layer's four GEMMs as one CUDA graph, [`GpuModel::gemm_ceiling`])
 //! and, for B = 1 at the smallest dense context, the same step without the
-//! graph ([`DecodeMode::Eager`]) and through the general forward call
-//! ([`DecodeMode::Forward`]) for comparison; and, per case, the time of
+//! graph ([`DecodeMode::Eager`]) for comparison; and, per case, the time of
 //! each piece of the step alone ([`GpuModel::profile_step`]).
 
 use crate::cpu::EngineOptions;
@@ -303,15 +302,8 @@ fn percentile(v: &[f64], p: f64) -> f64 {
 }
 
 /// Timed greedy decode: `steps` device-fed steps with an event after each;
-/// returns the per-step milliseconds. `fed` = false feeds `token` from the
-/// host every step instead (for [`DecodeMode::Forward`]).
-fn time_steps(
-    model: &mut GpuModel,
-    seqs: &mut [GpuSequence],
-    steps: usize,
-    fed: bool,
-    token: &[u32],
-) -> Result<StepTimes> {
+/// returns the per-step milliseconds.
+fn time_steps(model: &mut GpuModel, seqs: &mut [GpuSequence], steps: usize) -> Result<StepTimes> {
     let gpu = model.gpu().clone();
     let events = (0..=steps)
         .map(|_| gpu.timing_event())
@@ -320,11 +312,7 @@ fn time_steps(
     events[0].record(gpu.stream()).cuda("cuEventRecord")?;
     let t_host = std::time::Instant::now();
     for ev in &events[1..] {
-        if fed {
-            model.decode_greedy(seqs)?;
-        } else {
-            model.decode(seqs, token)?;
-        }
+        model.decode_greedy(seqs)?;
         ev.record(gpu.stream()).cuda("cuEventRecord")?;
     }
     let host_ms = t_host.elapsed().as_secs_f64() * 1e3;
@@ -498,7 +486,7 @@ fn run_case(
     if offload.is_some() {
         model.reset_offload_stats()?;
     }
-    let timed = time_steps(model, &mut seqs, spec.steps, true, &first)?;
+    let timed = time_steps(model, &mut seqs, spec.steps)?;
     let host_ms_per_step = timed.host_ms_per_step;
     let per_step = timed.gpu_ms;
     let graph = model.last_step_was_graph();
@@ -582,13 +570,12 @@ fn run_case(
     );
     if compare_modes {
         let mut modes = serde_json::Map::new();
-        for mode in [DecodeMode::Eager, DecodeMode::Forward] {
+        {
+            let mode = DecodeMode::Eager;
             model.set_decode_mode(mode);
-            let fed = mode != DecodeMode::Forward;
-            let toks: Vec<u32> = first.clone();
-            model.decode(&mut seqs, &toks)?; // rebuild / warm up
+            model.decode(&mut seqs, &first)?; // rebuild / warm up
             let n = spec.steps.min(32);
-            let ms = time_steps(model, &mut seqs, n, fed, &toks)?.gpu_ms;
+            let ms = time_steps(model, &mut seqs, n)?.gpu_ms;
             let mean = ms.iter().sum::<f64>() / n as f64;
             eprintln!(
                 "    {mode:?}: step {mean:.3} ms (median {:.3})",
@@ -597,7 +584,7 @@ fn run_case(
             modes.insert(
                 format!("{mode:?}").to_lowercase(),
                 json!({"step_ms_mean": mean, "step_ms_median": median(&ms), "timed_steps": n,
-                       "token_feed": if fed { "device (argmax of the previous step)" } else { "host (same id every step)" }}),
+                       "token_feed": "device (argmax of the previous step)"}),
             );
         }
         model.set_decode_mode(DecodeMode::Graph);
@@ -608,7 +595,7 @@ fn run_case(
         let mode = model.decode_mode();
         model.set_decode_mode(DecodeMode::Eager);
         model.decode(&mut seqs, &first)?;
-        let plain = time_steps(model, &mut seqs, spec.trace_steps, true, &first)?;
+        let plain = time_steps(model, &mut seqs, spec.trace_steps)?;
         model.set_trace(true)?;
         // events for the warm-up and timed traced steps, made before timing
         model.reserve_trace(spec.trace_steps + 1)?;
@@ -616,7 +603,7 @@ fn run_case(
             batch, context, kv = kv_name(&offload).as_str(), selection = v["selection"].as_str().unwrap_or(""))
         .entered();
         model.decode(&mut seqs, &first)?;
-        let traced = time_steps(model, &mut seqs, spec.trace_steps, true, &first)?;
+        let traced = time_steps(model, &mut seqs, spec.trace_steps)?;
         drop(_span);
         let spans = model.flush_trace()?;
         model.set_trace(false)?;

@@ -92,6 +92,11 @@ struct OffloadCheckArgs {
     /// Attended blocks S per (sequence, KV head).
     #[arg(long)]
     budget_blocks: Option<usize>,
+    /// Override the model's sparse_config.dense_len (tokens; spec §1: a
+    /// sequence shorter than this attends densely). With --batch, sequences
+    /// on both sides of it make steps that mix dense and sparse rows.
+    #[arg(long)]
+    dense_len: Option<usize>,
     #[command(flatten)]
     offload: OffloadArgs,
     /// Forecast weights (FILE or synth[:SEED]): every run selects with the
@@ -102,8 +107,9 @@ struct OffloadCheckArgs {
     #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "on,off")]
     prefetch: Vec<OnOff>,
     /// With --forecast: also compare the GPU's forecast selections with the
-    /// CPU reference's over this many teacher-forced steps (0: skip; CPU
-    /// time grows with the model).
+    /// CPU reference's over this many teacher-forced steps of the whole
+    /// batch, GPU-resident and offloaded (0: skip; CPU time grows with the
+    /// model).
     #[arg(long, default_value_t = 0)]
     cpu_check_steps: usize,
     /// Stress: also run prefetch with this many µs of injected delay before

@@ -1,5 +1,5 @@
 //! `offload-check`: offloaded decode against GPU-resident sparse decode,
-//! bit for bit (issue 4 item 8; testing.md "Bitwise identity").
+//! bit for bit (testing.md "Bitwise identity").
 //!
 //! Both runs use the same prefill (the GPU-resident one), the same
 //! selection kernels and the same attention kernel reducing in ascending
@@ -211,121 +211,163 @@ pub fn offload_identity(
     Ok((all, v))
 }
 
-/// GPU forecast selection against the CPU reference's (issue 5 item 6;
-/// spec §4 "Forecast mode"): the CPU reference with the same forecast
-/// weights decodes `steps` greedy tokens after `prompt`; the GPU model
-/// (forecast on, KV as configured) is teacher-forced with those tokens and
-/// every step's block sets, per layer and KV head, are compared. A set that
-/// differs passes only as a near-tie (the CPU's own forecast scores of the
-/// differing blocks within [`super::e2e::NEAR_TIE`] of the cut that
-/// decided them: inputs differ by bf16 rounding) or as a cascade of a
-/// difference in a lower layer. Returns (pass, JSON record).
+/// GPU forecast selection against the CPU reference's (spec §4 "Forecast
+/// mode"): the CPU reference with the same forecast weights decodes `steps`
+/// greedy tokens after each of `prompts`; the GPU model (forecast on, KV
+/// and decode mode as configured) decodes the B sequences together,
+/// teacher-forced with those tokens, and every step's block sets, per row,
+/// layer and KV head, are compared. Prompts of different lengths on both
+/// sides of `dense_len` make steps that mix dense rows (no selection:
+/// empty sets on both sides) and sparse rows, with rows crossing dense_len
+/// during the run. A set that differs passes only as a near-tie (the CPU's
+/// own forecast scores of the differing blocks within
+/// [`super::e2e::NEAR_TIE`] of the cut that decided them: inputs differ by
+/// bf16 rounding) or as a cascade of a difference in a lower layer of the
+/// same row and step. Returns (pass, JSON record).
 ///
-/// Errors: CPU or GPU failures.
+/// Errors: CPU or GPU failures; an empty batch.
 pub fn forecast_selection(
     model: &mut GpuModel,
     cpu: &crate::cpu::CpuModel,
-    prompt: &[u32],
+    prompts: &[Vec<u32>],
     steps: usize,
 ) -> Result<(bool, Value)> {
     use crate::sample::argmax;
-    let mut seq = cpu.new_sequence();
-    let mut logits = cpu.prefill(&mut seq, prompt, |_, _| {})?;
-    let mut tokens = Vec::with_capacity(steps);
-    let mut sels = Vec::with_capacity(steps);
-    let mut fcs = Vec::with_capacity(steps);
-    for _ in 0..steps {
-        let tok = argmax(&logits);
-        tokens.push(tok);
-        logits = cpu.decode(&mut seq, tok)?;
-        sels.push(seq.selections.clone());
-        fcs.push(seq.forecasts.clone());
+    if prompts.is_empty() {
+        return Err(Error::Input("forecast_selection: no prompts".into()));
+    }
+    // The CPU reference, one sequence at a time: tokens, selections and
+    // forecasts of every step, and its final state (for the cut scores).
+    struct CpuRun {
+        tokens: Vec<u32>,
+        sels: Vec<Vec<Vec<Vec<usize>>>>,
+        fcs: Vec<Vec<Option<(Vec<f32>, usize)>>>,
+        seq: crate::cpu::Sequence,
+    }
+    let mut runs = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        let mut seq = cpu.new_sequence();
+        let mut logits = cpu.prefill(&mut seq, prompt, |_, _| {})?;
+        let (mut tokens, mut sels, mut fcs) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..steps {
+            let tok = argmax(&logits);
+            tokens.push(tok);
+            logits = cpu.decode(&mut seq, tok)?;
+            sels.push(seq.selections.clone());
+            fcs.push(seq.forecasts.clone());
+        }
+        runs.push(CpuRun {
+            tokens,
+            sels,
+            fcs,
+            seq,
+        });
     }
     model.set_record_selections(true);
-    let mut gseq = model.new_sequence(prompt.len() + steps + 1)?;
-    if model.offload_options().is_some() {
-        model.begin_offload(&mut gseq, prompt.len() + steps + 1)?;
-    }
-    model.prefill(&mut gseq, prompt, |_, _| {})?;
-    if model.offload_options().is_some() {
-        model.offload_sequence(&mut gseq, prompt.len() + steps + 1)?;
+    let offload = model.offload_options().is_some();
+    let mut gseqs = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        let cap = prompt.len() + steps + 1;
+        let mut g = model.new_sequence(cap)?;
+        if offload {
+            model.begin_offload(&mut g, cap)?;
+        }
+        model.prefill(&mut g, prompt, |_, _| {})?;
+        if offload {
+            model.offload_sequence(&mut g, cap)?;
+        }
+        gseqs.push(g);
     }
     let (mut sets, mut equal, mut near, mut cascades, mut unexplained) = (0, 0, 0, 0, 0);
+    let (mut dense_sets, mut mixed_steps) = (0usize, 0usize);
     let mut max_gap = 0.0f64;
     let mut examples = Vec::new();
     let plan = cpu.plan;
     let bs = plan.budget.block_size;
-    for (step, &tok) in tokens.iter().enumerate() {
-        model.decode(std::slice::from_mut(&mut gseq), &[tok])?;
-        let t_len = prompt.len() + step + 1;
+    for step in 0..steps {
+        let toks: Vec<u32> = runs.iter().map(|r| r.tokens[step]).collect();
+        let dense_rows = gseqs
+            .iter()
+            .filter(|g| !plan.sparse_at(g.len() + 1))
+            .count();
+        mixed_steps += usize::from(dense_rows > 0 && dense_rows < gseqs.len());
+        model.decode(&mut gseqs, &toks)?;
         let got = model.last_selections();
-        let mut lower = false;
-        for (l, want_l) in sels[step].iter().enumerate() {
-            let mut differs = false;
-            for (h, want) in want_l.iter().enumerate() {
-                let g = got
-                    .get(l)
-                    .and_then(|r| r.first())
-                    .and_then(|x| x.get(h))
-                    .cloned()
-                    .unwrap_or_default();
-                sets += 1;
-                if &g == want {
-                    equal += 1;
-                    continue;
-                }
-                differs = true;
-                let diff: Vec<usize> = want
-                    .iter()
-                    .filter(|m| !g.contains(m))
-                    .chain(g.iter().filter(|m| !want.contains(m)))
-                    .copied()
-                    .collect();
-                let gap = match &fcs[step][l] {
-                    Some((f, windows)) => {
-                        let dh = f.len() / seq.layers[l].kv_heads;
-                        let s = crate::cpu::forecast_window_scores(
-                            &f[h * dh..(h + 1) * dh],
-                            &seq.layers[l],
-                            h,
-                            *windows,
-                        );
-                        super::e2e::cut_gap_scores(&plan, &seq.layers[l], &s, h, t_len, &diff)
+        for (b, run) in runs.iter().enumerate() {
+            let t_len = prompts[b].len() + step + 1;
+            let mut lower = false;
+            for (l, want_l) in run.sels[step].iter().enumerate() {
+                let mut differs = false;
+                for (h, want) in want_l.iter().enumerate() {
+                    let g = got
+                        .get(l)
+                        .and_then(|r| r.get(b))
+                        .and_then(|x| x.get(h))
+                        .cloned()
+                        .unwrap_or_default();
+                    sets += 1;
+                    dense_sets += usize::from(want.is_empty());
+                    if &g == want {
+                        equal += 1;
+                        continue;
                     }
-                    None => f64::INFINITY,
-                };
-                let how = if gap <= super::e2e::NEAR_TIE {
-                    near += 1;
-                    max_gap = max_gap.max(gap);
-                    "near-tie"
-                } else if lower {
-                    cascades += 1;
-                    "cascade"
-                } else {
-                    unexplained += 1;
-                    "UNEXPLAINED"
-                };
-                if examples.len() < 32 {
-                    examples.push(json!({"step": step, "layer": l, "head": h, "cpu": want, "gpu": g,
-                        "cut_gap": if gap.is_finite() { json!(gap) } else { json!(null) }, "explained_as": how,
-                        "current_block": (t_len - 1) / bs}));
+                    differs = true;
+                    let diff: Vec<usize> = want
+                        .iter()
+                        .filter(|m| !g.contains(m))
+                        .chain(g.iter().filter(|m| !want.contains(m)))
+                        .copied()
+                        .collect();
+                    let layer = &run.seq.layers[l];
+                    let gap = match &run.fcs[step][l] {
+                        Some((f, windows)) if !want.is_empty() && !g.is_empty() => {
+                            let dh = f.len() / layer.kv_heads;
+                            let s = crate::cpu::forecast_window_scores(
+                                &f[h * dh..(h + 1) * dh],
+                                layer,
+                                h,
+                                *windows,
+                            );
+                            super::e2e::cut_gap_scores(&plan, layer, &s, h, t_len, &diff)
+                        }
+                        _ => f64::INFINITY,
+                    };
+                    let how = if gap <= super::e2e::NEAR_TIE {
+                        near += 1;
+                        max_gap = max_gap.max(gap);
+                        "near-tie"
+                    } else if lower {
+                        cascades += 1;
+                        "cascade"
+                    } else {
+                        unexplained += 1;
+                        "UNEXPLAINED"
+                    };
+                    if examples.len() < 32 {
+                        examples.push(json!({"step": step, "row": b, "layer": l, "head": h, "cpu": want, "gpu": g,
+                            "cut_gap": if gap.is_finite() { json!(gap) } else { json!(null) }, "explained_as": how,
+                            "current_block": (t_len - 1) / bs}));
+                    }
                 }
+                lower |= differs;
             }
-            lower |= differs;
         }
     }
     model.set_record_selections(false);
-    drop(gseq);
+    drop(gseqs);
     model.release_buffers();
     let pass = unexplained == 0;
     eprintln!(
-        "forecast selection vs CPU reference: {equal}/{sets} sets equal, {near} near-ties (max gap {max_gap:.2e}), {cascades} cascades, {unexplained} unexplained"
+        "forecast selection vs CPU reference (B = {}, {mixed_steps} steps mixing dense and sparse rows): {equal}/{sets} sets equal ({dense_sets} of dense rows), {near} near-ties (max gap {max_gap:.2e}), {cascades} cascades, {unexplained} unexplained",
+        prompts.len()
     );
     Ok((
         pass,
-        json!({"steps": steps, "prompt_tokens": prompt.len(), "sets": sets, "equal": equal,
-            "near_ties": near, "max_near_tie_gap": max_gap, "cascades": cascades,
-            "unexplained": unexplained, "pass": pass, "examples": examples,
+        json!({"steps": steps, "prompt_tokens": prompts.iter().map(Vec::len).collect::<Vec<_>>(),
+            "dense_len": plan.sparse.dense_len, "decode_mode": format!("{:?}", model.decode_mode()),
+            "steps_mixing_dense_and_sparse_rows": mixed_steps, "sets": sets, "equal": equal,
+            "dense_row_sets": dense_sets, "near_ties": near, "max_near_tie_gap": max_gap,
+            "cascades": cascades, "unexplained": unexplained, "pass": pass, "examples": examples,
             "near_tie_bound": super::e2e::NEAR_TIE}),
     ))
 }

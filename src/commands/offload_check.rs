@@ -11,14 +11,27 @@ use sparda::tokenizer::Tokenizer;
 use sparda::{Error, Result};
 use std::path::PathBuf;
 
-/// Opens a model again for the CPU reference (the GPU run dropped its copy).
-pub(crate) fn ckpt_cpu(model: &str) -> Result<sparda::weights::Checkpoint> {
-    sparda::bench::open_model(model)
+/// Opens `model` with `--dense-len` applied to its sparse settings.
+///
+/// Errors: as [`sparda::bench::open_model`]; [`Error::Input`] for a
+/// dense_len on a model without sparse settings.
+fn open_checked(a: &OffloadCheckArgs) -> Result<sparda::weights::Checkpoint> {
+    let mut ckpt = sparda::bench::open_model(&a.model)?;
+    if let Some(dl) = a.dense_len {
+        let sc = ckpt.config.sparse.as_mut().ok_or_else(|| {
+            Error::Input(format!(
+                "--dense-len {dl}: {} has no sparse_config to set it in",
+                a.model
+            ))
+        })?;
+        sc.dense_len = dl;
+    }
+    Ok(ckpt)
 }
 
 pub(crate) fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
     sparda::cuda::require()?;
-    let ckpt = sparda::bench::open_model(&a.model)?;
+    let ckpt = open_checked(&a)?;
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| {
         if a.model.starts_with("synth:") {
             fixture_tokenizer()
@@ -124,7 +137,8 @@ pub(crate) fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
         sparda::checks::identity::offload_identity(&mut model, &prompts, a.new_tokens, &modes)?;
     v["forecast"] = serde_json::json!(a.forecast);
     if let (Some(f), true) = (&forecast, a.cpu_check_steps > 0) {
-        let mut cpu = CpuModel::new(&ckpt_cpu(&a.model)?, opts)?;
+        // the CPU reference opens the model again (the GPU run dropped its copy)
+        let mut cpu = CpuModel::new(&open_checked(&a)?, opts)?;
         cpu.set_forecast(Some(f.clone()))?;
         let mut per_kv = serde_json::Map::new();
         for kv in [None, a.offload.options().first().copied()] {
@@ -132,7 +146,7 @@ pub(crate) fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
             let (pass, j) = sparda::checks::identity::forecast_selection(
                 &mut model,
                 &cpu,
-                &prompt,
+                &prompts,
                 a.cpu_check_steps,
             )?;
             ok &= pass;

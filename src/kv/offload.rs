@@ -297,9 +297,10 @@ impl GpuModel {
     /// from now on ([`GpuModel::offload_sequence`]).
     ///
     /// Errors: [`Error::Input`] unless the plan is sparse with GPU
-    /// selection (offload keeps only the selected blocks on the GPU), a
-    /// dense phase (dense_len > 0) that would need every block, or an SM
-    /// fetch with 0 CTAs.
+    /// selection (offload keeps only the selected blocks on the GPU), or an
+    /// SM fetch with 0 or more than 1024 CTAs; [`Error::Config`] for a dense
+    /// phase that does not fit the slot pool (dense_len > S·block_size,
+    /// spec §1; dense rows then attend to every block through the pool).
     pub fn set_offload(&mut self, opts: Option<OffloadOptions>) -> Result<()> {
         if let Some(o) = &opts {
             if !self.sparse_plan() || self.selection != SelectionPath::Gpu {
@@ -307,12 +308,10 @@ impl GpuModel {
                     "--kv offload needs sparse attention with GPU selection (the model runs dense: add --attention sparse)".into(),
                 ));
             }
-            if self.plan.sparse.dense_len > 0 {
-                return Err(Error::Input(format!(
-                    "--kv offload: sparse_config.dense_len = {} makes the first steps dense; offloaded decode runs sparse steps only (set dense_len 0)",
-                    self.plan.sparse.dense_len
-                )));
-            }
+            // spec §1: the dense phase (T < dense_len) must fit the slot pool
+            self.plan
+                .sparse
+                .validate_offload(std::path::Path::new("config.json"))?;
             let b = &self.plan.budget;
             if b.attended > crate::cuda::ops::offload::SLOT_DIFF_MAX_SLOTS {
                 return Err(Error::Input(format!(

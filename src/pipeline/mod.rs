@@ -106,7 +106,6 @@ pub use crate::kv::offload::{OffloadOptions, OffloadStats};
 pub use crate::kv::resident::GpuSequence;
 pub(crate) use layer::compress;
 pub use profile::GemmCeiling;
-pub(crate) use select::host_select;
 pub(crate) use step::{DecodeStep, Tables};
 pub(crate) use workspace::{
     AttnGeometry, LastLogits, LogitRows, Row, RowInputs, SelGeometry, Workspace,
@@ -142,7 +141,10 @@ pub fn default_selection_path() -> SelectionPath {
     }
 }
 
-/// How [`GpuModel::decode`] runs a decode step.
+/// How [`GpuModel::decode`] launches a decode step. Both launch the same
+/// step (one decode path, [`step`] and [`schedule`]); a step that needs the
+/// host in the middle (offloaded KV, tracing, the host selection path) is
+/// always launched eagerly.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub enum DecodeMode {
     /// Device-resident step buffers, the step captured once as a CUDA graph
@@ -152,19 +154,15 @@ pub enum DecodeMode {
     /// The same device-resident step, launched kernel by kernel every time
     /// (no graph): for comparisons and debugging.
     Eager,
-    /// Every step through the general forward call (per-call pointer-table
-    /// and input uploads, grids sized by the current lengths), as prefill
-    /// runs: for comparisons.
-    Forward,
 }
 
 impl DecodeMode {
-    /// From `$SPARDA_DECODE` (`graph`, `eager`, `forward`); [`DecodeMode::Graph`]
+    /// From `$SPARDA_DECODE` (`graph`, `eager`; `forward`, the name of a
+    /// former separate decode path, now means `eager`); [`DecodeMode::Graph`]
     /// when unset or unrecognised.
     pub fn from_env() -> Self {
         match std::env::var("SPARDA_DECODE").as_deref() {
-            Ok("eager") => DecodeMode::Eager,
-            Ok("forward") => DecodeMode::Forward,
+            Ok("eager") | Ok("forward") => DecodeMode::Eager,
             _ => DecodeMode::Graph,
         }
     }

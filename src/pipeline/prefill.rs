@@ -419,7 +419,6 @@ impl GpuModel {
             self.last_selections = vec![Vec::new(); nl];
             self.last_queries = vec![Vec::new(); nl];
         }
-        let w = self.qkv_cols;
         let ptrs = dptr(&gpu, &ws.ptrs);
         // A sequence prefilled for offload writes this call's completed
         // blocks to host memory layer by layer (begin_offload).
@@ -440,37 +439,11 @@ impl GpuModel {
                 // Selection state and block lists (spec §3–§4).
                 if sparse_plan && path == SelectionPath::HostFallback {
                     // The mirror takes every token (dense phases included).
-                    let lists = host_select(
-                        &gpu,
-                        &self.plan,
-                        &self.config,
-                        &ws,
-                        seqs,
-                        rows,
-                        l,
-                        w,
-                        any_sparse,
-                    )?;
-                    if let Some(lists) = lists {
-                        let mut sel = vec![-1i32; n * hk * s_max];
-                        let mut nsel = vec![0i32; n * hk];
-                        for (i, per) in lists.iter().enumerate() {
-                            for (h, list) in per.iter().enumerate() {
-                                for (j, &m) in list.iter().enumerate() {
-                                    sel[(i * hk + h) * s_max + j] = m as i32;
-                                }
-                                nsel[i * hk + h] = list.len() as i32;
-                            }
-                        }
-                        s.memcpy_htod(&sel, &mut ws.sel.slice_mut(0..sel.len()))
-                            .cuda("uploading block lists")?;
-                        s.memcpy_htod(&nsel, &mut ws.nsel.slice_mut(0..nsel.len()))
-                            .cuda("uploading block counts")?;
-                    }
+                    self.host_select_lists(&mut ws, seqs, rows, l, 0, 0, 0, s_max, any_sparse)?;
                 } else if any_sparse {
                     self.gpu_select(&ws, n, 0, 0, 0, &inp, &tab, &sel_geo)?;
                     if any_dense_in_sparse {
-                        self.fill_dense_rows(&ws, n, inp.lens, s_max)?;
+                        self.fill_dense_rows(&ws, n, inp.lens, s_max, 0, 0)?;
                     }
                 }
                 if self.record_selections {
@@ -519,7 +492,6 @@ impl GpuModel {
         let (first, m) = match which {
             LogitRows::None => (0, 0),
             LogitRows::Last => (n - 1, 1),
-            LogitRows::All => (0, n),
         };
         let r = self.head(&mut ws, n, first, m);
         self.ws = Some(ws);

@@ -38,7 +38,8 @@ impl GpuModel {
     /// must be dropped too.
     ///
     /// Errors: [`Error::Input`] without a device-resident step (run a
-    /// decode step first) or for reps 0; [`Error::Cuda`] on a failure.
+    /// decode step first), for reps 0, or on the host selection path;
+    /// [`Error::Cuda`] on a failure.
     pub fn profile_step(&mut self, reps: usize) -> Result<Vec<(StepPart, f64)>> {
         if reps == 0 {
             return Err(Error::Input("profile_step: reps must be ≥ 1".into()));
@@ -46,6 +47,12 @@ impl GpuModel {
         let mut st = self.step.take().ok_or_else(|| {
             Error::Input("profile_step: no device-resident decode step; run one first".into())
         })?;
+        if st.key.host_selection {
+            self.step = Some(st);
+            return Err(Error::Input(
+                "profile_step: the host selection path cannot be captured per piece".into(),
+            ));
+        }
         self.last = LastLogits::None;
         let gpu = self.gpu.clone();
         let sparse = st.attn.sparse;
@@ -65,7 +72,7 @@ impl GpuModel {
                 continue;
             }
             self.only_part.set(Some(part));
-            let g = gpu.capture(|| self.enqueue_step(&mut st));
+            let g = gpu.capture(|| self.enqueue_step(&mut st, &mut []));
             self.only_part.set(None);
             let g = g?;
             for _ in 0..2 {

@@ -29,8 +29,10 @@ impl GpuModel {
     /// Enqueues a whole decode step on the stream (no host work besides
     /// launches, so it can be captured): embedding of the ids in `st.io`,
     /// every layer, final norm, lm_head, argmax, and the advance of the step
-    /// inputs for the next step.
-    pub(crate) fn enqueue_step(&self, st: &mut DecodeStep) -> Result<()> {
+    /// inputs for the next step. `seqs` are the step's sequences (the host
+    /// selection path appends to their host mirrors; nothing else reads
+    /// them here).
+    pub(crate) fn enqueue_step(&self, st: &mut DecodeStep, seqs: &mut [GpuSequence]) -> Result<()> {
         let gpu = &*self.gpu;
         let c = &self.config;
         let (d, vocab, nl) = (c.hidden_size, c.vocab_size, c.num_hidden_layers);
@@ -60,7 +62,10 @@ impl GpuModel {
         }
         let ptrs = dptr(gpu, &st.ws.ptrs);
         self.offload_wait_write_back(st)?;
-        let forecast = self.forecast_cols.filter(|_| st.attn.sparse);
+        let any_sparse = st.key.dense_rows.iter().any(|&d| !d);
+        // Dense rows of a step over block lists list every block they have.
+        let fill_dense = st.attn.sparse && st.key.dense_rows.iter().any(|&d| d);
+        let forecast = self.forecast_cols.filter(|_| any_sparse);
         let prefetch = forecast.is_some() && self.prefetch && st.off.is_some();
         let s_max = st.attn.s_max;
         let lists = |l: usize| (l * n * hk * s_max, l * n * hk);
@@ -77,17 +82,37 @@ impl GpuModel {
             self.layer_front(l, &mut st.ws, n, n, qkv_off, &inp, &tab, comp, ring)?;
             self.rope_forecast(&st.ws, n, qkv_off, inp.pos)?;
             let (sel_off, nsel_off) = lists(l);
-            let slots = match forecast {
+            let (slots, sp) = match forecast {
                 None => {
-                    if st.attn.sparse {
+                    // sync: layer l's own selection from its real query
+                    let sp = if st.attn.sparse || st.key.host_selection {
                         let sp = self.tspan_next(&cs, sp, "select", l)?;
-                        self.gpu_select(
-                            &st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.sel,
-                        )?;
-                        self.tspan_end(&cs, sp)?;
+                        if st.key.host_selection {
+                            let rows: Vec<Row> = (0..n)
+                                .map(|b| Row {
+                                    seq: b,
+                                    token: 0,
+                                    pos: seqs[b].len,
+                                    sparse: !st.key.dense_rows[b],
+                                })
+                                .collect();
+                            self.host_select_lists(
+                                &mut st.ws, seqs, &rows, l, qkv_off, sel_off, nsel_off, s_max,
+                                any_sparse,
+                            )?;
+                        } else if any_sparse {
+                            self.gpu_select(
+                                &st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.sel,
+                            )?;
+                        }
+                        if fill_dense && !st.key.host_selection {
+                            self.fill_dense_rows(&st.ws, n, inp.lens, s_max, sel_off, nsel_off)?;
+                        }
+                        sp
                     } else {
-                        self.tspan_end(&cs, sp)?;
-                    }
+                        sp
+                    };
+                    self.tspan_end(&cs, sp)?;
                     (
                         self.offload_layer(st, l, sel_off, nsel_off, inp.lens)?,
                         SpanId::NONE,
@@ -108,6 +133,9 @@ impl GpuModel {
                             0,
                             &st.sel,
                         )?;
+                        if fill_dense {
+                            self.fill_dense_rows(&st.ws, n, inp.lens, s_max, sel_off, nsel_off)?;
+                        }
                         if st.off.as_ref().is_some_and(|o| o.offloaded(0)) {
                             // layer 0's own diff and synchronous fetch, in their own spans
                             sp = self.tspan_next(&cs, sp, "diff", 0)?;
@@ -133,6 +161,9 @@ impl GpuModel {
                             inp.pos,
                             &st.sel,
                         )?;
+                        if fill_dense {
+                            self.fill_dense_rows(&st.ws, n, inp.lens, s_max, ns_off, nn_off)?;
+                        }
                         sp = self.tspan_next(&cs, sp, "diff", l + 1)?;
                         let offloaded = self.offload_diff(st, l + 1, ns_off, nn_off, inp.lens)?;
                         if offloaded && prefetch {
@@ -159,7 +190,6 @@ impl GpuModel {
                     (self.offload_attn_slots(st, l), sp)
                 }
             };
-            let (slots, sp) = slots;
             open = self.layer_back(
                 l, &mut st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.attn, slots, sp,
             )?;

@@ -156,6 +156,68 @@ impl GpuModel {
         unsafe { launch_select_blocks(gpu, &self.plan.budget, &args, op) }
     }
 
+    /// The host selection of the check path ([`SelectionPath::HostFallback`])
+    /// for layer `l` of a call over `rows`: appends the layer's new tokens
+    /// (the fused QKV rows at element `qkv_off`) to the sequences' host
+    /// mirrors with [`host_select`] and, when `select`, uploads each row's
+    /// lists into the lists at `sel_off` / `nsel_off` (width `s_max`).
+    /// Synchronises (downloads the rows first).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn host_select_lists(
+        &self,
+        ws: &mut Workspace,
+        seqs: &mut [GpuSequence],
+        rows: &[Row],
+        l: usize,
+        qkv_off: usize,
+        sel_off: usize,
+        nsel_off: usize,
+        s_max: usize,
+        select: bool,
+    ) -> Result<()> {
+        let hk = self.config.num_key_value_heads;
+        let n = rows.len();
+        let lists = host_select(
+            &self.gpu,
+            &self.plan,
+            &self.config,
+            ws,
+            seqs,
+            rows,
+            l,
+            self.qkv_cols,
+            qkv_off,
+            select,
+        )?;
+        let Some(lists) = lists else {
+            return Ok(());
+        };
+        let mut sel = vec![-1i32; n * hk * s_max];
+        let mut nsel = vec![0i32; n * hk];
+        for (i, per) in lists.iter().enumerate() {
+            for (h, list) in per.iter().enumerate() {
+                if list.len() > s_max {
+                    return Err(Error::Limit(format!(
+                        "host selection: row {i}, layer {l}, KV head {h} lists {} blocks, more than the {s_max} the step has room for",
+                        list.len()
+                    )));
+                }
+                for (j, &m) in list.iter().enumerate() {
+                    sel[(i * hk + h) * s_max + j] = m as i32;
+                }
+                nsel[i * hk + h] = list.len() as i32;
+            }
+        }
+        let s = self.gpu.stream();
+        s.memcpy_htod(&sel, &mut ws.sel.slice_mut(sel_off..sel_off + sel.len()))
+            .cuda("uploading block lists")?;
+        s.memcpy_htod(
+            &nsel,
+            &mut ws.nsel.slice_mut(nsel_off..nsel_off + nsel.len()),
+        )
+        .cuda("uploading block counts")
+    }
+
     /// Dense rows of a sparse forward call (dense_len) get every existing
     /// block (`sel_fill_dense`); `s_max` ≥ their block counts.
     pub(crate) fn fill_dense_rows(
@@ -164,6 +226,8 @@ impl GpuModel {
         n: usize,
         lens: u64,
         s_max: usize,
+        sel_off: usize,
+        nsel_off: usize,
     ) -> Result<()> {
         let gpu = &*self.gpu;
         let hk = self.config.num_key_value_heads;
@@ -173,8 +237,8 @@ impl GpuModel {
             i32_dim(self.plan.budget.block_size, "block size")?,
         );
         let (selp, nselp, dp) = (
-            dptr(gpu, &ws.sel),
-            dptr(gpu, &ws.nsel),
+            dptr(gpu, &ws.sel) + (sel_off * 4) as u64,
+            dptr(gpu, &ws.nsel) + (nsel_off * 4) as u64,
             dptr(gpu, &ws.dense),
         );
         let f = gpu.function("sel_fill_dense")?;
@@ -198,7 +262,7 @@ impl GpuModel {
 }
 
 /// Host selection of the check path ([`SelectionPath::HostFallback`]) for layer
-/// `l`: downloads the fused QKV rows (post-RoPE q and k, v) and the new
+/// `l`: downloads the fused QKV rows (at element `qkv_off` of `ws.qkv`) (post-RoPE q and k, v) and the new
 /// eviction scores, appends them to each sequence's host mirror (which
 /// completes Kc and p as [`LayerKv::append`] does), then selects per row
 /// and KV head with [`crate::model::select`] (spec §4; for a prompt row at
@@ -216,6 +280,7 @@ pub(crate) fn host_select(
     rows: &[Row],
     l: usize,
     w: usize,
+    qkv_off: usize,
     select: bool,
 ) -> Result<Option<Vec<Vec<Vec<usize>>>>> {
     let (hq, hk, dh) = (
@@ -226,7 +291,7 @@ pub(crate) fn host_select(
     let kvd = hk * dh;
     let n = rows.len();
     let qkv: Vec<f32> = gpu
-        .download(&ws.qkv.slice(0..n * w))?
+        .download(&ws.qkv.slice(qkv_off..qkv_off + n * w))?
         .into_iter()
         .map(Bf16::to_f32)
         .collect();

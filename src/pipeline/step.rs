@@ -10,8 +10,16 @@ use super::*;
 pub(crate) struct StepKey {
     /// (uid, generation) of each row's sequence, in row order.
     pub(crate) seqs: Vec<(u64, u64)>,
-    /// Every row sparse (else every row dense).
+    /// Attention over block lists (some row is sparse, or the KV is
+    /// offloaded: offloaded attention always reads slot lists); else every
+    /// row attends densely to its whole cache.
     pub(crate) sparse: bool,
+    /// Per row: dense (T < dense_len, spec §1: every existing block, no
+    /// eviction bias) rather than sparse.
+    pub(crate) dense_rows: Vec<bool>,
+    /// The selection needs the host in the middle of the step
+    /// ([`SelectionPath::HostFallback`]): never captured.
+    pub(crate) host_selection: bool,
     /// The batch's largest capacity, tokens: sizes every grid.
     pub(crate) cap: usize,
     /// Rows of the RoPE tables (their buffers move when they grow).
@@ -50,11 +58,12 @@ impl GpuModel {
     /// step's greedy argmax is computed (see [`GpuModel::argmax`]). Each
     /// sequence is sparse or dense by its own length (dense_len, spec §1).
     ///
-    /// When every row is sparse (or every row dense), the step runs on the
-    /// device-resident step of the module doc ([`DecodeMode`]): one upload of
-    /// the B token ids, positions and lengths, then the captured graph. A
-    /// batch mixing dense and sparse rows, or the host selection fallback,
-    /// runs as a general forward call.
+    /// Every batch runs on the device-resident step of [`super::step`]: one
+    /// upload of the B token ids, positions and lengths, then the per-layer
+    /// schedule of [`super::schedule`] — replayed as a CUDA graph
+    /// ([`DecodeMode::Graph`]) or launched eagerly (offloaded KV, tracing,
+    /// the host selection path, [`DecodeMode::Eager`]). Dense and sparse
+    /// rows mix freely in one step.
     ///
     /// Errors: B = 0, `tokens.len() != seqs.len()`, a token id ≥ V, a length
     /// past `max_position_embeddings`; [`Error::Cuda`] on a device failure.
@@ -69,22 +78,7 @@ impl GpuModel {
         for (s, &t) in seqs.iter().zip(tokens) {
             self.check_tokens(&[t], s.len + 1)?;
         }
-        let rows: Vec<Row> = seqs
-            .iter()
-            .zip(tokens)
-            .enumerate()
-            .map(|(b, (s, &token))| Row {
-                seq: b,
-                token,
-                pos: s.len,
-                sparse: self.plan.sparse_at(s.len + 1),
-            })
-            .collect();
-        if self.step_eligible(&rows) {
-            self.run_step(seqs, Some(tokens))
-        } else {
-            self.forward(seqs, &rows, LogitRows::All)
-        }
+        self.run_step(seqs, Some(tokens))
     }
 
     /// One greedy decode step fed on the device: each sequence's next token
@@ -96,8 +90,9 @@ impl GpuModel {
     ///
     /// Errors: [`Error::Input`] unless the previous call was a
     /// device-resident decode step of exactly these sequences with nothing
-    /// run on them since (call [`GpuModel::decode`] with tokens first); a
-    /// length past `max_position_embeddings` ([`Error::Limit`]);
+    /// run on them since (call [`GpuModel::decode`] with tokens first), or
+    /// when the step must be rebuilt (a capacity grew, or a row crossed
+    /// dense_len); a length past `max_position_embeddings` ([`Error::Limit`]);
     /// [`Error::Cuda`] on a device failure.
     pub fn decode_greedy(&mut self, seqs: &mut [GpuSequence]) -> Result<()> {
         let ok = matches!(self.last, LastLogits::Step(n) if n == seqs.len())
@@ -123,28 +118,7 @@ impl GpuModel {
         for s in seqs.iter() {
             self.check_tokens(&[], s.len + 1)?;
         }
-        let sparse0 = self.plan.sparse_at(seqs[0].len + 1);
-        if seqs
-            .iter()
-            .any(|s| self.plan.sparse_at(s.len + 1) != sparse0)
-        {
-            return Err(Error::Input(
-                "decode_greedy: the batch now mixes dense and sparse rows (dense_len); call decode with tokens".into(),
-            ));
-        }
         self.run_step(seqs, None)
-    }
-
-    /// Whether a decode call over `rows` can run on the device-resident step.
-    pub(crate) fn step_eligible(&self, rows: &[Row]) -> bool {
-        if self.decode_mode == DecodeMode::Forward {
-            return false;
-        }
-        if self.sparse_plan() && self.selection != SelectionPath::Gpu {
-            return false;
-        }
-        let s0 = rows[0].sparse;
-        rows.iter().all(|r| r.sparse == s0)
     }
 
     /// Token ids < V and the length `t_len` within max_position_embeddings.
@@ -198,21 +172,28 @@ impl GpuModel {
         let need = self.step_rope_need(seqs, cap);
         self.ensure_rope(need)?;
         let rope_rows = self.rope_tables.as_ref().map_or(0, |t| t.rows);
-        let sparse = self.plan.sparse_at(seqs[0].len + 1);
         let offload = seqs[0].off.is_some();
         if seqs.iter().any(|s| s.off.is_some() != offload) {
             return Err(Error::Input(
                 "decode: a batch must be all offloaded or all GPU-resident".into(),
             ));
         }
-        if offload && !sparse {
+        let dense_rows: Vec<bool> = seqs
+            .iter()
+            .map(|s| !self.plan.sparse_at(s.len + 1))
+            .collect();
+        let any_sparse = dense_rows.iter().any(|&d| !d);
+        let host_selection = self.sparse_plan() && self.selection == SelectionPath::HostFallback;
+        if host_selection && any_sparse && self.forecast_cols.is_some() {
             return Err(Error::Input(
-                "decode: offloaded sequences decode sparse steps only".into(),
+                "decode: forecast selection runs on the GPU only; the host selection path (SPARDA_SELECTION=host) selects by the real query".into(),
             ));
         }
         let key = StepKey {
             seqs: seqs.iter().map(|s| (s.uid, s.generation)).collect(),
-            sparse,
+            sparse: any_sparse || offload,
+            dense_rows,
+            host_selection,
             cap,
             rope_rows,
             offload,
@@ -220,7 +201,7 @@ impl GpuModel {
         if self.step.as_ref().is_none_or(|st| st.key != key) {
             if tokens.is_none() {
                 return Err(Error::Input(
-                    "decode_greedy: the step must be rebuilt (capacity or batch changed); call decode with tokens".into(),
+                    "decode_greedy: the step must be rebuilt (a capacity grew, the batch changed, or a row crossed dense_len); call decode with tokens".into(),
                 ));
             }
             self.step = None;
@@ -246,12 +227,13 @@ impl GpuModel {
             }
             let capture = self.decode_mode == DecodeMode::Graph
                 && st.off.is_none()
+                && !st.key.host_selection
                 && !self.trace_on()
                 && st.graph.is_none()
                 && !st.capture_failed
                 && st.steps >= 1;
             if capture {
-                match gpu.capture(|| self.enqueue_step(&mut st)) {
+                match gpu.capture(|| self.enqueue_step(&mut st, seqs)) {
                     Ok(g) => st.graph = Some(g),
                     Err(e) => {
                         tracing::warn!(
@@ -263,7 +245,7 @@ impl GpuModel {
             }
             match &st.graph {
                 Some(g) => g.launch().cuda("cuGraphLaunch (decode step)"),
-                None => self.enqueue_step(&mut st),
+                None => self.enqueue_step(&mut st, seqs),
             }
         })();
         let ok = r.is_ok();
@@ -307,7 +289,8 @@ impl GpuModel {
         let budget = self.plan.budget;
         let hb = ops::attn_head_blocks(hq, hk);
         let attn = if key.sparse {
-            let s_max = budget.attended.max(1);
+            let any_dense = key.dense_rows.iter().any(|&d| d);
+            let s_max = list_width(&budget, self.plan.sparse.dense_len, key.cap, any_dense);
             let (span, nsplit) = ops::attn_sparse_split(n, hb, s_max);
             AttnGeometry {
                 sparse: true,
@@ -357,12 +340,15 @@ impl GpuModel {
                 seq: b,
                 token: 0,
                 pos: seqs[b].len,
-                sparse: key.sparse,
+                sparse: !key.dense_rows[b],
             })
             .collect();
         let table = self.pointer_tables(seqs, &rows);
         s.memcpy_htod(&table, &mut ws.ptrs.slice_mut(0..table.len()))
             .cuda("uploading KV pointer tables")?;
+        let dense: Vec<i32> = key.dense_rows.iter().map(|&d| i32::from(d)).collect();
+        s.memcpy_htod(&dense, &mut ws.dense.slice_mut(0..n))
+            .cuda("uploading row modes")?;
         let io: CudaSlice<u32> = self.gpu.zeros(4 * n)?;
         let off = if key.offload {
             Some(self.build_step_offload(seqs, attn.s_max)?)
@@ -416,8 +402,8 @@ impl GpuModel {
         table
     }
 
-    /// Copies the last step's per-layer queries and block lists to the
-    /// recording ([`GpuModel::last_selections`] / [`GpuModel::last_queries`]).
+    /// Copies the last step's per-layer queries and block lists (empty for
+    /// dense rows, as in a prefill call) to the recording ([`GpuModel::last_selections`] / [`GpuModel::last_queries`]).
     pub(crate) fn record_step(&mut self) -> Result<()> {
         let st = self.step.as_ref().expect("a step ran");
         let c = &self.config;
@@ -454,6 +440,10 @@ impl GpuModel {
                     .map(|i| {
                         (0..hk)
                             .map(|h| {
+                                if st.key.dense_rows[i] {
+                                    // a dense row attends to everything: no selection
+                                    return Vec::new();
+                                }
                                 let r = (l * n + i) * hk + h;
                                 let k = nsel[r].clamp(0, s_max as i32) as usize;
                                 sel[r * s_max..r * s_max + k]
@@ -468,6 +458,20 @@ impl GpuModel {
             .collect();
         Ok(())
     }
+}
+
+/// Width of a step's block lists (entries per row and KV head): the
+/// attended budget S, or, when some row is dense (T < `dense_len`), every
+/// block such a row can have while it stays dense within a capacity of
+/// `cap` tokens (positions ≤ min(cap, dense_len − 1) − 1).
+pub(crate) fn list_width(budget: &Budget, dense_len: usize, cap: usize, any_dense: bool) -> usize {
+    let dense_blocks = if any_dense {
+        let last_pos = cap.saturating_sub(1).min(dense_len.saturating_sub(2));
+        budget.blocks(last_pos)
+    } else {
+        0
+    };
+    budget.attended.max(dense_blocks).max(1)
 }
 
 /// Device addresses of one layer's pointer tables (see [`PTRS_PER_ROW`],
@@ -540,21 +544,43 @@ mod tests {
     pub(crate) fn decode_mode_follows_the_environment_variable() {
         let m = DecodeMode::from_env();
         match std::env::var("SPARDA_DECODE").as_deref() {
-            Ok("eager") => assert_eq!(m, DecodeMode::Eager),
-            Ok("forward") => assert_eq!(m, DecodeMode::Forward),
+            Ok("eager") | Ok("forward") => assert_eq!(m, DecodeMode::Eager),
             _ => assert_eq!(m, DecodeMode::Graph),
         }
     }
 
     #[test]
-    pub(crate) fn step_keys_differ_when_a_sequence_moves_or_the_capacity_changes() {
+    fn a_dense_row_lists_every_block_it_can_have_while_dense() {
+        let sc = crate::config::SparseConfig::default();
+        let budget = Budget::new(&sc);
+        assert_eq!(budget.attended, 64);
+        // no dense row: the budget
+        assert_eq!(list_width(&budget, 8192, 100_000, false), 64);
+        // dense_len 8192 (MiniCPM4-style): T ≤ 8191, position ≤ 8190, 128 blocks
+        assert_eq!(list_width(&budget, 8192, 100_000, true), 128);
+        assert_eq!(budget.blocks(8190), 128);
+        // a smaller capacity bounds it: positions < 1000 → 16 blocks < S
+        assert_eq!(list_width(&budget, 8192, 1000, true), 64);
+        // offload's rule dense_len ≤ S·block_size keeps dense rows within S
+        assert_eq!(list_width(&budget, 64 * 64, 100_000, true), 64);
+        assert_eq!(list_width(&budget, 64 * 64 + 64, 100_000, true), 65);
+    }
+
+    #[test]
+    pub(crate) fn step_keys_differ_when_a_sequence_moves_the_capacity_changes_or_a_row_crosses_dense_len(
+    ) {
         let k = StepKey {
             seqs: vec![(1, 0), (2, 0)],
             sparse: true,
+            dense_rows: vec![false, true],
+            host_selection: false,
             cap: 4096,
             rope_rows: 8192,
             offload: false,
         };
+        let mut crossed = k.clone();
+        crossed.dense_rows[1] = false;
+        assert_ne!(k, crossed, "a row crossing dense_len rebuilds the step");
         let mut grown = k.clone();
         grown.seqs[1].1 = 1;
         assert_ne!(k, grown);

@@ -113,8 +113,6 @@ pub(crate) enum LogitRows {
     None,
     /// The last row only (end of a prefill).
     Last,
-    /// Every row (decode: one per sequence).
-    All,
 }
 
 /// Where the logits of the last call are.
