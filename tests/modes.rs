@@ -4,7 +4,8 @@
 mod common;
 use common::rel_l2;
 use sparda::config::{AttentionMode, Mup, SparseConfig};
-use sparda::cpu::{CpuModel, EngineOptions, Logits, Phase};
+use sparda::cpu::{ops, CpuModel, EngineOptions, Logits, Phase, Sequence};
+use sparda::model::forecast::ForecastWeights;
 use sparda::model::{AttentionOverrides, AttentionPlan, PrefillMode, SelectionRule};
 use sparda::synth::{self, Preset};
 use sparda::weights::names::{self, LayerTensor};
@@ -174,6 +175,128 @@ fn dense_prefill_then_sparse_decode() {
     let lb = nosa_f.decode(&mut b, 5).unwrap();
     assert!(rel_l2(&lb, &la) > 1e-3, "decode is sparse");
     assert!(b.selections.iter().all(|l| l.iter().all(|s| s.len() == 6)));
+}
+
+/// The CPU model of `ckpt` with `dense_len` in its sparse_config, in
+/// forecast mode when `forecast` is given.
+fn with_dense_len(
+    ckpt: &mut Checkpoint,
+    dense_len: usize,
+    forecast: Option<&ForecastWeights>,
+) -> CpuModel {
+    ckpt.config.sparse = Some(SparseConfig {
+        dense_len,
+        ..ckpt.config.sparse.unwrap()
+    });
+    let mut model = CpuModel::new(ckpt, EngineOptions::default()).unwrap();
+    model.set_forecast(forecast.cloned()).unwrap();
+    model
+}
+
+/// Decodes `toks` one per call on a copy of `seq`: every step's logits,
+/// [n, V], and the sequence afterwards.
+fn one_per_call(model: &CpuModel, seq: &Sequence, toks: &[u32]) -> (Vec<f32>, Sequence) {
+    let mut seq = seq.clone();
+    let logits = toks
+        .iter()
+        .flat_map(|&t| model.decode(&mut seq, t).unwrap())
+        .collect();
+    (logits, seq)
+}
+
+/// dense_len is decided per token (spec §1): a decode call whose tokens cross
+/// dense_len runs those with T < dense_len dense and the rest sparse, as
+/// decoding them one per call does — bitwise for decode shapes (at most
+/// `ops::MATVEC_ROWS` rows: the same f32 arithmetic per row), within rounding
+/// for longer calls; with query-aware and with forecast selection.
+#[test]
+fn decode_call_crossing_dense_len_switches_at_the_crossing_token() {
+    let mut ckpt = synth::build(Preset::Tiny, 2).unwrap();
+    let v = ckpt.config.vocab_size;
+    let fw = {
+        let tensors = ForecastWeights::synth_tensors(&ckpt.config, 7);
+        ForecastWeights::from_store(
+            &ckpt.config,
+            &TensorStore::from_tensors(tensors),
+            std::path::Path::new("synth"),
+        )
+        .unwrap()
+    };
+    // 420 prompt tokens: past the 384-token budget, so selection drops blocks;
+    // prefilled dense (420 < every dense_len below), the same for all models.
+    let p = 420;
+    let prefill_model = with_dense_len(&mut ckpt, p + 2, None);
+    let mut prefilled = prefill_model.new_sequence();
+    prefill_model
+        .prefill(&mut prefilled, &tokens(p), |_, _| {})
+        .unwrap();
+    let call = [101u32, 202, 303, 404];
+    let n = call.len();
+    assert!(n <= ops::MATVEC_ROWS, "decode shapes: per-row arithmetic");
+    for forecast in [None, Some(&fw)] {
+        let mode = if forecast.is_some() {
+            "forecast"
+        } else {
+            "query-aware"
+        };
+        // token i has T = p + i + 1: all sparse at dense_len p + 1, all dense at p + n + 1
+        let (all_sparse, _) = one_per_call(
+            &with_dense_len(&mut ckpt, p + 1, forecast),
+            &prefilled,
+            &call,
+        );
+        let (all_dense, _) = one_per_call(
+            &with_dense_len(&mut ckpt, p + n + 1, forecast),
+            &prefilled,
+            &call,
+        );
+        for k in 1..n {
+            // dense_len p + 1 + k: tokens 0 … k−1 dense, k … n−1 sparse
+            let model = with_dense_len(&mut ckpt, p + 1 + k, forecast);
+            let (want, want_seq) = one_per_call(&model, &prefilled, &call);
+            let mut seq = prefilled.clone();
+            let got = model
+                .forward(&mut seq, &call, Phase::Decode, Logits::All)
+                .unwrap();
+            assert!(
+                got == want,
+                "{mode}, {k} dense tokens: one call differs from one token per call (rel L2 {:e})",
+                rel_l2(&got, &want)
+            );
+            assert_eq!(seq.len(), p + n);
+            assert_eq!(seq.selections, want_seq.selections, "{mode}, k {k}");
+            assert_eq!(seq.forecasts, want_seq.forecasts, "{mode}, k {k}");
+            // both sides really run: the dense tokens are an all-dense run's,
+            // the first token is not an all-sparse run's, the first sparse
+            // token not an all-dense run's
+            assert!(got[..k * v] == all_dense[..k * v], "{mode}, k {k}");
+            let row = |l: &[f32], i: usize| l[i * v..(i + 1) * v].to_vec();
+            assert!(
+                rel_l2(&row(&got, 0), &row(&all_sparse, 0)) > 1e-3,
+                "{mode}, k {k}"
+            );
+            assert!(
+                rel_l2(&row(&got, k), &row(&all_dense, k)) > 1e-3,
+                "{mode}, k {k}"
+            );
+            // Logits::Last is the last token's row
+            let last = model
+                .forward(&mut prefilled.clone(), &call, Phase::Decode, Logits::Last)
+                .unwrap();
+            assert!(last == row(&want, n - 1), "{mode}, k {k}: Logits::Last");
+        }
+    }
+    // a longer call (GEMM shapes), crossing after 5 of its 9 tokens
+    let long: Vec<u32> = (0..9u32).map(|i| 500 + 37 * i).collect();
+    let model = with_dense_len(&mut ckpt, p + 1 + 5, None);
+    let (want, _) = one_per_call(&model, &prefilled, &long);
+    let got = model
+        .forward(&mut prefilled.clone(), &long, Phase::Decode, Logits::All)
+        .unwrap();
+    for i in 0..long.len() {
+        let err = rel_l2(&got[i * v..(i + 1) * v], &want[i * v..(i + 1) * v]);
+        assert!(err < 1e-4, "long call, token {i}: rel L2 {err:e}");
+    }
 }
 
 /// muP: scale_emb s, residual factor scale_depth/√L = r and logit divisor

@@ -50,7 +50,8 @@ pub enum Phase {
         /// Tokens in the whole prompt.
         prompt_len: usize,
     },
-    /// One generated token (or a teacher-forced run of them).
+    /// One generated token (or a teacher-forced run of them), each token
+    /// dense or sparse by its own length T (dense iff T < dense_len).
     Decode,
 }
 
@@ -228,7 +229,7 @@ pub struct Sequence {
     /// Per layer.
     pub layers: Vec<LayerKv>,
     /// `selections[layer][kv_head]`: ascending block ids attended by the last
-    /// query of the last forward call (empty when that call was dense).
+    /// query of the last forward call (empty when that query was dense).
     pub selections: Vec<Vec<Vec<usize>>>,
     /// `forecasts[layer]`: in forecast mode, the forecast query the last
     /// decode step selected that layer's blocks with — post-RoPE, [Hkv, D] —
@@ -482,9 +483,14 @@ impl CpuModel {
     /// Runs `tokens` through the model at positions T … T+n−1 of `seq`,
     /// appending their §3 state, and returns logits (f32, \[V\] or [n, V]).
     ///
-    /// Dense or sparse per spec §1/§6: sparse iff the plan is sparse, the
-    /// sequence reaches dense_len with this call, and this is not a prefill
-    /// under `--prefill dense`.
+    /// Dense or sparse per spec §1/§6. Prefill: sparse iff the plan is
+    /// sparse, the whole prompt reaches dense_len, and not `--prefill dense`.
+    /// Decode: per token — token i (T = t0 + i + 1 with t0 = `seq.len()`) is
+    /// sparse iff the plan is sparse and T ≥ dense_len; a call that crosses
+    /// dense_len runs as two decode calls, its dense tokens then its sparse
+    /// ones, so each token gets the attention it would get decoded alone. In
+    /// forecast mode a sparse decode call runs one token per call (forecast
+    /// selection is per decode step, spec §4).
     ///
     /// Errors: an empty call, a token id ≥ V, or a length past
     /// `max_position_embeddings` (with the numbers).
@@ -513,6 +519,22 @@ impl CpuModel {
                 c.vocab_size
             )));
         }
+        if phase == Phase::Decode && n > 1 {
+            // dense_len is decided per token (spec §1): T = t0 + i + 1 < dense_len
+            // is dense. Split a call that crosses it at the crossing token.
+            let dense = (0..n)
+                .take_while(|&i| !self.plan.sparse_at(t0 + i + 1))
+                .count();
+            if dense > 0 && dense < n {
+                let (d, s) = tokens.split_at(dense);
+                return self.decode_in_parts(seq, [d, s], logits);
+            }
+            // Forecast selection is defined per decode step: a sparse call
+            // (dense is 0 or n here) runs one token at a time.
+            if self.forecast.is_some() && dense == 0 {
+                return self.decode_in_parts(seq, tokens.chunks(1), logits);
+            }
+        }
         // Sequence length for length-dependent RoPE (dynamic NTK): the whole
         // prompt during prefill, so the result does not depend on chunking.
         let rope_len = match phase {
@@ -523,7 +545,8 @@ impl CpuModel {
             Phase::Prefill { prompt_len } => {
                 self.plan.sparse_at(prompt_len) && self.prefill != PrefillMode::Dense
             }
-            Phase::Decode => self.plan.sparse_at(t0 + n),
+            // every token of a decode call is on one side of dense_len (split above)
+            Phase::Decode => self.plan.sparse_at(t0 + 1),
         };
         let d = c.hidden_size;
         let mut x = Vec::with_capacity(n * d);
@@ -537,17 +560,6 @@ impl CpuModel {
         }
         // bf16 emulation: embed_gather writes bf16(embed · scale_emb) (kernels/embedding.cu).
         self.round_at(&mut x, |p| p.embed);
-        if self.forecast.is_some() && sparse && phase == Phase::Decode && n > 1 {
-            // Forecast selection is defined per decode step: one token at a time.
-            let mut all = Vec::new();
-            for (i, &t) in tokens.iter().enumerate() {
-                let l = self.forward(seq, &[t], Phase::Decode, logits)?;
-                if logits == Logits::All || i + 1 == n {
-                    all.extend(l);
-                }
-            }
-            return Ok(all);
-        }
         let forecast = self.forecast.is_some() && sparse && phase == Phase::Decode;
         // The forecast for the next layer, computed by the current one (spec §4).
         let mut pending: Option<Vec<f32>> = None;
@@ -593,6 +605,27 @@ impl CpuModel {
         };
         let head = self.lm_head.as_deref().unwrap_or(&self.embed);
         Ok(ops::linear(&h, m, head, None, c.vocab_size))
+    }
+
+    /// Runs the consecutive `parts` of one decode call as decode calls of
+    /// their own, in order, and returns the logits the whole call would:
+    /// every part's rows for [`Logits::All`], the last part's for
+    /// [`Logits::Last`].
+    fn decode_in_parts<'a>(
+        &self,
+        seq: &mut Sequence,
+        parts: impl IntoIterator<Item = &'a [u32]>,
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
+        let mut all = Vec::new();
+        for part in parts {
+            let l = self.forward(seq, part, Phase::Decode, logits)?;
+            match logits {
+                Logits::All => all.extend(l),
+                Logits::Last => all = l,
+            }
+        }
+        Ok(all)
     }
 
     /// Prefill: [`forward`](Self::forward) over the prompt in chunks of

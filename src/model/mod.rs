@@ -123,9 +123,9 @@ impl AttentionPlan {
         }
     }
 
-    /// Whether a forward call whose sequence reaches `t_len` tokens (the
-    /// current ones included) runs sparse: a sparse mode and T ≥ dense_len
-    /// (spec §1, checked at every forward call).
+    /// Whether attention at sequence length `t_len` (the current token
+    /// included) runs sparse: a sparse mode and T ≥ dense_len (spec §1).
+    /// Decode asks it per token, prefill with the whole prompt's length (§6).
     pub fn sparse_at(&self, t_len: usize) -> bool {
         self.mode != AttentionMode::Dense && t_len >= self.sparse.dense_len
     }
