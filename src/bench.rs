@@ -1,7 +1,7 @@
-//! `sparda bench`: decode throughput of the GPU-resident engine (issue 3's
-//! benchmark; protocol of runtime.md §5). A benchmark, not a test
-//! (testing.md "Benchmarks are not tests"): it measures and writes JSON
-//! under the caller's path; nothing asserts on time.
+//! `sparda bench`: decode throughput of the GPU engine, with the KV resident
+//! on the GPU or offloaded to host memory (protocol of runtime.md §5). A
+//! benchmark, not a test (testing.md "Benchmarks are not tests"): it
+//! measures and writes JSON under the caller's path; nothing asserts on time.
 //!
 //! One process loads the weights once and runs a grid of cases (attention
 //! × batch × context). Per case:
@@ -84,13 +84,13 @@ pub struct BenchSpec {
     /// Replays per step-piece measurement ([`GpuModel::profile_step`]; 0: skip it).
     pub profile_reps: usize,
     /// Where the KV lives, each run in turn for sparse attention: GPU-resident
-    /// (`None`) or offloaded with these settings (issue 4).
+    /// (`None`) or offloaded with these settings.
     pub kv: Vec<Option<OffloadOptions>>,
     /// Decode steps with every fetch timed by events after the timed steps
     /// of an offloaded case (fetch GB/s); 0 skips them.
     pub fetch_timing_steps: usize,
     /// SparDA forecast weights (`FILE` or `synth[:SEED]`): offloaded cases
-    /// then also run in forecast mode, with each of `prefetch` (issue 5).
+    /// then also run in forecast mode, with each of `prefetch`.
     pub forecast: Option<String>,
     /// Prefetch settings of the forecast runs (true = on).
     pub prefetch: Vec<bool>,
@@ -343,15 +343,15 @@ fn bench_what(spec: &BenchSpec) -> String {
         "sparda bench: every mode side by side under the equivalent-batch protocol (runtime.md §5)"
             .to_string()
     } else if spec.forecast.is_some() {
-        "sparda bench: synchronous NOSA fetch vs forecast selection with and without prefetch, offloaded KV (issue 5, runtime.md §5)".to_string()
+        "sparda bench: synchronous NOSA fetch vs forecast selection with and without prefetch, offloaded KV (runtime.md §5)".to_string()
     } else if spec.kv.iter().any(|k| k.is_some()) {
-        "sparda bench: offloaded KV (synchronous fetch) vs GPU-resident decode (issue 4, runtime.md §5)"
+        "sparda bench: offloaded KV (synchronous fetch) vs GPU-resident decode (runtime.md §5)"
             .to_string()
     } else {
-        "sparda bench: GPU-resident decode throughput (issue 3, runtime.md §5)".to_string()
+        "sparda bench: GPU-resident decode throughput over the attention × batch × context grid (runtime.md §5)".to_string()
     };
     if spec.trace_steps > 0 && crate::trace::is_recording() {
-        w.push_str("; with the step-time overhead of --trace (issue 6)");
+        w.push_str("; with the step-time overhead of --trace (untraced vs traced steps)");
     }
     w
 }
@@ -815,7 +815,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
             model.set_offload(None)?;
         }
     }
-    // Issue 3's target: B = 1, L = 4K dense against the layer-GEMM ceiling.
+    // The step-time target: B = 1, L = 4K dense against the layer-GEMM ceiling.
     let target = cases
         .iter()
         .find(|c| c["attention"] == "dense" && c["batch"] == 1 && c["context"] == 4096)
@@ -875,7 +875,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
     }))
 }
 
-/// Issue 5's figures per (fetch engine, B, L) that ran sync NOSA, forecast
+/// Forecast-mode figures per (fetch engine, B, L) that ran sync NOSA, forecast
 /// with and without prefetch: from the sync run P = fetch ms per step (the
 /// fetch timing steps) and C = step − P; `bound` = (P + C) / max(P, C), the
 /// most that overlapping fetch and compute can gain; `speedup` over sync
@@ -1180,7 +1180,7 @@ mod tests {
     #[test]
     fn report_names_the_comparison_it_runs() {
         let mut s = tiny_spec();
-        assert!(bench_what(&s).contains("GPU-resident decode throughput (issue 3"));
+        assert!(bench_what(&s).contains("GPU-resident decode throughput over the attention × batch × context grid"));
         s.kv = vec![None, Some(OffloadOptions::default())];
         assert!(bench_what(&s).contains("offloaded KV (synchronous fetch) vs GPU-resident"));
         s.forecast = Some("synth:1".into());

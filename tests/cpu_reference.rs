@@ -1,5 +1,5 @@
-//! The CPU reference against itself and against independent formulas
-//! (issue 2 item 11): incremental decode = full prefill, NOSA with every
+//! The CPU reference against itself and against independent formulas:
+//! incremental decode = full prefill, NOSA with every
 //! block selected = attention over all tokens with the bias, state growth,
 //! determinism per seed.
 

@@ -1,5 +1,5 @@
 //! SparDA forecast mode in the CPU reference (spec/nosa-model.md §2, §4
-//! "Forecast mode"; issue 5 items 1–2): weight loading by key suffix with
+//! "Forecast mode"): weight loading by key suffix with
 //! errors naming layers, and the selection rule — layer 0 scores its own
 //! current-step windows, layer l ≥ 1 those of the previous step.
 

@@ -1,5 +1,5 @@
-//! The SmolLM2-135M fixture against transformers (spec/testing.md "Oracles";
-//! issue 2 items 10–11). Goldens in tests/golden/*.json come from
+//! The SmolLM2-135M fixture against transformers (spec/testing.md
+//! "Oracles"). Goldens in tests/golden/*.json come from
 //! scripts/golden.py: transformers loads the GGUF itself, so they also check
 //! our converter (scripts/fixture.py) and tokenizer.json.
 //!

@@ -1,4 +1,4 @@
-//! Offload bookkeeping as pure functions (issue 4 item 7): set difference,
+//! Offload bookkeeping as pure functions (offloaded KV): set difference,
 //! slot assignment, tail handling, attention order, host layout, footprint;
 //! and a slot pool driven by the CPU reference's real selections over a long
 //! generation.

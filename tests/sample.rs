@@ -1,4 +1,4 @@
-//! Sampling: greedy, temperature, top-k, top-p, seeds (issue 2 item 7).
+//! Sampling: greedy, temperature, top-k, top-p, seeds.
 
 use sparda::sample::{argmax, Sampler, SamplingParams};
 

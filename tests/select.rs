@@ -1,4 +1,4 @@
-//! Selection on hand-computed cases (spec/nosa-model.md §3–§4; issue 2 item 11).
+//! Selection on hand-computed cases (spec/nosa-model.md §3–§4).
 
 use sparda::config::SparseConfig;
 use sparda::model::select::{self, Budget, SelectionRule};

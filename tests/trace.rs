@@ -1,4 +1,5 @@
-//! Trace merge and summary on synthetic event lists with known overlap (issue 6 item 5).
+//! Trace merge and summary on synthetic event lists with known overlap
+//! (the definitions of traces/README.md "Summaries").
 
 use serde_json::json;
 use sparda::trace::{self, GpuSpan, Track};

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 4 checks and benchmark on the GPU machine (spec/device.md): run from
-# the repository root there, with the stripped binary and the SmolLM2
+# Checks and benchmarks on the GPU machine, one phase per call (spec/device.md):
+# run from the repository root there, with the stripped binary and the SmolLM2
 # tokenizer in .device/bin (built and copied here: see README "GPU machine").
 #   scripts/device/offload.sh check  OUT   gpu-check + identity runs (tiny, SmolLM2 if /tmp/smol exists)
 #   scripts/device/offload.sh long   OUT   8,192 tokens on synthetic NOSA-8B, resident vs offloaded
@@ -12,7 +12,7 @@
 #   scripts/device/offload.sh priority OUT copy stream priority high vs default under prefetch
 #   scripts/device/offload.sh eb OUT       all modes under the equivalent-batch protocol
 #   scripts/device/offload.sh dmaprefetch OUT  copy engines vs SM kernel with prefetch
-#   scripts/device/offload.sh b1 OUT       issue 3: B=1 L=4K step vs the split-K cap (SPARDA_ATTN_MAX_SPLITS)
+#   scripts/device/offload.sh b1 OUT       GPU-resident B=1 L=4K step vs the split-K cap (SPARDA_ATTN_MAX_SPLITS)
 #   scripts/device/offload.sh ctas OUT     SM fetch kernel under prefetch: 16 vs 8 persistent CTAs vs 264
 #                                          short CTAs behind a high-priority compute stream (BATCH, CONTEXT)
 set -euo pipefail
@@ -44,7 +44,7 @@ bench)
     --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" --json "$out/bench_offload.json" 2>&1 | tail -30 || true
   ;;
 forecast)
-  # issue 5: prefetch on/off/stress token- and logits-identical to resident forecast decode;
+  # forecast mode: prefetch on/off/stress token- and logits-identical to resident forecast decode;
   # GPU forecast selections vs the CPU reference (tiny)
   $bin offload-check --model synth:tiny:5 --tokenizer "$tok" --prompt-file "$book" --prompt-tokens 1000 \
     --new-tokens 2048 --forecast synth:1 --fetch sm,dma --prefetch on,off --copy-delay-us 30 \
@@ -72,7 +72,7 @@ batch)
     --json "$out/forecast_nosa8b_batch4.json" 2>&1 | tail -5 || true
   ;;
 traces)
-  # issue 6: two example traces (sync NOSA fetch vs forecast + prefetch), their
+  # two example traces (sync NOSA fetch vs forecast + prefetch), their
   # summaries and the tracing overhead, B=16 L=32K synthetic NOSA-8B
   common=(--model synth:nosa-8b --attention sparse --kv offload --fetch auto --batch 16 --context 32K
           --steps 8 --fetch-timing-steps 4 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" --trace-steps 4)
@@ -104,13 +104,13 @@ eb)
     --json "$out/bench_eb32_64k.json" 2>&1 | tail -10 || true
   ;;
 dmaprefetch)
-  # issue 5 item 5: copy engines vs SM kernel under prefetch
+  # copy engines vs SM kernel as the fetch engine under prefetch
   $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch sm,dma --forecast synth:1 \
     --prefetch on --batch 32 --context 64K --steps 16 --fetch-timing-steps 4 --ceiling-reps 0 \
     --profile-reps 0 --tokenizer "$tok" --json "$out/bench_dma_prefetch.json" 2>&1 | tail -12 || true
   ;;
 b1)
-  # Issue 3: the B=1 4K dense step (5.19 ms vs the 5.0 ms target) against the split-K cap
+  # GPU-resident decode: the B=1 4K dense step (5.19 ms vs the 5.0 ms target) against the split-K cap
   # (64 one-tile splits by default at 4K) and the fused combine
   b1run() {  # name, then env assignments
     local name=$1; shift
@@ -123,7 +123,7 @@ b1)
   b1run splits16_fused SPARDA_ATTN_MAX_SPLITS=16 SPARDA_FUSED_COMBINE=1
   ;;
 ctas)
-  # Issue 5 follow-up: the persistent fetch kernel holds SMs that a wave of
+  # Forecast + prefetch: the persistent fetch kernel holds SMs that a wave of
   # GEMM/attention CTAs then waits for. Fewer persistent CTAs, and many short
   # fetch CTAs behind a higher-priority compute stream, against 16 CTAs.
   run_ctas() {  # name, CTAs, then env assignments
