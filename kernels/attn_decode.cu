@@ -20,7 +20,7 @@
 // Layouts: q bf16, row r's H*D query values at r*q_stride (q_stride even), head g at g*D;
 // K/V of row r: bf16 [cap, hkv, D] at kptr[r] / vptr[r] (16-byte aligned); with ring > 0
 // the cache is a tail ring: token j at row j % ring.
-// Offloaded rows (slot_list != null, sparse only; kv/mod.rs, issue 4): list entry i of
+// Offloaded rows (slot_list != null, sparse only; kv/mod.rs): list entry i of
 // (r, h) has slot slot_list[(r*hkv + h)*s_max + i]; slot >= 0 reads the block from the slot
 // pool bf16 [hkv][pool_slots][2][block_size][D] at pool_ptr[r] (K tile, then V tile);
 // slot -1 reads it from the tail ring. The bias c is always indexed by the token id j.

@@ -1,7 +1,7 @@
 // Offloaded KV cache (runtime.md §1 steps 4-5, §2, §4): the slot diff, the SM
 // fetch from pinned host memory through UVA, and the write of completed blocks
 // back to host memory. Host-side oracles: src/kv/mod.rs (plan_slots, ring_first,
-// HostLayout); wrappers: src/cuda/offload.rs; checks: src/cuda/check_offload.rs.
+// HostLayout); wrappers: src/cuda/ops/offload.rs; checks: src/checks/offload.rs.
 //
 // Layouts (B = block_size tokens, D = head_dim, hkv = KV heads, S = pool slots):
 // - host store, per (sequence, layer): block-major; block b of head h is

@@ -19,8 +19,8 @@ __device__ __forceinline__ int sel_windows(int T, int stride, int ksize) {
 // Step 1a: logits[b, h, g, w] = (q_g . Kc[w, h]) * scale for the windows w of tile
 // blockIdx.x, plus the tile's softmax statistics per query head:
 // stats[((b*hkv + h)*G + g)*ntiles + tile] = (max, sum exp(logit - max)), (-inf, 0) when empty.
-// Grid (tiles, hkv, B), QA_THREADS (src/cuda/select.rs: 256) threads, a multiple of QA_TILE;
-// dynamic shared memory qa_logits_smem_bytes(G, D) (src/cuda/select.rs: the same layout).
+// Grid (tiles, hkv, B), QA_THREADS (src/cuda/ops/select.rs: 256) threads, a multiple of QA_TILE;
+// dynamic shared memory qa_logits_smem_bytes(G, D) (src/cuda/ops/select.rs: the same layout).
 //
 // Each Kc row of the tile is read from device memory once (16-byte loads, all issued before
 // the first use) into shared memory and used there for all G query heads of its KV head:

@@ -59,7 +59,7 @@ enum Cmd {
     #[command(subcommand)]
     Trace(TraceCmd),
     /// Offloaded decode against GPU-resident sparse decode, bit for bit
-    /// (greedy tokens and logits bits at every step; issue 4): one resident
+    /// (greedy tokens and logits bits at every step): one resident
     /// run, then one offloaded run per --fetch engine. Exit 1 if any differs.
     OffloadCheck(OffloadCheckArgs),
 }
@@ -263,7 +263,7 @@ enum OnOff {
 enum KvArg {
     /// All KV on the GPU.
     Gpu,
-    /// Full KV in pinned host memory, selected blocks fetched (issue 4).
+    /// Full KV in pinned host memory, selected blocks fetched.
     Offload,
 }
 
@@ -397,7 +397,7 @@ struct BenchArgs {
     #[arg(long, default_value_t = 16)]
     fetch_timing_steps: usize,
     /// Forecast weights (FILE or synth[:SEED]): offloaded cases also run in
-    /// forecast mode with each --prefetch setting (issue 5).
+    /// forecast mode with each --prefetch setting.
     #[arg(long)]
     forecast: Option<String>,
     /// Prefetch settings of the forecast runs.

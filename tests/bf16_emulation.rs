@@ -141,7 +141,7 @@ fn fixture_bf16_emulation_study() {
         .unwrap_or(64);
     let f32m = CpuModel::new(&ckpt, EngineOptions::default()).unwrap();
     let v = f32m.config.vocab_size;
-    // As check_e2e.rs `fixture-dense`: one SmallRng(17), prompts of 9 then 60 tokens.
+    // As src/checks/e2e.rs `fixture-dense`: one SmallRng(17), prompts of 9 then 60 tokens.
     let mut rng = SmallRng::seed_from_u64(17);
     let prompts: Vec<Vec<u32>> = [9usize, 60]
         .iter()

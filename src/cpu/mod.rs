@@ -78,7 +78,7 @@ pub struct EngineOptions {
 
 /// Opt-in bf16 activation emulation of the CPU reference
 /// ([`CpuModel::set_bf16_emulation`]): the points where the CUDA engine
-/// (src/cuda/engine.rs and kernels/) stores an activation in bf16, each a
+/// (src/pipeline/ and kernels/) stores an activation in bf16, each a
 /// switch, so that the reference can reproduce the engine's rounding (round
 /// to nearest even, as `half::bf16::from_f32` and kernels/common.cuh
 /// `f2bf`) and tell rounding error from an engine bug. Everything else stays

@@ -1,4 +1,4 @@
-//! The GPU context of the CUDA backend (issue 3, spec/device.md): one device
+//! The GPU context of the CUDA backend (spec/device.md): one device
 //! context with cudarc's event tracking turned off, one compute stream, the
 //! `kernels/*.cu` sources compiled at run time with NVRTC for the device's
 //! architecture (cubins cached on disk), and a cuBLAS handle on that stream

@@ -29,10 +29,10 @@ pub enum FetchEngine {
 }
 
 /// The default fetch engine for `batch` sequences on the GPU named
-/// `gpu_name` (runtime.md §2, §4; issue 5 item 5), used by
+/// `gpu_name` (runtime.md §2, §4), used by
 /// [`FetchEngine::Auto`] until a tuning table exists:
 /// - the SM copy kernel everywhere: on the H200 (2026-11-30,
-///   benches/results/issue4_offload_*.json) it moved 49.5–50.8 GB/s on 16
+///   benches/results/offload_sync_vs_gpu_resident_grid_h200_2026-11-30_a8338ae.json) it moved 49.5–50.8 GB/s on 16
 ///   CTAs at B = 16–64 against 19.5–24.3 GB/s for the copy engines (32 KiB
 ///   chunks, one host sync per layer for the fetch list);
 /// - its CTA count as SparDA's authors set it: H100 16 for B ≤ 16 else 32,

@@ -257,7 +257,7 @@ impl StepOffload {
 /// free up instead of queueing behind the compute stream's GEMM tiles
 /// (`SPARDA_COPY_PRIORITY=0` gives it the default priority, for comparison).
 /// Priority changes timing only, never results. Measured on the H200
-/// (benches/results/issue5_copy_priority_*): no difference with the
+/// (benches/results/copy_stream_priority_*): no difference with the
 /// persistent 16-CTA fetch kernel (14.53 vs 14.44 ms/step at 64K, B = 16).
 pub(crate) fn copy_stream(gpu: &Gpu) -> Result<Arc<CudaStream>> {
     let high = std::env::var("SPARDA_COPY_PRIORITY").map_or(true, |v| v != "0");
@@ -556,7 +556,7 @@ impl GpuModel {
     /// offloaded with room for `capacity_tokens` tokens: allocates its
     /// pinned store now, so that [`GpuModel::prefill`] writes each chunk's
     /// completed blocks to host memory layer by layer, on a write-back
-    /// stream, while the next layers compute (issue 4 item 6);
+    /// stream, while the next layers compute (runtime.md §3 fault 5);
     /// [`GpuModel::offload_sequence`] then only moves the tail to the ring.
     ///
     /// Errors: offload off, a sequence already offloaded or already

@@ -30,7 +30,7 @@ pub(crate) struct SeqLayer {
 /// overflowed (runtime.md §3 fault 1). Create with
 /// [`GpuModel::new_sequence`]; a sequence belongs to the model that made it.
 pub struct GpuSequence {
-    /// Offloaded KV (issue 4): the host store, slot pools and slot maps.
+    /// Offloaded KV: the host store, slot pools and slot maps.
     /// Offloaded layers' `k`/`v` are then tail rings of
     /// [`crate::kv::RING_BLOCKS`] blocks. Declared first: dropped first, its
     /// `Drop` waits for in-flight write-backs before the rings are freed.

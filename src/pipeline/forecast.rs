@@ -1,4 +1,4 @@
-//! SparDA forecast mode on the GPU (issue 5; spec/nosa-model.md §4
+//! SparDA forecast mode on the GPU (spec/nosa-model.md §4
 //! "Forecast mode", runtime.md §2).
 //!
 //! Weights: each layer's fused QKV GEMM gains 2·Hkv·D rows — layer l's
@@ -130,7 +130,7 @@ impl GpuModel {
     }
 
     /// Injects a delay of `us` µs (a spin kernel) before every fetch on its
-    /// stream: the prefetch stress check (issue 5 item 6). 0 = off.
+    /// stream: the prefetch stress check. 0 = off.
     pub fn set_copy_delay_us(&mut self, us: u32) {
         self.copy_delay_us = us;
     }

@@ -1,5 +1,5 @@
-//! GPU spans of the decode engine for `--trace` (issue 6; src/trace.rs,
-//! src/cuda/timeline.rs).
+//! GPU spans of the decode engine for `--trace` (src/trace/mod.rs,
+//! src/trace/timeline.rs).
 //!
 //! With tracing on ([`GpuModel::set_trace`]) decode steps run eagerly (a
 //! replayed CUDA graph shows no spans) and every layer records, with CUDA

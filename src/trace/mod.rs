@@ -1,5 +1,5 @@
 //! Chrome/Perfetto traces that show copy/compute overlap, and their summary
-//! (issue 6; runtime.md §3 fault 10: idle waiting is not transfer time).
+//! (runtime.md §3 fault 10: idle waiting is not transfer time).
 //!
 //! A trace is the Chrome trace-event JSON (`{"traceEvents": [...]}`) that
 //! Perfetto and chrome://tracing read. Host spans come from `tracing` +

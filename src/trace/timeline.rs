@@ -1,4 +1,4 @@
-//! GPU spans timed with CUDA events, for `--trace FILE` (issue 6).
+//! GPU spans timed with CUDA events, for `--trace FILE`.
 //!
 //! A [`GpuTimeline`] records a pair of timing events around work enqueued on
 //! any stream of the [`Gpu`]'s context (compute, copy, write-back) and turns

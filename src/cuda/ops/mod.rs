@@ -357,7 +357,7 @@ where
 /// Temperature / top-k / top-p sampling of `rows` f32 logits rows of
 /// `vocab` values (row r at r·vocab of `logits`), one token per row, with
 /// the uniform draws `u01` (\[rows\], f64 in [0, 1)): the rule of
-/// [`crate::sample::sample_with_u`] (kernels/sample.cu; issue 3 item 4).
+/// [`crate::sample::sample_with_u`] (kernels/sample.cu).
 /// Greedy parameters give the argmax. Returns the ids (synchronises: only
 /// rows ids travel back, not the logits).
 ///
@@ -880,7 +880,7 @@ pub(crate) struct AttnArgs {
     /// merges the splits itself (no `attn_combine` launch); 0, it only
     /// writes the partials.
     pub counters: u64,
-    /// Offloaded rows (issue 4, kv/mod.rs): i32 [rows, Hkv, s_max] slot of
+    /// Offloaded rows (kv/mod.rs): i32 [rows, Hkv, s_max] slot of
     /// each list entry (−1: the tail ring), or 0 for GPU-resident rows.
     pub slot_list: u64,
     /// Per row: the slot pool, bf16 [Hkv, pool_slots, 2, block_size, D]
