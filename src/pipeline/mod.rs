@@ -241,7 +241,7 @@ pub enum SelectionPath {
     /// On the GPU (the default): per layer, `compress_windows` completes Kc
     /// and p (f32) of each sequence from its K/c caches, then
     /// `qa_window_logits` / `qa_window_scores` / `select_blocks`
-    /// (kernels/compress.cu, kernels/select.cu, see [`super::select`]) choose
+    /// (kernels/compress.cu, kernels/select.cu, see [`select`]) choose
     /// the blocks of every sparse row, through the engine's per-row pointer
     /// tables (so a prefill chunk's rows each select over their own prefix).
     Gpu,
