@@ -1,14 +1,18 @@
-// Finishes the fused QKV(+eviction) GEMM output of n query rows and appends the
-// new tokens to the KV cache (nosa-model.md §1 RoPE, §3 state):
+// Finishes the fused QKV GEMM output of n query rows and appends the new tokens to the KV
+// cache (nosa-model.md §1 RoPE, §3 state):
 //   - q heads (columns [0, H*D)) and k heads ([H*D, (H+hkv)*D)) are rotated in place
 //     with NeoX RoPE at position pos[r] (f32 math, rounded to bf16, as rope.cu);
 //   - the rotated k heads and the v heads ([(H+hkv)*D, (H+2*hkv)*D)) are written to the
 //     cache of row r: K/V bf16 [cap, hkv, D] at kptr[r] / vptr[r], token slot pos[r]
 //     (pos[r] % ring when ring > 0: the tail ring of an offloaded layer, kv/mod.rs);
-//   - with an eviction head (A non-null), the eviction logits z (columns [z_off, z_off+hkv),
-//     the fused rows delta . W_v) give c[pos[r], h] = A[h] * softplus(z[h] + zb[h])
-//     (softplus linear above 20), written as f32 to the c cache [cap, hkv] at cptr[r]
-//     (skipped when cptr or cptr[r] is null).
+//   - with an eviction head (A non-null), the block of v head h also computes the eviction
+//     score c[pos[r], h] = A[h] * softplus(z), z = sum_j delta[h, j] * v[j] + eb[h] over the
+//     row's whole v (j in [0, hkv*D): every KV head's values, bf16 as the GEMM (+ v bias)
+//     left them, widened to f32), all in f32 (nosa-model.md §3; softplus linear above 20):
+//     one warp's dot product (lane-strided partial sums in ascending j, then a shuffle
+//     tree). delta: f32 [hkv, hkv*D]; eb: f32 [hkv] or null; A: f32 [hkv]. c is written
+//     as f32 to the c cache [cap, hkv] at cptr[r], row pos[r] (not the ring slot; skipped
+//     when cptr or cptr[r] is null).
 // The host guarantees 0 <= pos[r] < the row's cache capacity and < table_rows.
 // Grid: (n, H + 2*hkv); any block size (multiple of 32).
 
@@ -16,8 +20,9 @@ extern "C" __global__ void qkv_rope_append(bf16_t* __restrict__ qkv, int row_str
                                            const int* __restrict__ pos, const float* __restrict__ cos_t,
                                            const float* __restrict__ sin_t, int table_rows,
                                            const u64* __restrict__ kptr, const u64* __restrict__ vptr,
-                                           const u64* __restrict__ cptr, int z_off,
-                                           const float* __restrict__ A, const float* __restrict__ zb, int ring) {
+                                           const u64* __restrict__ cptr, const float* __restrict__ A,
+                                           const float* __restrict__ delta, const float* __restrict__ eb,
+                                           int ring) {
     const int r = blockIdx.x, j = blockIdx.y;
     const int half = D >> 1;
     bf16_t* x = qkv + (u64)r * row_stride;
@@ -43,13 +48,23 @@ extern "C" __global__ void qkv_rope_append(bf16_t* __restrict__ qkv, int row_str
         }
     } else {
         const int h = j - H - hkv;
-        const bf16_t* src = x + (u64)(H + hkv) * D + (u64)h * D;
+        // The row's v: all hkv heads, read only (this kernel writes q and k heads alone).
+        const bf16_t* vrow = x + (u64)(H + hkv) * D;
+        const bf16_t* src = vrow + (u64)h * D;
         bf16_t* V = (bf16_t*)vptr[r] + (kv_row * hkv + h) * D;
         for (int i = threadIdx.x; i < D; i += blockDim.x) V[i] = src[i];
-        if (threadIdx.x == 0 && A != nullptr && cptr != nullptr && cptr[r] != 0ull) {
-            const float z = bf2f(x[z_off + h]) + zb[h];
-            const float sp = z > 20.0f ? z : log1pf(expf(z));
-            ((float*)cptr[r])[(u64)p * hkv + h] = A[h] * sp;
+        // Warp 0 whole (blockDim.x >= 32); cptr[r] is the same for every lane.
+        if (A != nullptr && cptr != nullptr && threadIdx.x < 32 && cptr[r] != 0ull) {
+            const int kvd = hkv * D;
+            const float* dh = delta + (u64)h * kvd;
+            float acc = 0.0f;
+            for (int i = threadIdx.x; i < kvd; i += 32) acc += dh[i] * bf2f(vrow[i]);
+            acc = warp_sum(acc);
+            if (threadIdx.x == 0) {
+                const float z = acc + (eb != nullptr ? eb[h] : 0.0f);
+                const float sp = z > 20.0f ? z : log1pf(expf(z));
+                ((float*)cptr[r])[(u64)p * hkv + h] = A[h] * sp;
+            }
         }
     }
 }

@@ -60,8 +60,8 @@ fn tiny(sparse: Option<bool>) -> (sparda::weights::Checkpoint, EngineOptions) {
 /// With every point off, the emulation code path is the f32 reference bit
 /// for bit; with every point on it differs, but within the GPU tolerance
 /// (2e-2) on the tiny model, dense and NOSA (450 tokens: sparse past the
-/// 6-block budget, with the fused eviction rows; measured about 3e-3, as
-/// the engine on the H200).
+/// 6-block budget, eviction scores from the bf16 v; measured about 3e-3,
+/// as the engine on the H200).
 #[test]
 fn emulation_is_exact_when_off_and_close_when_on() {
     for sparse in [Some(false), None] {

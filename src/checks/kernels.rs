@@ -179,6 +179,11 @@ impl Checker<'_> {
         run: impl FnOnce(&Gpu, &mut Inputs) -> Result<(Vec<f32>, Vec<f32>)>,
     ) {
         let r = run(self.gpu, &mut self.inp).and_then(|v| self.gpu.synchronize().map(|()| v));
+        self.push(kernel, shape, TOLERANCE_BF16, r);
+    }
+
+    /// Records one compared output (`r`: got, want) under `tol`.
+    fn push(&mut self, kernel: &str, shape: Value, tol: f64, r: Result<(Vec<f32>, Vec<f32>)>) {
         let res = match r {
             Ok((got, want)) => {
                 let (e, mx) = rel_l2(&got, &want);
@@ -187,12 +192,12 @@ impl Checker<'_> {
                     shape,
                     rel_l2: e,
                     max_abs_err: mx,
-                    tolerance: TOLERANCE_BF16,
-                    pass: e.is_finite() && e <= TOLERANCE_BF16,
+                    tolerance: tol,
+                    pass: e.is_finite() && e <= tol,
                     error: None,
                 }
             }
-            Err(err) => CaseResult::failed(kernel, shape, TOLERANCE_BF16, err.to_string()),
+            Err(err) => CaseResult::failed(kernel, shape, tol, err.to_string()),
         };
         println!(
             "{:<26} {:<70} rel_l2 {:>10.3e}  {}",
@@ -381,14 +386,15 @@ fn check_eviction(c: &mut Checker<'_>) {
                 let row = (hq + 2 * hk) * d;
                 let v_off = (hq + hk) * d;
                 let (qkv_b, qkv_f) = inp.bf16(n * row, 1.0);
-                let (db, df) = inp.bf16(hk * kvd, 1.0 / (kvd as f32).sqrt());
+                // δ in f32, not bf16-representable: the kernel must use it as given.
+                let df = inp.normal(hk * kvd, 1.0 / (kvd as f32).sqrt());
                 let a = inp.uniform(hk, 0.2, 2.0);
                 let b = if bias {
                     Some(inp.uniform(hk, -1.0, 1.0))
                 } else {
                     None
                 };
-                let head = EvictionWeights::new(gpu, &a, &db, b.as_deref(), hk, d)?;
+                let head = EvictionWeights::new(gpu, &a, &df, b.as_deref(), hk, d)?;
                 let qkv = gpu.upload(&qkv_b)?;
                 let mut cc = poison_f32(gpu, n * hk)?;
                 ops::eviction_score(gpu, &qkv.slice(v_off..), n, row, &head, &mut cc)?;
@@ -399,15 +405,179 @@ fn check_eviction(c: &mut Checker<'_>) {
                             .copied()
                     })
                     .collect();
-                let mut want = cpu_ops::linear(&v, n, &df, b.as_deref(), hk);
-                for r in want.chunks_exact_mut(hk) {
-                    for (h, z) in r.iter_mut().enumerate() {
-                        *z = a[h] * cpu_ops::softplus(*z);
-                    }
-                }
+                let want = cpu_ops::eviction_scores(&v, n, &df, b.as_deref(), &a);
                 Ok((gpu.download(&cc)?, want))
             },
         );
+    }
+}
+
+/// Relative L2 tolerance of the eviction scores of `qkv_rope_append`: f32
+/// arithmetic on the same bf16 values and f32 weights as the oracle, so
+/// only the summation order differs.
+const TOLERANCE_EVICTION_F32: f64 = 1e-4;
+
+/// Where the rows of a `qkv_rope_append` case go: each to its own sequence
+/// (a decode batch), or all to one sequence at consecutive positions (a
+/// prefill chunk); `ring` > 0: an offloaded layer's tail ring.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+enum AppendLayout {
+    Decode,
+    Chunk,
+}
+
+/// `qkv_rope_append` (RoPE + K/V append + eviction score) against the CPU
+/// reference: rotated q|k (in place) and the K / V cache rows within the
+/// bf16 tolerance, and the eviction scores c = A·softplus(δ·v + b) (f32 δ,
+/// not bf16-representable; v the row's bf16 values) within
+/// [`TOLERANCE_EVICTION_F32`] of [`cpu_ops::eviction_scores`].
+fn check_qkv_append(c: &mut Checker<'_>) {
+    let hk = 2usize;
+    let mut cases: Vec<(usize, usize, AppendLayout, Vec<usize>, usize, bool)> = Vec::new();
+    for &g in &[3usize, 8, 16] {
+        for &d in &[64usize, 80, 128] {
+            cases.push((g, d, AppendLayout::Decode, vec![17], 0, g == 8));
+            cases.push((
+                g,
+                d,
+                AppendLayout::Decode,
+                vec![5, 31, 48, 63, 64, 65, 1500, 4095],
+                0,
+                g != 8,
+            ));
+        }
+    }
+    // A prefill chunk (one sequence, consecutive positions across a 16- and a
+    // 64-token boundary), an offloaded tail ring, and Llama-3-8B-like grouping.
+    cases.push((16, 128, AppendLayout::Chunk, (40..72).collect(), 0, true));
+    cases.push((
+        8,
+        64,
+        AppendLayout::Decode,
+        vec![100, 255, 256, 4000],
+        128,
+        true,
+    ));
+    cases.push((4, 128, AppendLayout::Decode, vec![7, 700], 0, false));
+    for (g, d, layout, positions, ring, bias) in cases {
+        let hq = g * hk;
+        let kvd = hk * d;
+        // Extra columns past q|k|v (forecast rows in the engine): never touched.
+        let row = (hq + 2 * hk) * d + 16;
+        let n = positions.len();
+        let shape = json!({"G": g, "H": hq, "Hkv": hk, "D": d, "layout": layout,
+            "positions": positions, "ring": ring, "bias": bias, "row_stride": row});
+        let r = (|| -> Result<[(Vec<f32>, Vec<f32>); 2]> {
+            let gpu = c.gpu;
+            let inp = &mut c.inp;
+            let rope = crate::config::Rope::new(d, 10_000.0, 8192, RopeScaling::Default);
+            let tables = RopeTables::from_rope(gpu, &rope, d, 4096, 4096)?;
+            let (xb, xf) = inp.bf16(n * row, 1.0);
+            let df = inp.normal(hk * kvd, 1.0 / (kvd as f32).sqrt());
+            let a = inp.uniform(hk, 0.2, 2.0);
+            let b = bias.then(|| inp.uniform(hk, -1.0, 1.0));
+            let head = EvictionWeights::new(gpu, &a, &df, b.as_deref(), hk, d)?;
+            // One cache per sequence, NaN-poisoned.
+            let seqs = match layout {
+                AppendLayout::Decode => n,
+                AppendLayout::Chunk => 1,
+            };
+            let seq_of = |i: usize| match layout {
+                AppendLayout::Decode => i,
+                AppendLayout::Chunk => 0,
+            };
+            let cap = if ring > 0 {
+                ring
+            } else {
+                positions.iter().max().copied().unwrap_or(0) + 1
+            };
+            let c_cap = positions.iter().max().copied().unwrap_or(0) + 1;
+            let mut caches = Vec::with_capacity(seqs);
+            for _ in 0..seqs {
+                caches.push((
+                    poison_bf16(gpu, cap * kvd)?,
+                    poison_bf16(gpu, cap * kvd)?,
+                    poison_f32(gpu, c_cap * hk)?,
+                ));
+            }
+            let rows: Vec<ops::AppendRow<'_>> = positions
+                .iter()
+                .enumerate()
+                .map(|(i, &p)| {
+                    let (k, v, cc) = &caches[seq_of(i)];
+                    ops::AppendRow {
+                        pos: p,
+                        k,
+                        v,
+                        c: Some(cc),
+                    }
+                })
+                .collect();
+            let mut x = gpu.upload(&xb)?;
+            ops::qkv_rope_append(
+                gpu,
+                &mut x,
+                row,
+                hq,
+                hk,
+                d,
+                &rows,
+                &tables,
+                Some(&head),
+                ring,
+            )?;
+            let got_x = to_f32(&gpu.download(&x)?);
+            let mut host = Vec::with_capacity(seqs);
+            for (k, v, cc) in &caches {
+                host.push((
+                    to_f32(&gpu.download(k)?),
+                    to_f32(&gpu.download(v)?),
+                    gpu.download(cc)?,
+                ));
+            }
+            // Oracle: the CPU reference's RoPE on the same bf16 inputs, V as
+            // given, c from the row's bf16 v with the f32 eviction head.
+            let (mut got, mut want) = (Vec::new(), Vec::new());
+            let (mut got_c, mut v_rows) = (Vec::new(), Vec::new());
+            let (mut cs, mut sn) = (vec![0.0f32; d / 2], vec![0.0f32; d / 2]);
+            for (i, &p) in positions.iter().enumerate() {
+                let xr = &xf[i * row..(i + 1) * row];
+                let mut qk = xr[..(hq + hk) * d].to_vec();
+                rope.cos_sin(p, 4096, &mut cs, &mut sn);
+                cpu_ops::rope_in_place(&mut qk, &cs, &sn);
+                let v = &xr[(hq + hk) * d..(hq + 2 * hk) * d];
+                let slot = if ring > 0 { p % ring } else { p };
+                let (kh, vh, ch) = &host[seq_of(i)];
+                // The row in place: rotated q|k, v and the extra columns untouched.
+                got.extend_from_slice(&got_x[i * row..(i + 1) * row]);
+                want.extend_from_slice(&qk);
+                want.extend_from_slice(&xr[(hq + hk) * d..]);
+                // The caches at the token's row.
+                got.extend_from_slice(&kh[slot * kvd..(slot + 1) * kvd]);
+                want.extend_from_slice(&qk[hq * d..]);
+                got.extend_from_slice(&vh[slot * kvd..(slot + 1) * kvd]);
+                want.extend_from_slice(v);
+                got_c.extend_from_slice(&ch[p * hk..(p + 1) * hk]);
+                v_rows.extend_from_slice(v);
+            }
+            let want_c = cpu_ops::eviction_scores(&v_rows, n, &df, b.as_deref(), &a);
+            gpu.synchronize()?;
+            Ok([(got, want), (got_c, want_c)])
+        })();
+        let (r1, r2) = match r {
+            Ok([x, y]) => (Ok(x), Ok(y)),
+            Err(e) => {
+                let m = e.to_string();
+                (Err(Error::Cuda(m.clone())), Err(Error::Cuda(m)))
+            }
+        };
+        c.push(
+            "qkv_rope_append (q|k, K/V)",
+            shape.clone(),
+            TOLERANCE_BF16,
+            r1,
+        );
+        c.push("qkv_rope_append (c)", shape, TOLERANCE_EVICTION_F32, r2);
     }
 }
 
@@ -692,6 +862,7 @@ pub fn gpu_check(out_json: &Path) -> Result<bool> {
         check_rope(&mut c);
         check_swiglu(&mut c);
         check_eviction(&mut c);
+        check_qkv_append(&mut c);
         check_dense_attention(&mut c);
         check_sparse_attention(&mut c);
     }

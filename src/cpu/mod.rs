@@ -95,17 +95,15 @@ pub struct Bf16Points {
     pub norm_normed: bool,
     /// Input/post-attention RMSNorm: its output bf16(· w), the engine's `xn`.
     pub norm_out: bool,
-    /// The fused QKV(+z) GEMM's bf16 output (`gpu.linear` into `ws.qkv`,
+    /// The fused QKV GEMM's bf16 output (`gpu.linear` into `ws.qkv`,
     /// cuBLAS bf16 C), and again after `bias_add` for biased checkpoints.
+    /// NOSA's eviction score is then computed in f32 from that v, as the
+    /// engine's append kernel does.
     pub qkv: bool,
     /// q and k after RoPE (kernels/kv_append.cu `qkv_rope_append`: rotated
     /// in f32, stored bf16 in `ws.qkv` and the K cache). V goes to the cache
     /// unchanged (already bf16 from the GEMM).
     pub rope: bool,
-    /// NOSA: the eviction logit z from the fused row bf16(δ·W_v) of the QKV
-    /// GEMM (bf16 output when `qkv`), plus the f32 b + δ·b_v, as
-    /// `GpuModel::new` builds it, instead of δ·v + b on the f32 v.
-    pub evict_fused: bool,
     /// Attention output (kernels/attn_combine.cu: bf16 `ws.attn`).
     pub attn_out: bool,
     /// o_proj output (`gpu.linear` into bf16 `ws.delta`, (+`bias_add`)).
@@ -131,7 +129,6 @@ impl Bf16Points {
         norm_out: true,
         qkv: true,
         rope: true,
-        evict_fused: true,
         attn_out: true,
         o_proj: true,
         gate_up: true,
@@ -147,7 +144,6 @@ impl Bf16Points {
         norm_out: false,
         qkv: false,
         rope: false,
-        evict_fused: false,
         attn_out: false,
         o_proj: false,
         gate_up: false,
@@ -157,13 +153,12 @@ impl Bf16Points {
         final_out: false,
     };
     /// The names of the points (the field names), for ablations.
-    pub const NAMES: [&'static str; 13] = [
+    pub const NAMES: [&'static str; 12] = [
         "embed",
         "norm_normed",
         "norm_out",
         "qkv",
         "rope",
-        "evict_fused",
         "attn_out",
         "o_proj",
         "gate_up",
@@ -181,7 +176,6 @@ impl Bf16Points {
             "norm_out" => &mut self.norm_out,
             "qkv" => &mut self.qkv,
             "rope" => &mut self.rope,
-            "evict_fused" => &mut self.evict_fused,
             "attn_out" => &mut self.attn_out,
             "o_proj" => &mut self.o_proj,
             "gate_up" => &mut self.gate_up,
@@ -216,9 +210,6 @@ struct Bf16Emulation {
     points: Bf16Points,
     /// Final norm weight bf16(w / logit divisor) (`GpuModel::new` `fnorm`).
     final_norm: Vec<f32>,
-    /// NOSA, per layer: the fused eviction rows bf16(δ·W_v), [Hkv, d], and
-    /// b + δ·b_v, [Hkv] (`GpuModel::new`, `zw` / `zb`).
-    evict: Vec<Option<(Vec<f32>, Vec<f32>)>>,
 }
 
 /// One sequence's state: the §3 state of every layer, plus the blocks the
@@ -341,55 +332,13 @@ impl CpuModel {
     /// mode: for explaining GPU-vs-CPU differences.
     pub fn set_bf16_emulation(&mut self, points: Option<Bf16Points>) {
         self.bf16 = points.map(|points| {
-            let c = &self.config;
-            let (hk, d) = (c.num_key_value_heads, c.hidden_size);
-            let kvd = hk * c.head_dim;
-            let div = c.logit_divisor();
+            let div = self.config.logit_divisor();
             let final_norm = self
                 .norm
                 .iter()
                 .map(|&x| half::bf16::from_f32(x / div).to_f32())
                 .collect();
-            // As GpuModel::new: zw[h] = Σ_j δ[h, j] · W_v[j] in f32, in j order, then bf16.
-            let evict = self
-                .layers
-                .iter()
-                .map(|l| {
-                    l.evict.as_ref().map(|ev| {
-                        let wv = &l.v.0;
-                        let mut zw = vec![0.0f32; hk * d];
-                        for h in 0..hk {
-                            let row = &mut zw[h * d..(h + 1) * d];
-                            for j in 0..kvd {
-                                let cf = ev.delta[h * kvd + j];
-                                if cf != 0.0 {
-                                    for (r, x) in row.iter_mut().zip(&wv[j * d..(j + 1) * d]) {
-                                        *r += cf * x;
-                                    }
-                                }
-                            }
-                        }
-                        round_bf16(&mut zw, true);
-                        let zb = (0..hk)
-                            .map(|h| {
-                                let mut s = ev.bias.as_ref().map_or(0.0, |b| b[h]);
-                                if let Some(bv) = &l.v.1 {
-                                    s += (0..kvd)
-                                        .map(|j| ev.delta[h * kvd + j] * bv[j])
-                                        .sum::<f32>();
-                                }
-                                s
-                            })
-                            .collect();
-                        (zw, zb)
-                    })
-                })
-                .collect();
-            Bf16Emulation {
-                points,
-                final_norm,
-                evict,
-            }
+            Bf16Emulation { points, final_norm }
         });
     }
 
@@ -731,36 +680,11 @@ impl CpuModel {
         let mut q = self.linear(&xn, n, &layer.q, hq * dh, |p| p.qkv);
         let mut k = self.linear(&xn, n, &layer.k, hk * dh, |p| p.qkv);
         let v = self.linear(&xn, n, &layer.v, hk * dh, |p| p.qkv);
-        // bf16 emulation: z from the fused bf16(δ·W_v) rows of the QKV GEMM,
-        // plus b + δ·b_v in f32 (GpuModel::new; kernels/kv_append.cu).
-        let fused = self.bf16.as_ref().and_then(|e| {
-            e.evict[li]
-                .as_ref()
-                .filter(|_| e.points.evict_fused)
-                .map(|f| (f, e.points.qkv))
-        });
+        // The eviction score from v as the cache stores it (bf16 under the
+        // emulation's `qkv` point), in f32: the engine's append kernel
+        // (kernels/kv_append.cu) computes exactly this.
         let cvals = match &layer.evict {
-            Some(ev) => {
-                let mut z = match fused {
-                    Some(((zw, zb), round)) => {
-                        let mut z = ops::linear(&xn, n, zw, None, hk);
-                        round_bf16(&mut z, round);
-                        for row in z.chunks_exact_mut(hk) {
-                            for (zi, b) in row.iter_mut().zip(zb) {
-                                *zi += b;
-                            }
-                        }
-                        z
-                    }
-                    None => ops::linear(&v, n, &ev.delta, ev.bias.as_deref(), hk),
-                };
-                for row in z.chunks_exact_mut(hk) {
-                    for (h, zh) in row.iter_mut().enumerate() {
-                        *zh = ev.a[h] * ops::softplus(*zh);
-                    }
-                }
-                z
-            }
+            Some(ev) => ops::eviction_scores(&v, n, &ev.delta, ev.bias.as_deref(), &ev.a),
             None => vec![0.0; n * hk],
         };
         let half = dh / 2;
@@ -1003,6 +927,52 @@ pub fn dense_attention(
                     (hq * dh) as isize,
                     1,
                 );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::{self, Preset};
+
+    /// The eviction score the reference stores is A·softplus(δ·v + b) in f32
+    /// on the v it stores — under the bf16 emulation, the bf16 v the
+    /// engine's GEMM (+ v bias) produces — exactly what the engine's append
+    /// kernel computes from that v (kernels/kv_append.cu). With and without
+    /// `attention_bias` (v bias, eviction bias b).
+    #[test]
+    fn eviction_score_is_f32_delta_on_the_stored_v() {
+        for bias in [false, true] {
+            let mut cfg = Preset::Tiny.config();
+            cfg.attention_bias = bias;
+            let ckpt = synth::build_config(&cfg, true, 3).unwrap();
+            let mut m = CpuModel::new(&ckpt, EngineOptions::default()).unwrap();
+            m.set_bf16_emulation(Some(Bf16Points::ALL));
+            let prompt: Vec<u32> = (0..150).map(|i| (i * 37 % 4000) as u32 + 3).collect();
+            let mut seq = m.new_sequence();
+            m.prefill(&mut seq, &prompt, |_, _| {}).unwrap();
+            m.decode(&mut seq, 11).unwrap();
+            let (hk, t) = (cfg.num_key_value_heads, prompt.len() + 1);
+            for (li, kv) in seq.layers.iter().enumerate() {
+                let ev = m.layers[li].evict.as_ref().expect("NOSA layer");
+                assert_eq!(ev.bias.is_some(), bias);
+                assert!(
+                    kv.v.iter().all(|&x| half::bf16::from_f32(x).to_f32() == x),
+                    "layer {li}: the emulated v is bf16"
+                );
+                let want = ops::eviction_scores(&kv.v, t, &ev.delta, ev.bias.as_deref(), &ev.a);
+                assert_eq!(kv.c.len(), t * hk);
+                // Equal up to f32 summation order (the GEMM's blocking differs
+                // between the prefill chunk and a single decode row); the old
+                // fused bf16(δ·W_v) path was ~1e-2 off.
+                for (i, (&g, &w)) in kv.c.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 1e-5 * w.abs().max(1e-3),
+                        "layer {li}, bias {bias}, element {i}: {g} vs {w}"
+                    );
+                }
             }
         }
     }

@@ -183,6 +183,28 @@ pub fn softplus(x: f32) -> f32 {
     }
 }
 
+/// NOSA eviction scores (spec §3) of n tokens: c[i, h] = A\[h\] ·
+/// softplus(δ_h · v_i + b\[h\]), all f32, where v_i is token i's value over
+/// every KV head (`v`: [n, Hkv·D]), `delta` is [Hkv, Hkv·D], `bias`
+/// (optional) and `a` are \[Hkv\]; returns [n, Hkv]. The GPU engine
+/// computes the same on the bf16 v it caches (kernels/kv_append.cu).
+pub fn eviction_scores(
+    v: &[f32],
+    n: usize,
+    delta: &[f32],
+    bias: Option<&[f32]>,
+    a: &[f32],
+) -> Vec<f32> {
+    let hk = a.len();
+    let mut z = linear(v, n, delta, bias, hk);
+    for row in z.chunks_exact_mut(hk.max(1)) {
+        for (zh, &ah) in row.iter_mut().zip(a) {
+            *zh = ah * softplus(*zh);
+        }
+    }
+    z
+}
+
 /// Softmax-weighted sum over tokens for one query vector: returns
 /// Σ_j softmax_j(q·k_j·scale + bias_j) v_j, with `keys` and `values`
 /// yielding (k_j, v_j, bias_j). Accumulates in f32 with a running max

@@ -243,7 +243,7 @@ impl GemmOut for f32 {
 /// (`GEMV_MAX_N` in kernels/gemv.cu).
 pub const GEMV_MAX_N: usize = 4;
 /// Largest weight (out·in elements) [`Gpu::linear`] sends to the
-/// small-batch kernel when it is on: NOSA-8B's QKV(+z) and O projections,
+/// small-batch kernel when it is on: NOSA-8B's QKV and O projections,
 /// not the larger gate|up, down and lm_head GEMMs, which cuBLAS reads near
 /// the memory ceiling.
 pub const GEMV_MAX_WEIGHTS: usize = 32 << 20;

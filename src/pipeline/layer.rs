@@ -30,8 +30,8 @@ impl GpuModel {
     }
 
     /// First half of layer `l` over n rows: residual add + input RMSNorm,
-    /// the fused QKV(+z) GEMM (+bias) into `ws.qkv` at element `qkv_off`,
-    /// RoPE and the KV append (+ eviction score), and — `comp` = (new
+    /// the fused QKV GEMM (+bias) into `ws.qkv` at element `qkv_off`,
+    /// RoPE and the KV append (+ eviction score from v), and — `comp` = (new
     /// tokens, grid width) — the compression of the windows this call
     /// completes (GPU selection).
     #[allow(clippy::too_many_arguments)]
@@ -84,49 +84,32 @@ impl GpuModel {
         }
         // RoPE + append (+ eviction score).
         let t = self.rope_tables.as_ref().expect("rope tables ensured");
-        let (cosp, sinp) = (dptr(gpu, &t.cos), dptr(gpu, &t.sin));
-        let (ap, zbp) = match (&lw.evict_a, &lw.evict_zb) {
-            (Some(a), Some(zb)) => (dptr(gpu, a), dptr(gpu, zb)),
-            _ => (0u64, 0u64),
+        let eh = lw.evict_head.as_ref();
+        let args = ops::QkvAppendArgs {
+            qkv: qp,
+            row_stride: w,
+            heads: hq,
+            kv_heads: hk,
+            head_dim: dh,
+            pos: inp.pos,
+            cos: dptr(gpu, &t.cos),
+            sin: dptr(gpu, &t.sin),
+            table_rows: t.rows,
+            kptr: tab.k,
+            vptr: tab.v,
+            cptr: if self.eviction { tab.c_state } else { 0 },
+            evict_a: eh.map_or(0, |e| dptr(gpu, &e.a)),
+            evict_delta: eh.map_or(0, |e| dptr(gpu, &e.delta)),
+            evict_b: eh.and_then(|e| e.bias.as_ref()).map_or(0, |b| dptr(gpu, b)),
+            ring,
+            rows: n,
         };
-        let cstate = if self.eviction { tab.c_state } else { 0u64 };
-        let (w_, h_, hk_, d_, tr, zo) = (
-            i32_dim(w, "qkv row")?,
-            i32_dim(hq, "H")?,
-            i32_dim(hk, "Hkv")?,
-            i32_dim(dh, "D")?,
-            i32_dim(t.rows, "rope rows")?,
-            i32_dim(self.z_off, "z offset")?,
-        );
-        let ring_ = i32_dim(ring, "ring tokens")?;
-        let f = gpu.function("qkv_rope_append")?;
-        let lc = LaunchConfig {
-            grid_dim: (grid(n, "rows")?, grid(hq + 2 * hk, "heads")?, 1),
-            block_dim: (((dh / 2).div_ceil(32) * 32).clamp(32, 128) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = gpu.stream().launch_builder(f);
-        b.arg(&qp)
-            .arg(&w_)
-            .arg(&h_)
-            .arg(&hk_)
-            .arg(&d_)
-            .arg(&inp.pos)
-            .arg(&cosp)
-            .arg(&sinp)
-            .arg(&tr)
-            .arg(&tab.k)
-            .arg(&tab.v)
-            .arg(&cstate)
-            .arg(&zo)
-            .arg(&ap)
-            .arg(&zbp)
-            .arg(&ring_);
         if self.on(StepPart::RopeAppend) {
-            // SAFETY: argument list matches kernels/kv_append.cu; every row's
-            // position is below its sequence's capacity (ensure_capacity) and the
-            // kernel skips positions past the RoPE table; pointer tables hold n rows.
-            unsafe { b.launch(lc) }.cuda("qkv_rope_append")?;
+            // SAFETY: every row's position is below its sequence's capacity
+            // (ensure_capacity; ring slots below the ring) and the kernel skips
+            // positions past the RoPE table; pointer tables hold n rows; the
+            // eviction head is [Hkv] / [Hkv, Hkv·D] f32.
+            unsafe { ops::launch_qkv_rope_append(gpu, &args) }?;
         }
         if let Some((n_new, gx)) = comp {
             if gx > 0 && self.on(StepPart::Compress) {

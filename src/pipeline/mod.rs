@@ -10,9 +10,9 @@
 //! x = embed[tok] · scale_emb                      (bf16)        embed_gather
 //! per layer:
 //!   resid += x·s ; x̂ = RMSNorm(resid)                           rmsnorm_residual
-//!   [q | k | v | z] = x̂ · Wqkvzᵀ                   one GEMM      cuBLAS
+//!   [q | k | v] = x̂ · Wqkvᵀ (+ bias)                one GEMM      cuBLAS (+ bias_add)
 //!   RoPE(q, k); K/V cache[pos] = k, v;                           qkv_rope_append
-//!   c[pos] = A · softplus(z + zb)
+//!   c[pos] = A · softplus(δ · v + b)   (f32, v as stored bf16)
 //!   attention: dense (no bias) or sparse over the selected blocks (+c bias)
 //!   o = attn · Woᵀ ; resid += o·s ; x̂ = RMSNorm(resid)          cuBLAS, rmsnorm_residual
 //!   x = down(silu(gate) · up), gate|up one GEMM                  cuBLAS, swiglu, cuBLAS
@@ -20,12 +20,13 @@
 //! ```
 //!
 //! with s = scale_depth/√L under muP (else 1). Fusions and layouts:
-//! - `Wqkvz` stacks q_proj, k_proj, v_proj and, for NOSA checkpoints, the
-//!   eviction head folded into the value projection: z = δ·(W_v x̂ + b_v) =
-//!   (δ·W_v) x̂ + δ·b_v, so the Hkv rows δ·W_v (computed in f32 at load, then
-//!   rounded to bf16) ride in the same GEMM; rows are padded to a multiple of
-//!   8. The eviction score c = A·softplus(z + b + δ·b_v) is computed in f32
-//!   by the append kernel.
+//! - `Wqkv` stacks q_proj, k_proj and v_proj (rows padded to a multiple of
+//!   8; forecast mode appends its rows after them, see [`forecast`]). The
+//!   NOSA eviction score is not part of the GEMM: the append kernel computes
+//!   z = δ·v + b in f32 from the bf16 v the GEMM (+ v bias) produced, the
+//!   value the K/V cache stores (δ and b as the checkpoint holds them,
+//!   widened to f32), and c = A·softplus(z) in f32 (spec §3), exactly what
+//!   the CPU reference computes on that v.
 //! - gate_proj and up_proj are stacked into one [2I, d] GEMM weight.
 //! - The muP logit divisor is folded into the final norm weight at load
 //!   (w / divisor, rounded to bf16; exact when the divisor is a power of two,
@@ -120,7 +121,7 @@ pub const PREFILL_CHUNK: usize = 512;
 /// then runs in chunks of a few dozen rows).
 pub const PARTIALS_BUDGET_BYTES: usize = 512 << 20;
 
-/// Rows of the fused QKV(+z) weight are padded to a multiple of this.
+/// Rows of the fused QKV weight are padded to a multiple of this.
 pub(crate) const QKV_ROW_ALIGN: usize = 8;
 /// Per-layer pointer-table entries per row: K, V, c (state), c (bias), Kc, p.
 pub(crate) const PTRS_PER_ROW: usize = 6;
@@ -176,9 +177,9 @@ pub enum StepPart {
     Embed,
     /// Residual add + input RMSNorm.
     NormIn,
-    /// Fused QKV(+z) GEMM (+bias).
+    /// Fused QKV GEMM (+bias).
     Qkv,
-    /// RoPE, K/V append, eviction score.
+    /// RoPE, K/V append, eviction score (δ·v in f32).
     RopeAppend,
     /// Incremental compression (Kc, p).
     Compress,
@@ -238,7 +239,7 @@ pub enum SelectionPath {
     /// On the GPU (the default): per layer, `compress_windows` completes Kc
     /// and p (f32) of each sequence from its K/c caches, then
     /// `qa_window_logits` / `qa_window_scores` / `select_blocks`
-    /// (kernels/compress.cu, kernels/select.cu, see [`super::select`]) choose
+    /// (kernels/compress.cu, kernels/select.cu, see [`select`]) choose
     /// the blocks of every sparse row, through the engine's per-row pointer
     /// tables (so a prefill chunk's rows each select over their own prefix).
     Gpu,
@@ -257,16 +258,13 @@ pub(crate) struct LayerWeights {
     pub(crate) input_norm: CudaSlice<Bf16>,
     /// post_attention_layernorm, [d].
     pub(crate) post_norm: CudaSlice<Bf16>,
-    /// [q; k; v; δ·W_v; 0-padding], [qkv_cols, d].
+    /// [q; k; v; 0-padding] (+ forecast rows), [qkv_cols, d].
     pub(crate) wqkv: CudaSlice<Bf16>,
-    /// Fused q|k|v bias (0 for the z and padding rows), [qkv_cols].
+    /// Fused q|k|v bias (0 for the padding rows), [qkv_cols].
     pub(crate) bqkv: Option<CudaSlice<f32>>,
-    /// Eviction head A, [Hkv] (NOSA).
-    pub(crate) evict_a: Option<CudaSlice<f32>>,
-    /// b + δ·b_v, [Hkv] (NOSA).
-    pub(crate) evict_zb: Option<CudaSlice<f32>>,
-    /// The eviction head on values (A, δ bf16 [Hkv, Hkv·D], b), for scoring
-    /// synthetic K/V ([`GpuModel::fill_synthetic`]); NOSA only.
+    /// The eviction head on values (A, δ [Hkv, Hkv·D], b; f32): the append
+    /// kernel's eviction score, and scoring synthetic K/V
+    /// ([`GpuModel::fill_synthetic`]); NOSA only.
     pub(crate) evict_head: Option<ops::EvictionWeights>,
     /// o_proj, [d, H·D].
     pub(crate) wo: CudaSlice<Bf16>,
@@ -296,10 +294,8 @@ pub struct GpuModel {
     pub(crate) final_norm: CudaSlice<Bf16>,
     pub(crate) layers: Vec<LayerWeights>,
     pub(crate) eviction: bool,
-    /// Row width of the fused QKV(+z) output (padded).
+    /// Row width of the fused QKV output (padded; forecast rows included).
     pub(crate) qkv_cols: usize,
-    /// Column of the first eviction logit z in a fused row.
-    pub(crate) z_off: usize,
     pub(crate) ws: Option<Workspace>,
     pub(crate) step: Option<DecodeStep>,
     pub(crate) decode_mode: DecodeMode,
@@ -326,7 +322,7 @@ pub struct GpuModel {
     pub(crate) timed_bytes: u64,
     pub(crate) fetched_at_timing: u64,
     pub(crate) offload_steps: u64,
-    /// QKV(+z) columns without forecast rows.
+    /// QKV columns without forecast rows.
     pub(crate) qkv_base_cols: usize,
     /// Forecast mode: (column of the next layer's forecast, column of layer
     /// 0's own forecast) in the fused QKV rows ([`GpuModel::set_forecast`]).
@@ -352,6 +348,15 @@ impl std::fmt::Debug for GpuModel {
             .field("plan", &self.plan)
             .finish_non_exhaustive()
     }
+}
+
+/// Columns of the fused QKV GEMM output of a model with `h` query heads,
+/// `hk` KV heads of dimension `dh`: the q, k and v rows, (H + 2·Hkv)·D,
+/// padded to a multiple of [`QKV_ROW_ALIGN`] (forecast rows, when on, come
+/// after these). The eviction head adds no rows: its score is computed from
+/// v by the append kernel.
+pub(crate) fn fused_qkv_cols(h: usize, hk: usize, dh: usize) -> usize {
+    ((h + 2 * hk) * dh).div_ceil(QKV_ROW_ALIGN) * QKV_ROW_ALIGN
 }
 
 /// Uploads tensor `name` as bf16.
@@ -394,62 +399,32 @@ impl GpuModel {
                 "{h} query heads is not a multiple of {hk} KV heads"
             )));
         }
-        let kvd = hk * dh;
         let eviction = ckpt.eviction_heads;
-        let z_off = (h + 2 * hk) * dh;
-        let qkv_rows = z_off + if eviction { hk } else { 0 };
-        let qkv_cols = qkv_rows.div_ceil(QKV_ROW_ALIGN) * QKV_ROW_ALIGN;
+        let qkv_cols = fused_qkv_cols(h, hk, dh);
         let g = &*gpu;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             use LayerTensor as T;
             let n = |t: T| names::layer(i, t);
-            // Fused [q; k; v; δ·W_v; pad] rows.
+            // Fused [q; k; v; pad] rows.
             let mut w: Vec<half::bf16> = Vec::with_capacity(qkv_cols * d);
             for t in [T::QProj, T::KProj, T::VProj] {
                 w.extend_from_slice(&ckpt.store.to_bf16(&n(t))?);
             }
             let bv = opt_f32(ckpt, &n(T::VBias))?;
-            let (mut evict_a, mut evict_zb, mut evict_head) = (None, None, None);
-            if eviction {
-                let delta = ckpt.store.to_f32(&n(T::EvictDelta))?; // [Hkv, kvd]
-                let wv = ckpt.store.to_f32(&n(T::VProj))?; // [kvd, d]
-                let mut zw = vec![0.0f32; hk * d];
-                for hh in 0..hk {
-                    let row = &mut zw[hh * d..(hh + 1) * d];
-                    for j in 0..kvd {
-                        let c = delta[hh * kvd + j];
-                        if c != 0.0 {
-                            for (r, x) in row.iter_mut().zip(&wv[j * d..(j + 1) * d]) {
-                                *r += c * x;
-                            }
-                        }
-                    }
-                }
-                w.extend(zw.iter().map(|&x| half::bf16::from_f32(x)));
-                let b = opt_f32(ckpt, &n(T::EvictDeltaBias))?;
-                let zb: Vec<f32> = (0..hk)
-                    .map(|hh| {
-                        let mut s = b.as_ref().map_or(0.0, |b| b[hh]);
-                        if let Some(bv) = &bv {
-                            s += (0..kvd).map(|j| delta[hh * kvd + j] * bv[j]).sum::<f32>();
-                        }
-                        s
-                    })
-                    .collect();
-                let a_host = ckpt.store.to_f32(&n(T::EvictA))?;
-                let delta_bf: Vec<Bf16> = delta.iter().map(|&x| Bf16::from_f32(x)).collect();
-                evict_head = Some(ops::EvictionWeights::new(
+            let evict_head = if eviction {
+                // f32 on the device: the checkpoint's values exactly.
+                Some(ops::EvictionWeights::new(
                     g,
-                    &a_host,
-                    &delta_bf,
-                    b.as_deref(),
+                    &ckpt.store.to_f32(&n(T::EvictA))?,
+                    &ckpt.store.to_f32(&n(T::EvictDelta))?,
+                    opt_f32(ckpt, &n(T::EvictDeltaBias))?.as_deref(),
                     hk,
                     dh,
-                )?);
-                evict_a = Some(g.upload(&a_host)?);
-                evict_zb = Some(g.upload(&zb)?);
-            }
+                )?)
+            } else {
+                None
+            };
             w.resize(qkv_cols * d, half::bf16::ZERO);
             let bq = opt_f32(ckpt, &n(T::QBias))?;
             let bk = opt_f32(ckpt, &n(T::KBias))?;
@@ -486,8 +461,6 @@ impl GpuModel {
                 post_norm: upload_bf16(g, ckpt, &n(T::PostAttnNorm))?,
                 wqkv: g.upload(bf16_bits(&w))?,
                 bqkv,
-                evict_a,
-                evict_zb,
                 evict_head,
                 wo: upload_bf16(g, ckpt, &n(T::OProj))?,
                 bo: up_opt(n(T::OBias))?,
@@ -520,7 +493,6 @@ impl GpuModel {
             layers,
             eviction,
             qkv_cols,
-            z_off,
             ws: None,
             step: None,
             decode_mode: DecodeMode::from_env(),
@@ -667,11 +639,9 @@ impl GpuModel {
                     + f(&l.bo)
                     + f(&l.bgu)
                     + f(&l.bdown)
-                    + f(&l.evict_a)
-                    + f(&l.evict_zb)
-                    + l.evict_head
-                        .as_ref()
-                        .map_or(0, |e| e.delta.len() * 2 + e.a.len() * 4)
+                    + l.evict_head.as_ref().map_or(0, |e| {
+                        (e.delta.len() + e.a.len() + e.bias.as_ref().map_or(0, |b| b.len())) * 4
+                    })
             })
             .sum();
         layers + b16(&self.embed) + self.lm_head.as_ref().map_or(0, b16) + b16(&self.final_norm)
@@ -800,5 +770,23 @@ impl GpuModel {
                 "no logits yet: run prefill or decode first".into(),
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fused QKV rows are q, k and v only (the eviction score is
+    /// computed from v by the append kernel), padded to 8.
+    #[test]
+    fn fused_qkv_has_no_eviction_rows() {
+        // NOSA-8B: H 32, Hkv 2, D 128.
+        assert_eq!(fused_qkv_cols(32, 2, 128), (32 + 4) * 128);
+        // Tiny: H 6, Hkv 2, D 64.
+        assert_eq!(fused_qkv_cols(6, 2, 64), 10 * 64);
+        // Padding to a multiple of QKV_ROW_ALIGN.
+        assert_eq!(fused_qkv_cols(3, 1, 2), 16);
+        assert_eq!(fused_qkv_cols(3, 1, 2) % QKV_ROW_ALIGN, 0);
     }
 }

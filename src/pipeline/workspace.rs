@@ -16,7 +16,8 @@ pub(crate) struct Workspace {
     pub(crate) delta: CudaSlice<Bf16>,
     /// Normed activations, bf16 [rows, d].
     pub(crate) xn: CudaSlice<Bf16>,
-    /// Fused QKV(+z) output, bf16 [layers, rows, qkv_cols] (layers = 1 in a forward call).
+    /// Fused QKV output (forecast columns after q|k|v when on), bf16
+    /// [layers, rows, qkv_cols] (layers = 1 in a forward call).
     pub(crate) qkv: CudaSlice<Bf16>,
     /// Attention output, bf16 [rows, H·D].
     pub(crate) attn: CudaSlice<Bf16>,

@@ -421,13 +421,15 @@ where
     gpu.download(&out)
 }
 
-/// One layer's NOSA eviction head on the device (spec §2–§3).
+/// One layer's NOSA eviction head on the device (spec §2–§3), all f32: the
+/// checkpoint's values exactly (bf16 checkpoints widen without rounding),
+/// as the CPU reference uses them.
 #[derive(Debug)]
 pub struct EvictionWeights {
     /// A, \[Hkv\] f32.
     pub a: CudaSlice<f32>,
-    /// δ, [Hkv, Hkv·D] bf16.
-    pub delta: CudaSlice<Bf16>,
+    /// δ, [Hkv, Hkv·D] f32.
+    pub delta: CudaSlice<f32>,
     /// b, \[Hkv\] f32 (only with `attention_bias`).
     pub bias: Option<CudaSlice<f32>>,
     /// Hkv.
@@ -443,7 +445,7 @@ impl EvictionWeights {
     pub fn new(
         gpu: &Gpu,
         a: &[f32],
-        delta: &[Bf16],
+        delta: &[f32],
         bias: Option<&[f32]>,
         kv_heads: usize,
         head_dim: usize,
@@ -531,6 +533,247 @@ where
         .arg(&kd);
     // SAFETY: argument list matches kernels/eviction.cu; sizes checked above.
     unsafe { b.launch(cfg) }.cuda(OP).map(drop)
+}
+
+/// Device addresses and geometry of one `qkv_rope_append` launch
+/// (kernels/kv_append.cu), one thread block per (row, head). Shared by
+/// [`qkv_rope_append`] and the engine's layers (per-row pointer tables).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct QkvAppendArgs {
+    /// bf16 fused rows [q | k | v | …] at `row_stride`; q and k rotated in place.
+    pub qkv: u64,
+    /// Elements per fused row.
+    pub row_stride: usize,
+    /// H.
+    pub heads: usize,
+    /// Hkv.
+    pub kv_heads: usize,
+    /// D.
+    pub head_dim: usize,
+    /// i32 \[rows\]: each row's position.
+    pub pos: u64,
+    /// f32 RoPE tables, [table_rows, D/2] each.
+    pub cos: u64,
+    /// As `cos`.
+    pub sin: u64,
+    /// Positions the tables cover.
+    pub table_rows: usize,
+    /// u64 \[rows\]: each row's K cache, bf16 [cap, Hkv, D].
+    pub kptr: u64,
+    /// u64 \[rows\]: each row's V cache, bf16 [cap, Hkv, D].
+    pub vptr: u64,
+    /// u64 \[rows\] (0 = no c anywhere): each row's c cache, f32 [cap, Hkv] (0 = none).
+    pub cptr: u64,
+    /// Eviction head (0 = none): A f32 \[Hkv\].
+    pub evict_a: u64,
+    /// δ f32 [Hkv, Hkv·D] (with `evict_a`).
+    pub evict_delta: u64,
+    /// b f32 \[Hkv\], 0 = no bias.
+    pub evict_b: u64,
+    /// Tail-ring tokens of an offloaded layer (token t at row t mod ring), 0 = none.
+    pub ring: usize,
+    /// Rows.
+    pub rows: usize,
+}
+
+/// Launches `qkv_rope_append` for `a` on the GPU's stream (see
+/// [`qkv_rope_append`] for what it computes). `rows = 0` is a no-op.
+///
+/// # Safety
+/// Every address in `a` must point to a live buffer of the sizes its fields
+/// state for all `a.rows` rows, and each row's position must be below its
+/// caches' capacity (ring slot below the ring).
+///
+/// Errors: a size past the i32/grid range; a launch failure.
+pub(crate) unsafe fn launch_qkv_rope_append(gpu: &Gpu, a: &QkvAppendArgs) -> Result<()> {
+    const OP: &str = "qkv_rope_append";
+    if a.rows == 0 {
+        return Ok(());
+    }
+    let (w_, h_, hk_, d_, tr, ring_) = (
+        i32_dim(a.row_stride, "qkv row")?,
+        i32_dim(a.heads, "H")?,
+        i32_dim(a.kv_heads, "Hkv")?,
+        i32_dim(a.head_dim, "D")?,
+        i32_dim(a.table_rows, "rope rows")?,
+        i32_dim(a.ring, "ring tokens")?,
+    );
+    let f = gpu.function(OP)?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            grid(a.rows, "rows")?,
+            grid(a.heads + 2 * a.kv_heads, "heads")?,
+            1,
+        ),
+        block_dim: (
+            ((a.head_dim / 2).div_ceil(32) * 32).clamp(32, 128) as u32,
+            1,
+            1,
+        ),
+        shared_mem_bytes: 0,
+    };
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(&a.qkv)
+        .arg(&w_)
+        .arg(&h_)
+        .arg(&hk_)
+        .arg(&d_)
+        .arg(&a.pos)
+        .arg(&a.cos)
+        .arg(&a.sin)
+        .arg(&tr)
+        .arg(&a.kptr)
+        .arg(&a.vptr)
+        .arg(&a.cptr)
+        .arg(&a.evict_a)
+        .arg(&a.evict_delta)
+        .arg(&a.evict_b)
+        .arg(&ring_);
+    // SAFETY: argument list matches kernels/kv_append.cu; the caller promises
+    // live buffers of the stated sizes.
+    unsafe { b.launch(cfg) }.cuda(OP).map(drop)
+}
+
+/// One row of [`qkv_rope_append`]: its token's position and the caches the
+/// token is appended to (the kernel writes into them; rows of one sequence
+/// share its caches).
+#[derive(Debug, Clone, Copy)]
+pub struct AppendRow<'a> {
+    /// Position of the row's token (its RoPE angle; its cache row, or ring
+    /// slot `pos mod ring`).
+    pub pos: usize,
+    /// K cache, bf16 [cap, Hkv, D].
+    pub k: &'a CudaSlice<Bf16>,
+    /// V cache, bf16 [cap, Hkv, D].
+    pub v: &'a CudaSlice<Bf16>,
+    /// Eviction scores c, f32 [cap, Hkv] (row `pos`, not the ring slot);
+    /// none: not written.
+    pub c: Option<&'a CudaSlice<f32>>,
+}
+
+/// RoPE + KV append + eviction score (spec §1, §3) of the fused QKV rows
+/// of one layer, as the engine runs it after the QKV GEMM: in each of the
+/// `rows.len()` rows of `qkv` (bf16, row i at i·`row_stride`, q | k | v =
+/// H, Hkv, Hkv heads of D from column 0) the q and k heads are rotated in
+/// place at the row's position (f32, rounded to bf16); the rotated k and
+/// the v heads are written to the row's K / V caches at its position (ring
+/// slot `pos mod ring` when `ring` > 0); with `evict`, c[pos, h] =
+/// A\[h\]·softplus(Σ_j δ\[h, j\]·v\[j\] + b\[h\]) over the row's whole v (Hkv·D
+/// values as stored, bf16 widened to f32; all f32) is written to the row's c
+/// cache when it has one.
+///
+/// A row whose position lies outside `tables` is skipped by the kernel.
+///
+/// Errors: [`Error::Input`] when H is not a multiple of Hkv, D is odd or ≠
+/// 2·tables.half, the heads overrun `row_stride`, `qkv` is not
+/// rows·row_stride, a row's cache is too short for its position (or ring
+/// slot), the eviction head's shape differs, or a position exceeds i32;
+/// [`Error::Cuda`] on a copy or launch failure.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_rope_append<Q: DevicePtrMut<Bf16>>(
+    gpu: &Gpu,
+    qkv: &mut Q,
+    row_stride: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    rows: &[AppendRow<'_>],
+    tables: &RopeTables,
+    evict: Option<&EvictionWeights>,
+    ring: usize,
+) -> Result<()> {
+    const OP: &str = "qkv_rope_append";
+    if kv_heads == 0 || heads == 0 || !heads.is_multiple_of(kv_heads) {
+        return Err(Error::Input(format!(
+            "{OP}: {heads} query heads is not a positive multiple of {kv_heads} KV heads"
+        )));
+    }
+    if !head_dim.is_multiple_of(2) || head_dim != 2 * tables.half {
+        return Err(Error::Input(format!(
+            "{OP}: head_dim {head_dim} must be even and equal 2 × table half {}",
+            tables.half
+        )));
+    }
+    let kvd = kv_heads * head_dim;
+    if (heads + 2 * kv_heads) * head_dim > row_stride {
+        return Err(Error::Input(format!(
+            "{OP}: {heads} + 2 × {kv_heads} heads of {head_dim} overrun the row of {row_stride}"
+        )));
+    }
+    let n = rows.len();
+    expect_len(OP, "qkv", qkv.len(), n * row_stride)?;
+    if let Some(e) = evict {
+        if e.kv_heads != kv_heads || e.head_dim != head_dim {
+            return Err(Error::Input(format!(
+                "{OP}: eviction head for Hkv {} × D {}, rows have Hkv {kv_heads} × D {head_dim}",
+                e.kv_heads, e.head_dim
+            )));
+        }
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let (mut kp, mut vp, mut cp, mut pos) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    for (i, r) in rows.iter().enumerate() {
+        let slot = if ring > 0 { r.pos % ring } else { r.pos };
+        if r.k.len() < (slot + 1) * kvd || r.v.len() < (slot + 1) * kvd {
+            return Err(Error::Input(format!(
+                "{OP}: row {i} writes cache row {slot}, its K/V caches hold {} / {} elements ({} needed)",
+                r.k.len(),
+                r.v.len(),
+                (slot + 1) * kvd
+            )));
+        }
+        if let Some(c) = r.c {
+            if c.len() < (r.pos + 1) * kv_heads {
+                return Err(Error::Input(format!(
+                    "{OP}: row {i} at position {} needs {} eviction scores, its c cache holds {}",
+                    r.pos,
+                    (r.pos + 1) * kv_heads,
+                    c.len()
+                )));
+            }
+        }
+        kp.push(dptr(gpu, r.k));
+        vp.push(dptr(gpu, r.v));
+        cp.push(r.c.map_or(0u64, |c| dptr(gpu, c)));
+        pos.push(i32_dim(r.pos, "position")?);
+    }
+    let (kd, vd, cd, pd) = (
+        gpu.upload(&kp)?,
+        gpu.upload(&vp)?,
+        gpu.upload(&cp)?,
+        gpu.upload(&pos)?,
+    );
+    let args = QkvAppendArgs {
+        qkv: dptr_mut(gpu, qkv),
+        row_stride,
+        heads,
+        kv_heads,
+        head_dim,
+        pos: dptr(gpu, &pd),
+        cos: dptr(gpu, &tables.cos),
+        sin: dptr(gpu, &tables.sin),
+        table_rows: tables.rows,
+        kptr: dptr(gpu, &kd),
+        vptr: dptr(gpu, &vd),
+        cptr: dptr(gpu, &cd),
+        evict_a: evict.map_or(0, |e| dptr(gpu, &e.a)),
+        evict_delta: evict.map_or(0, |e| dptr(gpu, &e.delta)),
+        evict_b: evict
+            .and_then(|e| e.bias.as_ref())
+            .map_or(0, |b| dptr(gpu, b)),
+        ring,
+        rows: n,
+    };
+    // SAFETY: shapes checked above; the pointer tables live until their
+    // stream-ordered free after the launch.
+    unsafe { launch_qkv_rope_append(gpu, &args) }
 }
 
 /// One sequence's KV state for decode attention: post-RoPE K and V, bf16

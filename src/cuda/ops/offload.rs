@@ -145,7 +145,7 @@ pub struct FetchArgs {
     /// KV heads.
     pub kv_heads: usize,
     /// u64 \[rows\]: device-visible address of block 0 of each row's host
-    /// store ([`PinnedKv::device_ptr`] + the (sequence, layer) offset).
+    /// store ([`PinnedKv::device_ptr`](crate::kv::host_store::PinnedKv::device_ptr) + the (sequence, layer) offset).
     pub host_tab: u64,
     /// u64 \[rows\]: address of each row's slot pool bf16 \[kv_heads\]\[slots\]\[2\]\[B\]\[D\].
     pub pool_tab: u64,

@@ -2,7 +2,7 @@
 //! query token per sequence, B sequences of different lengths, per KV head.
 //! It selects exactly what [`crate::model::select::select`] selects on the
 //! same scores (f32 ranking, ties to the lower block index), and writes the
-//! result in the layout [`attention_sparse_decode`](super::ops::attention_sparse_decode)
+//! result in the layout [`attention_sparse_decode`](super::attention_sparse_decode)
 //! reads ([`BlockSelection`]).
 //!
 //! Per (layer, sequence) the engine keeps, besides K (bf16 [T, Hkv, D]) and
@@ -905,7 +905,7 @@ where
 /// into `ws` (grown with [`SelectWorkspace::ensure`] when needed), then
 /// [`select_from_scores`] into fresh buffers, returned as a
 /// [`BlockSelection`] with s_max = S for
-/// [`attention_sparse_decode`](super::ops::attention_sparse_decode).
+/// [`attention_sparse_decode`](super::attention_sparse_decode).
 ///
 /// Errors: as [`window_scores`] and [`select_from_scores`].
 #[allow(clippy::too_many_arguments)]
