@@ -53,3 +53,28 @@ __device__ __forceinline__ float block_sum(float v, float* shm) {
     float t = lane < nw ? shm[lane] : 0.0f;
     return warp_sum(t);
 }
+
+// ---- device error record (src/cuda/device_error.rs; both must agree) -----------------------
+// A kernel whose guard fails (bad input it cannot process) skips the offending work and
+// reports it here instead of failing silently. The record: i32 [8] in pinned, device-mapped
+// host memory: [0] code (0 = none), [1] row of the launch, [2] layer, [3] the offending value,
+// [4] the limit it broke, [5] KV head (-1: a per-row guard), [6..8) 0. The first error wins
+// (atomicCAS on the code); only the claiming thread writes the other words. A null record
+// reports nothing. The host reads it after a synchronisation and clears it.
+#define DEVERR_ROPE_POSITION 1  // qkv_rope_append: position outside the RoPE table
+#define DEVERR_SELECT_BLOCKS 2  // select_blocks: more blocks than the launch's cap
+#define DEVERR_SLOT_DIFF 3      // slot_diff: more missed blocks than free slots
+
+__device__ __forceinline__ void raise_device_error(int* rec, int code, int row, int layer, int head,
+                                                   int value, int limit) {
+    if (rec == nullptr) return;
+    if (*(volatile int*)rec != 0) return;  // an earlier error holds the record
+    if (atomicCAS(rec, 0, code) != 0) return;
+    volatile int* w = rec;
+    w[1] = row;
+    w[2] = layer;
+    w[3] = value;
+    w[4] = limit;
+    w[5] = head;
+    __threadfence_system();
+}

@@ -13,7 +13,10 @@
 //     tree). delta: f32 [hkv, hkv*D]; eb: f32 [hkv] or null; A: f32 [hkv]. c is written
 //     as f32 to the c cache [cap, hkv] at cptr[r], row pos[r] (not the ring slot; skipped
 //     when cptr or cptr[r] is null).
-// The host guarantees 0 <= pos[r] < the row's cache capacity and < table_rows.
+// Guard: a row whose position lies outside the RoPE table (pos[r] < 0 or >= table_rows) is
+// skipped (nothing rotated, appended or scored) and reported to the device error record err
+// (nullable; common.cuh): DEVERR_ROPE_POSITION, row r, `layer`, value pos[r], limit table_rows.
+// The host guarantees 0 <= pos[r] < the row's cache capacity (ring slot < ring).
 // Grid: (n, H + 2*hkv); any block size (multiple of 32).
 
 extern "C" __global__ void qkv_rope_append(bf16_t* __restrict__ qkv, int row_stride, int H, int hkv, int D,
@@ -22,12 +25,15 @@ extern "C" __global__ void qkv_rope_append(bf16_t* __restrict__ qkv, int row_str
                                            const u64* __restrict__ kptr, const u64* __restrict__ vptr,
                                            const u64* __restrict__ cptr, const float* __restrict__ A,
                                            const float* __restrict__ delta, const float* __restrict__ eb,
-                                           int ring) {
+                                           int ring, int* __restrict__ err, int layer) {
     const int r = blockIdx.x, j = blockIdx.y;
     const int half = D >> 1;
     bf16_t* x = qkv + (u64)r * row_stride;
     const int p = pos[r];
-    if (p < 0 || p >= table_rows) return;
+    if (p < 0 || p >= table_rows) {
+        if (j == 0 && threadIdx.x == 0) raise_device_error(err, DEVERR_ROPE_POSITION, r, layer, -1, p, table_rows);
+        return;
+    }
     const u64 kv_row = ring > 0 ? (u64)(p % ring) : (u64)p;
     if (j < H + hkv) {
         bf16_t* v = x + (u64)j * D;

@@ -75,12 +75,15 @@ __device__ __forceinline__ int block_excl_scan(int v, int* shm, int* total) {
 //   ascending block order, take the free slots (empty, or holding a block not in
 //   the selection) in ascending slot order. More misses than free slots (the
 //   caller sized S too small; plan_slots errors) leaves the excess at slot -1,
-//   unfetched. A block held by two slots (plan_slots errors) is undefined.
+//   unfetched, and is reported to the device error record err (nullable;
+//   common.cuh): DEVERR_SLOT_DIFF, row r, `layer`, KV head h, value misses,
+//   limit free slots. A block held by two slots (plan_slots errors) is undefined.
 // Grid (rows, hkv), SD_THREADS threads. S <= SD_MAX_SLOTS, s_max <= SD_MAX_SEL.
 extern "C" __global__ __launch_bounds__(SD_THREADS) void slot_diff(
     const int* __restrict__ sel, const int* __restrict__ nsel, int s_max, const int* __restrict__ lens,
     const u64* __restrict__ slot_tab, int S, int block_size, int hkv, int* __restrict__ slot_list,
-    int* __restrict__ fetch, int* __restrict__ nfetch, unsigned long long* __restrict__ stats) {
+    int* __restrict__ fetch, int* __restrict__ nfetch, unsigned long long* __restrict__ stats,
+    int* __restrict__ err, int layer) {
     __shared__ int smap[SD_MAX_SLOTS];      // slot map before the step
     __shared__ int free_list[SD_MAX_SLOTS]; // free slots, ascending
     __shared__ int cb[SD_MAX_SEL];          // valid selected blocks, ascending
@@ -187,6 +190,7 @@ extern "C" __global__ __launch_bounds__(SD_THREADS) void slot_diff(
     if (tid == 0) {
         const int nf = min(nmiss, nfree);
         nfetch[rh] = nf;
+        if (nmiss > nfree) raise_device_error(err, DEVERR_SLOT_DIFF, r, layer, h, nmiss, nfree);
         if (stats != nullptr) {
             atomicAdd(stats, (unsigned long long)nv);
             atomicAdd(stats + 1, (unsigned long long)nf);

@@ -304,13 +304,16 @@ __device__ __forceinline__ u32 block_flag_scan(bool flag, u32* ws, u32& total) {
 // pptr null: e = -inf (InfLLM-V2). Dynamic shared memory: 2*nb_cap u32 (nb <= nb_cap).
 // win_lens (nullable): the windows pooled are Mc(win_lens[b]) instead of Mc(T) (forecast
 // mode, layers >= 1: the previous step's state, nosa-model.md §4).
+// Guard: a row with more blocks than nb_cap (the launch's shared memory) gets an empty
+// selection (all -1, nsel 0) and is reported to the device error record err (nullable;
+// common.cuh): DEVERR_SELECT_BLOCKS, row b, `layer`, KV head h, value nb, limit nb_cap.
 extern "C" __global__ void select_blocks(const float* __restrict__ s, int w_stride, const u64* __restrict__ pptr,
                                          const int* __restrict__ lens, int* __restrict__ sel,
                                          int* __restrict__ nsel, int s_max, float* __restrict__ pooled_r,
                                          float* __restrict__ pooled_e, int nb_stride, int nb_cap, int hkv,
                                          int block_size, int stride, int ksize, int init_blocks,
                                          int window_blocks, int attended, int shortlist, int nosa,
-                                         const int* __restrict__ win_lens) {
+                                         const int* __restrict__ win_lens, int* __restrict__ err, int layer) {
     extern __shared__ u32 sel_keys[];
     __shared__ u32 hist[256];
     __shared__ u32 ws[32];
@@ -322,7 +325,10 @@ extern "C" __global__ void select_blocks(const float* __restrict__ s, int w_stri
     const int nb = T > 0 ? (T - 1) / block_size + 1 : 0;
     if (nb == 0 || nb > nb_cap) {  // no query, or more blocks than the launch allowed for
         for (int i = threadIdx.x; i < s_max; i += blockDim.x) out[i] = -1;
-        if (threadIdx.x == 0) nsel[row] = 0;
+        if (threadIdx.x == 0) {
+            nsel[row] = 0;
+            if (nb > nb_cap) raise_device_error(err, DEVERR_SELECT_BLOCKS, b, layer, h, nb, nb_cap);
+        }
         return;
     }
     const int q = nb - 1;

@@ -12,6 +12,7 @@
 
 use crate::config::{AttentionMode, RopeScaling, SparseConfig};
 use crate::cpu::ops as cpu_ops;
+use crate::cuda::device_error::DeviceErrors;
 use crate::cuda::ops::{self, BlockSelection, EvictionWeights, KvBatch, RopeTables, SeqKv};
 use crate::cuda::{Bf16, Gpu};
 use crate::model::select::Budget;
@@ -514,6 +515,8 @@ fn check_qkv_append(c: &mut Checker<'_>) {
                 })
                 .collect();
             let mut x = gpu.upload(&xb)?;
+            // Positions inside the table raise no device error (checked below).
+            let errs = DeviceErrors::new(gpu)?;
             ops::qkv_rope_append(
                 gpu,
                 &mut x,
@@ -525,6 +528,7 @@ fn check_qkv_append(c: &mut Checker<'_>) {
                 &tables,
                 Some(&head),
                 ring,
+                errs.sink(3),
             )?;
             let got_x = to_f32(&gpu.download(&x)?);
             let mut host = Vec::with_capacity(seqs);
@@ -562,6 +566,7 @@ fn check_qkv_append(c: &mut Checker<'_>) {
             }
             let want_c = cpu_ops::eviction_scores(&v_rows, n, &df, b.as_deref(), &a);
             gpu.synchronize()?;
+            errs.take()?;
             Ok([(got, want), (got_c, want_c)])
         })();
         let (r1, r2) = match r {
@@ -798,7 +803,11 @@ fn check_sparse_attention(c: &mut Checker<'_>) {
 /// `out_json`: GPU name, compute capability, driver and NVRTC versions, UTC
 /// date, `$SPARDA_COMMIT` (if set), the RNG seed (`$SPARDA_CHECK_SEED`
 /// reproduces a run; otherwise drawn from the clock), kernel build info, and
-/// per case: kernel, shape, rel_l2, max_abs_err, tolerance, pass.
+/// per case: kernel, shape, rel_l2, max_abs_err, tolerance, pass. Groups
+/// (`$SPARDA_CHECK_ONLY`, comma-separated; unset: all): `kernels`, `select`
+/// ([`super::select`]), `sample` ([`super::sample`]), `offload`
+/// ([`super::offload`]), `guards` (kernel guards provoked on purpose,
+/// [`super::guards`]).
 ///
 /// Returns whether every case passed (relative L2 ≤ [`TOLERANCE_BF16`],
 /// finite, fully written).
@@ -814,7 +823,7 @@ pub fn gpu_check(out_json: &Path) -> Result<bool> {
             missing.join(", ")
         )));
     }
-    let gpu = Gpu::new(0)?;
+    let gpu = std::sync::Arc::new(Gpu::new(0)?);
     let seed = std::env::var("SPARDA_CHECK_SEED")
         .ok()
         .and_then(|s| s.parse::<u64>().ok())
@@ -849,7 +858,7 @@ pub fn gpu_check(out_json: &Path) -> Result<bool> {
         results: Vec::new(),
     };
     // `$SPARDA_CHECK_ONLY` (comma-separated group names: kernels, select,
-    // sample, offload) runs only those groups; unset, all of them.
+    // sample, offload, guards) runs only those groups; unset, all of them.
     let only = std::env::var("SPARDA_CHECK_ONLY").ok();
     let group = |g: &str| {
         only.as_deref()
@@ -877,6 +886,10 @@ pub fn gpu_check(out_json: &Path) -> Result<bool> {
     if group("offload") {
         c.results
             .extend(super::offload::check_offload(&gpu, &mut c.inp.rng));
+    }
+    if group("guards") {
+        c.results
+            .extend(super::guards::check_guards(&gpu, &mut c.inp.rng));
     }
     let results = c.results;
     let failed = results.iter().filter(|r| !r.pass).count();

@@ -5,12 +5,15 @@
 //!   random inputs at the shapes testing.md lists, with a JSON report;
 //! - [`select`], [`offload`], [`sample`]: the selection, offloaded-KV and
 //!   sampling kernel groups of that check;
+//! - [`guards`]: kernel guards provoked on purpose, reported through the
+//!   device error record (kernel level and through the engine);
 //! - [`e2e`]: the whole engine against the CPU reference under teacher
 //!   forcing, per-step selections included;
 //! - [`identity`]: bitwise identity between decode modes (GPU-resident vs
 //!   offloaded KV, prefetch on vs off).
 
 pub mod e2e;
+pub mod guards;
 pub mod identity;
 pub mod kernels;
 pub mod offload;

@@ -19,6 +19,7 @@
 
 use super::kernels::CaseResult;
 use crate::cuda::context::dptr;
+use crate::cuda::device_error::DeviceErrors;
 use crate::cuda::ops::offload::{self, DmaRow, FetchArgs, SlotDiffArgs, StoreArgs, StoreBlocks};
 use crate::cuda::Gpu;
 use crate::kv::host_store::PinnedKv;
@@ -267,6 +268,8 @@ struct DiffDev {
     fetch: CudaSlice<i32>,
     nfetch: CudaSlice<i32>,
     stats: CudaSlice<u64>,
+    /// Valid inputs raise no device error: a false positive fails the case.
+    errs: DeviceErrors,
 }
 
 const POISON: i32 = 0x7fff_fff0;
@@ -292,6 +295,7 @@ impl DiffDev {
             fetch: gpu.upload(&vec![POISON; rows * hkv * s * 2])?,
             nfetch: gpu.upload(&vec![POISON; rows * hkv])?,
             stats: gpu.zeros(2)?,
+            errs: DeviceErrors::new(gpu)?,
         })
     }
     /// Row-major [rows][per] ↔ reversed row order (an involution).
@@ -330,9 +334,11 @@ impl DiffDev {
             fetch: dptr(gpu, &self.fetch),
             nfetch: dptr(gpu, &self.nfetch),
             stats: if stats { dptr(gpu, &self.stats) } else { 0 },
+            err: self.errs.sink(0),
         };
         offload::slot_diff(gpu, gpu.stream(), &a)?;
-        gpu.synchronize()
+        gpu.synchronize()?;
+        self.errs.take()
     }
 }
 

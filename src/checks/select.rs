@@ -30,6 +30,7 @@
 use super::kernels::{rel_l2, CaseResult, TOLERANCE_BF16};
 use crate::config::SparseConfig;
 use crate::cpu::ops as cpu_ops;
+use crate::cuda::device_error::DeviceErrors;
 use crate::cuda::ops::select::{
     compress_append, compress_prefill, select_from_scores, window_scores, PooledScores,
     SelectBatch, SelectWorkspace, SeqSelectState,
@@ -507,6 +508,8 @@ fn run_selection(
     let mut sel = gpu.upload(&vec![i32::MIN; b * hk * s_max])?;
     let mut nsel = gpu.upload(&vec![i32::MIN; b * hk])?;
     let mut pooled = PooledScores::new(gpu, b, hk, nb_max)?;
+    // A valid batch raises no device error: a false positive fails the case.
+    let errs = DeviceErrors::new(gpu)?;
     let (s_dl, w_stride) = match (q, scores) {
         (Some((q, heads)), _) => {
             let mc = batch
@@ -537,6 +540,7 @@ fn run_selection(
                 &mut nsel,
                 s_max,
                 Some(&mut pooled),
+                errs.sink(0),
             )?;
             (gpu.download(ws.scores())?, w)
         }
@@ -552,12 +556,13 @@ fn run_selection(
                 &mut nsel,
                 s_max,
                 Some(&mut pooled),
+                errs.sink(0),
             )?;
             (Vec::new(), w)
         }
         (None, None) => unreachable!("run_selection needs q or scores"),
     };
-    Ok(GpuSel {
+    let out = GpuSel {
         scores: s_dl,
         w_stride,
         r: gpu.download(&pooled.r)?,
@@ -566,7 +571,9 @@ fn run_selection(
         sel: gpu.download(&sel)?,
         nsel: gpu.download(&nsel)?,
         s_max,
-    })
+    };
+    errs.take()?;
+    Ok(out)
 }
 
 impl GpuSel {

@@ -8,6 +8,8 @@
 //!   bf16 GEMM and CUDA-graph capture;
 //! - [`ops`]: one typed wrapper per kernel, shapes checked before launch
 //!   ([`ops::select`]: selection kernels; [`ops::offload`]: offloaded-KV kernels).
+//! - [`device_error`]: the device error record through which kernels report
+//!   a failed guard (pinned, device-mapped; decoded into an [`Error`]).
 //!
 //! The model on the GPU is [`crate::pipeline`], its KV cache [`crate::kv`],
 //! the GPU checks [`crate::checks`].
@@ -17,6 +19,7 @@
 //! feature this crate does not enable.
 
 pub mod context;
+pub mod device_error;
 pub mod ops;
 
 pub use context::{DeviceInfo, GemmOut, Gpu};

@@ -273,8 +273,13 @@ impl GpuModel {
     }
 
     /// The offload counters (synchronises).
+    ///
+    /// Errors: [`Error::Cuda`] on a copy failure; a device error raised
+    /// since the last check (e.g. `slot_diff` with more misses than free
+    /// slots; see [`GpuModel::check_device_errors`]).
     pub fn offload_stats(&self) -> Result<OffloadStats> {
         let counters = self.gpu.download(&self.offload_counters)?;
+        self.device_errors.take()?;
         Ok(OffloadStats {
             selected: counters.iter().step_by(2).copied().collect(),
             fetched: counters.iter().skip(1).step_by(2).copied().collect(),

@@ -122,8 +122,9 @@ impl GpuModel {
     }
 
     /// `slot_diff` of layer `l` on the compute stream over the lists at
-    /// `sel_off`/`nsel_off` (rows attending to `lens` tokens). Returns
-    /// false (nothing launched) when the layer is resident.
+    /// `sel_off`/`nsel_off` (rows attending to `lens` tokens); more misses
+    /// than free slots are reported to the model's device error record.
+    /// Returns false (nothing launched) when the layer is resident.
     pub(crate) fn offload_diff(
         &self,
         st: &mut DecodeStep,
@@ -158,6 +159,7 @@ impl GpuModel {
             i32_dim(bs, "block size")?,
             i32_dim(hk, "Hkv")?,
         );
+        let (err, layer) = (self.device_errors.device_ptr(), i32_dim(l, "layer")?);
         let f = gpu.function("slot_diff")?;
         let mut b = gpu.stream().launch_builder(f);
         b.arg(&sel)
@@ -171,14 +173,17 @@ impl GpuModel {
             .arg(&slot_list)
             .arg(&fetch)
             .arg(&nfetch)
-            .arg(&stats);
+            .arg(&stats)
+            .arg(&err)
+            .arg(&layer);
         let cfg = LaunchConfig {
             grid_dim: (grid(n, "rows")?, grid(hk, "Hkv")?, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: argument list matches kernels/kv_offload.cu slot_diff; the lists
-        // hold n·Hkv·s_max entries, the slot maps Hkv·S, fetch n·Hkv·S pairs.
+        // hold n·Hkv·s_max entries, the slot maps Hkv·S, fetch n·Hkv·S pairs; the
+        // error record is the model's (more misses than free slots are reported).
         unsafe { b.launch(cfg) }.cuda("slot_diff")?;
         Ok(true)
     }

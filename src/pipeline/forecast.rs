@@ -188,7 +188,7 @@ impl GpuModel {
             .map(drop)
     }
 
-    /// Forecast selection (spec §4) of the layer whose tables are `target`
+    /// Forecast selection (spec §4) of layer `l`, whose tables are `target`,
     /// into the lists at `sel_off`/`nsel_off`: `forecast_scores` of the
     /// forecast at element `f_off` of the QKV rows over the target's Kc,
     /// then `select_blocks` with the target's p; windows Mc(`win_lens`)
@@ -196,6 +196,7 @@ impl GpuModel {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn forecast_select(
         &self,
+        l: usize,
         ws: &Workspace,
         n: usize,
         f_off: usize,
@@ -248,6 +249,7 @@ impl GpuModel {
             unsafe { b.launch(cfg) }.cuda("forecast_scores")?;
         }
         self.select_from_scores(
+            l,
             ws,
             n,
             target,

@@ -103,12 +103,13 @@ impl GpuModel {
             evict_b: eh.and_then(|e| e.bias.as_ref()).map_or(0, |b| dptr(gpu, b)),
             ring,
             rows: n,
+            err: self.device_errors.sink(l),
         };
         if self.on(StepPart::RopeAppend) {
             // SAFETY: every row's position is below its sequence's capacity
             // (ensure_capacity; ring slots below the ring) and the kernel skips
-            // positions past the RoPE table; pointer tables hold n rows; the
-            // eviction head is [Hkv] / [Hkv, Hkv·D] f32.
+            // (and reports) positions past the RoPE table; pointer tables hold
+            // n rows; the eviction head is [Hkv] / [Hkv, Hkv·D] f32.
             unsafe { ops::launch_qkv_rope_append(gpu, &args) }?;
         }
         if let Some((n_new, gx)) = comp {

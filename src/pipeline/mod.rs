@@ -61,6 +61,21 @@
 //! lists. That path synchronises every layer and is for correctness checks
 //! only.
 //!
+//! Device errors: kernels whose guards can fail — `qkv_rope_append` (a
+//! position outside the RoPE table), `select_blocks` (more blocks than the
+//! launch's cap) and `slot_diff` (more missed blocks than free slots) —
+//! skip the offending row and report it to the model's device error record
+//! ([`crate::cuda::device_error`]: pinned, device-mapped, one fixed address
+//! for the model's lifetime, so captured graphs keep reporting to it).
+//! Nothing there costs a synchronisation: the record is read where the
+//! engine synchronises or hands results to the host anyway — [`GpuModel::argmax`],
+//! [`GpuModel::sample`], [`GpuModel::download_logits`],
+//! [`GpuModel::offload_stats`] and the end of [`GpuModel::prefill`] (which
+//! synchronises once per prompt) — and by [`GpuModel::check_device_errors`]
+//! (loops that only run device-fed steps, such as benchmarks). The first
+//! error since the last check comes back as an [`Error::Limit`] naming the
+//! kernel, layer, row (and KV head) and the numbers; the record is cleared.
+//!
 //! Where things are:
 //! - this file: [`GpuModel`] (weights, options, the public API) and the
 //!   step-independent settings ([`DecodeMode`], [`SelectionPath`], [`StepPart`]);
@@ -79,6 +94,7 @@
 use crate::config::{AttentionMode, ModelConfig, Rope, RopeScaling};
 use crate::cpu::EngineOptions;
 use crate::cuda::context::{dptr, grid, i32_dim, CudaResultExt};
+use crate::cuda::device_error::DeviceErrors;
 use crate::cuda::ops::select::{ensure_smem, launch_select_blocks, SelectBlocksArgs};
 use crate::cuda::ops::{self, AttnArgs, RopeTables};
 use crate::cuda::{bf16_bits, Bf16, Gpu};
@@ -339,6 +355,9 @@ pub struct GpuModel {
     pub(crate) fetch_spans: std::cell::RefCell<Vec<(usize, SpanId)>>,
     /// Fetch counts of traced steps, read at [`GpuModel::flush_trace`].
     pub(crate) trace_fetches: std::cell::RefCell<Vec<trace_spans::PendingFetch>>,
+    /// The device error record every guarded kernel of this model reports
+    /// to (see the module doc); its address never changes.
+    pub(crate) device_errors: DeviceErrors,
 }
 
 impl std::fmt::Debug for GpuModel {
@@ -517,6 +536,7 @@ impl GpuModel {
             trace_step: std::cell::Cell::new(0),
             fetch_spans: std::cell::RefCell::new(Vec::new()),
             trace_fetches: std::cell::RefCell::new(Vec::new()),
+            device_errors: DeviceErrors::new(g)?,
             prefill_mode: opts.prefill,
             plan,
             config: cfg,
@@ -702,10 +722,32 @@ impl GpuModel {
 
     /// The logits of the last call copied to the host, [rows, V] (synchronises).
     ///
-    /// Errors: as [`GpuModel::logits`]; [`Error::Cuda`] on a copy failure.
+    /// Errors: as [`GpuModel::logits`]; [`Error::Cuda`] on a copy failure;
+    /// a device error raised since the last check (see
+    /// [`GpuModel::check_device_errors`]).
     pub fn download_logits(&self) -> Result<Vec<f32>> {
         let l = self.logits()?;
-        self.gpu.download(&l)
+        let v = self.gpu.download(&l)?;
+        self.device_errors.take()?;
+        Ok(v)
+    }
+
+    /// Checks the device error record (see the module doc): synchronises the
+    /// compute stream, then returns the first error a guarded kernel raised
+    /// since the last check and clears the record. The engine checks it
+    /// itself in [`GpuModel::argmax`], [`GpuModel::sample`],
+    /// [`GpuModel::download_logits`], [`GpuModel::offload_stats`] and at the
+    /// end of [`GpuModel::prefill`]; call this after device-fed steps
+    /// ([`GpuModel::decode_greedy`]) that none of those follow.
+    ///
+    /// Errors: [`Error::Limit`] naming the kernel (`qkv_rope_append`,
+    /// `select_blocks`, `slot_diff`), layer, row (a sequence of a decode
+    /// batch, a token of a prefill chunk), KV head and the numbers (position
+    /// vs RoPE table rows, blocks vs the launch's cap, misses vs free slots);
+    /// [`Error::Cuda`] when the stream fails or the record is corrupt.
+    pub fn check_device_errors(&self) -> Result<()> {
+        self.gpu.synchronize()?;
+        self.device_errors.take()
     }
 
     /// Sampling on the GPU: one token per row of the last logits
@@ -715,7 +757,8 @@ impl GpuModel {
     /// [`GpuModel::argmax`]. Synchronises; only the ids travel.
     ///
     /// Errors: as [`ops::sample_rows`]; [`Error::Input`] before any logits
-    /// or when `u01` does not hold one draw per row.
+    /// or when `u01` does not hold one draw per row; a device error raised
+    /// since the last check (see [`GpuModel::check_device_errors`]).
     pub fn sample(
         &mut self,
         params: &crate::sample::SamplingParams,
@@ -726,22 +769,33 @@ impl GpuModel {
         }
         let rows = self.logit_rows();
         let logits = self.logits()?;
-        ops::sample_rows(
+        let ids = ops::sample_rows(
             &self.gpu,
             &logits,
             rows,
             self.config.vocab_size,
             params,
             u01,
-        )
+        )?;
+        self.device_errors.take()?;
+        Ok(ids)
     }
 
     /// Greedy sampling on the GPU: the argmax of each logits row (ties to the
     /// lower id, NaN never wins), \[rows\] (synchronises; only the ids travel).
     /// After a device-resident decode step the step computed it already.
     ///
-    /// Errors: as [`GpuModel::logits`]; [`Error::Cuda`] on a failure.
+    /// Errors: as [`GpuModel::logits`]; [`Error::Cuda`] on a failure; a
+    /// device error raised since the last check (see
+    /// [`GpuModel::check_device_errors`]).
     pub fn argmax(&mut self) -> Result<Vec<u32>> {
+        let ids = self.argmax_rows()?;
+        self.device_errors.take()?;
+        Ok(ids)
+    }
+
+    /// [`GpuModel::argmax`] without the device error check.
+    fn argmax_rows(&mut self) -> Result<Vec<u32>> {
         match self.last {
             LastLogits::Step(n) => {
                 let st = self.step.as_ref().expect("a step produced the logits");

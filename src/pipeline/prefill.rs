@@ -14,8 +14,12 @@ impl GpuModel {
     /// plan is sparse, the whole prompt (T + n tokens) reaches dense_len, and
     /// the prefill mode is not `Dense`.
     ///
+    /// Synchronises once at the end and checks the device error record (see
+    /// [`GpuModel::check_device_errors`]).
+    ///
     /// Errors: an empty prompt, a token id ≥ V, a length past
-    /// `max_position_embeddings` ([`Error::Input`] / [`Error::Limit`]);
+    /// `max_position_embeddings` ([`Error::Input`] / [`Error::Limit`]); a
+    /// device error raised by one of the prompt's kernels ([`Error::Limit`]);
     /// [`Error::Cuda`] on a device failure.
     pub fn prefill(
         &mut self,
@@ -55,7 +59,7 @@ impl GpuModel {
             self.forward(std::slice::from_mut(seq), &rows, which)?;
             progress(done, prompt.len());
         }
-        Ok(())
+        self.check_device_errors()
     }
 
     /// Rows per prefill chunk so the attention partials of a context of up
@@ -441,7 +445,7 @@ impl GpuModel {
                     // The mirror takes every token (dense phases included).
                     self.host_select_lists(&mut ws, seqs, rows, l, 0, 0, 0, s_max, any_sparse)?;
                 } else if any_sparse {
-                    self.gpu_select(&ws, n, 0, 0, 0, &inp, &tab, &sel_geo)?;
+                    self.gpu_select(l, &ws, n, 0, 0, 0, &inp, &tab, &sel_geo)?;
                     if any_dense_in_sparse {
                         self.fill_dense_rows(&ws, n, inp.lens, s_max, 0, 0)?;
                     }

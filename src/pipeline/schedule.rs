@@ -102,7 +102,7 @@ impl GpuModel {
                             )?;
                         } else if any_sparse {
                             self.gpu_select(
-                                &st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.sel,
+                                l, &st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.sel,
                             )?;
                         }
                         if fill_dense && !st.key.host_selection {
@@ -123,6 +123,7 @@ impl GpuModel {
                     if l == 0 {
                         // layer 0 scores its own current-step windows with q_curr_proj
                         self.forecast_select(
+                            0,
                             &st.ws,
                             n,
                             qkv_off + cur,
@@ -151,6 +152,7 @@ impl GpuModel {
                         let next = Tables::new(ptrs + ((l + 1) * per_layer * 8) as u64, n, n);
                         let (ns_off, nn_off) = lists(l + 1);
                         self.forecast_select(
+                            l + 1,
                             &st.ws,
                             n,
                             qkv_off + fut,

@@ -5,14 +5,15 @@
 use super::*;
 
 impl GpuModel {
-    /// GPU block selection of every row (spec §4) through the per-row
-    /// tables: `qa_window_logits` + `qa_window_scores` over up to `geo.mc`
-    /// windows (grids sized by it; each row scores the Mc(pos+1) windows it
-    /// sees), then `select_blocks` over up to `geo.nb_cap` blocks into the
-    /// lists at `sel_off` / `nsel_off` (width `geo.s_max`).
+    /// GPU block selection of every row (spec §4) of layer `l` through the
+    /// per-row tables: `qa_window_logits` + `qa_window_scores` over up to
+    /// `geo.mc` windows (grids sized by it; each row scores the Mc(pos+1)
+    /// windows it sees), then `select_blocks` over up to `geo.nb_cap` blocks
+    /// into the lists at `sel_off` / `nsel_off` (width `geo.s_max`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gpu_select(
         &self,
+        l: usize,
         ws: &Workspace,
         n: usize,
         qkv_off: usize,
@@ -111,16 +112,29 @@ impl GpuModel {
         if !self.on(StepPart::Select) {
             return Ok(());
         }
-        self.select_from_scores(ws, n, tab, sel_off, nsel_off, lp, 0, geo, "select_blocks")
+        self.select_from_scores(
+            l,
+            ws,
+            n,
+            tab,
+            sel_off,
+            nsel_off,
+            lp,
+            0,
+            geo,
+            "select_blocks",
+        )
     }
 
     /// `select_blocks` (spec §4 steps 2–6) of n rows from the window scores
-    /// in `ws.qa_scores` and the p of the layer whose tables are `tab`, into
+    /// in `ws.qa_scores` and the p of layer `l`, whose tables are `tab`, into
     /// the lists at `sel_off` / `nsel_off`; windows Mc(`win_lens`) (0: Mc of
-    /// the rows' lengths `lens`).
+    /// the rows' lengths `lens`). A row past `geo.nb_cap` blocks is reported
+    /// to the model's device error record for layer `l`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn select_from_scores(
         &self,
+        l: usize,
         ws: &Workspace,
         n: usize,
         tab: &Tables,
@@ -149,10 +163,11 @@ impl GpuModel {
             rows: n,
             nosa,
             win_lens,
+            err: self.device_errors.sink(l),
         };
-        // SAFETY: every row has ≤ nb_cap blocks (the kernel clears rows with
-        // more) and Mc(win_lens or lens) ≤ w_stride scored windows, its p
-        // (NOSA) holds them; the lists hold n·Hkv·s_max / n·Hkv entries.
+        // SAFETY: every row has ≤ nb_cap blocks (the kernel clears and reports
+        // rows with more) and Mc(win_lens or lens) ≤ w_stride scored windows,
+        // its p (NOSA) holds them; the lists hold n·Hkv·s_max / n·Hkv entries.
         unsafe { launch_select_blocks(gpu, &self.plan.budget, &args, op) }
     }
 

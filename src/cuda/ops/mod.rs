@@ -13,6 +13,7 @@ pub mod offload;
 pub mod select;
 
 use crate::cuda::context::{dptr, dptr_mut, grid, i32_dim, CudaResultExt};
+use crate::cuda::device_error::ErrorSink;
 use crate::cuda::{Bf16, Gpu};
 use crate::{Error, Result};
 use cudarc::driver::{
@@ -574,6 +575,8 @@ pub(crate) struct QkvAppendArgs {
     pub ring: usize,
     /// Rows.
     pub rows: usize,
+    /// Where a position outside the RoPE table is reported.
+    pub err: ErrorSink,
 }
 
 /// Launches `qkv_rope_append` for `a` on the GPU's stream (see
@@ -598,6 +601,7 @@ pub(crate) unsafe fn launch_qkv_rope_append(gpu: &Gpu, a: &QkvAppendArgs) -> Res
         i32_dim(a.table_rows, "rope rows")?,
         i32_dim(a.ring, "ring tokens")?,
     );
+    let layer = a.err.layer_arg()?;
     let f = gpu.function(OP)?;
     let cfg = LaunchConfig {
         grid_dim: (
@@ -628,7 +632,9 @@ pub(crate) unsafe fn launch_qkv_rope_append(gpu: &Gpu, a: &QkvAppendArgs) -> Res
         .arg(&a.evict_a)
         .arg(&a.evict_delta)
         .arg(&a.evict_b)
-        .arg(&ring_);
+        .arg(&ring_)
+        .arg(&a.err.record)
+        .arg(&layer);
     // SAFETY: argument list matches kernels/kv_append.cu; the caller promises
     // live buffers of the stated sizes.
     unsafe { b.launch(cfg) }.cuda(OP).map(drop)
@@ -662,7 +668,11 @@ pub struct AppendRow<'a> {
 /// values as stored, bf16 widened to f32; all f32) is written to the row's c
 /// cache when it has one.
 ///
-/// A row whose position lies outside `tables` is skipped by the kernel.
+/// A row whose position lies outside `tables` is not checked here: the
+/// kernel skips it (nothing rotated, appended or scored) and reports it to
+/// `err` ([`DeviceErrorKind::RopePosition`](crate::cuda::device_error::DeviceErrorKind::RopePosition):
+/// the row, `err.layer`, the position and the table's rows);
+/// [`ErrorSink::NONE`] reports nothing.
 ///
 /// Errors: [`Error::Input`] when H is not a multiple of Hkv, D is odd or ≠
 /// 2·tables.half, the heads overrun `row_stride`, `qkv` is not
@@ -681,6 +691,7 @@ pub fn qkv_rope_append<Q: DevicePtrMut<Bf16>>(
     tables: &RopeTables,
     evict: Option<&EvictionWeights>,
     ring: usize,
+    err: ErrorSink,
 ) -> Result<()> {
     const OP: &str = "qkv_rope_append";
     if kv_heads == 0 || heads == 0 || !heads.is_multiple_of(kv_heads) {
@@ -770,6 +781,7 @@ pub fn qkv_rope_append<Q: DevicePtrMut<Bf16>>(
             .map_or(0, |b| dptr(gpu, b)),
         ring,
         rows: n,
+        err,
     };
     // SAFETY: shapes checked above; the pointer tables live until their
     // stream-ordered free after the launch.

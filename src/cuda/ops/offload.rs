@@ -3,6 +3,7 @@
 //! fetch through `cuMemcpyBatchAsync` (runtime.md §1, §4).
 
 use crate::cuda::context::{grid, i32_dim, CudaResultExt};
+use crate::cuda::device_error::ErrorSink;
 use crate::cuda::Gpu;
 use crate::{Error, Result};
 use cudarc::driver::sys;
@@ -58,10 +59,15 @@ pub struct SlotDiffArgs {
     /// u64 \[2\] or 0: `[0] +=` selected blocks, `[1] +=` fetched blocks
     /// (locality γ = 1 − \[1\]/\[0\]); typically one pair per layer.
     pub stats: u64,
+    /// Where more misses than free slots are reported (the excess stays
+    /// unfetched, slot −1, either way); [`ErrorSink::NONE`] reports nothing.
+    pub err: ErrorSink,
 }
 
 /// Launches `slot_diff` (grid (rows, kv_heads), 128 threads) on `stream`.
-/// `rows = 0` is a no-op.
+/// `rows = 0` is a no-op. A (row, head) with more misses than free slots
+/// is reported to `a.err` ([`DeviceErrorKind::SlotDiffNoSlot`](crate::cuda::device_error::DeviceErrorKind::SlotDiffNoSlot);
+/// read the record after a synchronisation).
 ///
 /// Errors: [`Error::Input`] when S or s_max exceed the kernel's limits, a
 /// size is 0 or exceeds i32, or a required address is 0; [`Error::Cuda`] on
@@ -107,6 +113,7 @@ pub fn slot_diff(gpu: &Gpu, stream: &CudaStream, a: &SlotDiffArgs) -> Result<()>
         i32_dim(a.block_size, "block_size")?,
         i32_dim(a.kv_heads, "kv_heads")?,
     );
+    let layer = a.err.layer_arg()?;
     let f = gpu.function(OP)?;
     let cfg = LaunchConfig {
         grid_dim: (grid(a.rows, "rows")?, grid(a.kv_heads, "kv_heads")?, 1),
@@ -125,7 +132,9 @@ pub fn slot_diff(gpu: &Gpu, stream: &CudaStream, a: &SlotDiffArgs) -> Result<()>
         .arg(&a.slot_list)
         .arg(&a.fetch)
         .arg(&a.nfetch)
-        .arg(&a.stats);
+        .arg(&a.stats)
+        .arg(&a.err.record)
+        .arg(&layer);
     // SAFETY: argument list matches kernels/kv_offload.cu slot_diff; the caller
     // passes buffers of the documented shapes; limits checked above.
     unsafe { b.launch(cfg) }.cuda(OP).map(drop)

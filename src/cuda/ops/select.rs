@@ -35,6 +35,7 @@
 
 use super::BlockSelection;
 use crate::cuda::context::{dptr, dptr_mut, grid, i32_dim, CudaResultExt};
+use crate::cuda::device_error::ErrorSink;
 use crate::cuda::{Bf16, Gpu};
 use crate::model::select::{Budget, SelectionRule};
 use crate::{Error, Result};
@@ -105,6 +106,9 @@ pub(crate) struct SelectBlocksArgs {
     /// i32 [rows]: token counts whose windows Mc(·) are pooled instead of
     /// Mc(lens) (forecast mode, spec §4: the previous step's state); 0 = lens.
     pub win_lens: u64,
+    /// Where a row with more blocks than `blocks` is reported (its
+    /// selection is cleared either way).
+    pub err: ErrorSink,
 }
 
 /// Launches `select_blocks` for `a` on the GPU's stream (spec §4 steps 3–6).
@@ -141,6 +145,7 @@ pub(crate) unsafe fn launch_select_blocks(
     .map(|&(x, w)| i32_dim(x, w))
     .collect::<Result<Vec<i32>>>()?;
     let nosa_i = i32::from(a.nosa);
+    let layer = a.err.layer_arg()?;
     let cfg = LaunchConfig {
         grid_dim: (grid(a.kv_heads, "Hkv")?, grid(a.rows, "rows")?, 1),
         block_dim: (SELECT_THREADS, 1, 1),
@@ -167,7 +172,9 @@ pub(crate) unsafe fn launch_select_blocks(
         .arg(&ints[10])
         .arg(&ints[11])
         .arg(&nosa_i)
-        .arg(&a.win_lens);
+        .arg(&a.win_lens)
+        .arg(&a.err.record)
+        .arg(&layer);
     // SAFETY: argument list matches select_blocks in kernels/select.cu; the
     // buffers are live and sized as the caller promised.
     unsafe { l.launch(cfg) }.cuda(op).map(drop)
@@ -789,7 +796,10 @@ impl PooledScores {
 /// Writes `sel` i32 [B, Hkv, s_max] (ascending block ids, then −1) and
 /// `nsel` i32 [B, Hkv] (count, min(q + 1, S)); ready for
 /// [`BlockSelection::from_device`] with this s_max. `pooled`, if given,
-/// receives r and e.
+/// receives r and e. A sequence with more blocks than the launch is sized
+/// for (its device length past `batch`'s host lengths) gets an empty row
+/// and is reported to `err` ([`DeviceErrorKind::SelectBlocksCap`](crate::cuda::device_error::DeviceErrorKind::SelectBlocksCap));
+/// [`ErrorSink::NONE`] reports nothing.
 ///
 /// - `scores`: f32 [B, Hkv, w_stride] window scores (e.g.
 ///   [`SelectWorkspace::scores`] after [`window_scores`]), w_stride ≥ Mc.
@@ -812,6 +822,7 @@ pub fn select_from_scores<S, O, N>(
     nsel: &mut N,
     s_max: usize,
     pooled: Option<&mut PooledScores>,
+    err: ErrorSink,
 ) -> Result<()>
 where
     S: DevicePtr<f32>,
@@ -895,6 +906,7 @@ where
         rows: b,
         nosa,
         win_lens: 0,
+        err,
     };
     // SAFETY: every size checked above (blocks ≤ nb_max, windows ≤ w_stride
     // and the p capacity, pooled rows of nb_stride, lists of B·Hkv·s_max).
@@ -905,7 +917,8 @@ where
 /// into `ws` (grown with [`SelectWorkspace::ensure`] when needed), then
 /// [`select_from_scores`] into fresh buffers, returned as a
 /// [`BlockSelection`] with s_max = S for
-/// [`attention_sparse_decode`](super::attention_sparse_decode).
+/// [`attention_sparse_decode`](super::attention_sparse_decode). `err`: as
+/// for [`select_from_scores`].
 ///
 /// Errors: as [`window_scores`] and [`select_from_scores`].
 #[allow(clippy::too_many_arguments)]
@@ -918,6 +931,7 @@ pub fn select_decode<Q: DevicePtr<Bf16>>(
     budget: &Budget,
     rule: SelectionRule,
     ws: &mut SelectWorkspace,
+    err: ErrorSink,
 ) -> Result<BlockSelection> {
     let (b, hk) = (batch.batch(), batch.kv_heads);
     if heads == 0 || !heads.is_multiple_of(hk) {
@@ -936,7 +950,7 @@ pub fn select_decode<Q: DevicePtr<Bf16>>(
         unsafe { gpu.stream().alloc(b * hk) }.cuda("allocating the block selection")?;
     let w_stride = ws.w_stride;
     select_from_scores(
-        gpu, batch, budget, rule, &ws.scores, w_stride, &mut sel, &mut nsel, s_max, None,
+        gpu, batch, budget, rule, &ws.scores, w_stride, &mut sel, &mut nsel, s_max, None, err,
     )?;
     BlockSelection::from_device(sel, nsel, b, hk, s_max)
 }
