@@ -219,10 +219,12 @@ pub fn offload_identity(
 /// layer and KV head, are compared. Prompts of different lengths on both
 /// sides of `dense_len` make steps that mix dense rows (no selection:
 /// empty sets on both sides) and sparse rows, with rows crossing dense_len
-/// during the run. A set that differs passes only as a near-tie (the CPU's
-/// own forecast scores of the differing blocks within
-/// [`super::e2e::NEAR_TIE`] of the cut that decided them: inputs differ by
-/// bf16 rounding) or as a cascade of a difference in a lower layer of the
+/// during the run. A set that differs passes only as a near-tie (the
+/// differing blocks within [`super::e2e::NEAR_TIE`] of the cut that decided
+/// them, scored over the CPU reference's compressed keys with the CPU's
+/// forecast or with the GPU's own ([`GpuModel::last_forecasts`], as
+/// gpu-check-e2e scores with the GPU's own query): inputs differ by bf16
+/// rounding) or as a cascade of a difference in a lower layer of the
 /// same row and step. Returns (pass, JSON record).
 ///
 /// Errors: CPU or GPU failures; an empty batch.
@@ -293,6 +295,7 @@ pub fn forecast_selection(
         mixed_steps += usize::from(dense_rows > 0 && dense_rows < gseqs.len());
         model.decode(&mut gseqs, &toks)?;
         let got = model.last_selections();
+        let gpu_fc = model.last_forecasts();
         for (b, run) in runs.iter().enumerate() {
             let t_len = prompts[b].len() + step + 1;
             let mut lower = false;
@@ -319,19 +322,34 @@ pub fn forecast_selection(
                         .copied()
                         .collect();
                     let layer = &run.seq.layers[l];
-                    let gap = match &run.fcs[step][l] {
-                        Some((f, windows)) if !want.is_empty() && !g.is_empty() => {
-                            let dh = f.len() / layer.kv_heads;
-                            let s = crate::cpu::forecast_window_scores(
-                                &f[h * dh..(h + 1) * dh],
-                                layer,
-                                h,
-                                *windows,
-                            );
-                            super::e2e::cut_gap_scores(&plan, layer, &s, h, t_len, &diff)
-                        }
-                        _ => f64::INFINITY,
+                    // The cut gap of the differing blocks, scored over the CPU
+                    // reference's Kc and p with the CPU's forecast and with the
+                    // GPU's own (as gpu-check-e2e scores with the GPU's own
+                    // query): a near-tie under either is activation rounding.
+                    let gap_with = |f: &[f32], windows: usize| {
+                        let dh = f.len() / layer.kv_heads;
+                        let s = crate::cpu::forecast_window_scores(
+                            &f[h * dh..(h + 1) * dh],
+                            layer,
+                            h,
+                            windows,
+                        );
+                        super::e2e::cut_gap_scores(&plan, layer, &s, h, t_len, &diff)
                     };
+                    let (gap_cpu, gap_gpu) = match &run.fcs[step][l] {
+                        Some((f, windows)) if !want.is_empty() && !g.is_empty() => {
+                            let gf = gpu_fc
+                                .get(l)
+                                .and_then(|r| r.get(b))
+                                .filter(|gf| gf.len() == f.len());
+                            (
+                                gap_with(f, *windows),
+                                gf.map_or(f64::INFINITY, |gf| gap_with(gf, *windows)),
+                            )
+                        }
+                        _ => (f64::INFINITY, f64::INFINITY),
+                    };
+                    let gap = gap_cpu.min(gap_gpu);
                     let how = if gap <= super::e2e::NEAR_TIE {
                         near += 1;
                         max_gap = max_gap.max(gap);
@@ -344,8 +362,10 @@ pub fn forecast_selection(
                         "UNEXPLAINED"
                     };
                     if examples.len() < 32 {
+                        let num = |x: f64| if x.is_finite() { json!(x) } else { json!(null) };
                         examples.push(json!({"step": step, "row": b, "layer": l, "head": h, "cpu": want, "gpu": g,
-                            "cut_gap": if gap.is_finite() { json!(gap) } else { json!(null) }, "explained_as": how,
+                            "cut_gap": num(gap), "cut_gap_cpu_forecast": num(gap_cpu),
+                            "cut_gap_gpu_forecast": num(gap_gpu), "explained_as": how,
                             "current_block": (t_len - 1) / bs}));
                     }
                 }
@@ -368,6 +388,7 @@ pub fn forecast_selection(
             "steps_mixing_dense_and_sparse_rows": mixed_steps, "sets": sets, "equal": equal,
             "dense_row_sets": dense_sets, "near_ties": near, "max_near_tie_gap": max_gap,
             "cascades": cascades, "unexplained": unexplained, "pass": pass, "examples": examples,
-            "near_tie_bound": super::e2e::NEAR_TIE}),
+            "near_tie_bound": super::e2e::NEAR_TIE,
+            "near_tie_scored_with": "the CPU reference's Kc and p, with the CPU's forecast and with the GPU's own; the smaller cut gap"}),
     ))
 }

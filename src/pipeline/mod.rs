@@ -325,6 +325,10 @@ pub struct GpuModel {
     /// `[layer][row]`: each row's post-RoPE query (H·D, f32 from bf16) in
     /// the last sparse forward call, when recording.
     pub(crate) last_queries: Vec<Vec<Vec<f32>>>,
+    /// `[layer][row]`: the forecast each row's layer selected with in the
+    /// last decode step in forecast mode (Hkv·D, f32 from bf16), when
+    /// recording.
+    pub(crate) last_forecasts: Vec<Vec<Vec<f32>>>,
     /// Where the logits of the last call are.
     pub(crate) last: LastLogits,
     /// Offloaded KV settings (`--kv offload`), for sequences offloaded
@@ -520,6 +524,7 @@ impl GpuModel {
             record_selections: false,
             last_selections: Vec::new(),
             last_queries: Vec::new(),
+            last_forecasts: Vec::new(),
             last: LastLogits::None,
             offload: None,
             offload_counters: g.zeros(2 * cfg.num_hidden_layers.max(1))?,
@@ -623,6 +628,7 @@ impl GpuModel {
         self.record_selections = on;
         self.last_selections.clear();
         self.last_queries.clear();
+        self.last_forecasts.clear();
     }
 
     /// `[layer][row][kv_head]`: ascending block ids each row of the last
@@ -639,6 +645,16 @@ impl GpuModel {
     /// selection differences against the CPU reference.
     pub fn last_queries(&self) -> &[Vec<Vec<f32>>] {
         &self.last_queries
+    }
+
+    /// `[layer][row]`: in forecast mode, the post-RoPE forecast (Hkv·D
+    /// values, bf16 widened to f32; spec §4) that chose each row's blocks of
+    /// that layer in the last decode step — layer 0's own from q_curr_proj,
+    /// layer l ≥ 1's from layer l−1's q_future_proj — when recording is on
+    /// and the step had sparse rows (empty otherwise). For explaining
+    /// forecast-selection differences against the CPU reference.
+    pub fn last_forecasts(&self) -> &[Vec<Vec<f32>>] {
+        &self.last_forecasts
     }
 
     /// Bytes of device memory the weights take.

@@ -403,7 +403,9 @@ impl GpuModel {
     }
 
     /// Copies the last step's per-layer queries and block lists (empty for
-    /// dense rows, as in a prefill call) to the recording ([`GpuModel::last_selections`] / [`GpuModel::last_queries`]).
+    /// dense rows, as in a prefill call) and, in forecast mode, the forecasts
+    /// to the recording ([`GpuModel::last_selections`],
+    /// [`GpuModel::last_queries`], [`GpuModel::last_forecasts`]).
     pub(crate) fn record_step(&mut self) -> Result<()> {
         let st = self.step.as_ref().expect("a step ran");
         let c = &self.config;
@@ -414,6 +416,7 @@ impl GpuModel {
             c.num_hidden_layers,
         );
         let (n, w, s_max) = (st.n, self.qkv_cols, st.attn.s_max);
+        self.last_forecasts = Vec::new();
         if !st.attn.sparse {
             self.last_selections = vec![vec![vec![Vec::new(); hk]; n]; nl];
             self.last_queries = vec![Vec::new(); nl];
@@ -434,6 +437,23 @@ impl GpuModel {
                     .collect()
             })
             .collect();
+        if let Some((fut, cur)) = self.forecast_cols {
+            // layer 0's own forecast sits in its own rows; layer l's in layer l−1's
+            self.last_forecasts = (0..nl)
+                .map(|l| {
+                    (0..n)
+                        .map(|i| {
+                            let o = if l == 0 {
+                                i * w + cur
+                            } else {
+                                ((l - 1) * n + i) * w + fut
+                            };
+                            qkv[o..o + hk * dh].iter().map(|x| x.to_f32()).collect()
+                        })
+                        .collect()
+                })
+                .collect();
+        }
         self.last_selections = (0..nl)
             .map(|l| {
                 (0..n)
