@@ -224,8 +224,12 @@ pub fn offload_identity(
 /// them, scored over the CPU reference's compressed keys with the CPU's
 /// forecast or with the GPU's own ([`GpuModel::last_forecasts`], as
 /// gpu-check-e2e scores with the GPU's own query): inputs differ by bf16
-/// rounding) or as a cascade of a difference in a lower layer of the
-/// same row and step. Returns (pass, JSON record).
+/// rounding), as a cascade of a difference in a lower layer of the same
+/// row and step, or as reproduced: the CPU rule applied to the GPU's own
+/// forecast and selection state ([`GpuModel::selection_state`]) gives the
+/// GPU's set, so the kernels and the schedule chose right from what they
+/// were given and the difference lies in the inputs' bf16 rounding (counted
+/// apart and reported). Returns (pass, JSON record).
 ///
 /// Errors: CPU or GPU failures; an empty batch.
 pub fn forecast_selection(
@@ -281,7 +285,7 @@ pub fn forecast_selection(
         gseqs.push(g);
     }
     let (mut sets, mut equal, mut near, mut cascades, mut unexplained) = (0, 0, 0, 0, 0);
-    let (mut dense_sets, mut mixed_steps) = (0usize, 0usize);
+    let (mut dense_sets, mut mixed_steps, mut from_inputs) = (0usize, 0usize, 0usize);
     let mut max_gap = 0.0f64;
     let mut examples = Vec::new();
     let plan = cpu.plan;
@@ -326,16 +330,17 @@ pub fn forecast_selection(
                     // reference's Kc and p with the CPU's forecast and with the
                     // GPU's own (as gpu-check-e2e scores with the GPU's own
                     // query): a near-tie under either is activation rounding.
-                    let gap_with = |f: &[f32], windows: usize| {
-                        let dh = f.len() / layer.kv_heads;
-                        let s = crate::cpu::forecast_window_scores(
-                            &f[h * dh..(h + 1) * dh],
-                            layer,
-                            h,
-                            windows,
-                        );
-                        super::e2e::cut_gap_scores(&plan, layer, &s, h, t_len, &diff)
-                    };
+                    let gap_with =
+                        |layer: &crate::model::state::LayerKv, f: &[f32], windows: usize| {
+                            let dh = f.len() / layer.kv_heads;
+                            let s = crate::cpu::forecast_window_scores(
+                                &f[h * dh..(h + 1) * dh],
+                                layer,
+                                h,
+                                windows,
+                            );
+                            super::e2e::cut_gap_scores(&plan, layer, &s, h, t_len, &diff)
+                        };
                     let (gap_cpu, gap_gpu) = match &run.fcs[step][l] {
                         Some((f, windows)) if !want.is_empty() && !g.is_empty() => {
                             let gf = gpu_fc
@@ -343,11 +348,45 @@ pub fn forecast_selection(
                                 .and_then(|r| r.get(b))
                                 .filter(|gf| gf.len() == f.len());
                             (
-                                gap_with(f, *windows),
-                                gf.map_or(f64::INFINITY, |gf| gap_with(gf, *windows)),
+                                gap_with(layer, f, *windows),
+                                gf.map_or(f64::INFINITY, |gf| gap_with(layer, gf, *windows)),
                             )
                         }
                         _ => (f64::INFINITY, f64::INFINITY),
+                    };
+                    // The GPU's inputs alone: the CPU rule applied to the GPU's
+                    // own forecast, compressed keys and pooled scores. When it
+                    // gives the GPU's set, the kernels and the schedule chose
+                    // right from what they were given (the right layer's state
+                    // of the previous step, the right forecast), and the
+                    // difference from the CPU lies in those inputs' bf16
+                    // rounding.
+                    let reproduced = match (
+                        &run.fcs[step][l],
+                        gpu_fc.get(l).and_then(|r| r.get(b)),
+                        plan.rule(),
+                    ) {
+                        (Some((f, windows)), Some(gf), Some(rule))
+                            if !want.is_empty() && !g.is_empty() && gf.len() == f.len() =>
+                        {
+                            let st = model.selection_state(&gseqs[b], l, *windows)?;
+                            let dh = gf.len() / st.kv_heads;
+                            let sc = crate::cpu::forecast_window_scores(
+                                &gf[h * dh..(h + 1) * dh],
+                                &st,
+                                h,
+                                *windows,
+                            );
+                            let budget = &plan.budget;
+                            let nb = budget.blocks(t_len - 1);
+                            let r = crate::model::select::pool_blocks(budget, &sc, nb);
+                            let p: Vec<f32> = (0..*windows)
+                                .map(|w| st.p.get(w * st.kv_heads + h).copied().unwrap_or(0.0))
+                                .collect();
+                            let e = crate::model::select::pool_blocks(budget, &p, nb);
+                            crate::model::select::select(budget, rule, &r, &e) == g
+                        }
+                        _ => false,
                     };
                     let gap = gap_cpu.min(gap_gpu);
                     let how = if gap <= super::e2e::NEAR_TIE {
@@ -357,6 +396,9 @@ pub fn forecast_selection(
                     } else if lower {
                         cascades += 1;
                         "cascade"
+                    } else if reproduced {
+                        from_inputs += 1;
+                        "reproduced from the GPU's inputs"
                     } else {
                         unexplained += 1;
                         "UNEXPLAINED"
@@ -365,7 +407,8 @@ pub fn forecast_selection(
                         let num = |x: f64| if x.is_finite() { json!(x) } else { json!(null) };
                         examples.push(json!({"step": step, "row": b, "layer": l, "head": h, "cpu": want, "gpu": g,
                             "cut_gap": num(gap), "cut_gap_cpu_forecast": num(gap_cpu),
-                            "cut_gap_gpu_forecast": num(gap_gpu), "explained_as": how,
+                            "cut_gap_gpu_forecast": num(gap_gpu),
+                            "reproduced_from_gpu_inputs": reproduced, "explained_as": how,
                             "current_block": (t_len - 1) / bs}));
                     }
                 }
@@ -378,7 +421,7 @@ pub fn forecast_selection(
     model.release_buffers();
     let pass = unexplained == 0;
     eprintln!(
-        "forecast selection vs CPU reference (B = {}, {mixed_steps} steps mixing dense and sparse rows): {equal}/{sets} sets equal ({dense_sets} of dense rows), {near} near-ties (max gap {max_gap:.2e}), {cascades} cascades, {unexplained} unexplained",
+        "forecast selection vs CPU reference (B = {}, {mixed_steps} steps mixing dense and sparse rows): {equal}/{sets} sets equal ({dense_sets} of dense rows), {near} near-ties (max gap {max_gap:.2e}), {cascades} cascades, {from_inputs} reproduced from the GPU's inputs, {unexplained} unexplained",
         prompts.len()
     );
     Ok((
@@ -387,7 +430,7 @@ pub fn forecast_selection(
             "dense_len": plan.sparse.dense_len, "decode_mode": format!("{:?}", model.decode_mode()),
             "steps_mixing_dense_and_sparse_rows": mixed_steps, "sets": sets, "equal": equal,
             "dense_row_sets": dense_sets, "near_ties": near, "max_near_tie_gap": max_gap,
-            "cascades": cascades, "unexplained": unexplained, "pass": pass, "examples": examples,
+            "cascades": cascades, "reproduced_from_gpu_inputs": from_inputs, "unexplained": unexplained, "pass": pass, "examples": examples,
             "near_tie_bound": super::e2e::NEAR_TIE,
             "near_tie_scored_with": "the CPU reference's Kc and p, with the CPU's forecast and with the GPU's own; the smaller cut gap"}),
     ))

@@ -79,6 +79,47 @@ impl GpuSequence {
 }
 
 impl GpuModel {
+    /// The selection state of `layer` of `seq` on the GPU, for checks:
+    /// compressed keys Kc (f32 [windows, Hkv, D]) and pooled eviction
+    /// scores p (f32 [windows, Hkv]; empty without eviction heads) of its
+    /// first `windows` windows, as a [`LayerKv`] holding only `kc` and `p`
+    /// (the layout of the CPU reference's, spec §3). Synchronises.
+    ///
+    /// Errors: [`Error::Input`] for a layer past the model's, a sequence
+    /// without GPU selection state (host selection path), or more windows
+    /// than the sequence has; [`Error::Cuda`] on a copy failure.
+    pub fn selection_state(
+        &self,
+        seq: &GpuSequence,
+        layer: usize,
+        windows: usize,
+    ) -> Result<LayerKv> {
+        let c = &self.config;
+        let (hk, dh) = (c.num_key_value_heads, c.head_dim);
+        let sl = seq.layers.get(layer).ok_or_else(|| {
+            Error::Input(format!(
+                "selection_state: layer {layer} of a {}-layer model",
+                seq.layers.len()
+            ))
+        })?;
+        let kc = sl.kc.as_ref().ok_or_else(|| {
+            Error::Input("selection_state: the sequence keeps no compressed keys on the GPU (host selection path)".into())
+        })?;
+        let have = self.plan.budget.windows(seq.len);
+        if windows > have || windows * hk * dh > kc.len() {
+            return Err(Error::Input(format!(
+                "selection_state: {windows} windows asked, the sequence of {} tokens has {have}",
+                seq.len
+            )));
+        }
+        let mut kv = LayerKv::new(hk, dh);
+        kv.kc = self.gpu.download(&kc.slice(0..windows * hk * dh))?;
+        if let Some(p) = &sl.p {
+            kv.p = self.gpu.download(&p.slice(0..windows * hk))?;
+        }
+        Ok(kv)
+    }
+
     /// Bytes of device memory one sequence with room for `capacity_tokens`
     /// tokens takes under the current plan and selection path (K, V, c,
     /// and Kc/p for GPU selection), every layer.
