@@ -244,10 +244,12 @@ pub fn forecast_selection(
     }
     // The CPU reference, one sequence at a time: tokens, selections and
     // forecasts of every step, and its final state (for the cut scores).
+    /// Per layer: the forecast query and the windows it scored (a step's `Sequence::forecasts`).
+    type StepForecasts = Vec<Option<(Vec<f32>, usize)>>;
     struct CpuRun {
         tokens: Vec<u32>,
         sels: Vec<Vec<Vec<Vec<usize>>>>,
-        fcs: Vec<Vec<Option<(Vec<f32>, usize)>>>,
+        fcs: Vec<StepForecasts>,
         seq: crate::cpu::Sequence,
     }
     let mut runs = Vec::with_capacity(prompts.len());
