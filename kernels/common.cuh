@@ -42,6 +42,19 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// NOSA eviction score of one (row, KV head) by one whole warp (nosa-model.md
+// §3): A * softplus(delta_h . v + b), softplus linear above 20, in f32 from the
+// row's bf16 v (kvd = Hkv*D values) and f32 delta_h [kvd]. Every lane gets it.
+// qkv_rope_append and eviction_score both call this, so their c agree bit for bit.
+__device__ __forceinline__ float eviction_c(const float* delta_h, const bf16_t* v, int kvd, float b, float A) {
+    const int lane = threadIdx.x & 31;
+    float acc = 0.0f;
+    for (int i = lane; i < kvd; i += 32) acc += delta_h[i] * bf2f(v[i]);
+    const float z = warp_sum(acc) + b;
+    const float sp = z > 20.0f ? z : log1pf(expf(z));
+    return A * sp;
+}
+
 // Sum over the whole thread block (blockDim.x a multiple of 32, at most 1024);
 // every thread gets the result. `shm` holds at least 32 floats.
 __device__ __forceinline__ float block_sum(float v, float* shm) {

@@ -11,14 +11,7 @@ extern "C" __global__ void eviction_score(const bf16_t* __restrict__ v, int ld_v
     const int lane = threadIdx.x & 31;
     if (wid >= n * hkv) return;
     const int row = wid / hkv, h = wid % hkv;
-    const bf16_t* vr = v + (u64)row * ld_v;
-    const float* dr = delta + (u64)h * kvdim;
-    float s = 0.0f;
-    for (int j = lane; j < kvdim; j += 32) s += dr[j] * bf2f(vr[j]);
-    s = warp_sum(s);
-    if (lane == 0) {
-        const float z = s + (bias != nullptr ? bias[h] : 0.0f);
-        const float sp = z > 20.0f ? z : log1pf(expf(z));
-        c[(u64)row * hkv + h] = A[h] * sp;
-    }
+    const float ch = eviction_c(delta + (u64)h * kvdim, v + (u64)row * ld_v, kvdim,
+                                bias != nullptr ? bias[h] : 0.0f, A[h]);
+    if (lane == 0) c[(u64)row * hkv + h] = ch;
 }

@@ -62,15 +62,8 @@ extern "C" __global__ void qkv_rope_append(bf16_t* __restrict__ qkv, int row_str
         // Warp 0 whole (blockDim.x >= 32); cptr[r] is the same for every lane.
         if (A != nullptr && cptr != nullptr && threadIdx.x < 32 && cptr[r] != 0ull) {
             const int kvd = hkv * D;
-            const float* dh = delta + (u64)h * kvd;
-            float acc = 0.0f;
-            for (int i = threadIdx.x; i < kvd; i += 32) acc += dh[i] * bf2f(vrow[i]);
-            acc = warp_sum(acc);
-            if (threadIdx.x == 0) {
-                const float z = acc + (eb != nullptr ? eb[h] : 0.0f);
-                const float sp = z > 20.0f ? z : log1pf(expf(z));
-                ((float*)cptr[r])[(u64)p * hkv + h] = A[h] * sp;
-            }
+            const float c = eviction_c(delta + (u64)h * kvd, vrow, kvd, eb != nullptr ? eb[h] : 0.0f, A[h]);
+            if (threadIdx.x == 0) ((float*)cptr[r])[(u64)p * hkv + h] = c;
         }
     }
 }

@@ -752,6 +752,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
                             SelectionRule::Nosa
                         });
                     }
+                    model.set_offload(None)?; // the new options must not meet the last mode's offload
                     model.set_options(o)?;
                     model.set_offload(mode.offloaded().then_some(off))?;
                     model.set_forecast(

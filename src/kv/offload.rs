@@ -309,9 +309,9 @@ impl GpuModel {
                 ));
             }
             // spec §1: the dense phase (T < dense_len) must fit the slot pool
-            self.plan
-                .sparse
-                .validate_offload(std::path::Path::new("config.json"))?;
+            self.plan.sparse.validate_offload(std::path::Path::new(
+                "config.json (with --budget-blocks / --dense-len applied)",
+            ))?;
             let b = &self.plan.budget;
             if b.attended > crate::cuda::ops::offload::SLOT_DIFF_MAX_SLOTS {
                 return Err(Error::Input(format!(

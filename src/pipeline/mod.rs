@@ -50,7 +50,8 @@
 //! by the batch's capacity, with blocks past a row's length exiting at
 //! once. The whole step — all layers, the lm_head GEMM and the argmax — is
 //! then captured once as a CUDA graph and replayed; it is captured again
-//! only when a capacity, the batch or its sequences change (see
+//! only when a capacity, the batch or its sequences change, a row crosses
+//! dense_len, or the RoPE tables grow (the step's key, [`step`]; see
 //! [`DecodeMode`]).
 //!
 //! Sparse selection (spec §4) plugs in per layer after the append; see
@@ -572,9 +573,20 @@ impl GpuModel {
     /// upload. Sequences carry the state of the plan they were made under:
     /// create them after this call.
     ///
-    /// Errors: [`Error::Input`] for overrides the checkpoint cannot honour.
+    /// Errors: [`Error::Input`] for overrides the checkpoint cannot honour;
+    /// with offload on ([`GpuModel::set_offload`]), the errors of
+    /// `set_offload` for a plan that breaks its rules (then nothing changes:
+    /// turn offload off first to switch to such a plan).
     pub fn set_options(&mut self, opts: EngineOptions) -> Result<()> {
-        self.plan = AttentionPlan::resolve(&self.config, self.eviction, opts.attention)?;
+        let plan = AttentionPlan::resolve(&self.config, self.eviction, opts.attention)?;
+        let old = std::mem::replace(&mut self.plan, plan);
+        if let Some(o) = self.offload {
+            // the new budget must still hold offload's rules (slot pool size, dense_len)
+            if let Err(e) = self.set_offload(Some(o)) {
+                self.plan = old;
+                return Err(e);
+            }
+        }
         self.prefill_mode = opts.prefill;
         self.step = None;
         self.last = LastLogits::None;

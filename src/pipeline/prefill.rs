@@ -201,8 +201,8 @@ impl GpuModel {
     /// Rows of one sequence must be at consecutive positions starting at its
     /// length (the public entry points guarantee it). Grids are sized by the
     /// call's own lengths; pointer tables and row inputs are uploaded per
-    /// call (prefill chunks, and decode batches the device-resident step
-    /// does not take).
+    /// call. Prefill chunks only: every decode step goes through
+    /// [`super::step`].
     pub(crate) fn forward(
         &mut self,
         seqs: &mut [GpuSequence],
@@ -242,19 +242,7 @@ impl GpuModel {
             }
             new_len[r.seq] += 1;
         }
-        if sparse_plan {
-            for (i, sq) in seqs.iter().enumerate() {
-                let ok = match path {
-                    SelectionPath::HostFallback => sq.mirror.is_some(),
-                    SelectionPath::Gpu => sq.layers.iter().all(|l| l.kc.is_some()),
-                };
-                if !ok {
-                    return Err(Error::Input(format!(
-                        "forward: sequence {i} was not made by this model's selection path {path:?} (create sequences after with_selection_path)"
-                    )));
-                }
-            }
-        }
+        self.check_selection_state(seqs)?;
         // Room for every row, RoPE tables, workspace (after the spills of
         // earlier calls, which read the K/V buffers growth may replace).
         self.spill_wait(seqs)?;

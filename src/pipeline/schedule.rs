@@ -17,8 +17,9 @@
 //! attention (without prefetch the fetch of layer l runs in the layer) →
 //! `attention` → `o_proj` → `ffn`.
 //!
-//! Dense rows (T < dense_len) of a step with sparse rows get every
-//! existing block after the selection (and no eviction bias); the host
+//! Dense rows (T < dense_len) of a step over block lists (some row sparse,
+//! or offloaded KV) get every existing block after the selection (and no
+//! eviction bias); the host
 //! selection path replaces the GPU's (it needs the host in the middle of
 //! the layer, so such steps are never captured). The quoted names are the
 //! trace spans of the compute stream.
@@ -66,6 +67,19 @@ impl GpuModel {
         // Dense rows of a step over block lists list every block they have.
         let fill_dense = st.attn.sparse && st.key.dense_rows.iter().any(|&d| d);
         let forecast = self.forecast_cols.filter(|_| any_sparse);
+        // The host selection path's rows (positions before the step).
+        let host_rows: Vec<Row> = if st.key.host_selection {
+            (0..n)
+                .map(|b| Row {
+                    seq: b,
+                    token: 0,
+                    pos: seqs[b].len,
+                    sparse: !st.key.dense_rows[b],
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         let prefetch = forecast.is_some() && self.prefetch && st.off.is_some();
         let s_max = st.attn.s_max;
         let lists = |l: usize| (l * n * hk * s_max, l * n * hk);
@@ -88,17 +102,11 @@ impl GpuModel {
                     let sp = if st.attn.sparse || st.key.host_selection {
                         let sp = self.tspan_next(&cs, sp, "select", l)?;
                         if st.key.host_selection {
-                            let rows: Vec<Row> = (0..n)
-                                .map(|b| Row {
-                                    seq: b,
-                                    token: 0,
-                                    pos: seqs[b].len,
-                                    sparse: !st.key.dense_rows[b],
-                                })
-                                .collect();
+                            // lists (dense rows: every block) whenever attention reads them
+                            let lists = st.attn.sparse;
                             self.host_select_lists(
-                                &mut st.ws, seqs, &rows, l, qkv_off, sel_off, nsel_off, s_max,
-                                any_sparse,
+                                &mut st.ws, seqs, &host_rows, l, qkv_off, sel_off, nsel_off, s_max,
+                                lists,
                             )?;
                         } else if any_sparse {
                             self.gpu_select(

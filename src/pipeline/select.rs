@@ -171,6 +171,31 @@ impl GpuModel {
         unsafe { launch_select_blocks(gpu, &self.plan.budget, &args, op) }
     }
 
+    /// Every sequence carries the selection state of this model's path (a
+    /// host mirror on [`SelectionPath::HostFallback`], compressed keys on the
+    /// GPU otherwise), so that no kernel reads a missing buffer and no mirror
+    /// falls out of step.
+    ///
+    /// Errors: [`Error::Input`] naming the sequence and the path.
+    pub(crate) fn check_selection_state(&self, seqs: &[GpuSequence]) -> Result<()> {
+        if !self.sparse_plan() {
+            return Ok(());
+        }
+        let path = self.selection;
+        for (i, sq) in seqs.iter().enumerate() {
+            let ok = match path {
+                SelectionPath::HostFallback => sq.mirror.is_some(),
+                SelectionPath::Gpu => sq.layers.iter().all(|l| l.kc.is_some()),
+            };
+            if !ok {
+                return Err(Error::Input(format!(
+                    "sequence {i} was not made by this model's selection path {path:?} (create sequences after with_selection_path)"
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// The host selection of the check path ([`SelectionPath::HostFallback`])
     /// for layer `l` of a call over `rows`: appends the layer's new tokens
     /// (the fused QKV rows at element `qkv_off`) to the sequences' host
@@ -233,8 +258,10 @@ impl GpuModel {
         .cuda("uploading block counts")
     }
 
-    /// Dense rows of a sparse forward call (dense_len) get every existing
-    /// block (`sel_fill_dense`); `s_max` ≥ their block counts.
+    /// Dense rows (T < dense_len) of a call or step over block lists get
+    /// every existing block (`sel_fill_dense`) in the lists at `sel_off` /
+    /// `nsel_off`; `s_max` ≥ their block counts. Part of
+    /// [`StepPart::Select`] in [`GpuModel::profile_step`].
     pub(crate) fn fill_dense_rows(
         &self,
         ws: &Workspace,
@@ -244,6 +271,9 @@ impl GpuModel {
         sel_off: usize,
         nsel_off: usize,
     ) -> Result<()> {
+        if !self.on(StepPart::Select) {
+            return Ok(());
+        }
         let gpu = &*self.gpu;
         let hk = self.config.num_key_value_heads;
         let (hk_, sm, bs) = (

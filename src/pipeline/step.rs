@@ -199,6 +199,7 @@ impl GpuModel {
             offload,
         };
         if self.step.as_ref().is_none_or(|st| st.key != key) {
+            self.check_selection_state(seqs)?;
             if tokens.is_none() {
                 return Err(Error::Input(
                     "decode_greedy: the step must be rebuilt (a capacity grew, the batch changed, or a row crossed dense_len); call decode with tokens".into(),
@@ -417,7 +418,8 @@ impl GpuModel {
         );
         let (n, w, s_max) = (st.n, self.qkv_cols, st.attn.s_max);
         self.last_forecasts = Vec::new();
-        if !st.attn.sparse {
+        if st.key.dense_rows.iter().all(|&d| d) {
+            // no row selected anything (an offloaded all-dense step lists every block)
             self.last_selections = vec![vec![vec![Vec::new(); hk]; n]; nl];
             self.last_queries = vec![Vec::new(); nl];
             return Ok(());
