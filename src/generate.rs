@@ -3,7 +3,7 @@
 
 use crate::cpu::{CpuModel, Sequence};
 use crate::pipeline::{GpuModel, GpuSequence};
-use crate::sample::{Sampler, SamplingParams};
+use crate::sample::{token_logprobs, Sampler, SamplingParams, TokenLogprob};
 use crate::{Error, Result};
 use std::time::Instant;
 
@@ -28,6 +28,9 @@ pub struct Request {
     pub sampling: SamplingParams,
     /// Token ids that end generation.
     pub stop_ids: Vec<u32>,
+    /// `Some(K)`: record each generated token's log-probability and its K
+    /// most likely alternatives ([`Output::logprobs`]).
+    pub logprobs: Option<usize>,
 }
 
 /// What a generation produced, with timings (ms, wall clock).
@@ -41,6 +44,10 @@ pub struct Output {
     pub prefill_ms: f64,
     /// Decode wall time (all decode steps), ms.
     pub decode_ms: f64,
+    /// With [`Request::logprobs`]: one entry per generated token (empty
+    /// otherwise). Its cost (reading each step's logits row back from the
+    /// GPU) counts in `decode_ms`.
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 impl Output {
@@ -83,6 +90,8 @@ pub trait Stepper {
     /// The next token from the last call's logits: greedy (argmax) when
     /// `greedy`, else drawn by `sampler`.
     fn next_token(&mut self, sampler: &mut Sampler, greedy: bool) -> Result<u32>;
+    /// The last call's logits row, f32 [V], on the host.
+    fn logits(&mut self) -> Result<Vec<f32>>;
 }
 
 /// The generation loop shared by every backend: validation, prefill (timed),
@@ -113,9 +122,13 @@ pub fn run_loop(
     let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
     let t = Instant::now();
     let mut tokens = Vec::new();
+    let mut logprobs = Vec::new();
     let mut stop = StopReason::MaxTokens;
     while tokens.len() < req.max_new_tokens {
         let tok = engine.next_token(&mut sampler, greedy)?;
+        if let Some(k) = req.logprobs {
+            logprobs.push(token_logprobs(&engine.logits()?, tok, k));
+        }
         tokens.push(tok);
         on_token(tok)?;
         if req.stop_ids.contains(&tok) {
@@ -136,6 +149,7 @@ pub fn run_loop(
         stop,
         prefill_ms,
         decode_ms,
+        logprobs,
     })
 }
 
@@ -157,6 +171,9 @@ impl Stepper for CpuStepper<'_> {
     }
     fn next_token(&mut self, sampler: &mut Sampler, _greedy: bool) -> Result<u32> {
         Ok(sampler.sample(&self.logits))
+    }
+    fn logits(&mut self) -> Result<Vec<f32>> {
+        Ok(self.logits.clone())
     }
 }
 
@@ -228,6 +245,10 @@ impl Stepper for GpuStepper<'_> {
                 .copied()
                 .ok_or_else(|| Error::Cuda("sampling returned no token".into()))
         }
+    }
+    fn logits(&mut self) -> Result<Vec<f32>> {
+        // one sequence: the whole [1, V] row
+        self.model.download_logits()
     }
 }
 

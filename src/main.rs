@@ -251,6 +251,12 @@ struct GenerateArgs {
     /// Write the run's tokens and timings as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// With --json: each generated token's log-probability (`logprob`) and
+    /// its K most likely alternatives (`top_logprobs`), under the model's
+    /// own distribution (log-softmax of the logits, before temperature and
+    /// top-k/top-p), as the OpenAI and vLLM APIs report them.
+    #[arg(long, value_name = "K")]
+    logprobs: Option<usize>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]

@@ -309,3 +309,63 @@ fn generate_help_describes_fetch_as_one_engine() {
         );
     }
 }
+
+#[test]
+fn generate_logprobs_go_to_the_json_report() {
+    let tok = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/.fixtures/smollm2-135m-instruct/tokenizer.json"
+    );
+    let dir = std::env::temp_dir().join(format!("sparda-logprobs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("gen.json");
+    let base = [
+        "generate",
+        "--model",
+        "synth:tiny",
+        "--backend",
+        "cpu",
+        "--tokenizer",
+        tok,
+        "--prompt",
+        "The quality of mercy is not strained",
+        "--max-new-tokens",
+        "6",
+        "--ignore-eos",
+    ];
+    // without --json there is nowhere to put them: a clear error, before the model is built
+    let (ok, err) = sparda(&[&base[..], &["--logprobs", "3"]].concat());
+    assert!(
+        !ok && err.contains("--logprobs") && err.contains("--json"),
+        "{err}"
+    );
+    let (ok, err) = sparda(
+        &[
+            &base[..],
+            &["--logprobs", "3", "--json", json.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    assert!(ok, "{err}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let tokens = v["tokens"].as_array().unwrap();
+    let lps = v["logprobs"].as_array().unwrap();
+    assert_eq!(tokens.len(), 6);
+    assert_eq!(lps.len(), tokens.len());
+    for (t, lp) in tokens.iter().zip(lps) {
+        assert_eq!(&lp["token"], t);
+        let l = lp["logprob"].as_f64().unwrap();
+        assert!(l <= 0.0 && l.is_finite());
+        let top = lp["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // greedy (the default): the chosen token is the most likely one, with the same logprob
+        assert_eq!(&top[0]["token"], t);
+        assert!((top[0]["logprob"].as_f64().unwrap() - l).abs() < 1e-9);
+        assert!(top
+            .windows(2)
+            .all(|w| w[0]["logprob"].as_f64() >= w[1]["logprob"].as_f64()));
+        assert!(lp["text"].is_string());
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -241,6 +241,7 @@ fn generate_is_deterministic_per_seed() {
                 seed,
             },
             stop_ids: vec![],
+            logprobs: None,
         };
         generate::generate_cpu(&model, &req, |_, _| {}, |_| Ok(()))
             .unwrap()
@@ -262,6 +263,7 @@ fn prompt_past_max_position_is_an_error_with_numbers() {
         max_new_tokens: max,
         sampling: Default::default(),
         stop_ids: vec![],
+        logprobs: None,
     };
     let err = generate::generate_cpu(&model, &req, |_, _| {}, |_| Ok(()))
         .unwrap_err()
@@ -274,4 +276,66 @@ fn prompt_past_max_position_is_an_error_with_numbers() {
     let bad = model.config.vocab_size as u32;
     let err = model.decode(&mut seq, bad).unwrap_err().to_string();
     assert!(err.contains(&bad.to_string()), "{err}");
+}
+
+/// log-softmax of one row in f64, directly from its definition.
+fn log_softmax_f64(x: &[f32]) -> Vec<f64> {
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let z: f64 = x.iter().map(|&v| (v as f64 - m).exp()).sum();
+    x.iter().map(|&v| v as f64 - m - z.ln()).collect()
+}
+
+#[test]
+fn generate_logprobs_equal_log_softmax_of_the_logits() {
+    let model = tiny(EngineOptions::default());
+    let prompt = random_tokens(70, 9, model.config.vocab_size);
+    let k = 5;
+    for sampling in [
+        SamplingParams::default(),
+        SamplingParams {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.9,
+            seed: 3,
+        },
+    ] {
+        let req = Request {
+            prompt: prompt.clone(),
+            max_new_tokens: 12,
+            sampling,
+            stop_ids: vec![],
+            logprobs: Some(k),
+        };
+        let (out, _) = generate::generate_cpu(&model, &req, |_, _| {}, |_| Ok(())).unwrap();
+        assert_eq!(out.logprobs.len(), out.tokens.len());
+        // The same logits, step by step: the prompt, then each generated token.
+        let mut seq = model.new_sequence();
+        let mut logits = model.prefill(&mut seq, &prompt, |_, _| {}).unwrap();
+        for (i, (&tok, lp)) in out.tokens.iter().zip(&out.logprobs).enumerate() {
+            let want = log_softmax_f64(&logits);
+            assert_eq!(lp.token, tok);
+            assert!(
+                (lp.logprob as f64 - want[tok as usize]).abs() < 1e-5,
+                "step {i}: logprob {} vs {}",
+                lp.logprob,
+                want[tok as usize]
+            );
+            // the K most likely ids, descending, with their log-probabilities
+            let mut order: Vec<usize> = (0..want.len()).collect();
+            order.sort_by(|&a, &b| want[b].total_cmp(&want[a]).then(a.cmp(&b)));
+            assert_eq!(lp.top_logprobs.len(), k);
+            for (j, &(id, l)) in lp.top_logprobs.iter().enumerate() {
+                assert_eq!(id as usize, order[j], "step {i}, rank {j}");
+                assert!((l as f64 - want[id as usize]).abs() < 1e-5);
+            }
+            // a probability distribution: exp sums to 1
+            let total: f64 = want.iter().map(|l| l.exp()).sum();
+            assert!((total - 1.0).abs() < 1e-9);
+            logits = model.decode(&mut seq, tok).unwrap();
+        }
+        if sampling.temperature == 0.0 {
+            // greedy: every chosen token is the most likely one
+            assert!(out.logprobs.iter().all(|t| t.top_logprobs[0].0 == t.token));
+        }
+    }
 }

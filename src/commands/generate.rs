@@ -68,6 +68,11 @@ pub(crate) fn check_generate_flags(a: &GenerateArgs, backend: Backend) -> Result
             )));
         }
     }
+    if a.logprobs.is_some() && a.json.is_none() {
+        return Err(Error::Input(
+            "--logprobs writes to the JSON report: add --json FILE".into(),
+        ));
+    }
     for p in [&a.json, &a.trace].into_iter().flatten() {
         let dir = p.parent().filter(|d| !d.as_os_str().is_empty());
         if let Some(d) = dir.filter(|d| !d.is_dir()) {
@@ -258,6 +263,7 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> Result<()> {
         } else {
             ckpt.config.eos_token_ids.clone()
         },
+        logprobs: a.logprobs,
     };
     let bar = ProgressBar::new(req.prompt.len() as u64).with_style(
         ProgressStyle::with_template("prefill {bar:40} {pos}/{len} tokens {per_sec} eta {eta}")
@@ -297,10 +303,23 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> Result<()> {
         out.stop
     );
     if let Some(p) = a.json {
-        let v = serde_json::json!({
+        let mut v = serde_json::json!({
             "model": a.model, "attention": plan_json, "prompt_tokens": req.prompt, "tokens": out.tokens, "stop": out.stop,
             "prefill_ms": out.prefill_ms, "decode_ms": out.decode_ms, "decode_tokens_per_s": out.decode_tokens_per_s(),
         });
+        if req.logprobs.is_some() {
+            let text = |id: u32| tokenizer.decode(&[id]).unwrap_or_default();
+            v["logprobs"] = serde_json::json!(out
+                .logprobs
+                .iter()
+                .map(|t| serde_json::json!({
+                    "token": t.token, "text": text(t.token), "logprob": t.logprob,
+                    "top_logprobs": t.top_logprobs.iter()
+                        .map(|&(id, lp)| serde_json::json!({"token": id, "text": text(id), "logprob": lp}))
+                        .collect::<Vec<_>>(),
+                }))
+                .collect::<Vec<_>>());
+        }
         std::fs::write(&p, serde_json::to_string_pretty(&v).expect("json"))
             .map_err(|e| Error::io(&p, e))?;
     }
