@@ -165,8 +165,10 @@ enum PrefillArg {
     Sparse,
 }
 
+/// The model and the mode it runs in (runtime.md §6): `generate`'s flags
+/// that any command running one model in one mode can share.
 #[derive(Args)]
-struct GenerateArgs {
+struct ModeArgs {
     /// Checkpoint directory (config.json, *.safetensors, tokenizer.json), or
     /// `synth:PRESET[:SEED]` for a random-weight model built in memory
     /// (tiny, nosa-1b, nosa-3b, nosa-8b; nosa-8b needs ~17 GB of RAM).
@@ -176,30 +178,6 @@ struct GenerateArgs {
     /// SmolLM2 fixture's, as `sparda synth` uses).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
-    /// Prompt text.
-    #[arg(long, conflicts_with = "prompt_file")]
-    prompt: Option<String>,
-    /// File whose text is the prompt.
-    #[arg(long)]
-    prompt_file: Option<PathBuf>,
-    /// Keep only the first N prompt tokens (e.g. a whole book truncated to a context length).
-    #[arg(long, allow_negative_numbers = true)]
-    prompt_tokens: Option<usize>,
-    /// Upper bound on generated tokens.
-    #[arg(long, default_value_t = 128, allow_negative_numbers = true)]
-    max_new_tokens: usize,
-    /// 0 = greedy.
-    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
-    temperature: f32,
-    /// Keep the k most likely tokens (0 = all).
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
-    top_k: usize,
-    /// Nucleus sampling threshold (1 = off).
-    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
-    top_p: f32,
-    /// RNG seed for sampling.
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
-    seed: u64,
     /// Compute backend.
     #[arg(long, value_enum, default_value_t = Backend::Auto)]
     backend: Backend,
@@ -234,15 +212,45 @@ struct GenerateArgs {
     /// Override max_position_embeddings.
     #[arg(long, allow_negative_numbers = true)]
     max_position: Option<usize>,
-    /// Do not stop at EOS.
-    #[arg(long)]
-    ignore_eos: bool,
     /// Where the KV lives (CUDA backend): all on the GPU, or offloaded to
     /// pinned host memory with the selected blocks fetched each step.
     #[arg(long, value_enum, default_value_t = KvArg::Gpu)]
     kv: KvArg,
     #[command(flatten)]
     offload: OffloadArgs,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    mode: ModeArgs,
+    /// Prompt text.
+    #[arg(long, conflicts_with = "prompt_file")]
+    prompt: Option<String>,
+    /// File whose text is the prompt.
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+    /// Keep only the first N prompt tokens (e.g. a whole book truncated to a context length).
+    #[arg(long, allow_negative_numbers = true)]
+    prompt_tokens: Option<usize>,
+    /// Upper bound on generated tokens.
+    #[arg(long, default_value_t = 128, allow_negative_numbers = true)]
+    max_new_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    temperature: f32,
+    /// Keep the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    top_k: usize,
+    /// Nucleus sampling threshold (1 = off).
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
+    top_p: f32,
+    /// RNG seed for sampling.
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    seed: u64,
+    /// Do not stop at EOS.
+    #[arg(long)]
+    ignore_eos: bool,
     /// Write a Chrome/Perfetto trace of the run here: host spans plus GPU
     /// spans per layer and step on one track per stream (decode then runs
     /// without CUDA graphs).

@@ -1,14 +1,14 @@
 //! `sparda generate`: text generation on the CPU reference or the GPU.
 
-use super::fixture_tokenizer;
+use super::mode::{
+    build_engine, check_mode_flags, check_output_dirs, load_forecast, load_tokenizer, mode_config,
+    open_checkpoint, plan_json, resolve_backend, Engine,
+};
 use crate::*;
 use indicatif::{ProgressBar, ProgressStyle};
-use sparda::cpu::{CpuModel, EngineOptions};
 use sparda::generate::{self, Request};
-use sparda::model::{AttentionOverrides, PrefillMode, SelectionRule};
-use sparda::pipeline::GpuModel;
 use sparda::sample::SamplingParams;
-use sparda::tokenizer::{TextStream, Tokenizer};
+use sparda::tokenizer::TextStream;
 use sparda::{Error, Result};
 use std::io::Write;
 
@@ -16,100 +16,20 @@ use std::io::Write;
 /// combinations, value ranges, output directories) for the resolved
 /// `backend`; runs before any model is built or loaded.
 pub(crate) fn check_generate_flags(a: &GenerateArgs, backend: Backend) -> Result<()> {
-    a.offload.validate()?;
-    if a.kv != KvArg::Offload && a.offload.given() {
-        return Err(Error::Input(
-            "--fetch, --prefetch-ctas and --offload-layer0 apply to offloaded KV: add --kv offload (CUDA backend)".into(),
-        ));
-    }
-    if a.kv == KvArg::Offload && a.offload.fetch.len() != 1 {
-        let given: Vec<String> = a
-            .offload
-            .fetch
-            .iter()
-            .filter_map(|f| f.to_possible_value().map(|v| v.get_name().to_string()))
-            .collect();
-        return Err(Error::Input(format!(
-            "generate: give one --fetch engine (got --fetch {})",
-            given.join(",")
-        )));
-    }
-    if a.kv == KvArg::Offload && backend != Backend::Cuda {
-        return Err(Error::Input(
-            "--kv offload needs the CUDA backend (--backend cuda)".into(),
-        ));
-    }
-    if a.prefetch == OnOff::Off && (a.kv != KvArg::Offload || a.forecast.is_none()) {
-        return Err(Error::Input(
-            "--prefetch off applies to forecast mode with offloaded KV (--forecast … --kv offload)"
-                .into(),
-        ));
-    }
-    if let (Some(spec), Some(AttentionArg::Dense)) = (&a.forecast, a.attention) {
-        return Err(Error::Input(format!(
-            "--forecast {spec} selects blocks for sparse attention, but --attention dense was given: drop one"
-        )));
-    }
-    if let Some(spec) = a.forecast.as_deref() {
-        let synth = spec == "synth" || spec.starts_with("synth:");
-        if !synth && !std::path::Path::new(spec).exists() {
-            return Err(Error::Input(format!(
-                "--forecast {spec}: no such file or directory (give a .safetensors or .pt file, or synth[:SEED])"
-            )));
-        }
-    }
+    check_mode_flags(&a.mode, backend, "generate")?;
     if a.prompt_tokens == Some(0) {
         return Err(Error::Input("--prompt-tokens must be ≥ 1".into()));
-    }
-    if let Some(t) = a.rope_theta {
-        if !(t.is_finite() && t > 0.0) {
-            return Err(Error::Input(format!(
-                "--rope-theta must be a finite value > 0, got {t}"
-            )));
-        }
     }
     if a.logprobs.is_some() && a.json.is_none() {
         return Err(Error::Input(
             "--logprobs writes to the JSON report: add --json FILE".into(),
         ));
     }
-    for p in [&a.json, &a.trace].into_iter().flatten() {
-        let dir = p.parent().filter(|d| !d.as_os_str().is_empty());
-        if let Some(d) = dir.filter(|d| !d.is_dir()) {
-            return Err(Error::Input(format!(
-                "{}: directory {} does not exist",
-                p.display(),
-                d.display()
-            )));
-        }
-    }
-    Ok(())
-}
-
-/// The config of `generate --model` (a checkpoint's config.json, or a
-/// `synth:` preset's) with the --rope-theta and --max-position overrides,
-/// read without loading or building any weights.
-pub(crate) fn generate_config(a: &GenerateArgs) -> Result<sparda::config::ModelConfig> {
-    let name = a.model.to_string_lossy();
-    let mut config = match name.strip_prefix("synth:") {
-        Some(spec) => sparda::synth::parse_spec(spec)?.0.config(),
-        None => sparda::config::ModelConfig::from_file(&a.model)?,
-    };
-    if let Some(t) = a.rope_theta {
-        config = config.with_rope_theta(t);
-    }
-    if let Some(m) = a.max_position {
-        config = config.with_max_position(m);
-    }
-    Ok(config)
+    check_output_dirs([&a.json, &a.trace].into_iter().flatten())
 }
 
 pub(crate) fn cmd_generate(a: GenerateArgs) -> Result<()> {
-    let backend = match a.backend {
-        Backend::Auto if sparda::cuda::is_available() => Backend::Cuda,
-        Backend::Auto => Backend::Cpu,
-        b => b,
-    };
+    let backend = resolve_backend(a.mode.backend);
     // Everything below up to the model build reads only flags and small
     // files, so a bad invocation fails in well under a second, before
     // e.g. synth:nosa-8b spends minutes and ~17 GB on its weights; flag
@@ -135,26 +55,8 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> Result<()> {
         seed: a.seed,
     };
     sampling.validate()?;
-    let config = generate_config(&a)?;
-    let model_name = a.model.to_string_lossy().into_owned();
-    let synth = model_name.starts_with("synth:");
-    let tok_path = a.tokenizer.clone().unwrap_or_else(|| {
-        if synth {
-            fixture_tokenizer()
-        } else {
-            a.model.join("tokenizer.json")
-        }
-    });
-    let tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| match e {
-        Error::Io { path, source } if a.tokenizer.is_some() => {
-            Error::Input(format!("--tokenizer {}: {source}", path.display()))
-        }
-        Error::Io { path, source } => Error::Input(format!(
-            "{}: {source} (give the tokenizer with --tokenizer FILE; scripts/fixture.sh builds the default one)",
-            path.display()
-        )),
-        other => other,
-    })?;
+    let config = mode_config(&a.mode)?;
+    let tokenizer = load_tokenizer(&a.mode)?;
     let mut prompt = tokenizer.encode(&text)?;
     if let Some(n) = a.prompt_tokens {
         prompt.truncate(n);
@@ -164,94 +66,23 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> Result<()> {
         a.max_new_tokens,
         config.max_position_embeddings,
     )?;
-    let forecast = a
-        .forecast
-        .as_deref()
-        .map(|spec| sparda::model::forecast::ForecastWeights::from_arg(spec, &config))
-        .transpose()?;
-    if synth {
-        eprintln!("building {model_name} in memory…");
-    }
-    let mut ckpt = sparda::bench::open_model(&model_name)?;
-    if let Some(t) = a.rope_theta {
-        ckpt.config = ckpt.config.with_rope_theta(t);
-    }
-    if let Some(m) = a.max_position {
-        ckpt.config = ckpt.config.with_max_position(m);
-    }
-    let opts = EngineOptions {
-        attention: AttentionOverrides {
-            sparse: a.attention.map(|x| matches!(x, AttentionArg::Sparse)),
-            selection: a.selection.map(|s| match s {
-                SelectionArg::Nosa => SelectionRule::Nosa,
-                SelectionArg::Infllmv2 => SelectionRule::InfLlmV2,
-            }),
-            budget_blocks: a.budget_blocks,
-            select_blocks: a.select_blocks,
-        },
-        prefill: match a.prefill {
-            Some(PrefillArg::Dense) => PrefillMode::Dense,
-            _ => PrefillMode::Auto,
-        },
-    };
-    enum Engine {
-        Cpu(Box<CpuModel>),
-        Cuda(Box<GpuModel>),
-    }
-    let engine = if backend == Backend::Cuda {
-        let gpu = std::sync::Arc::new(sparda::cuda::Gpu::new(0)?);
-        let t = std::time::Instant::now();
-        let mut m = GpuModel::new(gpu, &ckpt, opts)?;
-        if a.kv == KvArg::Offload {
-            // check_generate_flags made sure there is exactly one engine.
-            m.set_offload(a.offload.options().first().copied())?;
-        }
-        if let Some(f) = &forecast {
-            m.set_forecast(Some(f), a.prefetch == OnOff::On)?;
-        }
-        m.set_trace(a.trace.is_some())?;
-        eprintln!(
-            "weights on {} in {:.1} s",
-            m.gpu().info().name,
-            t.elapsed().as_secs_f64()
-        );
-        Engine::Cuda(Box::new(m))
-    } else {
-        let mut m = CpuModel::new(&ckpt, opts)?;
-        if let Some(f) = &forecast {
-            if m.plan.rule().is_none() {
-                return Err(Error::Input(
-                    "--forecast selects blocks for sparse attention, but this model runs dense: add --attention sparse (or --selection)".into(),
-                ));
-            }
-            m.set_forecast(Some(f.clone()))?;
-        }
-        Engine::Cpu(Box::new(m))
-    };
-    let (plan, backend_name) = match &engine {
-        Engine::Cpu(m) => (m.plan, "cpu".to_string()),
-        Engine::Cuda(m) => (m.plan, format!("cuda (selection {:?})", m.selection_path())),
-    };
-    let mode = plan.mode;
-    let plan_json = serde_json::json!({
-        "mode": format!("{:?}", plan.mode),
-        "budget_blocks": plan.budget.attended,
-        "shortlist_blocks": plan.budget.shortlist,
-        "dense_len": plan.sparse.dense_len,
-        "forecast": forecast.is_some(),
-        "backend": backend_name,
-        "kv": match (backend, a.kv) {
-            (Backend::Cpu, _) => "host (CPU reference)".to_string(),
-            (_, KvArg::Gpu) => "gpu".to_string(),
-            (_, KvArg::Offload) => format!("offload ({:?})", a.offload.options()),
-        },
-    });
+    let forecast = load_forecast(&a.mode, &config)?;
+    let ckpt = open_checkpoint(&a.mode)?;
+    let engine = build_engine(
+        &a.mode,
+        backend,
+        &ckpt,
+        forecast.as_ref(),
+        a.trace.is_some(),
+    )?;
+    let plan_json = plan_json(&a.mode, backend, &engine, forecast.is_some());
     eprintln!(
-        "model {} ({} layers, d {}), attention {:?}, backend {backend_name}, prompt {} tokens",
-        a.model.display(),
+        "model {} ({} layers, d {}), attention {:?}, backend {}, prompt {} tokens",
+        a.mode.model.display(),
         ckpt.config.num_hidden_layers,
         ckpt.config.hidden_size,
-        mode,
+        engine.plan().mode,
+        engine.backend_name(),
         prompt.len()
     );
     let req = Request {
@@ -304,7 +135,7 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> Result<()> {
     );
     if let Some(p) = a.json {
         let mut v = serde_json::json!({
-            "model": a.model, "attention": plan_json, "prompt_tokens": req.prompt, "tokens": out.tokens, "stop": out.stop,
+            "model": a.mode.model, "attention": plan_json, "prompt_tokens": req.prompt, "tokens": out.tokens, "stop": out.stop,
             "prefill_ms": out.prefill_ms, "decode_ms": out.decode_ms, "decode_tokens_per_s": out.decode_tokens_per_s(),
         });
         if req.logprobs.is_some() {

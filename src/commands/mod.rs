@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod generate;
+pub mod mode;
 pub mod offload_check;
 pub mod synth;
 
