@@ -18,6 +18,8 @@
 //! - [`sample`]: token sampling;
 //! - [`synth`]: random-weight checkpoints for tests and benchmarks;
 //! - [`generate`]: the text-generation loop behind `sparda generate`;
+//! - [`quality`]: perplexity and the comparison with a saved base run
+//!   (KL divergence, top-1 agreement) behind `sparda perplexity`;
 //! - [`mod@bench`]: the decode benchmark behind `sparda bench`;
 //! - [`trace`]: Chrome/Perfetto traces of copy/compute overlap and their summary.
 #![warn(missing_docs)]
@@ -32,6 +34,7 @@ pub mod generate;
 pub mod kv;
 pub mod model;
 pub mod pipeline;
+pub mod quality;
 pub mod sample;
 pub mod synth;
 pub mod tokenizer;

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 mod commands;
 use commands::{
     bench::cmd_bench, check_outcome, fixture_tokenizer, generate::cmd_generate,
-    offload_check::cmd_offload_check, synth::cmd_synth,
+    offload_check::cmd_offload_check, perplexity::cmd_perplexity, synth::cmd_synth,
 };
 
 #[derive(Parser)]
@@ -27,6 +27,12 @@ enum Cmd {
     /// Generate text from a prompt (streams tokens; prints tokens/s at the end).
     #[command(mut_arg("fetch", |a| a.help(GENERATE_FETCH_HELP).num_args(1)))]
     Generate(GenerateArgs),
+    /// Perplexity of a text under teacher forcing, scored the way the mode
+    /// decodes: chunks of --context tokens, the last --score tokens of each
+    /// scored one decode step at a time; with --kl-base, KL divergence, top-1
+    /// agreement and Δ perplexity against a base run saved by --save-logits.
+    #[command(mut_arg("fetch", |a| a.help(GENERATE_FETCH_HELP).num_args(1)))]
+    Perplexity(PerplexityArgs),
     /// Write a random-weight checkpoint (config.json, safetensors, tokenizer.json).
     Synth(SynthArgs),
     /// Check every CUDA kernel against the CPU reference on random inputs
@@ -165,8 +171,8 @@ enum PrefillArg {
     Sparse,
 }
 
-/// The model and the mode it runs in (runtime.md §6): `generate`'s flags
-/// that any command running one model in one mode can share.
+/// The model and the mode it runs in: the flags `generate` and
+/// `perplexity` share (runtime.md §6).
 #[derive(Args)]
 struct ModeArgs {
     /// Checkpoint directory (config.json, *.safetensors, tokenizer.json), or
@@ -267,6 +273,42 @@ struct GenerateArgs {
     logprobs: Option<usize>,
 }
 
+#[derive(Args)]
+struct PerplexityArgs {
+    #[command(flatten)]
+    mode: ModeArgs,
+    /// Text file to score.
+    #[arg(long)]
+    text: PathBuf,
+    /// Tokens per chunk: the text is cut into consecutive chunks, each a
+    /// fresh sequence.
+    #[arg(long, default_value_t = 1024, allow_negative_numbers = true)]
+    context: usize,
+    /// Tokens scored at the end of each chunk by teacher-forced decode
+    /// steps (default: context/2); the ones before them are prefilled.
+    #[arg(long, allow_negative_numbers = true)]
+    score: Option<usize>,
+    /// Score at most K chunks (default: every whole chunk of the text).
+    #[arg(long, allow_negative_numbers = true)]
+    max_chunks: Option<usize>,
+    /// Save every scored position's top-K log-probabilities, the mass
+    /// outside them and the token that followed here (binary; the format
+    /// is documented in src/quality/logits_file.rs), as a base for --kl-base.
+    #[arg(long)]
+    save_logits: Option<PathBuf>,
+    /// K of --save-logits.
+    #[arg(long, default_value_t = 64, allow_negative_numbers = true)]
+    top_k_save: usize,
+    /// Compare with a base run saved by --save-logits (same model, text,
+    /// tokenizer, context and score): KL(base ‖ this) over the base's top-K
+    /// plus the rest, top-1 agreement, Δ perplexity.
+    #[arg(long)]
+    kl_base: Option<PathBuf>,
+    /// Write the report as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
 enum OnOff {
     On,
@@ -291,16 +333,17 @@ enum FetchArg {
     Dma,
 }
 
-/// `generate --help`'s text for `--fetch` (generate runs one engine; the
-/// shared [`OffloadArgs`] text describes bench's and offload-check's list).
+/// `generate --help`'s and `perplexity --help`'s text for `--fetch` (they
+/// run one engine; the shared [`OffloadArgs`] text describes bench's and
+/// offload-check's list).
 const GENERATE_FETCH_HELP: &str =
     "Fetch engine of offloaded KV (with --kv offload; give one engine)";
 
-/// Offload flags shared by generate, bench and offload-check (runtime.md §6).
+/// Offload flags shared by generate, perplexity, bench and offload-check (runtime.md §6).
 #[derive(Args, Clone)]
 struct OffloadArgs {
     /// Fetch engines of offloaded KV, each run in turn (comma-separated or
-    /// repeated; generate takes one).
+    /// repeated; generate and perplexity take one).
     #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "auto")]
     fetch: Vec<FetchArg>,
     /// CTAs of the SM fetch kernel (default: by the per-GPU rule with --fetch auto, 16 with --fetch sm).
@@ -476,6 +519,7 @@ fn main() {
     };
     let r = match cli.cmd {
         Cmd::Generate(a) => cmd_generate(a),
+        Cmd::Perplexity(a) => cmd_perplexity(a),
         Cmd::Synth(a) => cmd_synth(a),
         Cmd::GpuCheckE2e { model, json, steps } => {
             sparda::checks::e2e::gpu_check_e2e(model.as_deref(), &json, steps)

@@ -2,6 +2,7 @@
 //! offloaded KV or forecast prefetch are refused with a message naming the
 //! flag, and GPU-only commands say what they need (never a panic).
 
+mod common;
 use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -288,14 +289,16 @@ fn negative_sampling_values_get_range_errors_naming_the_flag() {
 
 #[test]
 fn generate_help_describes_fetch_as_one_engine() {
-    let out = Command::new(env!("CARGO_BIN_EXE_sparda"))
-        .args(["generate", "--help"])
-        .output()
-        .expect("runs the binary");
-    assert!(out.status.success());
-    let help = String::from_utf8_lossy(&out.stdout);
-    assert!(!help.contains("each run in turn"), "{help}");
-    assert!(help.contains("give one engine"), "{help}");
+    for cmd in ["generate", "perplexity"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_sparda"))
+            .args([cmd, "--help"])
+            .output()
+            .expect("runs the binary");
+        assert!(out.status.success());
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(!help.contains("each run in turn"), "{cmd}: {help}");
+        assert!(help.contains("give one engine"), "{cmd}: {help}");
+    }
     // bench and offload-check still run each engine in turn.
     for cmd in ["bench", "offload-check"] {
         let out = Command::new(env!("CARGO_BIN_EXE_sparda"))
@@ -368,4 +371,230 @@ fn generate_logprobs_go_to_the_json_report() {
         assert!(lp["text"].is_string());
     }
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The SmolLM2 fixture's tokenizer (scripts/fixture.sh builds it).
+fn fixture_tokenizer() -> String {
+    let tok = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(".fixtures/smollm2-135m-instruct/tokenizer.json");
+    assert!(
+        tok.exists(),
+        "run scripts/fixture.sh first: {} is missing",
+        tok.display()
+    );
+    tok.display().to_string()
+}
+
+/// `sparda perplexity` on the tiny preset over the bundled book, with the
+/// fixture tokenizer: 2 chunks of 128 tokens, the last 64 of each scored.
+fn tiny_perplexity(model: &str, text: &str, extra: &[&str]) -> (bool, String) {
+    let tok = fixture_tokenizer();
+    let mut a = vec![
+        "perplexity",
+        "--model",
+        model,
+        "--backend",
+        "cpu",
+        "--tokenizer",
+        &tok,
+        "--text",
+        text,
+        "--context",
+        "128",
+        "--max-chunks",
+        "2",
+    ];
+    a.extend(extra);
+    sparda(&a)
+}
+
+fn read_json(p: &std::path::Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(p).expect("report written")).expect("JSON")
+}
+
+#[test]
+fn perplexity_on_hamlet_writes_a_consistent_report_and_compares_with_its_base() {
+    let dir = common::TmpDir::new("cli-perplexity");
+    let (base, json) = (dir.path().join("base.bin"), dir.path().join("base.json"));
+    let hamlet = "data/texts/hamlet.txt";
+    let (ok, err) = tiny_perplexity(
+        "synth:tiny",
+        hamlet,
+        &[
+            "--save-logits",
+            base.to_str().unwrap(),
+            "--top-k-save",
+            "16",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    assert!(ok, "{err}");
+    let v = read_json(&json);
+    let f = |k: &str| {
+        v[k].as_f64()
+            .filter(|x| x.is_finite())
+            .unwrap_or_else(|| panic!("{k} is not a finite number: {v}"))
+    };
+    assert_eq!(v["command"], "perplexity");
+    assert_eq!(f("tokens_scored"), 128.0);
+    assert_eq!(
+        v["chunking"],
+        serde_json::json!({"context": 128, "score": 64, "chunks": 2})
+    );
+    assert_eq!(f("prefill_tokens_per_chunk"), 64.0);
+    let (nll, ppl, se) = (f("mean_nll"), f("ppl"), f("nll_se"));
+    assert!(nll > 0.0 && se > 0.0, "{v}");
+    assert!(
+        (ppl - nll.exp()).abs() <= 1e-9 * ppl,
+        "ppl {ppl} vs exp(mean NLL) {}",
+        nll.exp()
+    );
+    let ci: Vec<f64> = v["ppl_ci95"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    assert!(
+        (ci[0] - (nll - 1.96 * se).exp()).abs() <= 1e-9 * ci[0],
+        "{v}"
+    );
+    assert!(
+        (ci[1] - (nll + 1.96 * se).exp()).abs() <= 1e-9 * ci[1],
+        "{v}"
+    );
+    assert!(ci[0] < ppl && ppl < ci[1], "{v}");
+    let t = &v["timing"];
+    for k in [
+        "prefill_s",
+        "score_s",
+        "prefill_tokens_per_s",
+        "score_tokens_per_s",
+    ] {
+        assert!(
+            t[k].as_f64().is_some_and(|x| x.is_finite() && x > 0.0),
+            "{k}: {t}"
+        );
+    }
+    assert_eq!(
+        (t["scored_tokens"].as_u64(), t["prefill_tokens"].as_u64()),
+        (Some(128), Some(128))
+    );
+    assert_eq!(v["model"]["name"], "synth:tiny");
+    assert_eq!(v["model"]["vocab"], 49_152);
+    assert_eq!(v["model"]["fingerprint"].as_str().map(str::len), Some(16));
+    assert_eq!(v["text"]["path"], hamlet);
+    assert!(v["text"]["tokens"].as_u64().unwrap() > 256);
+    assert!(v["tokenizer"].as_str().unwrap().ends_with("tokenizer.json"));
+    assert_eq!(v["mode"]["backend"], "cpu");
+    assert_eq!(v["mode"]["mode"], "Nosa");
+    assert!(v["gpu"].is_null());
+    assert!(v["date_utc"].as_str().unwrap().ends_with('Z'));
+    assert!(v.get("commit").is_some());
+    assert_eq!(v["save_logits"]["top_k"], 16);
+    assert!(v["kl"].is_null());
+
+    // the same mode against its own base: KL 0, full agreement
+    let json2 = dir.path().join("same.json");
+    let (ok, err) = tiny_perplexity(
+        "synth:tiny",
+        hamlet,
+        &[
+            "--kl-base",
+            base.to_str().unwrap(),
+            "--json",
+            json2.to_str().unwrap(),
+        ],
+    );
+    assert!(ok, "{err}");
+    let w = read_json(&json2);
+    let kl = &w["kl"];
+    assert_eq!(
+        (kl["kl_mean"].as_f64(), kl["kl_max"].as_f64()),
+        (Some(0.0), Some(0.0)),
+        "{kl}"
+    );
+    assert_eq!(kl["top1_agreement_pct"].as_f64(), Some(100.0), "{kl}");
+    assert_eq!(kl["positions"], 128);
+    assert_eq!(kl["top_k"], 16);
+    assert_eq!(kl["lower_bound"], true);
+    assert_eq!(kl["delta_ppl"].as_f64(), Some(0.0), "{kl}");
+    assert!((w["ppl"].as_f64().unwrap() / ppl - 1.0).abs() < 1e-12);
+
+    // another model (seed), another text: refused, naming the field
+    let (ok, err) = tiny_perplexity(
+        "synth:tiny:1",
+        hamlet,
+        &["--kl-base", base.to_str().unwrap()],
+    );
+    assert!(
+        !ok && err.contains("`model.fingerprint`") && err.contains("synth:tiny:1"),
+        "{err}"
+    );
+    let other = dir.path().join("other.txt");
+    let book = std::fs::read_to_string(hamlet).unwrap();
+    std::fs::write(&other, &book[book.len() / 2..]).unwrap();
+    let (ok, err) = tiny_perplexity(
+        "synth:tiny",
+        other.to_str().unwrap(),
+        &["--kl-base", base.to_str().unwrap()],
+    );
+    assert!(!ok && err.contains("`text.hash`"), "{err}");
+    let (ok, err) = tiny_perplexity(
+        "synth:tiny",
+        hamlet,
+        &["--kl-base", base.to_str().unwrap(), "--score", "32"],
+    );
+    assert!(
+        !ok && err.contains("`chunking.score`") && err.contains("64"),
+        "{err}"
+    );
+}
+
+#[test]
+fn perplexity_flag_errors_fail_before_the_model_is_built() {
+    let dir = common::TmpDir::new("cli-perplexity-flags");
+    let short = dir.path().join("short.txt");
+    std::fs::write(&short, "To be, or not to be.").unwrap();
+    let junk = dir.path().join("junk.bin");
+    std::fs::write(&junk, "not logits").unwrap();
+    let run = |extra: &[&str]| {
+        let mut a = vec!["perplexity", "--model", "synth:nosa-8b", "--backend", "cpu"];
+        if !extra.contains(&"--text") {
+            a.extend(["--text", "data/texts/hamlet.txt"]);
+        }
+        a.extend(extra);
+        let (ok, err, took) = sparda_within(&a, FAST);
+        assert!(!ok, "{err}");
+        assert!(!err.contains("building synth:nosa-8b"), "{err}");
+        assert!(took < FAST, "took {took:?}");
+        err
+    };
+    let e = run(&["--context", "1"]);
+    assert!(e.contains("--context 1"), "{e}");
+    let e = run(&["--context", "256", "--score", "300"]);
+    assert!(e.contains("--score 300") && e.contains("1 … 255"), "{e}");
+    let e = run(&["--context", "64", "--text", short.to_str().unwrap()]);
+    assert!(e.contains("shorter than one chunk of --context 64"), "{e}");
+    let e = run(&["--context", "999999"]);
+    assert!(
+        e.contains("--context 999999") && e.contains("max_position_embeddings"),
+        "{e}"
+    );
+    let e = run(&["--top-k-save", "0"]);
+    assert!(e.contains("--top-k-save must be ≥ 1"), "{e}");
+    let e = run(&["--kl-base", "/nonexistent-dir-sparda/base.bin"]);
+    assert!(e.contains("/nonexistent-dir-sparda/base.bin"), "{e}");
+    let e = run(&["--kl-base", junk.to_str().unwrap()]);
+    assert!(e.contains("saved-logits file"), "{e}");
+    let e = run(&["--kv", "offload"]);
+    assert!(e.contains("--kv offload needs the CUDA backend"), "{e}");
+    let e = run(&["--save-logits", "/nonexistent-dir-sparda/base.bin"]);
+    assert!(
+        e.contains("directory /nonexistent-dir-sparda does not exist"),
+        "{e}"
+    );
+    let e = run(&["--text", "/nonexistent-dir-sparda/book.txt"]);
+    assert!(e.contains("--text /nonexistent-dir-sparda/book.txt"), "{e}");
 }

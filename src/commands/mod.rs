@@ -5,6 +5,7 @@ pub mod bench;
 pub mod generate;
 pub mod mode;
 pub mod offload_check;
+pub mod perplexity;
 pub mod synth;
 
 use sparda::{Error, Result};

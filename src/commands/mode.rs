@@ -1,6 +1,6 @@
-//! What a command that runs one model in one mode shares with `generate`:
-//! the mode flags' checks, the model config and tokenizer they name, and
-//! the engine (CPU reference or GPU) built from them.
+//! What `generate` and `perplexity` share: the mode flags' checks, the
+//! model config and tokenizer they name, and the engine (CPU reference or
+//! GPU) built from them.
 
 use super::fixture_tokenizer;
 use crate::*;
@@ -188,6 +188,14 @@ impl Engine {
         match self {
             Engine::Cpu(_) => "cpu".to_string(),
             Engine::Cuda(m) => format!("cuda (selection {:?})", m.selection_path()),
+        }
+    }
+
+    /// The GPU's name on the CUDA backend.
+    pub(crate) fn gpu_name(&self) -> Option<String> {
+        match self {
+            Engine::Cpu(_) => None,
+            Engine::Cuda(m) => Some(m.gpu().info().name.clone()),
         }
     }
 }
