@@ -90,7 +90,7 @@ pub trait Stepper {
     /// The next token from the last call's logits: greedy (argmax) when
     /// `greedy`, else drawn by `sampler`.
     fn next_token(&mut self, sampler: &mut Sampler, greedy: bool) -> Result<u32>;
-    /// The last call's logits row, f32 [V], on the host.
+    /// The last call's logits row, f32 \[V\], on the host.
     fn logits(&mut self) -> Result<Vec<f32>>;
 }
 

@@ -82,7 +82,7 @@ pub struct TokenLogprob {
 }
 
 /// [`TokenLogprob`] of `token` and the `k` most likely ids of a logits row
-/// ([V], f32): log p(i) = logit_i − log Σ_j exp(logit_j), the sum taken in
+/// (\[V\], f32): log p(i) = logit_i − log Σ_j exp(logit_j), the sum taken in
 /// f64 over the finite logits, with the largest subtracted first.
 ///
 /// Panics: never; a `token` ≥ V gets logprob NaN.
