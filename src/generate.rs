@@ -3,7 +3,8 @@
 
 use crate::cpu::{CpuModel, Sequence};
 use crate::pipeline::{GpuModel, GpuSequence};
-use crate::sample::{token_logprobs, Sampler, SamplingParams, TokenLogprob};
+use crate::quality::dist::{token_logprobs, TokenLogprob};
+use crate::sample::{Sampler, SamplingParams};
 use crate::{Error, Result};
 use std::time::Instant;
 

@@ -66,67 +66,6 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-/// A chosen token's log-probability and the most likely alternatives at
-/// its position, under the model's own distribution: log-softmax of the raw
-/// logits (temperature 1, before top-k/top-p), as the OpenAI and vLLM APIs
-/// report `logprob` and `top_logprobs`.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct TokenLogprob {
-    /// The chosen token id.
-    pub token: u32,
-    /// Its log-probability, nats (≤ 0; NaN when the row has no finite logit).
-    pub logprob: f32,
-    /// The K most likely ids with their log-probabilities, descending (ties
-    /// to the lower id; NaN logits never listed).
-    pub top_logprobs: Vec<(u32, f32)>,
-}
-
-/// [`TokenLogprob`] of `token` and the `k` most likely ids of a logits row
-/// (\[V\], f32): log p(i) = logit_i − log Σ_j exp(logit_j), the sum taken in
-/// f64 over the finite logits, with the largest subtracted first.
-///
-/// Panics: never; a `token` ≥ V gets logprob NaN.
-pub fn token_logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprob {
-    let max = logits
-        .iter()
-        .copied()
-        .filter(|x| x.is_finite())
-        .fold(f32::NEG_INFINITY, f32::max);
-    let lse = if max.is_finite() {
-        let s: f64 = logits
-            .iter()
-            .filter(|x| x.is_finite())
-            .map(|&x| f64::from(x - max).exp())
-            .sum();
-        f64::from(max) + s.ln()
-    } else {
-        f64::NAN
-    };
-    let lp = |x: f32| (f64::from(x) - lse) as f32;
-    let mut order: Vec<u32> = (0..logits.len() as u32)
-        .filter(|&i| !logits[i as usize].is_nan())
-        .collect();
-    let k = k.min(order.len());
-    let by_logit = |a: &u32, b: &u32| {
-        logits[*b as usize]
-            .total_cmp(&logits[*a as usize])
-            .then(a.cmp(b))
-    };
-    if k > 0 && k < order.len() {
-        order.select_nth_unstable_by(k - 1, by_logit);
-    }
-    order.truncate(k);
-    order.sort_by(by_logit);
-    TokenLogprob {
-        token,
-        logprob: logits.get(token as usize).map_or(f32::NAN, |&x| lp(x)),
-        top_logprobs: order
-            .into_iter()
-            .map(|i| (i, lp(logits[i as usize])))
-            .collect(),
-    }
-}
-
 impl Sampler {
     /// A sampler with its RNG seeded from `params.seed`.
     pub fn new(params: SamplingParams) -> Self {
@@ -265,28 +204,4 @@ fn sample_order(p: &SamplingParams, logits: &[f32]) -> Option<(Vec<usize>, Vec<f
         idx.truncate(keep);
     }
     Some((idx, probs))
-}
-
-#[cfg(test)]
-mod logprob_tests {
-    use super::*;
-
-    #[test]
-    fn token_logprobs_rank_ties_to_the_lower_id_and_skip_nan() {
-        let logits = [1.0f32, 3.0, f32::NAN, 3.0, -2.0];
-        let t = token_logprobs(&logits, 4, 3);
-        // log Σ exp over the finite logits
-        let lse = (1f64.exp() + 2.0 * 3f64.exp() + (-2f64).exp()).ln();
-        assert!((t.logprob as f64 - (-2.0 - lse)).abs() < 1e-6);
-        let ids: Vec<u32> = t.top_logprobs.iter().map(|x| x.0).collect();
-        assert_eq!(ids, vec![1, 3, 0]);
-        assert!((t.top_logprobs[0].1 as f64 - (3.0 - lse)).abs() < 1e-6);
-        // k past the finite count lists every non-NaN id; a NaN token has NaN logprob
-        let all = token_logprobs(&logits, 2, 10);
-        assert_eq!(all.top_logprobs.len(), 4);
-        assert!(all.logprob.is_nan());
-        // no finite logit: NaN, not a panic
-        let none = token_logprobs(&[f32::NAN, f32::NAN], 0, 1);
-        assert!(none.logprob.is_nan() && none.top_logprobs.is_empty());
-    }
 }

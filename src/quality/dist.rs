@@ -102,9 +102,65 @@ pub fn mass_outside(logits: &[f32], lsm: &LogSoftmax, ids: &[u32]) -> f64 {
     rest / lsm.sum
 }
 
+/// A chosen token's log-probability and the most likely alternatives at
+/// its position, under the model's own distribution: log-softmax of the raw
+/// logits (temperature 1, before top-k/top-p), as the OpenAI and vLLM APIs
+/// report `logprob` and `top_logprobs` (`generate --logprobs`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TokenLogprob {
+    /// The chosen token id.
+    pub token: u32,
+    /// Its log-probability, nats (≤ 0); NaN when the row's distribution is
+    /// undefined (a NaN or +∞ logit, or no finite logit).
+    pub logprob: f32,
+    /// The K most likely ids with their log-probabilities, by [`top_k_ids`]'
+    /// order (descending, ties to the lower id); empty when undefined.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// [`TokenLogprob`] of `token` and the `k` most likely ids of a logits row
+/// (\[V\], f32), with [`LogSoftmax`] and [`top_k_ids`]: the same numbers a
+/// `perplexity` run saves. Never fails: an undefined distribution gives NaN
+/// and no alternatives, a `token` ≥ V a NaN logprob.
+pub fn token_logprobs(logits: &[f32], token: u32, k: usize) -> TokenLogprob {
+    match LogSoftmax::of(logits) {
+        Ok(ls) => TokenLogprob {
+            token,
+            logprob: logits
+                .get(token as usize)
+                .map_or(f32::NAN, |&x| ls.logprob(x) as f32),
+            top_logprobs: top_k_ids(logits, k)
+                .into_iter()
+                .map(|i| (i, ls.logprob(logits[i as usize]) as f32))
+                .collect(),
+        },
+        Err(_) => TokenLogprob {
+            token,
+            logprob: f32::NAN,
+            top_logprobs: Vec::new(),
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn token_logprobs_rank_ties_to_the_lower_id_and_refuse_undefined_rows() {
+        let logits = [1.0f32, 3.0, f32::NEG_INFINITY, 3.0, -2.0];
+        let t = token_logprobs(&logits, 4, 3);
+        let lse = (1f64.exp() + 2.0 * 3f64.exp() + (-2f64).exp()).ln();
+        assert!((t.logprob as f64 - (-2.0 - lse)).abs() < 1e-6);
+        let ids: Vec<u32> = t.top_logprobs.iter().map(|x| x.0).collect();
+        assert_eq!(ids, vec![1, 3, 0]);
+        assert!((t.top_logprobs[0].1 as f64 - (3.0 - lse)).abs() < 1e-6);
+        // a token past V: NaN, not a panic
+        assert!(token_logprobs(&logits, 9, 1).logprob.is_nan());
+        // a NaN logit makes the distribution undefined: NaN, no alternatives
+        let bad = token_logprobs(&[0.5, f32::NAN], 0, 2);
+        assert!(bad.logprob.is_nan() && bad.top_logprobs.is_empty());
+    }
 
     #[test]
     fn log_softmax_normalizes() {
