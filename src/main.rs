@@ -262,9 +262,14 @@ struct GenerateArgs {
     /// without CUDA graphs).
     #[arg(long)]
     trace: Option<PathBuf>,
-    /// Write the run's tokens and timings as JSON here.
+    /// Write the run's tokens, text, sampling settings and timings as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// More token ids that end generation, besides the model's EOS ids
+    /// (comma-separated; as vLLM's stop_token_ids). Stop tokens are not
+    /// printed; the JSON keeps their ids.
+    #[arg(long, value_delimiter = ',')]
+    stop_id: Vec<u32>,
     /// With --json: each generated token's log-probability (`logprob`) and
     /// its K most likely alternatives (`top_logprobs`), under the model's
     /// own distribution (log-softmax of the logits, before temperature and
@@ -489,9 +494,12 @@ struct SynthArgs {
     /// tiny | nosa-1b | nosa-3b | nosa-8b.
     #[arg(long)]
     preset: String,
-    /// Output directory.
+    /// Output directory (refused when it exists and is not empty, unless --force).
     #[arg(long)]
     out: PathBuf,
+    /// Write into a non-empty --out directory (files of the same names are replaced).
+    #[arg(long)]
+    force: bool,
     /// Weight seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,

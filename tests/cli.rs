@@ -598,3 +598,118 @@ fn perplexity_flag_errors_fail_before_the_model_is_built() {
     let e = run(&["--text", "/nonexistent-dir-sparda/book.txt"]);
     assert!(e.contains("--text /nonexistent-dir-sparda/book.txt"), "{e}");
 }
+
+/// Runs the binary and returns (success, stdout, stderr).
+fn sparda_out(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_sparda"))
+        .args(args)
+        .output()
+        .expect("runs the binary");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_stop_token_ends_the_text_without_being_printed() {
+    let tok = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/.fixtures/smollm2-135m-instruct/tokenizer.json"
+    );
+    let dir = std::env::temp_dir().join(format!("sparda-stop-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (j1, j2) = (dir.join("free.json"), dir.join("stopped.json"));
+    let base = [
+        "generate",
+        "--model",
+        "synth:tiny",
+        "--backend",
+        "cpu",
+        "--tokenizer",
+        tok,
+        "--prompt",
+        "Now is the winter of our discontent",
+        "--max-new-tokens",
+        "6",
+        "--ignore-eos",
+    ];
+    let (ok, _, err) = sparda_out(&[&base[..], &["--json", j1.to_str().unwrap()]].concat());
+    assert!(ok, "{err}");
+    let free: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&j1).unwrap()).unwrap();
+    let ids: Vec<u64> = free["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 6);
+    // stop at the third greedy token: it ends the run and is neither printed nor in "text"
+    let stop = ids[2].to_string();
+    let first = ids.iter().position(|&t| t == ids[2]).unwrap();
+    let (ok, stdout, err) = sparda_out(
+        &[
+            &base[..],
+            &["--stop-id", &stop, "--json", j2.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    assert!(ok, "{err}");
+    let stopped: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&j2).unwrap()).unwrap();
+    let got: Vec<u64> = stopped["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        got,
+        ids[..=first].to_vec(),
+        "the stop id ends generation and stays in the ids"
+    );
+    assert_eq!(stopped["stop"], "Eos");
+    let text = stopped["text"].as_str().unwrap();
+    // stdout is the streamed text plus a final newline
+    assert_eq!(stdout, format!("{text}\n"));
+    // the free run's text starts with it and goes on (the stop token's text is not in it)
+    let free_text = free["text"].as_str().unwrap();
+    assert!(free_text.starts_with(text) && free_text.len() > text.len());
+    assert_eq!(stopped["sampling"]["temperature"], 0.0);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn outputs_that_would_clobber_or_cannot_be_written_are_refused_before_the_run() {
+    let dir = std::env::temp_dir().join(format!("sparda-outdir-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let d = dir.to_str().unwrap();
+    // --json naming a directory: refused at once, nothing left beside it
+    let (ok, err) = sparda(&[
+        "generate",
+        "--model",
+        "synth:tiny",
+        "--backend",
+        "cpu",
+        "--prompt",
+        "x",
+        "--json",
+        d,
+    ]);
+    assert!(!ok && err.contains("is a directory"), "{err}");
+    // synth into a non-empty directory: refused unless --force
+    std::fs::write(dir.join("keep.txt"), "mine").unwrap();
+    let (ok, err) = sparda(&["synth", "--preset", "tiny", "--out", d]);
+    assert!(
+        !ok && err.contains("not empty") && err.contains("--force"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        1,
+        "nothing written"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

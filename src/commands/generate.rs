@@ -90,9 +90,11 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> Result<()> {
         max_new_tokens: a.max_new_tokens,
         sampling,
         stop_ids: if a.ignore_eos {
-            Vec::new()
+            a.stop_id.clone()
         } else {
-            ckpt.config.eos_token_ids.clone()
+            let mut ids = ckpt.config.eos_token_ids.clone();
+            ids.extend(&a.stop_id);
+            ids
         },
         logprobs: a.logprobs,
     };
@@ -102,16 +104,29 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> Result<()> {
     );
     let mut stream = TextStream::new(&tokenizer);
     let mut stdout = std::io::stdout().lock();
+    // A closed pipe (`| head`) ends the printing quietly; generation goes on.
+    let mut pipe_open = true;
     let progress = |done: usize, _| bar.set_position(done as u64);
+    let stop_ids = req.stop_ids.clone();
     let on_token = |tok| {
         if !bar.is_finished() {
             bar.finish_and_clear();
         }
+        if stop_ids.contains(&tok) || !pipe_open {
+            // a stop token ends the text without being printed (as vLLM, llama.cpp)
+            return Ok(());
+        }
         let piece = stream.push(tok)?;
-        stdout
+        match stdout
             .write_all(piece.as_bytes())
             .and_then(|_| stdout.flush())
-            .map_err(|e| Error::io("<stdout>", e))
+        {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                pipe_open = false;
+                Ok(())
+            }
+            r => r.map_err(|e| Error::io("<stdout>", e)),
+        }
     };
     let out = match engine {
         Engine::Cpu(model) => generate::generate_cpu(&model, &req, progress, on_token)?.0,
@@ -134,8 +149,16 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> Result<()> {
         out.stop
     );
     if let Some(p) = a.json {
+        // the generated text, without the stop token that ended it
+        let text_ids = match out.stop {
+            generate::StopReason::Eos => &out.tokens[..out.tokens.len() - 1],
+            generate::StopReason::MaxTokens => &out.tokens[..],
+        };
         let mut v = serde_json::json!({
-            "model": a.mode.model, "attention": plan_json, "prompt_tokens": req.prompt, "tokens": out.tokens, "stop": out.stop,
+            "model": a.mode.model, "attention": plan_json, "prompt_tokens": req.prompt, "tokens": out.tokens,
+            "text": tokenizer.decode(text_ids)?, "stop": out.stop, "stop_ids": req.stop_ids,
+            "sampling": {"temperature": req.sampling.temperature, "top_k": req.sampling.top_k,
+                         "top_p": req.sampling.top_p, "seed": req.sampling.seed},
             "prefill_ms": out.prefill_ms, "decode_ms": out.decode_ms, "decode_tokens_per_s": out.decode_tokens_per_s(),
         });
         if req.logprobs.is_some() {

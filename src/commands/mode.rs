@@ -79,9 +79,16 @@ pub(crate) fn check_mode_flags(a: &ModeArgs, backend: Backend, cmd: &str) -> Res
     Ok(())
 }
 
-/// Refuses output paths whose directory does not exist.
+/// Refuses, before any work, output paths that are directories or whose
+/// directory does not exist.
 pub(crate) fn check_output_dirs<'a>(paths: impl IntoIterator<Item = &'a PathBuf>) -> Result<()> {
     for p in paths {
+        if p.is_dir() {
+            return Err(Error::Input(format!(
+                "{} is a directory; give a file path for the output",
+                p.display()
+            )));
+        }
         let dir = p.parent().filter(|d| !d.as_os_str().is_empty());
         if let Some(d) = dir.filter(|d| !d.is_dir()) {
             return Err(Error::Input(format!(
