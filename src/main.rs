@@ -233,7 +233,7 @@ struct GenerateArgs {
     /// Prompt text.
     #[arg(long, conflicts_with = "prompt_file")]
     prompt: Option<String>,
-    /// File whose text is the prompt.
+    /// File whose text is the prompt (`-`: standard input).
     #[arg(long)]
     prompt_file: Option<PathBuf>,
     /// Keep only the first N prompt tokens (e.g. a whole book truncated to a context length).

@@ -713,3 +713,64 @@ fn outputs_that_would_clobber_or_cannot_be_written_are_refused_before_the_run() 
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn prompt_file_dash_reads_standard_input() {
+    use std::io::Write;
+    let tok = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/.fixtures/smollm2-135m-instruct/tokenizer.json"
+    );
+    let dir = std::env::temp_dir().join(format!("sparda-stdin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prompt = "To be, or not to be, that is the question";
+    let args = |json: &std::path::Path| {
+        vec![
+            "generate".to_string(),
+            "--model".into(),
+            "synth:tiny".into(),
+            "--backend".into(),
+            "cpu".into(),
+            "--tokenizer".into(),
+            tok.into(),
+            "--max-new-tokens".into(),
+            "3".into(),
+            "--ignore-eos".into(),
+            "--json".into(),
+            json.to_str().unwrap().into(),
+        ]
+    };
+    let (j1, j2) = (dir.join("arg.json"), dir.join("stdin.json"));
+    let mut a1 = args(&j1);
+    a1.extend(["--prompt".into(), prompt.into()]);
+    let (ok, _, err) = sparda_out(&a1.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(ok, "{err}");
+    let mut a2 = args(&j2);
+    a2.extend(["--prompt-file".into(), "-".into()]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sparda"))
+        .args(&a2)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(prompt.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let read = |p: &std::path::Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+    };
+    let (v1, v2) = (read(&j1), read(&j2));
+    assert_eq!(v1["prompt_tokens"], v2["prompt_tokens"]);
+    assert_eq!(v1["tokens"], v2["tokens"]);
+    std::fs::remove_dir_all(&dir).ok();
+}

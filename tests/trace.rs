@@ -1013,3 +1013,58 @@ fn gpu_traces_count_steps_from_complete_events_only() {
     assert!(close(s.phases["host:decode step"].per_step_ms, 15.0));
     assert!(close(s.h2d_total_ms, 8.0) && close(s.overlap_pct, 75.0));
 }
+
+#[test]
+fn an_unclosed_trace_array_is_summarized_from_its_complete_events() {
+    // The array form of the Trace Event Format may omit its closing `]`
+    // (a crashed or interrupted run leaves it so, often with a trailing comma
+    // and a last event cut off): every complete event counts, the cut one not.
+    let events = r#"[
+{"ph": "X", "name": "qkv", "pid": 2, "tid": 1, "ts": 0.0, "dur": 100.0, "args": {"step": 0, "layer": 0}},
+{"ph": "X", "name": "ffn", "pid": 2, "tid": 1, "ts": 100.0, "dur": 300.0, "args": {"step": 0, "layer": 0}},
+"#;
+    let closed = format!("{}]", events.trim_end().trim_end_matches(','));
+    let want = trace::summarize(&serde_json::from_str(&closed).unwrap()).unwrap();
+    let dir = std::env::temp_dir().join(format!("sparda-unclosed-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, text) in [
+        ("trailing_comma.json", events.to_string()),
+        (
+            "no_comma.json",
+            events.trim_end().trim_end_matches(',').to_string(),
+        ),
+        (
+            "cut_event.json",
+            format!("{events}{{\"ph\": \"X\", \"name\": \"attention\", \"pid\": 2, \"ts\": 4"),
+        ),
+    ] {
+        let p = dir.join(name);
+        std::fs::write(&p, &text).unwrap();
+        let s = trace::summarize_file(&p).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(s.phases.len(), 2, "{name}");
+        let ffn = s
+            .phases
+            .iter()
+            .find(|(k, _)| k.ends_with("ffn"))
+            .expect("ffn phase")
+            .1;
+        assert!((ffn.total_ms - 0.3).abs() < 1e-12, "{name}");
+        assert_eq!(
+            s.phases.keys().collect::<Vec<_>>(),
+            want.phases.keys().collect::<Vec<_>>()
+        );
+        assert!(
+            !s.phases.contains_key("attention"),
+            "{name}: the cut event is dropped"
+        );
+    }
+    // not a trace at all: an error naming the file, not a panic
+    let p = dir.join("garbage.json");
+    std::fs::write(&p, "[ not json").unwrap();
+    let err = trace::summarize_file(&p).unwrap_err().to_string();
+    assert!(
+        err.contains("garbage.json") && err.contains("not JSON"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

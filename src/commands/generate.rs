@@ -40,6 +40,12 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> Result<()> {
     }
     let text = match (&a.prompt, &a.prompt_file) {
         (Some(t), None) => t.clone(),
+        (None, Some(p)) if p.as_os_str() == "-" => {
+            let mut t = String::new();
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut t)
+                .map_err(|e| Error::Input(format!("--prompt-file - (standard input): {e}")))?;
+            t
+        }
         (None, Some(p)) => std::fs::read_to_string(p)
             .map_err(|e| Error::Input(format!("--prompt-file {}: {e}", p.display())))?,
         _ => {

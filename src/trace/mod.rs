@@ -726,14 +726,49 @@ pub fn summarize(trace: &Value) -> Result<Summary> {
     Ok(s)
 }
 
+/// A trace file's text as JSON, in every form the Trace Event Format
+/// allows: the object form (`{"traceEvents": [...]}`) or the array form,
+/// whose closing `]` is optional — the form a crashed or interrupted run
+/// leaves behind, possibly with a trailing comma and a last event cut off
+/// mid-way (that event is dropped; every complete one is kept).
+///
+/// Errors: a message saying why the text is not a trace (not JSON, or an
+/// array with no complete event).
+pub fn parse_trace_text(text: &str) -> std::result::Result<Value, String> {
+    let first = match serde_json::from_str::<Value>(text) {
+        Ok(v) => return Ok(v),
+        Err(e) => e,
+    };
+    let body = text.trim_start();
+    if !body.starts_with('[') {
+        return Err(format!("not JSON: {first}"));
+    }
+    // The array form without its closing bracket: close it after the last
+    // complete event (each try cuts back to an earlier `}`).
+    let mut end = body.len();
+    for _ in 0..64 {
+        let Some(close) = body[..end].rfind('}') else {
+            break;
+        };
+        let candidate = format!("{}]", body[..=close].trim_end().trim_end_matches(','));
+        if let Ok(v) = serde_json::from_str::<Value>(&candidate) {
+            return Ok(v);
+        }
+        end = close;
+    }
+    Err(format!(
+        "not JSON, and no complete event of an unclosed trace array ({first})"
+    ))
+}
+
 /// Reads and summarizes a trace file.
 ///
 /// Errors: the file cannot be read ([`Error::Io`]) or is not a trace JSON
 /// ([`Error::Input`] naming the file).
 pub fn summarize_file(path: &Path) -> Result<Summary> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    let v: Value = serde_json::from_str(&text)
-        .map_err(|e| Error::Input(format!("{}: not JSON: {e}", path.display())))?;
+    let v =
+        parse_trace_text(&text).map_err(|e| Error::Input(format!("{}: {e}", path.display())))?;
     let in_file = |m: String| Error::Input(format!("{}: {m}", path.display()));
     let s = summarize(&v).map_err(|e| match e {
         Error::Input(m) => in_file(m),
