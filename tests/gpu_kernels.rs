@@ -1,23 +1,37 @@
 //! GPU kernels against the CPU reference (spec/testing.md), through
-//! `sparda::checks::gpu_check`. On a machine without CUDA (CI, the
-//! developer machines) the check must return a clear `Error::Cuda`, never
-//! panic; set `SPARDA_REQUIRE_GPU=1` to make that a failure instead.
+//! `sparda::checks::gpu_check`. The GPU test is ignored by default so that
+//! it never counts as passed on a machine without a GPU; run it on the GPU
+//! machine with `cargo test --release --test gpu_kernels -- --ignored`
+//! (or `sparda gpu-check`, the same check as a command). Without CUDA (CI,
+//! the developer machines) the check must return a clear `Error::Cuda`,
+//! never panic.
 
 use sparda::checks::gpu_check;
 use sparda::Error;
 
 #[test]
-fn gpu_kernels_match_the_cpu_reference_or_cuda_is_reported_missing() {
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
+fn gpu_kernels_match_the_cpu_reference() {
     let out = std::env::temp_dir().join(format!("sparda-gpu-check-{}.json", std::process::id()));
-    let require = std::env::var("SPARDA_REQUIRE_GPU").is_ok_and(|v| v == "1");
     match gpu_check(&out) {
         Ok(pass) => assert!(
             pass,
             "GPU kernels disagree with the CPU reference; report: {}",
             out.display()
         ),
-        Err(Error::Cuda(msg)) if !require => eprintln!("no usable CUDA here, skipped: {msg}"),
         Err(e) => panic!("gpu_check: {e}"),
+    }
+}
+
+#[test]
+fn gpu_check_without_cuda_is_an_error_not_a_panic() {
+    if sparda::cuda::is_available() {
+        return; // the ignored test above covers a machine with a GPU
+    }
+    let out = std::env::temp_dir().join(format!("sparda-gpu-check-{}.json", std::process::id()));
+    match gpu_check(&out) {
+        Err(Error::Cuda(msg)) => assert!(msg.contains("not found"), "{msg}"),
+        other => panic!("expected Error::Cuda, got {other:?}"),
     }
 }
 

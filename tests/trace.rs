@@ -567,19 +567,16 @@ fn gpu_step(
 }
 
 /// Records real spans on two streams with cross-stream waits, a graph capture
-/// in between, and checks the merged trace (runs where CUDA is present;
-/// `SPARDA_REQUIRE_GPU=1` makes its absence a failure). Prints the host cost
-/// of a span (not asserted: tests never assert on time).
+/// in between, and checks the merged trace. Needs a GPU, so it is ignored by
+/// default (it must not pass where it cannot run): on the GPU machine,
+/// `cargo test --release --test trace -- --ignored`. Prints the host cost of
+/// a span (not asserted: tests never assert on time).
 #[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
 fn gpu_timeline_records_streams_waits_and_skips_capture() {
     use sparda::trace::timeline::{GpuTimeline, SpanMeta};
-    let require = std::env::var("SPARDA_REQUIRE_GPU").is_ok_and(|v| v == "1");
     let _g = lock();
-    let gpu = match sparda::cuda::Gpu::new(0) {
-        Ok(g) => g,
-        Err(e) if !require => return eprintln!("no usable CUDA here, skipped: {e}"),
-        Err(e) => panic!("Gpu::new: {e}"),
-    };
+    let gpu = sparda::cuda::Gpu::new(0).unwrap_or_else(|e| panic!("Gpu::new: {e}"));
     // Disabled: no events, NONE ids, nothing collected.
     let mut off = GpuTimeline::new(&gpu, false).unwrap();
     let id = off

@@ -904,14 +904,17 @@ mod tests {
         assert_ne!(cache_key(&[b"ab", b"c"]), cache_key(&[b"a", b"bc"]));
     }
 
-    /// Runs only where libnvrtc loads (a CUDA machine, or LD_LIBRARY_PATH
-    /// pointing at an NVRTC install); elsewhere it checks nothing.
+    /// Needs libnvrtc (a CUDA machine, or LD_LIBRARY_PATH pointing at an
+    /// NVRTC install such as the `nvidia-cuda-nvrtc` wheel's lib folder), so
+    /// it is ignored by default instead of passing without checking:
+    /// `cargo test --release --lib nvrtc -- --ignored`.
     #[test]
-    fn nvrtc_compiles_every_kernel_when_available() {
-        if !crate::cuda::libraries().nvrtc {
-            eprintln!("libnvrtc not present: skipped");
-            return;
-        }
+    #[ignore = "needs libnvrtc: run with --ignored where it loads"]
+    fn nvrtc_compiles_every_kernel() {
+        assert!(
+            crate::cuda::libraries().nvrtc,
+            "libnvrtc does not load here (set LD_LIBRARY_PATH)"
+        );
         let bins = compile_all("sm_90").expect("kernels compile for sm_90");
         assert_eq!(bins.len(), KERNEL_SOURCES.len());
         for (f, b) in bins {
