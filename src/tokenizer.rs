@@ -104,11 +104,19 @@ impl Tokenizer {
 ///
 /// Method: decode the ids since the last emitted point with and without the
 /// newest; emit the difference unless it ends in U+FFFD (a character whose
-/// bytes are not all generated yet), in which case hold it back.
+/// bytes are not all generated yet), in which case hold it back. Started
+/// with [`TextStream::with_prompt`], the decode window begins inside the
+/// prompt, so that tokenizers whose decoders treat the start of a text
+/// specially (SentencePiece's Metaspace and Strip decoders drop the leading
+/// space of the first word) stream exactly decode(prompt + generated) minus
+/// decode(prompt).
 #[derive(Debug)]
 pub struct TextStream<'a> {
     tok: &'a Tokenizer,
+    /// Prompt ids kept as decoding context (never emitted), then every id pushed.
     ids: Vec<u32>,
+    /// How many ids at the front of `ids` are prompt context.
+    context: usize,
     /// Start of the decode window (a few ids of context before `emitted`).
     prefix: usize,
     /// Ids up to here have had their text emitted.
@@ -121,14 +129,29 @@ impl<'a> TextStream<'a> {
         TextStream {
             tok,
             ids: Vec::new(),
+            context: 0,
             prefix: 0,
             emitted: 0,
         }
     }
 
-    /// Every id pushed so far.
+    /// A stream that continues `prompt`: its last ids (up to
+    /// [`PROMPT_CONTEXT_IDS`]) are decoding context, never emitted, so the
+    /// first generated word keeps its leading space on every tokenizer family.
+    pub fn with_prompt(tok: &'a Tokenizer, prompt: &[u32]) -> TextStream<'a> {
+        let tail = &prompt[prompt.len().saturating_sub(PROMPT_CONTEXT_IDS)..];
+        TextStream {
+            tok,
+            ids: tail.to_vec(),
+            context: tail.len(),
+            prefix: 0,
+            emitted: tail.len(),
+        }
+    }
+
+    /// Every id pushed so far (the prompt context left out).
     pub fn ids(&self) -> &[u32] {
-        &self.ids
+        &self.ids[self.context..]
     }
 
     /// Adds `id`; returns the newly completed text (empty while a UTF-8
@@ -166,6 +189,9 @@ impl<'a> TextStream<'a> {
         Ok(suffix_after(&before, &after))
     }
 }
+
+/// Prompt ids a [`TextStream::with_prompt`] keeps as decoding context.
+pub const PROMPT_CONTEXT_IDS: usize = 8;
 
 /// The part of `after` beyond `before`: the plain suffix when `after` starts
 /// with `before`, else everything after their longest common prefix (on a

@@ -108,7 +108,7 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> Result<()> {
         ProgressStyle::with_template("prefill {bar:40} {pos}/{len} tokens {per_sec} eta {eta}")
             .expect("static template"),
     );
-    let mut stream = TextStream::new(&tokenizer);
+    let mut stream = TextStream::with_prompt(&tokenizer, &req.prompt);
     let mut stdout = std::io::stdout().lock();
     // A closed pipe (`| head`) ends the printing quietly; generation goes on.
     let mut pipe_open = true;
