@@ -6,7 +6,8 @@
 //!   from shards listed by `model.safetensors.index.json`, or from memory.
 //! - [`names`]: every Hugging Face tensor name, in one place.
 //! - [`expected_tensors`]: the names and shapes a config implies.
-//! - [`Checkpoint`]: config + store, validated (every problem in one error).
+//! - [`Checkpoint`]: config + store, validated (every problem in one error;
+//!   tensors the model does not read are ignored with one warning).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
@@ -953,8 +954,10 @@ impl Checkpoint {
     ///
     /// # Errors
     /// [`Error::Io`] naming a missing `config.json` or weight file;
-    /// [`Error::Config`] for a bad config; [`Error::Checkpoint`] listing every
-    /// missing, unexpected and mis-shaped tensor.
+    /// [`Error::Config`] for a bad config; [`Error::Checkpoint`] for a
+    /// malformed weight file or listing every missing and mis-shaped tensor
+    /// and every tensor the config leaves unused but the runtime would read
+    /// under another config (other extra tensors only warn).
     pub fn open(dir: impl AsRef<Path>) -> Result<Checkpoint> {
         let dir = dir.as_ref();
         let config = ModelConfig::from_file(dir)?;
