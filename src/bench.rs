@@ -199,12 +199,27 @@ pub fn parse_tokens(s: &str) -> Result<usize> {
         .ok_or_else(|| Error::Input(format!("bad token count `{s}` (e.g. 4096, 4K, 32K)")))
 }
 
+/// Checks that `--model` names a `synth:` preset or a checkpoint directory,
+/// not a file.
+///
+/// Errors: [`Error::Input`] naming the file and what to give instead.
+pub fn check_model_arg(model: &str) -> Result<()> {
+    if !model.starts_with("synth:") && Path::new(model).is_file() {
+        return Err(Error::Input(format!(
+            "--model {model} is a file; give the checkpoint directory holding config.json, *.safetensors and tokenizer.json"
+        )));
+    }
+    Ok(())
+}
+
 /// Opens `model`: `synth:PRESET[:SEED]` builds a random-weight checkpoint
 /// in memory ([`crate::synth::build`]), anything else is a checkpoint
 /// directory.
 ///
-/// Errors: an unknown preset or bad seed ([`Error::Input`]); checkpoint errors.
+/// Errors: `model` is a file ([`check_model_arg`]); an unknown preset or
+/// bad seed ([`Error::Input`]); checkpoint errors.
 pub fn open_model(model: &str) -> Result<Checkpoint> {
+    check_model_arg(model)?;
     match model.strip_prefix("synth:") {
         Some(spec) => {
             let (preset, seed) = crate::synth::parse_spec(spec)?;

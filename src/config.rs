@@ -469,6 +469,52 @@ fn f64_json(x: f64) -> Value {
         .unwrap_or(Value::Null)
 }
 
+/// The `model_type` values this runtime was written for (Llama layout;
+/// MiniCPM's muP scalings). Others load, with a warning.
+pub const KNOWN_MODEL_TYPES: &[&str] = &["llama", "mistral", "minicpm"];
+
+/// The `architectures` entries this runtime was written for. Others load,
+/// with a warning.
+pub const KNOWN_ARCHITECTURES: &[&str] = &[
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "MiniCPMForCausalLM",
+];
+
+/// The one-line warning for a config whose `model_type` or `architectures`
+/// this runtime has not seen (`None` when every given name is in
+/// [`KNOWN_MODEL_TYPES`] / [`KNOWN_ARCHITECTURES`], or none is given). Such
+/// configs are not refused — NOSA checkpoints may use new names — but the
+/// names are reported, since the runtime loads them as Llama-layout models.
+pub fn architecture_warning(
+    path: &Path,
+    model_type: Option<&str>,
+    architectures: &[String],
+) -> Option<String> {
+    let mut unseen = Vec::new();
+    if let Some(t) = model_type.filter(|t| !KNOWN_MODEL_TYPES.contains(t)) {
+        unseen.push(format!("model_type `{t}`"));
+    }
+    let archs: Vec<&str> = architectures
+        .iter()
+        .map(String::as_str)
+        .filter(|a| !KNOWN_ARCHITECTURES.contains(a))
+        .collect();
+    if !archs.is_empty() {
+        unseen.push(format!("architectures [{}]", archs.join(", ")));
+    }
+    if unseen.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "{}: {} not seen by this runtime (it knows model_type {} and architectures {}); loading it as a Llama-layout model",
+        path.display(),
+        unseen.join(" and "),
+        KNOWN_MODEL_TYPES.join(", "),
+        KNOWN_ARCHITECTURES.join(", ")
+    ))
+}
+
 impl ModelConfig {
     /// G = H / Hkv.
     pub fn group_size(&self) -> usize {
@@ -561,7 +607,12 @@ impl ModelConfig {
     /// line and column, field `<json>`), a missing required key, a wrong type,
     /// zero sizes, H not divisible by Hkv, odd D, `hidden_act` other than silu,
     /// an unknown RoPE type (named), LongRoPE factor lists of length ≠ D/2,
-    /// non-positive factors, token ids ≥ V, and every sparse rule of spec §1.
+    /// non-positive factors, token ids ≥ V, every sparse rule of spec §1, and
+    /// a feature the runtime does not implement: `sliding_window` below
+    /// `max_position_embeddings` (unless `use_sliding_window` is false).
+    /// A `model_type` or `architectures` outside [`KNOWN_MODEL_TYPES`] /
+    /// [`KNOWN_ARCHITECTURES`] is not an error: it is named in one warning
+    /// ([`architecture_warning`]).
     pub fn from_json_str(text: &str, path: impl AsRef<Path>) -> Result<ModelConfig> {
         let path = path.as_ref();
         let map = parse_object(text, path)?;
@@ -693,7 +744,32 @@ impl ModelConfig {
             )?,
         };
 
-        let model_type = f.opt_str("model_type")?.unwrap_or("");
+        if let Some(w) = f.raw("sliding_window") {
+            let w = f.usize_of("sliding_window", w)?;
+            let enabled = f.opt_bool("use_sliding_window")?.unwrap_or(true);
+            if enabled && w < max_position_embeddings {
+                return Err(f.err(
+                    "sliding_window",
+                    format!(
+                        "sliding-window attention is not implemented: sliding_window = {w} < max_position_embeddings = {max_position_embeddings} \
+                         (null, or a value ≥ max_position_embeddings, or use_sliding_window = false means full attention)"
+                    ),
+                ));
+            }
+        }
+        let model_type = f.opt_str("model_type")?;
+        let architectures: Vec<String> = match f.raw("architectures") {
+            None => Vec::new(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| x.as_str().map_or_else(|| x.to_string(), str::to_string))
+                .collect(),
+            Some(other) => vec![other.to_string()],
+        };
+        if let Some(note) = architecture_warning(path, model_type, &architectures) {
+            tracing::warn!("{note}");
+        }
+        let model_type = model_type.unwrap_or("");
         let tie_default = model_type.eq_ignore_ascii_case("minicpm");
         let tie_word_embeddings = f.opt_bool("tie_word_embeddings")?.unwrap_or(tie_default);
         let attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);

@@ -28,7 +28,8 @@ pub enum Error {
         msg: String,
     },
     /// The weights do not match the config: missing, unexpected or mis-shaped
-    /// tensors (all listed in one message), unreadable safetensors, bad dtype.
+    /// tensors (all listed in one message), unreadable or malformed
+    /// safetensors (a Git LFS pointer included), bad dtype.
     #[error("{path}: {msg}")]
     Checkpoint {
         /// The checkpoint directory or file.

@@ -28,7 +28,9 @@ impl Tokenizer {
     ///
     /// # Errors
     /// [`Error::Io`] naming the path when the file is missing or unreadable;
-    /// [`Error::Tokenizer`] naming it when the tokenizers crate rejects it.
+    /// [`Error::Tokenizer`] naming it when the tokenizers crate rejects it:
+    /// "not valid JSON", or "not a Hugging Face tokenizer.json" for JSON of
+    /// another schema (e.g. a bare `{"vocab": …}`), with the crate's reason.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Tokenizer> {
         let path = path.as_ref();
         let path = if path.is_dir() {
@@ -39,7 +41,7 @@ impl Tokenizer {
         let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
         let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| Error::Tokenizer {
             path: path.clone(),
-            msg: e.to_string(),
+            msg: why_not_a_tokenizer(&bytes, &e.to_string()),
         })?;
         Ok(Tokenizer { inner, path })
     }
@@ -93,6 +95,29 @@ impl Tokenizer {
     /// A streaming detokenizer over this tokenizer.
     pub fn stream(&self) -> TextStream<'_> {
         TextStream::new(self)
+    }
+}
+
+/// The reason a `tokenizer.json` was rejected (`crate_msg` is the
+/// tokenizers crate's): not JSON at all, or JSON that is not a Hugging Face
+/// tokenizer (no `model` object), naming the top-level keys it has.
+fn why_not_a_tokenizer(bytes: &[u8], crate_msg: &str) -> String {
+    match serde_json::from_slice::<serde_json::Value>(bytes) {
+        Err(e) => format!("not valid JSON: {e}"),
+        Ok(serde_json::Value::Object(m)) if !m.get("model").is_some_and(|v| v.is_object()) => {
+            let keys: Vec<&str> = m.keys().map(String::as_str).take(10).collect();
+            format!(
+                "not a Hugging Face tokenizer.json: it has no `model` object (top-level keys: {}){}",
+                if keys.is_empty() { "none".to_string() } else { keys.join(", ") },
+                if m.len() > 10 { format!(", … and {} more", m.len() - 10) } else { String::new() }
+            )
+        }
+        Ok(serde_json::Value::Object(_)) => {
+            format!("not a Hugging Face tokenizer.json: {crate_msg}")
+        }
+        Ok(_) => {
+            "not a Hugging Face tokenizer.json: the top level is not a JSON object".to_string()
+        }
     }
 }
 

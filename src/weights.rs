@@ -6,7 +6,8 @@
 //!   from shards listed by `model.safetensors.index.json`, or from memory.
 //! - [`names`]: every Hugging Face tensor name, in one place.
 //! - [`expected_tensors`]: the names and shapes a config implies.
-//! - [`Checkpoint`]: config + store, validated (every problem in one error).
+//! - [`Checkpoint`]: config + store, validated (every problem in one error;
+//!   tensors the model does not read are ignored with one warning).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
@@ -51,14 +52,6 @@ impl DType {
             DType::BF16 => safetensors::Dtype::BF16,
             DType::F16 => safetensors::Dtype::F16,
             DType::F32 => safetensors::Dtype::F32,
-        }
-    }
-    fn from_safetensors(d: safetensors::Dtype) -> Option<DType> {
-        match d {
-            safetensors::Dtype::BF16 => Some(DType::BF16),
-            safetensors::Dtype::F16 => Some(DType::F16),
-            safetensors::Dtype::F32 => Some(DType::F32),
-            _ => None,
         }
     }
 }
@@ -235,6 +228,222 @@ pub fn write_safetensors(path: &Path, tensors: &[OwnedTensor]) -> Result<()> {
     })
 }
 
+/// The first line of a Git LFS pointer file.
+const LFS_POINTER_START: &[u8] = b"version https://git-lfs.github.com/spec/v1";
+
+/// The most header bytes a safetensors file may declare (the format's limit).
+pub const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// Every dtype name of the safetensors format (those outside BF16/F16/F32
+/// are known but unsupported).
+const SAFETENSORS_DTYPES: &[&str] = &[
+    "BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "I16", "U16",
+    "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64", "C64",
+];
+
+/// One tensor entry of a safetensors header; `dtype` is the problem line
+/// when the dtype is unknown or unsupported.
+struct HeaderTensor {
+    name: String,
+    dtype: std::result::Result<DType, String>,
+    shape: Vec<usize>,
+    begin: usize,
+    end: usize,
+}
+
+/// A parsed safetensors header: where the data starts, the well-formed
+/// tensor entries, and a line per bad entry.
+struct Header {
+    data_start: usize,
+    tensors: Vec<HeaderTensor>,
+    problems: Vec<String>,
+}
+
+/// Parses and checks the header of safetensors file `path` (contents
+/// `bytes`): a Git LFS pointer, a length field past the file or the format's
+/// limit, and JSON that is not an object are errors at once; every bad entry
+/// (`__metadata__` values not strings, a missing or ill-typed `dtype`,
+/// `shape` or `data_offsets`, an unknown dtype, offsets out of the data
+/// section or not matching the shape) is one problem line naming the key.
+fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header> {
+    let bad = |msg: String| Error::checkpoint(path, format!("malformed safetensors file: {msg}"));
+    if bytes.starts_with(LFS_POINTER_START) {
+        let text = String::from_utf8_lossy(&bytes[..bytes.len().min(1024)]);
+        let size = text
+            .lines()
+            .find_map(|l| l.strip_prefix("size "))
+            .map(|s| format!("; the real file is {} bytes", s.trim()))
+            .unwrap_or_default();
+        return Err(Error::checkpoint(
+            path,
+            format!(
+                "this is a Git LFS pointer file ({} bytes{size}), not the safetensors weights: \
+                 run `git lfs pull` in the checkpoint's clone (after `git lfs install`), \
+                 or download the file from the Hugging Face hub (e.g. `huggingface-cli download`)",
+                bytes.len()
+            ),
+        ));
+    }
+    let len = bytes.len() as u64;
+    if len < 8 {
+        return Err(bad(format!(
+            "the file is {len} bytes, shorter than the 8-byte header length field"
+        )));
+    }
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
+    if n > MAX_HEADER_BYTES {
+        return Err(bad(format!(
+            "the header length field says {n} bytes, over the format's limit of {MAX_HEADER_BYTES} (file of {len} bytes)"
+        )));
+    }
+    if n > len - 8 {
+        return Err(bad(format!(
+            "the header length field says {n} bytes, but only {} bytes follow it",
+            len - 8
+        )));
+    }
+    let data_start = 8 + n as usize;
+    let data_len = bytes.len() - data_start;
+    let json: serde_json::Value = serde_json::from_slice(&bytes[8..data_start])
+        .map_err(|e| bad(format!("the {n}-byte header is not valid JSON: {e}")))?;
+    let serde_json::Value::Object(map) = json else {
+        return Err(bad(format!(
+            "the header is JSON but not an object (found {})",
+            json_kind(&json)
+        )));
+    };
+    let mut tensors = Vec::new();
+    let mut problems = Vec::new();
+    for (key, v) in &map {
+        if key == "__metadata__" {
+            match v {
+                serde_json::Value::Object(m) => {
+                    for (mk, mv) in m {
+                        if !mv.is_string() {
+                            problems.push(format!(
+                                "header key `__metadata__`.`{mk}`: metadata values must be strings, found {} `{mv}`",
+                                json_kind(mv)
+                            ));
+                        }
+                    }
+                }
+                other => problems.push(format!(
+                    "header key `__metadata__`: must be an object of strings, found {} `{other}`",
+                    json_kind(other)
+                )),
+            }
+            continue;
+        }
+        match header_tensor(key, v, data_len) {
+            Ok(t) => tensors.push(t),
+            Err(p) => problems.push(p),
+        }
+    }
+    tensors.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(Header {
+        data_start,
+        tensors,
+        problems,
+    })
+}
+
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+/// One tensor entry of a header; `Err` is the problem line.
+fn header_tensor(
+    name: &str,
+    v: &serde_json::Value,
+    data_len: usize,
+) -> std::result::Result<HeaderTensor, String> {
+    let p = |msg: String| format!("tensor {name}: {msg}");
+    let obj = v.as_object().ok_or_else(|| {
+        p(format!(
+            "header entry must be an object with dtype, shape and data_offsets, found {}",
+            json_kind(v)
+        ))
+    })?;
+    let field = |k: &str| {
+        obj.get(k)
+            .ok_or_else(|| p(format!("header entry has no `{k}`")))
+    };
+    let dv = field("dtype")?;
+    let dtype_name = dv
+        .as_str()
+        .ok_or_else(|| p(format!("`dtype` must be a string, found {dv}")))?;
+    let uints = |k: &str| -> std::result::Result<Vec<usize>, String> {
+        let fv = field(k)?;
+        let not_uints = || {
+            p(format!(
+                "`{k}` must be an array of non-negative integers, found {fv}"
+            ))
+        };
+        let arr = fv.as_array().ok_or_else(not_uints)?;
+        arr.iter()
+            .map(|x| {
+                x.as_u64()
+                    .and_then(|u| usize::try_from(u).ok())
+                    .ok_or_else(not_uints)
+            })
+            .collect()
+    };
+    let shape = uints("shape")?;
+    let offsets = uints("data_offsets")?;
+    let [begin, end] = offsets[..] else {
+        return Err(p(format!(
+            "`data_offsets` must be [begin, end], found {} values",
+            offsets.len()
+        )));
+    };
+    if begin > end || end > data_len {
+        return Err(p(format!(
+            "data_offsets [{begin}, {end}] out of range: need begin ≤ end ≤ {data_len} (the data section's size){}",
+            if end > data_len { "; is the file truncated?" } else { "" }
+        )));
+    }
+    let dtype = match dtype_name {
+        "BF16" => Ok(DType::BF16),
+        "F16" => Ok(DType::F16),
+        "F32" => Ok(DType::F32),
+        d if SAFETENSORS_DTYPES.contains(&d) => Err(p(format!(
+            "unsupported dtype {d} (supported: BF16, F16, F32)"
+        ))),
+        d => Err(p(format!(
+            "unknown dtype `{d}` (safetensors dtypes: {}; supported: BF16, F16, F32)",
+            SAFETENSORS_DTYPES.join(", ")
+        ))),
+    };
+    if let Ok(d) = dtype {
+        let numel = shape
+            .iter()
+            .try_fold(1usize, |a, &x| a.checked_mul(x))
+            .and_then(|n| n.checked_mul(d.size()));
+        if numel != Some(end - begin) {
+            return Err(p(format!(
+                "data_offsets [{begin}, {end}] hold {} bytes, but shape {shape:?} of {} needs {}",
+                end - begin,
+                d.name(),
+                numel.map_or("more than usize::MAX".to_string(), |b| b.to_string())
+            )));
+        }
+    }
+    Ok(HeaderTensor {
+        name: name.to_string(),
+        dtype,
+        shape,
+        begin,
+        end,
+    })
+}
+
 /// Where a tensor's bytes live.
 #[derive(Debug, Clone)]
 enum Loc {
@@ -364,36 +573,31 @@ impl TensorStore {
         // SAFETY: the map is read-only; the checkpoint files are not expected to
         // change while the runtime runs (as with every mmap-based loader).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        let (n, meta) = safetensors::SafeTensors::read_metadata(&map)
-            .map_err(|e| Error::checkpoint(path, format!("malformed safetensors file: {e}")))?;
-        let data_start = 8 + n;
+        let header = parse_header(path, &map)?;
         let file_idx = self.files.len();
-        let mut infos: Vec<(String, &safetensors::tensor::TensorInfo)> =
-            meta.tensors().into_iter().collect();
-        infos.sort_by(|a, b| a.0.cmp(&b.0));
-        let mut problems = Vec::new();
-        for (name, info) in infos {
-            let Some(dtype) = DType::from_safetensors(info.dtype) else {
-                problems.push(format!(
-                    "tensor {name}: unsupported dtype {:?} (supported: BF16, F16, F32)",
-                    info.dtype
-                ));
-                continue;
+        let mut problems = header.problems;
+        for h in header.tensors {
+            let name = h.name;
+            let dtype = match h.dtype {
+                Ok(d) => d,
+                Err(p) => {
+                    problems.push(p);
+                    continue;
+                }
             };
             if self.entries.contains_key(&name) {
                 problems.push(format!("tensor {name}: present in more than one file"));
                 continue;
             }
-            let (s, e) = info.data_offsets;
             self.entries.insert(
                 name,
                 Entry {
                     dtype,
-                    shape: info.shape.clone(),
+                    shape: h.shape,
                     loc: Loc::File {
                         file: file_idx,
-                        start: data_start + s,
-                        end: data_start + e,
+                        start: header.data_start + h.begin,
+                        end: header.data_start + h.end,
                     },
                 },
             );
@@ -413,7 +617,10 @@ impl TensorStore {
             }
         }
         if !problems.is_empty() {
-            return Err(Error::checkpoint(path, problems.join("\n")));
+            return Err(Error::checkpoint(
+                path,
+                list_with_more(&problems, MAX_LISTED, "\n"),
+            ));
         }
         self.files.push(MappedFile {
             path: path.to_path_buf(),
@@ -733,6 +940,11 @@ pub struct Checkpoint {
     /// Whether `lm_head` is the embedding matrix (`tie_word_embeddings`); any
     /// `lm_head.weight` present is then ignored.
     pub lm_head_tied: bool,
+    /// Tensors in the store that the model does not read (sorted), e.g.
+    /// `rotary_emb.inv_freq` buffers of older Llama files or SparDA forecast
+    /// projections saved beside the weights. They are ignored, with one
+    /// warning listing them.
+    pub unused_tensors: Vec<String>,
 }
 
 impl Checkpoint {
@@ -742,28 +954,37 @@ impl Checkpoint {
     ///
     /// # Errors
     /// [`Error::Io`] naming a missing `config.json` or weight file;
-    /// [`Error::Config`] for a bad config; [`Error::Checkpoint`] listing every
-    /// missing, unexpected and mis-shaped tensor.
+    /// [`Error::Config`] for a bad config; [`Error::Checkpoint`] for a
+    /// malformed weight file or listing every missing and mis-shaped tensor
+    /// and every tensor the config leaves unused but the runtime would read
+    /// under another config (other extra tensors only warn).
     pub fn open(dir: impl AsRef<Path>) -> Result<Checkpoint> {
         let dir = dir.as_ref();
         let config = ModelConfig::from_file(dir)?;
         let store = TensorStore::open(dir)?;
-        let (eviction_heads, lm_head_tied) = validate(&config, &store, dir)?;
+        let v = validate(&config, &store, dir)?;
         Ok(Checkpoint {
             config,
             store,
             dir: Some(dir.to_path_buf()),
-            eviction_heads,
-            lm_head_tied,
+            eviction_heads: v.eviction_heads,
+            lm_head_tied: v.lm_head_tied,
+            unused_tensors: v.unused,
         })
     }
 
     /// A checkpoint from a config and a store (e.g. an in-memory synthetic model).
     ///
     /// Validation: eviction heads are present iff layer 0 has `self_attn.A`,
-    /// and then every layer needs them; the store must hold exactly
-    /// [`expected_tensors`] with those shapes — every missing, unexpected and
-    /// mis-shaped tensor is listed in one error. `tie_word_embeddings` true:
+    /// and then every layer needs them; the store must hold every one of
+    /// [`expected_tensors`] with those shapes — every missing and mis-shaped
+    /// tensor is listed in one error (the first [`MAX_LISTED`] lines, then
+    /// "… and N more"). A tensor the runtime reads under another config (a
+    /// bias when `attention_bias` is false, a layer past
+    /// `num_hidden_layers`, …) is an error too, since ignoring it would give
+    /// wrong output. Any other extra tensor (`rotary_emb.inv_freq`,
+    /// `q_future_proj`, a zero-element leftover) is ignored: it is listed in
+    /// [`Checkpoint::unused_tensors`] and named in one warning. `tie_word_embeddings` true:
     /// the embedding is the lm_head; a different `lm_head.weight` present is
     /// ignored with a warning. False and no `lm_head.weight`: error.
     ///
@@ -771,13 +992,14 @@ impl Checkpoint {
     /// [`Error::Checkpoint`] naming the store's origin, one problem per line.
     pub fn from_parts(config: ModelConfig, store: TensorStore) -> Result<Checkpoint> {
         let origin = store.origin().to_path_buf();
-        let (eviction_heads, lm_head_tied) = validate(&config, &store, &origin)?;
+        let v = validate(&config, &store, &origin)?;
         Ok(Checkpoint {
             config,
             store,
             dir: None,
-            eviction_heads,
-            lm_head_tied,
+            eviction_heads: v.eviction_heads,
+            lm_head_tied: v.lm_head_tied,
+            unused_tensors: v.unused,
         })
     }
 
@@ -820,8 +1042,88 @@ fn shape_str(s: &[usize]) -> String {
     format!("{s:?}")
 }
 
-/// Checks `store` against `cfg`; returns (eviction_heads, lm_head_tied).
-fn validate(cfg: &ModelConfig, store: &TensorStore, path: &Path) -> Result<(bool, bool)> {
+/// How many lines (or names) an error or warning lists before "… and N more".
+pub const MAX_LISTED: usize = 10;
+
+/// `items` joined by `sep`, the first `max` of them, then "… and N more"
+/// when there are more.
+pub fn list_with_more(items: &[String], max: usize, sep: &str) -> String {
+    let mut out = items
+        .iter()
+        .take(max)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(sep);
+    if items.len() > max {
+        out.push_str(&format!("{sep}… and {} more", items.len() - max));
+    }
+    out
+}
+
+/// The one-line warning naming the tensors a model does not use (the first
+/// [`MAX_LISTED`], then "… and N more"), as [`Checkpoint::open`] logs it.
+pub fn unused_tensors_warning(origin: &Path, unused: &[String]) -> String {
+    format!(
+        "{}: ignoring {} tensor{} the model does not use: {}",
+        origin.display(),
+        unused.len(),
+        if unused.len() == 1 { "" } else { "s" },
+        list_with_more(unused, MAX_LISTED, ", ")
+    )
+}
+
+/// Whether `name` is a tensor the runtime reads under some config: the
+/// embedding, final norm, lm_head, or a per-layer tensor of [`names`] other
+/// than the forecast projections (which live in their own file and are
+/// ignored when saved beside the weights).
+fn is_runtime_tensor(name: &str) -> bool {
+    if name == names::embed() || name == names::final_norm() || name == names::lm_head() {
+        return true;
+    }
+    let Some(rest) = name.strip_prefix("model.layers.") else {
+        return false;
+    };
+    let Some((idx, suffix)) = rest.split_once('.') else {
+        return false;
+    };
+    if idx.parse::<usize>().is_err() {
+        return false;
+    }
+    use LayerTensor::*;
+    [
+        InputNorm,
+        PostAttnNorm,
+        QProj,
+        KProj,
+        VProj,
+        OProj,
+        QBias,
+        KBias,
+        VBias,
+        OBias,
+        GateProj,
+        UpProj,
+        DownProj,
+        GateBias,
+        UpBias,
+        DownBias,
+        EvictA,
+        EvictDelta,
+        EvictDeltaBias,
+    ]
+    .iter()
+    .any(|t| t.suffix() == suffix)
+}
+
+/// What validation found out about a store that matches its config.
+struct Validated {
+    eviction_heads: bool,
+    lm_head_tied: bool,
+    unused: Vec<String>,
+}
+
+/// Checks `store` against `cfg`.
+fn validate(cfg: &ModelConfig, store: &TensorStore, path: &Path) -> Result<Validated> {
     let a0 = names::layer(0, LayerTensor::EvictA);
     let eviction_heads = store.contains(&a0);
     let expected = expected_tensors(cfg, eviction_heads);
@@ -844,6 +1146,7 @@ fn validate(cfg: &ModelConfig, store: &TensorStore, path: &Path) -> Result<(bool
     }
     let lm = names::lm_head();
     let mut unexpected = Vec::new();
+    let mut unused = Vec::new();
     for name in store.names() {
         if expected_names.contains(name) {
             continue;
@@ -851,9 +1154,15 @@ fn validate(cfg: &ModelConfig, store: &TensorStore, path: &Path) -> Result<(bool
         if cfg.tie_word_embeddings && name == lm {
             continue;
         }
-        let (dtype, shape) = store.info(name).expect("listed name");
+        if !is_runtime_tensor(name) {
+            unused.push(name.to_string());
+            continue;
+        }
+        let Some((dtype, shape)) = store.info(name) else {
+            continue;
+        };
         unexpected.push(format!(
-            "unexpected: {name} (shape {}, {})",
+            "unexpected: {name} (shape {}, {}; the config does not use it: check attention_bias, mlp_bias, num_hidden_layers)",
             shape_str(shape),
             dtype.name()
         ));
@@ -893,9 +1202,12 @@ fn validate(cfg: &ModelConfig, store: &TensorStore, path: &Path) -> Result<(bool
             format!(
                 "the weights do not match config.json ({} problem lines):\n{}",
                 problems.len(),
-                problems.join("\n")
+                list_with_more(&problems, MAX_LISTED, "\n")
             ),
         ));
+    }
+    if !unused.is_empty() {
+        tracing::warn!("{}", unused_tensors_warning(path, &unused));
     }
     if cfg.tie_word_embeddings {
         if let (Some(lmv), Some(ev)) = (store.get(&lm), store.get(&names::embed())) {
@@ -913,5 +1225,9 @@ fn validate(cfg: &ModelConfig, store: &TensorStore, path: &Path) -> Result<(bool
             }
         }
     }
-    Ok((eviction_heads, cfg.tie_word_embeddings))
+    Ok(Validated {
+        eviction_heads,
+        lm_head_tied: cfg.tie_word_embeddings,
+        unused,
+    })
 }

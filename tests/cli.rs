@@ -774,3 +774,135 @@ fn prompt_file_dash_reads_standard_input() {
     assert_eq!(v1["tokens"], v2["tokens"]);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A directory holding the tiny preset's config.json (with `edit` applied).
+fn tiny_config_dir(tag: &str, edit: impl FnOnce(&mut serde_json::Value)) -> common::TmpDir {
+    let dir = common::TmpDir::new(tag);
+    let mut v = sparda::synth::Preset::Tiny.config().to_json_value();
+    edit(&mut v);
+    std::fs::write(dir.path().join("config.json"), v.to_string()).unwrap();
+    dir
+}
+
+#[test]
+fn model_that_is_a_file_says_so() {
+    let dir = tiny_config_dir("cli-model-file", |_| {});
+    let file = dir.path().join("config.json");
+    let f = file.to_str().unwrap();
+    for cmd in ["generate", "perplexity"] {
+        let mut a = vec![cmd, "--model", f, "--backend", "cpu"];
+        a.extend(if cmd == "generate" {
+            ["--prompt", "hi"]
+        } else {
+            ["--text", f]
+        });
+        let (ok, err) = sparda(&a);
+        assert!(!ok, "{err}");
+        assert!(
+            err.contains(&format!(
+                "--model {f} is a file; give the checkpoint directory holding config.json, *.safetensors and tokenizer.json"
+            )),
+            "{err}"
+        );
+        assert!(
+            !err.contains("panicked") && !err.contains("tokenizer.json/"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn tokenizer_json_of_another_schema_is_named() {
+    let dir = tiny_config_dir("cli-bad-tokenizer", |_| {});
+    let tok = dir.path().join("tokenizer.json");
+    std::fs::write(&tok, r#"{"vocab": {}}"#).unwrap();
+    let d = dir.path().to_str().unwrap();
+    let (ok, err) = sparda(&[
+        "generate",
+        "--model",
+        d,
+        "--backend",
+        "cpu",
+        "--prompt",
+        "hi",
+    ]);
+    assert!(!ok, "{err}");
+    assert!(
+        err.contains(&format!(
+            "{}: tokenizer: not a Hugging Face tokenizer.json: it has no `model` object (top-level keys: vocab)",
+            tok.display()
+        )),
+        "{err}"
+    );
+    // Not JSON at all.
+    std::fs::write(&tok, "vocab = {}").unwrap();
+    let (ok, err) = sparda(&[
+        "generate",
+        "--model",
+        d,
+        "--backend",
+        "cpu",
+        "--prompt",
+        "hi",
+    ]);
+    assert!(!ok, "{err}");
+    assert!(
+        err.contains(&format!("{}: tokenizer: not valid JSON: ", tok.display())),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+/// Weights of another model size: every tensor is mis-shaped, and the error
+/// shows the first 10 lines and a count of the rest.
+#[test]
+fn checkpoint_of_another_size_lists_ten_mismatches_and_a_count() {
+    use sparda::weights::{expected_tensors, write_safetensors};
+    let dir = tiny_config_dir("cli-other-size", |v| v["hidden_size"] = 256.into());
+    let tiny = sparda::synth::build(sparda::synth::Preset::Tiny, 1).unwrap();
+    write_safetensors(
+        &dir.path().join("model.safetensors"),
+        &tiny.store.to_owned_tensors(),
+    )
+    .unwrap();
+    let cfg = sparda::config::ModelConfig::from_file(dir.path()).unwrap();
+    let n_expected = expected_tensors(&cfg, tiny.eviction_heads).len();
+    let d = dir.path().to_str().unwrap();
+    let tok = fixture_tokenizer();
+    let (ok, err) = sparda(&[
+        "generate",
+        "--model",
+        d,
+        "--backend",
+        "cpu",
+        "--tokenizer",
+        &tok,
+        "--prompt",
+        "hi",
+    ]);
+    assert!(!ok, "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        err.contains(
+            "mis-shaped: model.embed_tokens.weight: expected [49152, 256], found [49152, 192]"
+        ),
+        "{err}"
+    );
+    let listed = err
+        .lines()
+        .filter(|l| l.starts_with("mis-shaped: ") || l.starts_with("missing: "))
+        .count();
+    assert_eq!(listed, 10, "{err}");
+    // Every tensor touching the hidden size is mis-shaped: all but the
+    // eviction heads (A [Hkv], delta [Hkv, Hkv·D]).
+    let evict = if tiny.eviction_heads { 2 * 2 } else { 0 };
+    let problems = n_expected - evict;
+    assert!(
+        err.contains(&format!("({problems} problem lines)")),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!("\n… and {} more", problems - 10)),
+        "{err}"
+    );
+}

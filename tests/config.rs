@@ -687,3 +687,89 @@ fn json_round_trip() {
     assert_eq!(v["rms_norm_eps"], json!(1e-5));
     assert_eq!(v["rope_scaling"]["rope_type"], json!("llama3"));
 }
+
+#[test]
+fn active_sliding_window_is_refused_by_name() {
+    // Mistral style: a window smaller than the context.
+    let v = with(llama(), "sliding_window", json!(64));
+    let (field, msg) = config_err(parse(&v));
+    assert_eq!(field, "sliding_window");
+    assert_eq!(
+        msg,
+        "test/config.json: field `sliding_window`: sliding-window attention is not implemented: \
+         sliding_window = 64 < max_position_embeddings = 131072 (null, or a value ≥ \
+         max_position_embeddings, or use_sliding_window = false means full attention)"
+    );
+    // Not a number: a type error naming the field.
+    let (field, _) = config_err(parse(&with(llama(), "sliding_window", json!("64"))));
+    assert_eq!(field, "sliding_window");
+    // No effect: null, a window covering the whole context, or switched off
+    // (Qwen2 style).
+    for v in [
+        with(llama(), "sliding_window", Value::Null),
+        with(llama(), "sliding_window", json!(131072)),
+        with(llama(), "sliding_window", json!(200000)),
+        with(
+            with(llama(), "sliding_window", json!(4096)),
+            "use_sliding_window",
+            json!(false),
+        ),
+    ] {
+        let c = parse(&v).unwrap();
+        assert_eq!(c.max_position_embeddings, 131072);
+        assert_eq!(c.hidden_size, 2048);
+    }
+    // use_sliding_window true keeps the refusal.
+    let v = with(
+        with(llama(), "sliding_window", json!(4096)),
+        "use_sliding_window",
+        json!(true),
+    );
+    assert_eq!(config_err(parse(&v)).0, "sliding_window");
+}
+
+#[test]
+fn unseen_model_type_and_architecture_load_with_a_warning() {
+    use sparda::config::architecture_warning;
+    let p = Path::new(P);
+    // Known names (and none at all) give no warning.
+    assert_eq!(
+        architecture_warning(p, Some("llama"), &["LlamaForCausalLM".into()]),
+        None
+    );
+    assert_eq!(
+        architecture_warning(p, Some("minicpm"), &["MiniCPMForCausalLM".into()]),
+        None
+    );
+    assert_eq!(
+        architecture_warning(p, Some("mistral"), &["MistralForCausalLM".into()]),
+        None
+    );
+    assert_eq!(architecture_warning(p, None, &[]), None);
+    // Unseen names are listed in one line.
+    assert_eq!(
+        architecture_warning(p, Some("nosa"), &["NOSAForCausalLM".into()]).as_deref(),
+        Some(
+            "test/config.json: model_type `nosa` and architectures [NOSAForCausalLM] not seen by \
+             this runtime (it knows model_type llama, mistral, minicpm and architectures \
+             LlamaForCausalLM, MistralForCausalLM, MiniCPMForCausalLM); loading it as a \
+             Llama-layout model"
+        )
+    );
+    assert_eq!(
+        architecture_warning(p, Some("llama"), &["LlamaForCausalLM".into(), "Foo".into()])
+            .as_deref(),
+        Some(
+            "test/config.json: architectures [Foo] not seen by this runtime (it knows model_type \
+             llama, mistral, minicpm and architectures LlamaForCausalLM, MistralForCausalLM, \
+             MiniCPMForCausalLM); loading it as a Llama-layout model"
+        )
+    );
+    // Such a config is not refused: it parses to the same config as a llama one.
+    let v = with(
+        with(llama(), "model_type", json!("nosa")),
+        "architectures",
+        json!(["NOSAForCausalLM"]),
+    );
+    assert_eq!(parse(&v).unwrap(), parse(&llama()).unwrap());
+}

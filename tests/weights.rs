@@ -7,9 +7,10 @@ use std::path::Path;
 
 use serde_json::json;
 use sparda::config::{AttentionMode, ModelConfig};
+use sparda::cpu::{CpuModel, EngineOptions, Logits, Phase};
 use sparda::weights::{
-    expected_tensors, names, names::LayerTensor, write_safetensors, Checkpoint, DType, OwnedTensor,
-    TensorStore,
+    expected_tensors, names, names::LayerTensor, unused_tensors_warning, write_safetensors,
+    Checkpoint, DType, OwnedTensor, TensorStore,
 };
 use sparda::Error;
 
@@ -266,7 +267,13 @@ fn corrupted_safetensors_header_is_error_naming_file() {
     let full = std::fs::read(good.path().join("model.safetensors")).unwrap();
     std::fs::write(&file, &full[..full.len() - 3]).unwrap();
     let msg = checkpoint_msg(Checkpoint::open(dir.path()));
-    assert!(msg.contains("malformed"), "{msg}");
+    assert!(
+        msg.ends_with(
+            "tensor x: data_offsets [0, 16] out of range: need begin ≤ end ≤ 13 \
+             (the data section's size); is the file truncated?"
+        ),
+        "{msg}"
+    );
     // Empty file.
     std::fs::write(&file, b"").unwrap();
     let _ = checkpoint_msg(Checkpoint::open(dir.path()));
@@ -349,6 +356,27 @@ fn one_error_lists_missing_unexpected_and_misshaped() {
             *t = OwnedTensor::from_f32(up0.clone(), vec![8, 16], &[0.0; 128], DType::BF16).unwrap();
         }
     }
+    // A bias the config does not enable and a layer past num_hidden_layers
+    // would change the output: fatal, not ignored.
+    ts.push(
+        OwnedTensor::from_f32(
+            names::layer(0, LayerTensor::QBias),
+            vec![8],
+            &[0.0; 8],
+            DType::BF16,
+        )
+        .unwrap(),
+    );
+    ts.push(
+        OwnedTensor::from_f32(
+            names::layer(2, LayerTensor::InputNorm),
+            vec![8],
+            &[1.0; 8],
+            DType::F16,
+        )
+        .unwrap(),
+    );
+    // Unknown extras are only ignored (with a warning).
     ts.push(
         OwnedTensor::from_f32(
             "model.layers.0.self_attn.rotary_emb.inv_freq",
@@ -358,18 +386,129 @@ fn one_error_lists_missing_unexpected_and_misshaped() {
         )
         .unwrap(),
     );
-    ts.push(OwnedTensor::from_f32("extra.bias", vec![3], &[0.0; 3], DType::F16).unwrap());
     let msg = checkpoint_msg(Checkpoint::from_parts(cfg, TensorStore::from_tensors(ts)));
     for needle in [
+        "(5 problem lines)",
         "missing: model.layers.1.self_attn.q_proj.weight (expected shape [8, 8])",
         "missing: model.layers.0.self_attn.k_proj.weight (expected shape [4, 8])",
         "mis-shaped: model.layers.0.mlp.up_proj.weight: expected [16, 8], found [8, 16]",
-        "unexpected: model.layers.0.self_attn.rotary_emb.inv_freq (shape [2], F32)",
-        "unexpected: extra.bias (shape [3], F16)",
+        "unexpected: model.layers.0.self_attn.q_proj.bias (shape [8], BF16; the config does not use it",
+        "unexpected: model.layers.2.input_layernorm.weight (shape [8], F16;",
     ] {
         assert!(msg.contains(needle), "missing line `{needle}` in:\n{msg}");
     }
+    assert!(!msg.contains("inv_freq"), "{msg}");
     assert!(msg.contains("<memory>"), "{msg}");
+}
+
+/// Checkpoint of a larger model than config.json says: every tensor is
+/// mis-shaped, and the error lists the first 10 lines then "… and N more".
+#[test]
+fn many_mismatches_list_ten_lines_and_a_count() {
+    let cfg = cfg_of(&small_config(false, false, false));
+    let mut bigger = small_config(false, false, false);
+    bigger["hidden_size"] = json!(16);
+    bigger["num_attention_heads"] = json!(4);
+    let big = cfg_of(&bigger);
+    let msg = checkpoint_msg(Checkpoint::from_parts(
+        cfg.clone(),
+        TensorStore::from_tensors(tensors_for(&big, false)),
+    ));
+    // 2 layers × 9 tensors + embed + norm + lm_head, all mis-shaped.
+    let n = expected_tensors(&cfg, false).len();
+    assert_eq!(n, 21);
+    assert!(msg.contains(&format!("({n} problem lines)")), "{msg}");
+    assert!(
+        msg.contains("mis-shaped: model.embed_tokens.weight: expected [10, 8], found [10, 16]"),
+        "{msg}"
+    );
+    assert_eq!(msg.matches("mis-shaped: ").count(), 10, "{msg}");
+    assert!(msg.ends_with(&format!("\n… and {} more", n - 10)), "{msg}");
+}
+
+fn logits_of(ck: &Checkpoint) -> Vec<f32> {
+    let m = CpuModel::new(ck, EngineOptions::default()).unwrap();
+    let mut seq = m.new_sequence();
+    m.forward(
+        &mut seq,
+        &[1, 7, 3, 9, 0],
+        Phase::Prefill { prompt_len: 5 },
+        Logits::All,
+    )
+    .unwrap()
+}
+
+#[test]
+fn extra_tensors_are_ignored_listed_and_leave_logits_unchanged() {
+    let cfg = cfg_of(&small_config(false, false, false));
+    let plain = TmpDir::new("weights-extra-plain");
+    let extra = TmpDir::new("weights-extra");
+    for d in [&plain, &extra] {
+        write_config(d.path(), &small_config(false, false, false));
+    }
+    let ts = tensors_for(&cfg, false);
+    write_safetensors(&plain.path().join("model.safetensors"), &ts).unwrap();
+    let mut with_extra = ts.clone();
+    with_extra
+        .push(OwnedTensor::from_f32("model.extra_empty", vec![0, 8], &[], DType::BF16).unwrap());
+    for l in 0..2 {
+        with_extra.push(
+            OwnedTensor::from_f32(
+                format!("model.layers.{l}.self_attn.rotary_emb.inv_freq"),
+                vec![2],
+                &[1.0, 0.01],
+                DType::F32,
+            )
+            .unwrap(),
+        );
+    }
+    // Forecast projections saved beside the weights.
+    with_extra.push(
+        OwnedTensor::from_f32(
+            names::layer(0, LayerTensor::QFutureProj),
+            vec![4, 8],
+            &[0.5; 32],
+            DType::BF16,
+        )
+        .unwrap(),
+    );
+    write_safetensors(&extra.path().join("model.safetensors"), &with_extra).unwrap();
+
+    let a = Checkpoint::open(plain.path()).unwrap();
+    let b = Checkpoint::open(extra.path()).unwrap();
+    assert!(a.unused_tensors.is_empty());
+    assert_eq!(
+        b.unused_tensors,
+        vec![
+            "model.extra_empty",
+            "model.layers.0.self_attn.q_future_proj.weight",
+            "model.layers.0.self_attn.rotary_emb.inv_freq",
+            "model.layers.1.self_attn.rotary_emb.inv_freq",
+        ]
+    );
+    assert_eq!(b.store.info("model.extra_empty").unwrap().1, &[0, 8]);
+    let (la, lb) = (logits_of(&a), logits_of(&b));
+    assert_eq!(la.len(), 5 * 10);
+    assert!(la.iter().all(|x| x.is_finite()));
+    assert_eq!(la, lb);
+
+    let w = unused_tensors_warning(extra.path(), &b.unused_tensors);
+    assert_eq!(
+        w,
+        format!(
+            "{}: ignoring 4 tensors the model does not use: model.extra_empty, \
+             model.layers.0.self_attn.q_future_proj.weight, \
+             model.layers.0.self_attn.rotary_emb.inv_freq, \
+             model.layers.1.self_attn.rotary_emb.inv_freq",
+            extra.path().display()
+        )
+    );
+    // Past 10 names the warning counts the rest.
+    let many: Vec<String> = (0..13).map(|i| format!("t{i}")).collect();
+    assert_eq!(
+        unused_tensors_warning(Path::new("m"), &many),
+        "m: ignoring 13 tensors the model does not use: t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, … and 3 more"
+    );
 }
 
 #[test]
@@ -491,5 +630,116 @@ fn expected_tensors_with_biases_and_eviction_heads() {
     assert_eq!(
         names::layer(0, LayerTensor::QCurrProj),
         "model.layers.0.self_attn.q_curr_proj.weight"
+    );
+}
+
+fn raw_safetensors(header: &str, data: &[u8]) -> Vec<u8> {
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend_from_slice(data);
+    bytes
+}
+
+fn store_msg(dir: &Path) -> String {
+    match TensorStore::open(dir) {
+        Err(e @ Error::Checkpoint { .. }) => e.to_string(),
+        Err(other) => panic!("expected a checkpoint error, got {other:?}"),
+        Ok(_) => panic!("expected a checkpoint error, got Ok"),
+    }
+}
+
+#[test]
+fn git_lfs_pointer_is_named_with_how_to_fetch_the_file() {
+    let dir = TmpDir::new("weights-lfs");
+    write_config(dir.path(), &small_config(false, false, false));
+    let file = dir.path().join("model.safetensors");
+    let pointer = "version https://git-lfs.github.com/spec/v1\n\
+                   oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\n\
+                   size 269060552\n";
+    std::fs::write(&file, pointer).unwrap();
+    let msg = checkpoint_msg(Checkpoint::open(dir.path()));
+    assert_eq!(
+        msg,
+        format!(
+            "{}: this is a Git LFS pointer file ({} bytes; the real file is 269060552 bytes), \
+             not the safetensors weights: run `git lfs pull` in the checkpoint's clone \
+             (after `git lfs install`), or download the file from the Hugging Face hub \
+             (e.g. `huggingface-cli download`)",
+            file.display(),
+            pointer.len()
+        )
+    );
+    assert!(!msg.contains("too large"), "{msg}");
+}
+
+#[test]
+fn malformed_headers_name_the_file_key_and_rule() {
+    let dir = TmpDir::new("weights-bad-header");
+    let file = dir.path().join("model.safetensors");
+    let f = file.display().to_string();
+
+    // __metadata__ values must be strings.
+    let h = r#"{"__metadata__":{"format":"pt","step":1000},"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+    std::fs::write(&file, raw_safetensors(h, &[0u8; 8])).unwrap();
+    assert_eq!(
+        store_msg(dir.path()),
+        format!(
+            "{f}: header key `__metadata__`.`step`: metadata values must be strings, found a number `1000`"
+        )
+    );
+
+    // An unknown dtype.
+    let h = r#"{"x":{"dtype":"BF32","shape":[2],"data_offsets":[0,8]}}"#;
+    std::fs::write(&file, raw_safetensors(h, &[0u8; 8])).unwrap();
+    let msg = store_msg(dir.path());
+    assert!(
+        msg.starts_with(&format!(
+            "{f}: tensor x: unknown dtype `BF32` (safetensors dtypes: BOOL, U8,"
+        )),
+        "{msg}"
+    );
+    assert!(msg.ends_with("supported: BF16, F16, F32)"), "{msg}");
+
+    // Offsets past the data section (8 bytes here).
+    let h = r#"{"x":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#;
+    std::fs::write(&file, raw_safetensors(h, &[0u8; 8])).unwrap();
+    assert_eq!(
+        store_msg(dir.path()),
+        format!(
+            "{f}: tensor x: data_offsets [0, 16] out of range: need begin ≤ end ≤ 8 \
+             (the data section's size); is the file truncated?"
+        )
+    );
+
+    // Offsets that do not match the shape, and a non-integer shape: both listed.
+    let h = r#"{"a":{"dtype":"BF16","shape":[3],"data_offsets":[0,4]},"b":{"dtype":"F16","shape":[-1],"data_offsets":[4,8]}}"#;
+    std::fs::write(&file, raw_safetensors(h, &[0u8; 8])).unwrap();
+    assert_eq!(
+        store_msg(dir.path()),
+        format!(
+            "{f}: tensor a: data_offsets [0, 4] hold 4 bytes, but shape [3] of BF16 needs 6\n\
+             tensor b: `shape` must be an array of non-negative integers, found [-1]"
+        )
+    );
+
+    // A header length past the end of the file (what an LFS pointer used to
+    // be reported as) gives both numbers.
+    let mut bytes = 1000u64.to_le_bytes().to_vec();
+    bytes.extend_from_slice(b"{\"a\":");
+    std::fs::write(&file, &bytes).unwrap();
+    assert_eq!(
+        store_msg(dir.path()),
+        format!(
+            "{f}: malformed safetensors file: the header length field says 1000 bytes, but only 5 bytes follow it"
+        )
+    );
+
+    // A header that is JSON but not an object.
+    std::fs::write(&file, raw_safetensors("[1, 2]", &[])).unwrap();
+    assert_eq!(
+        store_msg(dir.path()),
+        format!(
+            "{f}: malformed safetensors file: the header is JSON but not an object (found an array)"
+        )
     );
 }

@@ -23,10 +23,11 @@ pub(crate) fn resolve_backend(b: Backend) -> Backend {
     }
 }
 
-/// Checks everything the mode flags can say alone (flag combinations,
-/// value ranges, the forecast file) for the resolved `backend`; runs
+/// Checks everything the mode flags can say alone (`--model` not a file,
+/// flag combinations, value ranges, the forecast file) for the resolved `backend`; runs
 /// before any model is built or loaded.
 pub(crate) fn check_mode_flags(a: &ModeArgs, backend: Backend, cmd: &str) -> Result<()> {
+    sparda::bench::check_model_arg(&a.model.to_string_lossy())?;
     a.offload.validate()?;
     if a.kv != KvArg::Offload && a.offload.given() {
         return Err(Error::Input(
