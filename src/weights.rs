@@ -817,6 +817,31 @@ pub mod names {
     }
 
     impl LayerTensor {
+        /// Every per-layer tensor, in declaration order.
+        pub const ALL: [LayerTensor; 21] = [
+            LayerTensor::InputNorm,
+            LayerTensor::PostAttnNorm,
+            LayerTensor::QProj,
+            LayerTensor::KProj,
+            LayerTensor::VProj,
+            LayerTensor::OProj,
+            LayerTensor::QBias,
+            LayerTensor::KBias,
+            LayerTensor::VBias,
+            LayerTensor::OBias,
+            LayerTensor::GateProj,
+            LayerTensor::UpProj,
+            LayerTensor::DownProj,
+            LayerTensor::GateBias,
+            LayerTensor::UpBias,
+            LayerTensor::DownBias,
+            LayerTensor::EvictA,
+            LayerTensor::EvictDelta,
+            LayerTensor::EvictDeltaBias,
+            LayerTensor::QFutureProj,
+            LayerTensor::QCurrProj,
+        ];
+
         /// The name after `model.layers.{i}.`.
         pub fn suffix(self) -> &'static str {
             match self {
@@ -1089,30 +1114,10 @@ fn is_runtime_tensor(name: &str) -> bool {
     if idx.parse::<usize>().is_err() {
         return false;
     }
-    use LayerTensor::*;
-    [
-        InputNorm,
-        PostAttnNorm,
-        QProj,
-        KProj,
-        VProj,
-        OProj,
-        QBias,
-        KBias,
-        VBias,
-        OBias,
-        GateProj,
-        UpProj,
-        DownProj,
-        GateBias,
-        UpBias,
-        DownBias,
-        EvictA,
-        EvictDelta,
-        EvictDeltaBias,
-    ]
-    .iter()
-    .any(|t| t.suffix() == suffix)
+    LayerTensor::ALL
+        .iter()
+        .filter(|t| !matches!(t, LayerTensor::QFutureProj | LayerTensor::QCurrProj))
+        .any(|t| t.suffix() == suffix)
 }
 
 /// What validation found out about a store that matches its config.

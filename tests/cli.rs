@@ -817,15 +817,18 @@ fn tokenizer_json_of_another_schema_is_named() {
     let tok = dir.path().join("tokenizer.json");
     std::fs::write(&tok, r#"{"vocab": {}}"#).unwrap();
     let d = dir.path().to_str().unwrap();
-    let (ok, err) = sparda(&[
-        "generate",
-        "--model",
-        d,
-        "--backend",
-        "cpu",
-        "--prompt",
-        "hi",
-    ]);
+    let run = || {
+        sparda(&[
+            "generate",
+            "--model",
+            d,
+            "--backend",
+            "cpu",
+            "--prompt",
+            "hi",
+        ])
+    };
+    let (ok, err) = run();
     assert!(!ok, "{err}");
     assert!(
         err.contains(&format!(
@@ -836,15 +839,7 @@ fn tokenizer_json_of_another_schema_is_named() {
     );
     // Not JSON at all.
     std::fs::write(&tok, "vocab = {}").unwrap();
-    let (ok, err) = sparda(&[
-        "generate",
-        "--model",
-        d,
-        "--backend",
-        "cpu",
-        "--prompt",
-        "hi",
-    ]);
+    let (ok, err) = run();
     assert!(!ok, "{err}");
     assert!(
         err.contains(&format!("{}: tokenizer: not valid JSON: ", tok.display())),

@@ -743,3 +743,12 @@ fn malformed_headers_name_the_file_key_and_rule() {
         )
     );
 }
+
+#[test]
+fn the_layer_tensor_list_names_each_tensor_once() {
+    use sparda::weights::names::LayerTensor;
+    let suffixes: std::collections::HashSet<&str> =
+        LayerTensor::ALL.iter().map(|t| t.suffix()).collect();
+    assert_eq!(suffixes.len(), LayerTensor::ALL.len());
+    assert!(suffixes.contains("self_attn.delta.bias") && suffixes.contains("mlp.down_proj.bias"));
+}
