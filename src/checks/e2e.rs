@@ -1,47 +1,60 @@
 //! `gpu_check_e2e`: the GPU engine ([`crate::pipeline::GpuModel`]) end to end
 //! against the CPU reference under teacher forcing (spec/testing.md
-//! "Tokens over many steps"): the CPU reference runs each prompt greedily
-//! for `steps` decode steps; the GPU is fed the same prompt and the same
-//! tokens (its B sequences of different lengths decoded together), and the
-//! logits are compared by relative L2 error at every step (≤ 2e-2, bf16 vs
-//! f32). The GPU's argmax kernel must agree exactly with the host argmax of
-//! the GPU's own logits.
+//! "Tolerances" and "Tokens over many steps"). Each case's sequences are
+//! prefilled and then fed the same tokens on both sides (random prompts
+//! with the f32 reference's greedy tokens, or real text with the text's own
+//! tokens), its B sequences of different lengths decoded together on the
+//! GPU.
 //!
-//! Sparse cases compare the per-layer, per-KV-head block sets of every step
-//! with the CPU reference's. With bf16 activations the two sides' queries
-//! and keys differ by rounding, so a set can differ where two blocks' scores
-//! are that close; the attention output of that step then differs by a
-//! whole block and its logits can exceed 2e-2 (measured on the H200: every
-//! step past 2e-2 was such a step). So a step counts as follows:
-//! - all sets equal: its logits must be within [`TOLERANCE`] of the CPU
-//!   reference with bf16 emulation (rounding where the engine stores bf16;
-//!   [`crate::cpu::Bf16Points::ALL`]) or of the f32 reference (the emulated
-//!   run can flip a near-tied selection of its own); on SmolLM2 the
-//!   emulation itself is 5.9e-2 from f32 at low-norm steps, so the f32
-//!   error alone cannot be bounded;
-//! - a set differs: each differing set must be *explained*, either as a
-//!   near-tie — every block in the symmetric difference scores within
-//!   [`NEAR_TIE`] (relative) of the cut that decided it (the query-aware
-//!   shortlist cut or the final top-S cut), scored with the CPU reference's
-//!   compressed keys and pooled eviction scores and the GPU's own query —
-//!   or as a cascade of a differing set in a lower layer of the same step
-//!   (its input already differs by a block); its logits are reported, not
-//!   bounded. The kernel-level selection check on identical inputs (exact
-//!   up to 1e-4 ties) is part of `gpu-check`.
+//! The whole model is judged as llama.cpp's `perplexity --kl-divergence`
+//! and vLLM's logprob comparisons judge a backend, against what bf16
+//! arithmetic itself costs ([`crate::quality::agreement`]): at every
+//! position, the GPU's next-token distribution and that of the CPU
+//! reference with bf16 rounding at the engine's points
+//! ([`crate::cpu::Bf16Points::ALL`]) are compared with the f32 CPU
+//! reference's (KL over the whole vocabulary, top-1 agreement, top-5
+//! containment both ways); the GPU passes when its mean and p99 KL are
+//! ≤ 1.5× the emulated reference's, its top-1 agreement is at most 1
+//! percentage point below, and no position's top-1 falls outside the
+//! other side's top 5. A per-step relative-L2 bound does not hold for a
+//! deep model in bf16 (on SmolLM2 the emulation itself is 5.9e-2 from f32
+//! at low-norm steps); the per-step rel-L2 figures are reported as
+//! information. The GPU's argmax kernel must agree exactly with the host
+//! argmax of the GPU's own logits.
+//!
+//! Sparse cases also compare the per-layer, per-KV-head block sets of
+//! every step with the CPU reference's. With bf16 activations the two
+//! sides' queries and keys differ by rounding, so a set can differ where
+//! two blocks' scores are that close. Each differing set must be
+//! *explained*, either as a near-tie — every block in the symmetric
+//! difference scores within [`NEAR_TIE`] (relative) of the cut that decided
+//! it (the query-aware shortlist cut or the final top-S cut), scored with
+//! the CPU reference's compressed keys and pooled eviction scores and the
+//! GPU's own query — or as a cascade of a differing set in a lower layer of
+//! the same step (its input already differs by a block). The kernel-level
+//! selection check on identical inputs (exact up to 1e-4 ties) is part of
+//! `gpu-check`.
 //!
 //! Cases: the tiny synthetic model built in memory (dense; NOSA sparse with
 //! GPU selection and with the host fallback; NOSA with dense prefill; NOSA
-//! with a dense_len that a sequence crosses mid-batch; InfLLM-V2), and the
-//! SmolLM2 fixture (dense) when a model directory is given. Each case grows
-//! one sequence's cache during decode (it starts with room for its prompt only).
+//! with a dense_len that a sequence crosses mid-batch; InfLLM-V2), and, when
+//! a model directory is given (the SmolLM2 fixture), real text through it:
+//! dense (≥ 256 positions) and InfLLM-V2 past a small budget. Each case
+//! grows one sequence's cache during decode (it starts with room for its
+//! prompt only).
 
 use super::kernels::{rel_l2, utc_now_iso};
 use crate::cpu::{Bf16Points, CpuModel, EngineOptions};
 use crate::cuda::Gpu;
 use crate::model::{AttentionOverrides, PrefillMode, SelectionRule};
 use crate::pipeline::{GpuModel, GpuSequence, SelectionPath};
+use crate::quality::agreement::{
+    compare_full, judge, AgreementSummary, PositionAgreement, RuleOutcome, KL_RATIO, TOP1_SLACK_PP,
+    TOP_N,
+};
 use crate::sample::argmax;
 use crate::synth::{self, Preset};
+use crate::tokenizer::Tokenizer;
 use crate::weights::Checkpoint;
 use crate::{Error, Result};
 use rand::rngs::SmallRng;
@@ -51,10 +64,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Relative L2 tolerance of GPU logits against the CPU reference at every
-/// step (spec/testing.md "Tolerances").
-pub const TOLERANCE: f64 = 2e-2;
-
 /// Relative score gap at a selection cut below which an end-to-end set
 /// difference counts as a near-tie (bf16 activations: the spec's 1e-4 is
 /// for identical inputs, see the module doc).
@@ -63,14 +72,34 @@ pub const NEAR_TIE: f64 = 5e-3;
 /// Default number of teacher-forced decode steps.
 pub const DEFAULT_STEPS: usize = 64;
 
-/// One end-to-end case: a model, options, prompt lengths.
+/// Teacher-forced steps of each real-text case (at least): with its
+/// prefill positions, the dense case alone scores 2 × (160 + 1) = 322
+/// positions of real text (spec/testing.md asks ≥ 256).
+pub const FIXTURE_STEPS: usize = 160;
+
+/// Where a case's tokens come from.
+enum Inputs<'a> {
+    /// Random prompts of these lengths (seeded); the tokens fed during
+    /// decode are the f32 CPU reference's greedy choices.
+    Random { prompt_lens: Vec<usize>, seed: u64 },
+    /// Real text: for each (offset, prompt length), the prompt is
+    /// `ids[offset..offset + prompt length]` and the tokens fed are the
+    /// text's next tokens (teacher forcing on the text itself).
+    Text {
+        ids: &'a [u32],
+        spans: Vec<(usize, usize)>,
+    },
+}
+
+/// One end-to-end case: a model, options, its inputs, and the least number
+/// of teacher-forced steps it runs (the check's `steps` when larger).
 struct CaseSpec<'a> {
     name: &'static str,
     ckpt: &'a Checkpoint,
     opts: EngineOptions,
     path: SelectionPath,
-    prompt_lens: Vec<usize>,
-    seed: u64,
+    inputs: Inputs<'a>,
+    min_steps: usize,
 }
 
 /// Per-case outcome (one entry of the JSON report).
@@ -82,6 +111,9 @@ pub struct E2eCase {
     pub attention: String,
     /// Selection path of the GPU engine.
     pub selection_path: SelectionPath,
+    /// Where the tokens come from: "random prompts, reference greedy
+    /// tokens" or "real text".
+    pub tokens: String,
     /// Prompt length of each sequence of the batch, tokens.
     pub prompt_lens: Vec<usize>,
     /// Teacher-forced decode steps (comparisons per sequence: steps + 1, the prefill's included).
@@ -89,7 +121,7 @@ pub struct E2eCase {
     /// Largest relative L2 error over every sequence and step.
     pub max_rel_l2: f64,
     /// Largest relative L2 error over the steps whose block sets all equal
-    /// the CPU reference's (bounded by the tolerance).
+    /// the CPU reference's (information).
     pub max_rel_l2_same_selection: f64,
     /// (sequence, step, rel_l2) of every step with a differing set.
     pub selection_diff_steps: Vec<(usize, usize, f64)>,
@@ -119,8 +151,8 @@ pub struct E2eCase {
     /// Some sequence's cache grew (reallocated) during the run.
     pub grew: bool,
     /// Per-step diagnostics, `[sequence][step]` (step 0 = after prefill):
-    /// rel L2 of the GPU logits against the f32 CPU reference (the figure
-    /// bounded by the tolerance). NaN where logits were not finite.
+    /// rel L2 of the GPU logits against the f32 CPU reference
+    /// (information). NaN where logits were not finite.
     pub rel_l2_per_step: Vec<Vec<f64>>,
     /// `[sequence][step]`: ‖reference logits‖₂ (rel L2 spikes sit where it is small).
     pub ref_norm_per_step: Vec<Vec<f64>>,
@@ -137,21 +169,32 @@ pub struct E2eCase {
     /// Mean of [`Self::emulation_rel_l2_per_step`].
     pub emulation_mean_rel_l2: f64,
     /// Over steps whose block sets all equal the CPU reference's, the largest
-    /// per-step min(GPU vs bf16-emulated reference, GPU vs f32 reference):
-    /// the bounded figure (≤ [`TOLERANCE`]).
+    /// per-step min(GPU vs bf16-emulated reference, GPU vs f32 reference)
+    /// (information).
     pub max_rel_l2_same_selection_vs_emulation: f64,
     /// Largest of [`Self::gpu_vs_emulation_rel_l2_per_step`].
     pub gpu_vs_emulation_max_rel_l2: f64,
     /// Mean of [`Self::gpu_vs_emulation_rel_l2_per_step`].
     pub gpu_vs_emulation_mean_rel_l2: f64,
+    /// The GPU's next-token distributions against the f32 CPU reference's
+    /// at every position (every sequence, prefill and each step): KL
+    /// (whole vocabulary), top-1 agreement, top-5 misses.
+    pub gpu_vs_f32: AgreementSummary,
+    /// The same for the CPU reference with bf16 rounding at the engine's
+    /// points ([`Bf16Points::ALL`]): what bf16 arithmetic itself costs.
+    pub emulated_vs_f32: AgreementSummary,
+    /// The whole-model rule of spec/testing.md "Tolerances"
+    /// ([`crate::quality::agreement::judge`]) applied to the two summaries.
+    pub bf16_rule: RuleOutcome,
     /// Wall time of the GPU side, ms.
     pub gpu_ms: f64,
     /// Wall time of the CPU reference, ms.
     pub cpu_ms: f64,
     /// Wall time of the bf16-emulating CPU reference, ms.
     pub cpu_emulation_ms: f64,
-    /// No error, finite logits, max_rel_l2_same_selection ≤ tolerance, every
-    /// differing set explained, argmax kernel exact.
+    /// No error, finite logits, the whole-model rule holds (`bf16_rule`),
+    /// every differing set explained, argmax kernel exact. The rel-L2
+    /// figures are information.
     pub pass: bool,
     /// Why the case failed to run, if it did.
     pub error: Option<String>,
@@ -169,13 +212,18 @@ struct CpuRun {
     seq: crate::cpu::Sequence,
 }
 
-fn cpu_run(cpu: &CpuModel, prompt: &[u32], steps: usize) -> Result<CpuRun> {
+/// The reference's run of `prompt`: greedy when `forced` is `None`, else
+/// fed `forced[s]` at decode step s + 1 (`forced` holds ≥ `steps` tokens).
+fn cpu_run(cpu: &CpuModel, prompt: &[u32], steps: usize, forced: Option<&[u32]>) -> Result<CpuRun> {
     let mut seq = cpu.new_sequence();
     let mut logits = vec![cpu.prefill(&mut seq, prompt, |_, _| {})?];
     let mut selections = vec![seq.selections.clone()];
     let mut tokens = Vec::with_capacity(steps);
-    for _ in 0..steps {
-        let tok = argmax(logits.last().expect("prefill logits"));
+    for s in 0..steps {
+        let tok = match forced {
+            Some(f) => f[s],
+            None => argmax(logits.last().expect("prefill logits")),
+        };
         tokens.push(tok);
         logits.push(cpu.decode(&mut seq, tok)?);
         selections.push(seq.selections.clone());
@@ -384,11 +432,24 @@ fn compare_step(
 
 /// Runs one case; errors become a failed case.
 fn run_case(gpu: &Arc<Gpu>, spec: &CaseSpec<'_>, steps: usize) -> E2eCase {
+    let steps = steps.max(spec.min_steps);
+    let (tokens, prompt_lens) = match &spec.inputs {
+        Inputs::Random { prompt_lens, .. } => (
+            "random prompts; the f32 reference's greedy tokens fed".to_string(),
+            prompt_lens.clone(),
+        ),
+        Inputs::Text { spans, .. } => (
+            "real text: prompts and fed tokens from the text".to_string(),
+            spans.iter().map(|s| s.1).collect(),
+        ),
+    };
+    let empty = AgreementSummary::of(&[]);
     let mut out = E2eCase {
         name: spec.name.to_string(),
         attention: String::new(),
         selection_path: spec.path,
-        prompt_lens: spec.prompt_lens.clone(),
+        tokens,
+        prompt_lens,
         steps,
         max_rel_l2: f64::NAN,
         max_rel_l2_same_selection: f64::NAN,
@@ -414,6 +475,12 @@ fn run_case(gpu: &Arc<Gpu>, spec: &CaseSpec<'_>, steps: usize) -> E2eCase {
         gpu_vs_emulation_max_rel_l2: f64::NAN,
         max_rel_l2_same_selection_vs_emulation: f64::NAN,
         gpu_vs_emulation_mean_rel_l2: f64::NAN,
+        gpu_vs_f32: empty,
+        emulated_vs_f32: empty,
+        bf16_rule: RuleOutcome {
+            pass: false,
+            failures: Vec::new(),
+        },
         gpu_ms: 0.0,
         cpu_ms: 0.0,
         cpu_emulation_ms: 0.0,
@@ -427,6 +494,39 @@ fn run_case(gpu: &Arc<Gpu>, spec: &CaseSpec<'_>, steps: usize) -> E2eCase {
     out
 }
 
+/// One sequence's prompt and the tokens it is fed (`None`: the
+/// reference's greedy choices).
+type PromptAndFed = (Vec<u32>, Option<Vec<u32>>);
+
+/// The prompts of a case and the tokens each sequence is fed (`None`:
+/// the reference's greedy choices).
+///
+/// Errors: a text span that runs past the text's end.
+fn case_prompts(inputs: &Inputs<'_>, vocab: usize, steps: usize) -> Result<Vec<PromptAndFed>> {
+    match inputs {
+        Inputs::Random { prompt_lens, seed } => {
+            let mut rng = SmallRng::seed_from_u64(*seed);
+            Ok(prompt_lens
+                .iter()
+                .map(|&n| ((0..n).map(|_| rng.random_range(3..vocab as u32)).collect(), None))
+                .collect())
+        }
+        Inputs::Text { ids, spans } => spans
+            .iter()
+            .map(|&(off, n)| {
+                let end = off + n + steps;
+                if end > ids.len() {
+                    return Err(Error::Input(format!(
+                        "the end-to-end text has {} tokens; a case needs tokens {off}..{end} ({n} prompt + {steps} steps)",
+                        ids.len()
+                    )));
+                }
+                Ok((ids[off..off + n].to_vec(), Some(ids[off + n..end].to_vec())))
+            })
+            .collect(),
+    }
+}
+
 fn run_case_inner(
     gpu: &Arc<Gpu>,
     spec: &CaseSpec<'_>,
@@ -436,19 +536,15 @@ fn run_case_inner(
     let cpu = CpuModel::new(spec.ckpt, spec.opts)?;
     out.attention = format!("{:?}", cpu.plan.mode);
     let vocab = spec.ckpt.config.vocab_size;
-    let mut rng = SmallRng::seed_from_u64(spec.seed);
-    let prompts: Vec<Vec<u32>> = spec
-        .prompt_lens
-        .iter()
-        .map(|&n| (0..n).map(|_| rng.random_range(3..vocab as u32)).collect())
-        .collect();
+    let inputs = case_prompts(&spec.inputs, vocab, steps)?;
+    let prompts: Vec<Vec<u32>> = inputs.iter().map(|i| i.0.clone()).collect();
     let t = Instant::now();
-    let runs = prompts
+    let runs = inputs
         .iter()
-        .map(|p| cpu_run(&cpu, p, steps))
+        .map(|(p, f)| cpu_run(&cpu, p, steps, f.as_deref()))
         .collect::<Result<Vec<_>>>()?;
     out.cpu_ms = t.elapsed().as_secs_f64() * 1e3;
-    // Diagnostics: the reference with bf16 activation emulation on the same tokens.
+    // The reference with bf16 activation emulation on the same tokens.
     let t = Instant::now();
     let mut emu = CpuModel::new(spec.ckpt, spec.opts)?;
     emu.set_bf16_emulation(Some(Bf16Points::ALL));
@@ -458,6 +554,14 @@ fn run_case_inner(
         .map(|(p, r)| teacher_forced(&emu, p, &r.tokens))
         .collect::<Result<Vec<_>>>()?;
     out.cpu_emulation_ms = t.elapsed().as_secs_f64() * 1e3;
+    let emulated: Vec<PositionAgreement> = runs
+        .iter()
+        .zip(&emu_logits)
+        .flat_map(|(r, e)| r.logits.iter().zip(e))
+        .map(|(w, g)| compare_full(w, g))
+        .collect::<Result<_>>()
+        .map_err(|e| Error::Input(format!("bf16-emulated CPU reference: {e}")))?;
+    out.emulated_vs_f32 = AgreementSummary::of(&emulated);
     let nan_as_inf = |e: f64| if e.is_nan() { f64::INFINITY } else { e };
     let norm = |l: &[f32]| l.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
     out.ref_norm_per_step = runs
@@ -510,6 +614,10 @@ fn run_case_inner(
         d.equal < d.sets
     };
     let mut argmax_exact = true;
+    // Every position's GPU distribution against the f32 reference's (a
+    // position whose logits are not finite is left out: the case fails on
+    // finiteness and on the position count).
+    let mut gpu_pos: Vec<PositionAgreement> = Vec::new();
     // Prefill, one sequence at a time.
     for (b, p) in prompts.iter().enumerate() {
         model.prefill(&mut seqs[b], p, |_, _| {})?;
@@ -525,6 +633,7 @@ fn run_case_inner(
             compare_step(&model, last, &runs[b], &plan, hq, b, 0, p.len()),
             out,
         );
+        gpu_pos.extend(compare_full(&runs[b].logits[0], &got).ok());
         let e = rel_l2(&got, &runs[b].logits[0]).0;
         out.rel_l2_per_step[b][0] = e;
         out.gpu_vs_emulation_rel_l2_per_step[b][0] = rel_l2(&got, &emu_logits[b][0]).0;
@@ -543,6 +652,7 @@ fn run_case_inner(
             out.greedy_agree += usize::from(am.get(b) == Some(&argmax(&run.logits[step])));
             let t_len = prompts[b].len() + step;
             let differs = tally(compare_step(&model, b, run, &plan, hq, b, step, t_len), out);
+            gpu_pos.extend(compare_full(&run.logits[step], row).ok());
             let e = rel_l2(row, &run.logits[step]).0;
             out.rel_l2_per_step[b][step] = e;
             out.gpu_vs_emulation_rel_l2_per_step[b][step] = emu_logits[b]
@@ -593,30 +703,36 @@ fn run_case_inner(
     ) = max_mean(&out.gpu_vs_emulation_rel_l2_per_step);
     out.argmax_kernel_exact = argmax_exact;
     let finite = errs.iter().all(|e| e.0.is_finite());
-    // The bound applies against the bf16-emulated reference (same rounding
-    // points as the engine): with bf16 activations the f32 reference is out
-    // of reach at low-norm steps (SmolLM2: the emulation itself differs from
-    // f32 by up to 5.9e-2), so f32 errors are reported, not bounded.
-    // A step passes against either reference: the emulated one can flip a
-    // near-tied selection of its own where the GPU and the f32 reference agree.
+    // Information: over steps whose block sets all equal the reference's,
+    // the smaller of the GPU's rel L2 to the bf16-emulated and to the f32
+    // reference (a per-step bound does not hold in bf16: spec/testing.md).
     let same_emu = errs
         .iter()
         .filter(|e| !e.3)
         .map(|e| nan_as_inf(out.gpu_vs_emulation_rel_l2_per_step[e.1][e.2]).min(e.0))
         .fold(0.0f64, f64::max);
     out.max_rel_l2_same_selection_vs_emulation = same_emu;
-    out.pass = finite && same_emu <= TOLERANCE && unexplained == 0 && argmax_exact;
+    out.gpu_vs_f32 = AgreementSummary::of(&gpu_pos);
+    out.bf16_rule = judge(&out.gpu_vs_f32, &out.emulated_vs_f32);
+    out.pass = finite && out.bf16_rule.pass && unexplained == 0 && argmax_exact;
     Ok(())
 }
 
 /// Runs every case and writes the JSON report to `out_json`; returns
 /// whether every case passed. `model_dir`: the SmolLM2 fixture (or any
-/// dense checkpoint) for the real-weights case, skipped when `None`.
+/// dense checkpoint with a tokenizer.json) for the real-weights cases,
+/// skipped when `None`; `text`: the text those cases read (tokenized with
+/// the model's tokenizer; it must hold ≥ 5,760 tokens).
 ///
 /// Errors: [`Error::Cuda`] when CUDA is missing or the GPU cannot be set
 /// up; [`Error::Io`] when the report cannot be written; a model directory
 /// that cannot be opened. Case failures are not errors: they are failed cases.
-pub fn gpu_check_e2e(model_dir: Option<&Path>, out_json: &Path, steps: usize) -> Result<bool> {
+pub fn gpu_check_e2e(
+    model_dir: Option<&Path>,
+    text: &Path,
+    out_json: &Path,
+    steps: usize,
+) -> Result<bool> {
     let missing = crate::cuda::missing_libraries();
     if !missing.is_empty() {
         return Err(Error::Cuda(format!(
@@ -639,6 +755,14 @@ pub fn gpu_check_e2e(model_dir: Option<&Path>, out_json: &Path, steps: usize) ->
     }
     let tiny_dl = synth::build_config(&dl_cfg, true, 8)?;
     let fixture = model_dir.map(Checkpoint::open).transpose()?;
+    let text_ids = match model_dir {
+        Some(dir) => {
+            let tok = Tokenizer::from_file(dir.join("tokenizer.json"))?;
+            let body = std::fs::read_to_string(text).map_err(|e| Error::io(text, e))?;
+            Some(tok.encode(&body)?)
+        }
+        None => None,
+    };
     let ov = |sparse: Option<bool>, selection: Option<SelectionRule>| AttentionOverrides {
         sparse,
         selection,
@@ -651,83 +775,132 @@ pub fn gpu_check_e2e(model_dir: Option<&Path>, out_json: &Path, steps: usize) ->
             ckpt: &tiny,
             opts: opts(ov(Some(false), None), PrefillMode::Auto),
             path: SelectionPath::Gpu,
-            prompt_lens: vec![5, 77, 300],
-            seed: 11,
+            inputs: Inputs::Random {
+                prompt_lens: vec![5, 77, 300],
+                seed: 11,
+            },
+            min_steps: 0,
         },
         CaseSpec {
             name: "tiny-nosa-sparse",
             ckpt: &tiny,
             opts: opts(ov(None, None), PrefillMode::Auto),
             path: SelectionPath::Gpu,
-            prompt_lens: vec![20, 150, 700],
-            seed: 12,
+            inputs: Inputs::Random {
+                prompt_lens: vec![20, 150, 700],
+                seed: 12,
+            },
+            min_steps: 0,
         },
         CaseSpec {
             name: "tiny-nosa-sparse-host-selection",
             ckpt: &tiny,
             opts: opts(ov(None, None), PrefillMode::Auto),
             path: SelectionPath::HostFallback,
-            prompt_lens: vec![31, 650],
-            seed: 13,
+            inputs: Inputs::Random {
+                prompt_lens: vec![31, 650],
+                seed: 13,
+            },
+            min_steps: 0,
         },
         CaseSpec {
             name: "tiny-nosa-dense-prefill",
             ckpt: &tiny,
             opts: opts(ov(None, None), PrefillMode::Dense),
             path: SelectionPath::Gpu,
-            prompt_lens: vec![64, 450],
-            seed: 14,
+            inputs: Inputs::Random {
+                prompt_lens: vec![64, 450],
+                seed: 14,
+            },
+            min_steps: 0,
         },
         CaseSpec {
             name: "tiny-nosa-dense-len-400",
             ckpt: &tiny_dl,
             opts: opts(ov(None, None), PrefillMode::Auto),
             path: SelectionPath::Gpu,
-            prompt_lens: vec![100, 380, 600],
-            seed: 15,
+            inputs: Inputs::Random {
+                prompt_lens: vec![100, 380, 600],
+                seed: 15,
+            },
+            min_steps: 0,
         },
         CaseSpec {
             name: "tiny-infllmv2",
             ckpt: &tiny,
             opts: opts(ov(None, Some(SelectionRule::InfLlmV2)), PrefillMode::Auto),
             path: SelectionPath::Gpu,
-            prompt_lens: vec![100, 500],
-            seed: 16,
+            inputs: Inputs::Random {
+                prompt_lens: vec![100, 500],
+                seed: 16,
+            },
+            min_steps: 0,
         },
     ];
-    if let Some(f) = &fixture {
+    if let (Some(f), Some(ids)) = (&fixture, &text_ids) {
+        // Real text: two sequences (a short and a long prompt) dense, one
+        // InfLLM-V2 sequence past its 20-block budget (16 window blocks, the
+        // sink and 3 selected), each fed FIXTURE_STEPS tokens of the text.
         specs.push(CaseSpec {
-            name: "fixture-dense",
+            name: "fixture-dense-text",
             ckpt: f,
             opts: opts(ov(None, None), PrefillMode::Auto),
             path: SelectionPath::Gpu,
-            prompt_lens: vec![9, 60],
-            seed: 17,
+            inputs: Inputs::Text {
+                ids,
+                spans: vec![(0, 40), (2_000, 300)],
+            },
+            min_steps: FIXTURE_STEPS,
+        });
+        specs.push(CaseSpec {
+            name: "fixture-infllmv2-text",
+            ckpt: f,
+            opts: opts(
+                AttentionOverrides {
+                    selection: Some(SelectionRule::InfLlmV2),
+                    budget_blocks: Some(20),
+                    select_blocks: Some(3),
+                    ..Default::default()
+                },
+                PrefillMode::Auto,
+            ),
+            path: SelectionPath::Gpu,
+            inputs: Inputs::Text {
+                ids,
+                spans: vec![(4_000, 1_600)],
+            },
+            min_steps: FIXTURE_STEPS,
         });
     }
     let mut cases = Vec::new();
     for spec in &specs {
         let c = run_case(&gpu, spec, steps);
+        let (g, e) = (&c.gpu_vs_f32, &c.emulated_vs_f32);
         println!(
-            "  {:<34} {:<5} rel_l2 max {:.3e} at {:?} (same-selection steps {:.3e}) mean {:.3e}; bf16-emulated CPU vs f32 max {:.3e} mean {:.3e}; GPU vs emulated max {:.3e} mean {:.3e}; greedy {}/{}, selections {}/{} equal ({} near-ties, max gap {:.1e}; {} cascades), grew {}{}",
+            "  {:<26} {:<5} {} positions; KL vs f32 mean/p99/max: GPU {:.2e}/{:.2e}/{:.2e}, bf16-emulated CPU {:.2e}/{:.2e}/{:.2e}; top-1 GPU {:.1}% emulated {:.1}%; top-{TOP_N} misses {}; rel_l2 max {:.2e} (emulated {:.2e}); selections {}/{} equal ({} near-ties, {} cascades){}{}",
             c.name,
             if c.pass { "pass" } else { "FAIL" },
+            g.positions,
+            g.kl_mean,
+            g.kl_p99,
+            g.kl_max,
+            e.kl_mean,
+            e.kl_p99,
+            e.kl_max,
+            g.top1_agreement_pct,
+            e.top1_agreement_pct,
+            g.top_n_misses,
             c.max_rel_l2,
-            c.worst_at,
-            c.max_rel_l2_same_selection,
-            c.mean_rel_l2,
             c.emulation_max_rel_l2,
-            c.emulation_mean_rel_l2,
-            c.gpu_vs_emulation_max_rel_l2,
-            c.gpu_vs_emulation_mean_rel_l2,
-            c.greedy_agree,
-            c.compared,
             c.selection_equal,
             c.selection_sets,
             c.selection_near_ties,
-            c.selection_max_gap,
             c.selection_cascades,
-            c.grew,
+            if c.bf16_rule.failures.is_empty() {
+                String::new()
+            } else {
+                format!("; {}", c.bf16_rule.failures.join("; "))
+            },
             c.error.as_deref().map(|e| format!(" error: {e}")).unwrap_or_default()
         );
         cases.push(c);
@@ -742,11 +915,14 @@ pub fn gpu_check_e2e(model_dir: Option<&Path>, out_json: &Path, steps: usize) ->
         "date_utc": utc_now_iso(),
         "commit": std::env::var("SPARDA_COMMIT").ok(),
         "steps": steps,
-        "tolerance_rel_l2": TOLERANCE,
         "fixture": model_dir.map(|p| p.display().to_string()),
+        "text": model_dir.map(|_| text.display().to_string()),
+        "kl_ratio": KL_RATIO,
+        "top1_slack_pp": TOP1_SLACK_PP,
+        "top_n": TOP_N,
         "near_tie_rel": NEAR_TIE,
-        "diagnostics": "per case, [sequence][step] arrays (step 0 = after prefill): rel_l2_per_step (GPU vs f32 CPU, the bounded figure), ref_norm_per_step (|CPU logits|_2), emulation_rel_l2_per_step (CPU with bf16 activation emulation, rounding where the engine stores bf16, vs f32 CPU: what bf16 arithmetic alone gives), gpu_vs_emulation_rel_l2_per_step (GPU vs the bf16-emulating CPU). Not part of the pass criteria.",
-        "criteria": "pass = finite logits; min(GPU-vs-bf16-emulated-CPU, GPU-vs-f32-CPU) rel_l2 <= tolerance at every step whose per-layer/per-KV-head block sets all equal the CPU reference's (GPU-vs-f32 rel_l2 reported unbounded); every differing set explained as a near-tie (each differing block within near_tie_rel of the cut that decided it, scored with the CPU reference's Kc/p and the GPU's own query) or as a cascade of a lower layer's difference at the same step; GPU argmax kernel == host argmax of the GPU logits. Steps with a differing set report their rel_l2 (selection_diff_steps) unbounded: one block of a small budget differs there.",
+        "diagnostics": "per case, [sequence][step] arrays (step 0 = after prefill): rel_l2_per_step (GPU vs f32 CPU), ref_norm_per_step (|CPU logits|_2), emulation_rel_l2_per_step (CPU with bf16 activation emulation, rounding where the engine stores bf16, vs f32 CPU: what bf16 arithmetic alone gives), gpu_vs_emulation_rel_l2_per_step (GPU vs the bf16-emulating CPU). Not part of the pass criteria.",
+        "criteria": "spec/testing.md Tolerances. pass = finite logits; the whole-model rule: against the f32 CPU reference at every position (every sequence; prefill and each teacher-forced step), the GPU's mean and p99 KL (full vocabulary) <= kl_ratio x the bf16-emulated CPU reference's, its top-1 agreement >= the emulated reference's - top1_slack_pp, and at every position each side's top-1 among the other's top_n; every differing block set explained as a near-tie (each differing block within near_tie_rel of the cut that decided it, scored with the CPU reference's Kc/p and the GPU's own query) or as a cascade of a lower layer's difference at the same step; GPU argmax kernel == host argmax of the GPU logits. Rel L2 figures are information.",
         "passed": passed,
         "cases": cases,
     });
@@ -771,7 +947,7 @@ mod tests {
             return;
         }
         let out = std::env::temp_dir().join(format!("sparda-e2e-{}.json", std::process::id()));
-        match gpu_check_e2e(None, &out, 2) {
+        match gpu_check_e2e(None, Path::new("data/texts/hamlet.txt"), &out, 2) {
             Err(Error::Cuda(msg)) => assert!(msg.contains("not found"), "{msg}"),
             other => panic!("expected Error::Cuda, got {other:?}"),
         }

@@ -33,6 +33,7 @@
 //! A base run is compared only with a run of the same model, tokenizer,
 //! text and chunking ([`identity`]); the mode settings are what differ.
 
+pub mod agreement;
 pub mod dist;
 pub mod identity;
 pub mod kl;
