@@ -57,7 +57,7 @@ enum Cmd {
         /// .fixtures/smollm2-135m-instruct).
         #[arg(long)]
         model: Option<PathBuf>,
-        /// The real text the --model cases read (≥ 5,760 tokens).
+        /// The real text the --model cases read (≥ 13,760 tokens).
         #[arg(long, default_value = "data/texts/hamlet.txt")]
         text: PathBuf,
         /// Report path.

