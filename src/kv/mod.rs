@@ -21,6 +21,7 @@
 //!   of a prefill for offload.
 
 pub mod fetch;
+pub mod fetch_table;
 pub mod host_store;
 pub mod offload;
 pub mod resident;

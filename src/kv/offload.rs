@@ -33,6 +33,7 @@
 //! full cache, so GPU memory during a batch's prefill is bounded by one
 //! sequence, not by the batch.
 
+use super::fetch_table::{auto_engine, FetchMode, FetchTable, ENV_TABLE};
 use super::{Footprint, RING_BLOCKS};
 use crate::cuda::context::{dptr, i32_dim, CudaResultExt};
 use crate::cuda::{Bf16, Gpu};
@@ -334,18 +335,49 @@ impl GpuModel {
                 }
             }
         }
+        if opts.is_some_and(|o| o.fetch == FetchEngine::Auto) && self.fetch_table.is_none() {
+            let name = &self.gpu.info().name;
+            let env = std::env::var_os(ENV_TABLE).map(std::path::PathBuf::from);
+            match FetchTable::for_gpu(name, env.as_deref())? {
+                Some((t, _)) => self.fetch_table = Some(Arc::new(t)),
+                None => eprintln!(
+                    "note: no fetch table for the {name}: fetching by SparDA's rule (SM kernel, 16 or 32 CTAs); `sparda tune-ctas` measures one for this GPU"
+                ),
+            }
+        }
         self.offload = opts;
         self.step = None;
         Ok(())
     }
 
-    /// The fetch engine for a batch of `batch` rows ([`FetchEngine::Auto`]
-    /// resolved by [`fetch_rule`]).
+    /// The fetch engine for a batch of `batch` rows: the configured one, or
+    /// for [`FetchEngine::Auto`] the fetch table's choice for this GPU, the
+    /// batch and the schedule (forecast prefetch, else the synchronous
+    /// fetch; [`crate::kv::fetch_table`]), or SparDA's rule ([`fetch_rule`])
+    /// when the GPU has no table.
     pub fn fetch_engine(&self, batch: usize) -> FetchEngine {
         match self.offload.map_or(FetchEngine::Auto, |o| o.fetch) {
-            FetchEngine::Auto => fetch_rule(&self.gpu.info().name, batch),
+            FetchEngine::Auto => {
+                let mode = if self.forecast_on() && self.prefetch_on() {
+                    FetchMode::Prefetch
+                } else {
+                    FetchMode::Sync
+                };
+                auto_engine(
+                    self.fetch_table.as_deref(),
+                    &self.gpu.info().name,
+                    mode,
+                    batch,
+                )
+            }
             e => e,
         }
+    }
+
+    /// Where the fetch table in use came from (`None` without offload or
+    /// with an explicit `--fetch`): for reports.
+    pub fn fetch_table(&self) -> Option<&FetchTable> {
+        self.fetch_table.as_deref()
     }
 
     /// The offload settings in force.

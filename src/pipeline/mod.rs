@@ -335,6 +335,9 @@ pub struct GpuModel {
     /// Offloaded KV settings (`--kv offload`), for sequences offloaded
     /// through [`GpuModel::offload_sequence`].
     pub(crate) offload: Option<OffloadOptions>,
+    /// The fetch table of this GPU ([`crate::kv::fetch_table`]), loaded by
+    /// [`GpuModel::set_offload`] for `--fetch auto`; `None`: SparDA's rule.
+    pub(crate) fetch_table: Option<std::sync::Arc<crate::kv::fetch_table::FetchTable>>,
     /// u64 [L, 2]: selected and fetched blocks per layer (offload).
     pub(crate) offload_counters: CudaSlice<u64>,
     /// Time every fetch with events ([`GpuModel::set_fetch_timing`]).
@@ -528,6 +531,7 @@ impl GpuModel {
             last_forecasts: Vec::new(),
             last: LastLogits::None,
             offload: None,
+            fetch_table: None,
             offload_counters: g.zeros(2 * cfg.num_hidden_layers.max(1))?,
             fetch_timing: false,
             fetch_ms: 0.0,

@@ -1,0 +1,406 @@
+//! The per-GPU fetch table: which fetch configuration (SM copy kernel and
+//! its CTA count, or the copy engines) an offloaded decode step uses, per
+//! batch size, separately for the synchronous fetch and for forecast
+//! prefetch (runtime.md §4). `sparda tune-ctas` measures it on a GPU and
+//! writes it as JSON; the tables under `tuning/` in the repository are
+//! built into the binary, and `SPARDA_FETCH_TABLE=FILE` names another.
+//!
+//! Lookup ([`FetchTable::choose`]): the table's entries for the mode, keyed
+//! by the measured batch sizes; a batch between two measured sizes b₁ < b₂
+//! takes b₁'s entry up to the geometric midpoint √(b₁·b₂) and b₂'s above
+//! it; below the smallest or above the largest measured size, the nearest
+//! entry. A GPU without a table gets [`super::fetch::fetch_rule`] (SparDA's
+//! rule) and a one-line notice that `sparda tune-ctas` would help.
+
+use super::fetch::{fetch_rule, FetchEngine};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// The format version [`FetchTable::parse`] reads.
+pub const FORMAT: u32 = 1;
+
+/// Tables built into the binary: (GPU name as `cuDeviceGetName` gives it,
+/// the table's JSON text, the file it came from). A table `sparda
+/// tune-ctas` wrote joins this list when it is committed under `tuning/`.
+const BUILT_IN: &[(&str, &str, &str)] = &[];
+
+/// The environment variable naming a table file to use instead of the
+/// built-in one.
+pub const ENV_TABLE: &str = "SPARDA_FETCH_TABLE";
+
+/// Which schedule a step runs: the fetch inside the layer (synchronous
+/// NOSA/InfLLM-V2 selection, and forecast without prefetch), or forecast
+/// prefetch on the copy stream beside the previous layer's compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FetchMode {
+    /// The fetch of layer l waits for layer l's selection and blocks it.
+    Sync,
+    /// Layer l+1's fetch runs while layer l computes.
+    Prefetch,
+}
+
+/// One fetch configuration as a table stores it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "engine", rename_all = "lowercase")]
+pub enum FetchChoice {
+    /// The persistent SM copy kernel on `ctas` CTAs.
+    Sm {
+        /// CTAs (1 … 1024).
+        ctas: usize,
+    },
+    /// The copy engines.
+    Dma,
+}
+
+impl FetchChoice {
+    /// The engine this choice runs.
+    pub fn engine(self) -> FetchEngine {
+        match self {
+            FetchChoice::Sm { ctas } => FetchEngine::Sm { ctas },
+            FetchChoice::Dma => FetchEngine::Dma,
+        }
+    }
+
+    /// `sm:N` or `dma`.
+    pub fn label(self) -> String {
+        match self {
+            FetchChoice::Sm { ctas } => format!("sm:{ctas}"),
+            FetchChoice::Dma => "dma".into(),
+        }
+    }
+}
+
+/// One row of a table: the configuration chosen for a measured batch size.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct FetchEntry {
+    /// The measured batch size B (sequences).
+    pub batch: usize,
+    /// The chosen configuration.
+    pub choice: FetchChoice,
+    /// Its median step time, ms (information).
+    pub step_ms: f64,
+}
+
+/// A GPU's fetch table (the JSON `sparda tune-ctas` writes).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FetchTable {
+    /// [`FORMAT`].
+    pub format: u32,
+    /// The GPU it was measured on (`cuDeviceGetName`).
+    pub gpu: String,
+    /// Its SM count.
+    pub sm_count: i32,
+    /// PCIe link, e.g. "Gen5 x16" (or "unknown").
+    pub pcie: String,
+    /// Driver version (nvidia-smi's, or the CUDA driver API version).
+    pub driver: String,
+    /// When it was measured (UTC, ISO 8601).
+    pub date_utc: String,
+    /// The commit of the binary that measured it.
+    pub commit: Option<String>,
+    /// How it was measured (model, contexts, steps, repeats).
+    pub protocol: String,
+    /// Entries of the synchronous fetch, by ascending batch.
+    pub sync: Vec<FetchEntry>,
+    /// Entries of forecast prefetch, by ascending batch.
+    pub prefetch: Vec<FetchEntry>,
+    /// The sweep behind the choices (every configuration measured), as
+    /// `sparda tune-ctas` recorded it.
+    #[serde(default)]
+    pub sweep: serde_json::Value,
+}
+
+/// Where the table in use came from, for `tune-ctas --show` and notices.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TableSource {
+    /// Built into the binary from this repository file.
+    BuiltIn(&'static str),
+    /// The file [`ENV_TABLE`] names.
+    File(String),
+    /// No table for this GPU: SparDA's rule ([`fetch_rule`]).
+    Rule,
+}
+
+impl FetchTable {
+    /// Parses a table's JSON text; `origin` names it in errors.
+    ///
+    /// Errors: [`Error::Input`] for malformed JSON, another format
+    /// version, an empty mode, batches not strictly ascending, or a CTA
+    /// count outside 1 … 1024.
+    pub fn parse(text: &str, origin: &str) -> Result<FetchTable> {
+        let t: FetchTable = serde_json::from_str(text)
+            .map_err(|e| Error::Input(format!("fetch table {origin}: {e}")))?;
+        if t.format != FORMAT {
+            return Err(Error::Input(format!(
+                "fetch table {origin}: format {} (this build reads format {FORMAT})",
+                t.format
+            )));
+        }
+        for (name, entries) in [("sync", &t.sync), ("prefetch", &t.prefetch)] {
+            if entries.is_empty() {
+                return Err(Error::Input(format!(
+                    "fetch table {origin}: no \"{name}\" entries"
+                )));
+            }
+            for w in entries.windows(2) {
+                if w[0].batch >= w[1].batch {
+                    return Err(Error::Input(format!(
+                        "fetch table {origin}: \"{name}\" batches must ascend strictly (… {}, {} …)",
+                        w[0].batch, w[1].batch
+                    )));
+                }
+            }
+            for e in entries.iter() {
+                if let FetchChoice::Sm { ctas } = e.choice {
+                    if ctas == 0 || ctas > 1024 {
+                        return Err(Error::Input(format!(
+                            "fetch table {origin}: \"{name}\" batch {}: {ctas} CTAs (give 1 … 1024)",
+                            e.batch
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(t)
+    }
+
+    /// Reads and parses a table file.
+    ///
+    /// Errors: [`Error::Io`] naming the file; [`FetchTable::parse`]'s.
+    pub fn load(path: &Path) -> Result<FetchTable> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        FetchTable::parse(&text, &path.display().to_string())
+    }
+
+    /// The table for the GPU named `gpu_name`: the file [`ENV_TABLE`] names
+    /// (`env_file`, refused when it was measured on another GPU), else the
+    /// built-in table of that GPU, else `None` (SparDA's rule applies).
+    ///
+    /// Errors: the file cannot be read or parsed; it belongs to another GPU
+    /// (the message names both).
+    pub fn for_gpu(
+        gpu_name: &str,
+        env_file: Option<&Path>,
+    ) -> Result<Option<(FetchTable, TableSource)>> {
+        if let Some(p) = env_file {
+            let t = FetchTable::load(p)?;
+            if t.gpu != gpu_name {
+                return Err(Error::Input(format!(
+                    "{ENV_TABLE}={}: a fetch table of the {} (this GPU is the {gpu_name}); run `sparda tune-ctas` on this GPU",
+                    p.display(),
+                    t.gpu
+                )));
+            }
+            return Ok(Some((t, TableSource::File(p.display().to_string()))));
+        }
+        for &(name, text, file) in BUILT_IN {
+            if name == gpu_name {
+                return Ok(Some((
+                    FetchTable::parse(text, file)?,
+                    TableSource::BuiltIn(file),
+                )));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The entries of `mode`.
+    pub fn entries(&self, mode: FetchMode) -> &[FetchEntry] {
+        match mode {
+            FetchMode::Sync => &self.sync,
+            FetchMode::Prefetch => &self.prefetch,
+        }
+    }
+
+    /// The configuration for `batch` sequences in `mode` (see the module
+    /// doc for the thresholds between measured sizes).
+    pub fn choose(&self, mode: FetchMode, batch: usize) -> FetchChoice {
+        let e = self.entries(mode);
+        let mut pick = e[0];
+        for w in e.windows(2) {
+            let threshold = ((w[0].batch * w[1].batch) as f64).sqrt();
+            if batch as f64 > threshold {
+                pick = w[1];
+            }
+        }
+        pick.choice
+    }
+}
+
+/// The fetch engine for `batch` rows in `mode` on the GPU `gpu_name` with
+/// `table` (when there is one), else SparDA's rule.
+pub fn auto_engine(
+    table: Option<&FetchTable>,
+    gpu_name: &str,
+    mode: FetchMode,
+    batch: usize,
+) -> FetchEngine {
+    match table {
+        Some(t) => t.choose(mode, batch).engine(),
+        None => fetch_rule(gpu_name, batch),
+    }
+}
+
+/// The file name `tune-ctas` gives a GPU's table: `fetch_<name>.json`, the
+/// name lower-cased with every run of other characters as one `_`
+/// ("NVIDIA H200" → `fetch_nvidia_h200.json`).
+pub fn table_file_name(gpu_name: &str) -> String {
+    let mut s = String::new();
+    for c in gpu_name.chars() {
+        if c.is_ascii_alphanumeric() {
+            s.push(c.to_ascii_lowercase());
+        } else if !s.ends_with('_') {
+            s.push('_');
+        }
+    }
+    format!("fetch_{}.json", s.trim_matches('_'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(gpu: &str) -> FetchTable {
+        let e = |batch, choice| FetchEntry {
+            batch,
+            choice,
+            step_ms: 1.0,
+        };
+        FetchTable {
+            format: FORMAT,
+            gpu: gpu.into(),
+            sm_count: 132,
+            pcie: "Gen5 x16".into(),
+            driver: "580".into(),
+            date_utc: "2026-12-01T00:00:00Z".into(),
+            commit: None,
+            protocol: "test".into(),
+            sync: vec![
+                e(8, FetchChoice::Sm { ctas: 4 }),
+                e(32, FetchChoice::Sm { ctas: 12 }),
+                e(64, FetchChoice::Dma),
+            ],
+            prefetch: vec![e(8, FetchChoice::Sm { ctas: 2 })],
+            sweep: serde_json::Value::Null,
+        }
+    }
+
+    #[test]
+    fn a_table_round_trips_and_thresholds_sit_at_geometric_midpoints() {
+        let t = table("NVIDIA H200");
+        let text = serde_json::to_string(&t).unwrap();
+        assert!(text.contains(r#""engine":"sm","ctas":4"#), "{text}");
+        let t = FetchTable::parse(&text, "test").unwrap();
+        let c = |b| t.choose(FetchMode::Sync, b);
+        // √(8·32) = 16, √(32·64) ≈ 45.25
+        assert_eq!(c(1), FetchChoice::Sm { ctas: 4 });
+        assert_eq!(c(16), FetchChoice::Sm { ctas: 4 });
+        assert_eq!(c(17), FetchChoice::Sm { ctas: 12 });
+        assert_eq!(c(45), FetchChoice::Sm { ctas: 12 });
+        assert_eq!(c(46), FetchChoice::Dma);
+        assert_eq!(c(1000), FetchChoice::Dma);
+        assert_eq!(
+            t.choose(FetchMode::Prefetch, 128),
+            FetchChoice::Sm { ctas: 2 }
+        );
+        assert_eq!(
+            auto_engine(Some(&t), "NVIDIA H200", FetchMode::Sync, 20),
+            FetchEngine::Sm { ctas: 12 }
+        );
+    }
+
+    #[test]
+    fn without_a_table_sparda_rule_applies() {
+        assert_eq!(
+            auto_engine(None, "NVIDIA H100 80GB HBM3", FetchMode::Prefetch, 17),
+            FetchEngine::Sm { ctas: 32 }
+        );
+        assert_eq!(
+            auto_engine(None, "NVIDIA L40S", FetchMode::Sync, 64),
+            FetchEngine::Sm { ctas: 16 }
+        );
+        assert!(FetchTable::for_gpu("NVIDIA L40S", None).unwrap().is_none());
+    }
+
+    #[test]
+    fn the_built_in_tables_parse_and_name_their_gpu() {
+        for &(name, text, file) in BUILT_IN {
+            let t = FetchTable::parse(text, file).unwrap();
+            assert_eq!(t.gpu, name, "{file}");
+            assert_eq!(file, format!("tuning/{}", table_file_name(name)));
+            let (_, src) = FetchTable::for_gpu(name, None).unwrap().unwrap();
+            assert_eq!(src, TableSource::BuiltIn(file));
+        }
+    }
+
+    #[test]
+    fn a_table_of_another_gpu_is_refused_with_both_names() {
+        let dir = std::env::temp_dir().join(format!("sparda-fetch-table-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("t.json");
+        std::fs::write(
+            &p,
+            serde_json::to_string(&table("NVIDIA A100-SXM4-80GB")).unwrap(),
+        )
+        .unwrap();
+        let e = FetchTable::for_gpu("NVIDIA H200", Some(&p))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("NVIDIA A100-SXM4-80GB") && e.contains("NVIDIA H200"),
+            "{e}"
+        );
+        let (t, src) = FetchTable::for_gpu("NVIDIA A100-SXM4-80GB", Some(&p))
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.sync.len(), 3);
+        assert_eq!(src, TableSource::File(p.display().to_string()));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn malformed_tables_name_the_rule_broken() {
+        let mut t = table("X");
+        t.sync.swap(0, 1);
+        let e = FetchTable::parse(&serde_json::to_string(&t).unwrap(), "f.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("f.json") && e.contains("ascend strictly (… 32, 8 …)"),
+            "{e}"
+        );
+        let mut t = table("X");
+        t.prefetch[0].choice = FetchChoice::Sm { ctas: 0 };
+        let e = FetchTable::parse(&serde_json::to_string(&t).unwrap(), "f.json")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("batch 8: 0 CTAs"), "{e}");
+        let mut t = table("X");
+        t.format = 7;
+        let e = FetchTable::parse(&serde_json::to_string(&t).unwrap(), "f.json")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("format 7"), "{e}");
+        t.format = FORMAT;
+        t.prefetch.clear();
+        let e = FetchTable::parse(&serde_json::to_string(&t).unwrap(), "f.json")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no \"prefetch\" entries"), "{e}");
+    }
+
+    #[test]
+    fn table_file_names_are_slugs_of_the_gpu_name() {
+        assert_eq!(table_file_name("NVIDIA H200"), "fetch_nvidia_h200.json");
+        assert_eq!(
+            table_file_name("NVIDIA H100 80GB HBM3"),
+            "fetch_nvidia_h100_80gb_hbm3.json"
+        );
+        assert_eq!(
+            table_file_name("NVIDIA A100-SXM4-80GB"),
+            "fetch_nvidia_a100_sxm4_80gb.json"
+        );
+    }
+}
