@@ -384,6 +384,13 @@ fn run_case(
     context: usize,
     compare_modes: bool,
 ) -> Result<Value> {
+    let cell = || {
+        format!(
+            "the {} cell B = {batch}, L = {context}, before it ran (earlier cells are on stderr)",
+            if sparse { "sparse" } else { "dense" }
+        )
+    };
+    crate::interrupt::check(cell)?;
     let gpu = model.gpu().clone();
     let offload = model.offload_options();
     let extra = if compare_modes { 2 * spec.steps + 8 } else { 0 }
@@ -473,6 +480,7 @@ fn run_case(
     let mut seqs = Vec::with_capacity(batch);
     let mut first = Vec::with_capacity(batch);
     for b in 0..batch {
+        crate::interrupt::check(cell)?;
         let mut seq = model.new_sequence(cap)?;
         let sq = &mut seq;
         let toks = source.tokens(b, batch, context + 1);

@@ -525,6 +525,16 @@ fn main() {
             std::process::exit(1);
         }
     };
+    // Ctrl-C stops the long loops between units of work (sparda::interrupt);
+    // the other commands keep the default (the process ends at once).
+    if matches!(
+        cli.cmd,
+        Cmd::Generate(_) | Cmd::Perplexity(_) | Cmd::Bench(_)
+    ) {
+        if let Err(e) = sparda::interrupt::install() {
+            eprintln!("warning: {e}; Ctrl-C will end the run without finishing its trace");
+        }
+    }
     let r = match cli.cmd {
         Cmd::Generate(a) => cmd_generate(a),
         Cmd::Perplexity(a) => cmd_perplexity(a),
@@ -550,7 +560,10 @@ fn main() {
         Cmd::GpuCheck { json } => sparda::checks::gpu_check(&json)
             .and_then(|ok| check_outcome("gpu-check", "kernel", ok, &json)),
     };
-    let r = r.and_then(|()| match session {
+    // The trace records what ran, also when the run failed or was
+    // interrupted: it is finished (merged, written, its temporary file
+    // removed) either way.
+    let traced = match session {
         Some(s) => {
             let path = s.path().to_path_buf();
             s.finish().map(|_| {
@@ -561,9 +574,26 @@ fn main() {
             })
         }
         None => Ok(()),
-    });
-    if let Err(e) = r {
-        eprintln!("error: {e}");
-        std::process::exit(1);
+    };
+    match (r, traced) {
+        (Ok(()), Ok(())) => {}
+        (Err(e @ Error::Interrupted(_)), t) => {
+            if let Err(te) = t {
+                eprintln!("error: {te}");
+            }
+            eprintln!("{e}");
+            std::process::exit(sparda::interrupt::EXIT_CODE);
+        }
+        (Err(e), t) => {
+            if let Err(te) = t {
+                eprintln!("error: {te}");
+            }
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+        (Ok(()), Err(e)) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
     }
 }
