@@ -275,7 +275,11 @@ impl Stepper for GpuStepper<'_> {
 /// prefilled sequence moves to pinned host memory before decoding). Same loop, stop rules and timings as
 /// [`generate_cpu`]; decode time includes the per-step copy of the chosen id.
 ///
-/// Errors: as [`run_loop`]; [`Error::Cuda`] on a device failure.
+/// Errors: as [`run_loop`]; [`Error::Limit`] when the sequence's KV, the
+/// step and prefill buffers (and with offload the pinned host store) do not
+/// fit the GPU's free memory (and the host's available memory), refused
+/// before they are allocated ([`GpuModel::check_memory`]); [`Error::Cuda`]
+/// on a device failure.
 pub fn generate_gpu(
     model: &mut GpuModel,
     req: &Request,
@@ -284,7 +288,19 @@ pub fn generate_gpu(
 ) -> Result<Output> {
     let max_position = model.config.max_position_embeddings;
     check_length(req.prompt.len(), req.max_new_tokens, max_position)?;
-    let seq = model.new_sequence(req.prompt.len() + req.max_new_tokens)?;
+    let cap = req.prompt.len() + req.max_new_tokens;
+    // refused with the numbers before the caches are allocated
+    model.check_memory(
+        1,
+        cap,
+        model.offload_options(),
+        true,
+        match model.offload_options() {
+            Some(_) => "lower --prompt-tokens or --max-new-tokens",
+            None => "lower --prompt-tokens or --max-new-tokens, or offload the KV to host memory (--kv offload)",
+        },
+    )?;
+    let seq = model.new_sequence(cap)?;
     let mut st = GpuStepper { model, seq };
     run_loop(&mut st, req, max_position, progress, on_token)
 }

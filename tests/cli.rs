@@ -945,7 +945,10 @@ fn interrupted_run(args: &[&str], ready: Ready, signals: usize) -> (Option<i32>,
     });
     let err_reader = std::thread::spawn(move || {
         let mut all = String::new();
-        for line in std::io::BufReader::new(stderr).lines().map_while(|l| l.ok()) {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(|l| l.ok())
+        {
             if want.is_some_and(|w| line.contains(w)) {
                 tx.send(()).ok();
             }
@@ -1040,7 +1043,11 @@ fn ctrl_c_during_generate_finishes_the_trace_and_writes_no_report() {
     assert_eq!(files_ending(dir.path(), ".tmp"), Vec::<String>::new());
     let s = sparda::trace::summarize_file(&trace).expect("the trace parses");
     assert!(s.steps >= 1, "no decode step in the trace: {s:?}");
-    assert!(s.steps < 30_000, "the run was not stopped early: {} steps", s.steps);
+    assert!(
+        s.steps < 30_000,
+        "the run was not stopped early: {} steps",
+        s.steps
+    );
 }
 
 /// Ctrl-C during `perplexity`: exit code 130, neither the --json report nor

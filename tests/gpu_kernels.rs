@@ -58,9 +58,8 @@ fn gpu_context_without_cuda_is_an_error_not_a_panic() {
 #[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
 fn gpu_nonfinite_logits_are_errors() {
     use rand::SeedableRng;
-    let gpu = std::sync::Arc::new(
-        sparda::cuda::Gpu::new(0).unwrap_or_else(|e| panic!("Gpu::new: {e}")),
-    );
+    let gpu =
+        std::sync::Arc::new(sparda::cuda::Gpu::new(0).unwrap_or_else(|e| panic!("Gpu::new: {e}")));
     let mut rng = rand::rngs::SmallRng::seed_from_u64(9);
     let cases = sparda::checks::guards::check_nonfinite_logits(&gpu, &mut rng);
     assert_eq!(cases.len(), 2);

@@ -5,7 +5,7 @@
 //! its argmax and sampling kernels (`sparda::checks::guards`, run by the
 //! ignored test in tests/gpu_kernels.rs).
 
-use sparda::generate::{generate_cpu, run_loop, Request, StopReason, Stepper};
+use sparda::generate::{generate_cpu, run_loop, Request, Stepper, StopReason};
 use sparda::sample::{check_logits, LogitsFault, Sampler, SamplingParams};
 use sparda::synth::{self, Preset};
 use sparda::weights::names::{self, LayerTensor};
@@ -80,7 +80,11 @@ fn bad_rows() -> Vec<(&'static str, Vec<f32>, &'static str)> {
     nan_and_inf[3] = f32::INFINITY;
     nan_and_inf[11] = f32::NAN;
     vec![
-        ("all NaN", vec![f32::NAN; 16], "NaN at id 0 (16 of 16 entries NaN)"),
+        (
+            "all NaN",
+            vec![f32::NAN; 16],
+            "NaN at id 0 (16 of 16 entries NaN)",
+        ),
         ("one NaN", one_nan, "NaN at id 5 (1 of 16 entries NaN)"),
         ("+inf", pos_inf, "+inf at id 9 (2 of 16 entries +inf)"),
         (
@@ -163,10 +167,16 @@ fn generation_stops_naming_the_decode_step_and_sequence() {
                     step: 0,
                 };
                 let mut seen = Vec::new();
-                let r = run_loop(&mut eng, &request(params), 1024, |_, _| {}, |t| {
-                    seen.push(t);
-                    Ok(())
-                });
+                let r = run_loop(
+                    &mut eng,
+                    &request(params),
+                    1024,
+                    |_, _| {},
+                    |t| {
+                        seen.push(t);
+                        Ok(())
+                    },
+                );
                 let e = r.expect_err(name);
                 let msg = e.to_string();
                 assert!(
@@ -185,7 +195,10 @@ fn generation_stops_naming_the_decode_step_and_sequence() {
                     format!("non-finite logits at decode step {bad_step}, sequence 0: "),
                     text.to_string(),
                 ] {
-                    assert!(msg.contains(&part), "{mode} {name}: {part:?} missing in {msg}");
+                    assert!(
+                        msg.contains(&part),
+                        "{mode} {name}: {part:?} missing in {msg}"
+                    );
                 }
                 // the tokens before the bad step were chosen and reported
                 assert_eq!(seen.len(), bad_step, "{mode} {name}");
@@ -256,9 +269,14 @@ fn cpu_reference_names_the_layer_where_the_hidden_state_broke() {
     // Layer 0's output projection poisoned: the hidden state breaks at layer 0.
     let ckpt = poisoned_tiny(0, LayerTensor::OProj, f32::INFINITY);
     let model = sparda::cpu::CpuModel::new(&ckpt, Default::default()).unwrap();
-    let e = generate_cpu(&model, &request(SamplingParams::default()), |_, _| {}, |_| Ok(()))
-        .map(|_| ())
-        .expect_err("inf weights");
+    let e = generate_cpu(
+        &model,
+        &request(SamplingParams::default()),
+        |_, _| {},
+        |_| Ok(()),
+    )
+    .map(|_| ())
+    .expect_err("inf weights");
     assert!(
         matches!(e, Error::NonFiniteLogits { layer: Some(0), .. }),
         "{e:?}"

@@ -79,7 +79,9 @@ fn temperature_sampling_follows_softmax_and_seed() {
             top_p: 1.0,
             seed,
         });
-        (0..6000).map(|_| s.sample(&logits).unwrap()).collect::<Vec<u32>>()
+        (0..6000)
+            .map(|_| s.sample(&logits).unwrap())
+            .collect::<Vec<u32>>()
     };
     let a = run(5);
     assert_eq!(a, run(5));

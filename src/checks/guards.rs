@@ -552,7 +552,12 @@ fn logits_record(fault: sample::LogitsFault, row: usize) -> DeviceError {
 }
 
 /// `r` is [`Error::NonFiniteLogits`] with `step`, sequence `seq` and `what`.
-fn is_nonfinite(r: &Result<impl std::fmt::Debug>, step: Option<usize>, seq: usize, what: &str) -> bool {
+fn is_nonfinite(
+    r: &Result<impl std::fmt::Debug>,
+    step: Option<usize>,
+    seq: usize,
+    what: &str,
+) -> bool {
     matches!(r, Err(Error::NonFiniteLogits { step: s, sequence: Some(q), layer: None, what: w })
         if *s == step && *q == seq && w == what)
 }
@@ -583,12 +588,17 @@ fn sample_rows_nonfinite(gpu: &Gpu, rng: &mut SmallRng) -> Result<Asserts> {
                 format!("{name}, T {}: ids {got:?}, want {want:?}", p.temperature)
             });
             let fault = sample::check_logits(&bad).err();
-            t.check(fault.is_some(), || format!("{name}: check_logits passes it"));
+            t.check(fault.is_some(), || {
+                format!("{name}: check_logits passes it")
+            });
             let Some(fault) = fault else { continue };
             t.record_is(&errs, &logits_record(fault, 1));
             let r = errs.take();
             t.check(is_nonfinite(&r, None, 1, &fault.to_string()), || {
-                format!("{name}, T {}: take() {r:?}, want NonFiniteLogits for sequence 1: {fault}", p.temperature)
+                format!(
+                    "{name}, T {}: take() {r:?}, want NonFiniteLogits for sequence 1: {fault}",
+                    p.temperature
+                )
             });
         }
         let mut masked = finite_row(rng, vocab);
@@ -597,7 +607,10 @@ fn sample_rows_nonfinite(gpu: &Gpu, rng: &mut SmallRng) -> Result<Asserts> {
         ops::sample_rows(gpu, &dev, 1, vocab, &p, &u[..1], errs.sink(0))?;
         let r = errs.peek();
         t.check(matches!(r, Ok(None)), || {
-            format!("−inf among finite logits, T {}: record {r:?}, want none", p.temperature)
+            format!(
+                "−inf among finite logits, T {}: record {r:?}, want none",
+                p.temperature
+            )
         });
         errs.clear();
     }
@@ -614,7 +627,9 @@ fn sample_rows_nonfinite(gpu: &Gpu, rng: &mut SmallRng) -> Result<Asserts> {
 fn engine_nonfinite(gpu: &Arc<Gpu>) -> Result<Asserts> {
     let ckpt = synth::build(Preset::Tiny, 21)?;
     let vocab = ckpt.config.vocab_size;
-    let prompt: Vec<u32> = (0..100u32).map(|i| (i * 7919) % (vocab as u32 - 3) + 3).collect();
+    let prompt: Vec<u32> = (0..100u32)
+        .map(|i| (i * 7919) % (vocab as u32 - 3) + 3)
+        .collect();
     let mut t = Asserts::new();
     for (name, value) in [("all NaN", f32::NAN), ("all -inf", f32::NEG_INFINITY)] {
         let mut model = GpuModel::new(gpu.clone(), &ckpt, EngineOptions::default())?;
@@ -637,10 +652,15 @@ fn engine_nonfinite(gpu: &Arc<Gpu>) -> Result<Asserts> {
                 model.sample(&p, &[0.5])
             };
             t.check(is_nonfinite(&r, None, 0, &fault), || {
-                format!("{name}, T {}: {r:?}, want NonFiniteLogits for sequence 0: {fault}", p.temperature)
+                format!(
+                    "{name}, T {}: {r:?}, want NonFiniteLogits for sequence 0: {fault}",
+                    p.temperature
+                )
             });
             let again = model.check_device_errors();
-            t.check(again.is_ok(), || format!("{name}: record not cleared: {again:?}"));
+            t.check(again.is_ok(), || {
+                format!("{name}: record not cleared: {again:?}")
+            });
         }
     }
     for p in NONFINITE_PARAMS {
@@ -657,23 +677,36 @@ fn engine_nonfinite(gpu: &Arc<Gpu>) -> Result<Asserts> {
             logprobs: None,
         };
         let mut n = 0;
-        let r = crate::generate::generate_gpu(&mut model, &req, |_, _| {}, |_| {
-            n += 1;
-            if n == 3 {
-                // bf16 0xFFFF is a NaN: every later logit is NaN
-                // SAFETY: `norm` is the live final-norm weight of `model`
-                // (norm_bytes long), on this stream.
-                unsafe {
-                    cudarc::driver::result::memset_d8_async(norm, 0xFF, norm_bytes, g.stream().cu_stream())
+        let r = crate::generate::generate_gpu(
+            &mut model,
+            &req,
+            |_, _| {},
+            |_| {
+                n += 1;
+                if n == 3 {
+                    // bf16 0xFFFF is a NaN: every later logit is NaN
+                    // SAFETY: `norm` is the live final-norm weight of `model`
+                    // (norm_bytes long), on this stream.
+                    unsafe {
+                        cudarc::driver::result::memset_d8_async(
+                            norm,
+                            0xFF,
+                            norm_bytes,
+                            g.stream().cu_stream(),
+                        )
+                    }
+                    .map_err(|e| Error::Cuda(format!("poisoning the final norm: {e}")))?;
                 }
-                .map_err(|e| Error::Cuda(format!("poisoning the final norm: {e}")))?;
-            }
-            Ok(())
-        });
+                Ok(())
+            },
+        );
         let want = format!("NaN at id 0 ({vocab} of {vocab} entries NaN)");
         let r = r.map(|o| o.tokens);
         t.check(is_nonfinite(&r, Some(3), 0, &want), || {
-            format!("generate, T {}: {r:?}, want NonFiniteLogits at decode step 3, sequence 0: {want}", p.temperature)
+            format!(
+                "generate, T {}: {r:?}, want NonFiniteLogits at decode step 3, sequence 0: {want}",
+                p.temperature
+            )
         });
         t.check(model.last_step_was_graph(), || {
             "the poisoned step did not replay the CUDA graph".into()

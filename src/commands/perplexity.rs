@@ -86,6 +86,16 @@ pub(crate) fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     }
     let engine = build_engine(&a.mode, backend, &ckpt, forecast.as_ref(), false)?;
     drop(ckpt);
+    if let Engine::Cuda(m) = &engine {
+        // one chunk's sequence at a time: refused before it is allocated
+        m.check_memory(
+            1,
+            plan.context.max(plan.prefill_len() + 1),
+            m.offload_options(),
+            true,
+            "lower --context",
+        )?;
+    }
     let plan_a = engine.plan();
     let mut mode = plan_json(&a.mode, backend, &engine, forecast.is_some());
     mode["selection"] = serde_json::json!(plan_a.rule().map(|r| format!("{r:?}")));

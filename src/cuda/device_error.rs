@@ -507,7 +507,10 @@ mod tests {
             none.logits_fault(),
             Some(crate::sample::LogitsFault::NoFinite { vocab: 16 })
         );
-        assert_eq!(none.to_string(), "argmax/sample (row 1): no finite logit (all 16 entries -inf)");
+        assert_eq!(
+            none.to_string(),
+            "argmax/sample (row 1): no finite logit (all 16 entries -inf)"
+        );
     }
 
     #[test]
