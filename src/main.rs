@@ -25,12 +25,16 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Generate text from a prompt (streams tokens; prints tokens/s at the end).
+    /// Ctrl-C stops before the next decode step: the trace is finished, no
+    /// --json report is written, exit code 130 (a second Ctrl-C exits at once).
     #[command(mut_arg("fetch", |a| a.help(GENERATE_FETCH_HELP).num_args(1)))]
     Generate(GenerateArgs),
     /// Perplexity of a text under teacher forcing, scored the way the mode
     /// decodes: chunks of --context tokens, the last --score tokens of each
     /// scored one decode step at a time; with --kl-base, KL divergence, top-1
     /// agreement and Δ perplexity against a base run saved by --save-logits.
+    /// Ctrl-C stops before the next decode step: no --json or --save-logits
+    /// file is written, exit code 130 (a second Ctrl-C exits at once).
     #[command(mut_arg("fetch", |a| a.help(GENERATE_FETCH_HELP).num_args(1)))]
     Perplexity(PerplexityArgs),
     /// Write a random-weight checkpoint (config.json, safetensors, tokenizer.json).
@@ -44,7 +48,9 @@ enum Cmd {
     },
     /// Decode-throughput benchmark of the GPU-resident engine (runtime.md §5):
     /// runs every attention × batch × context case in one process (weights
-    /// loaded once) and writes a JSON report; prints a table.
+    /// loaded once) and writes a JSON report; prints a table. Ctrl-C stops
+    /// before the next cell: the trace is finished, no report is written
+    /// (each finished cell is printed on stderr), exit code 130.
     Bench(BenchArgs),
     /// Check the GPU engine end to end against the CPU reference under teacher
     /// forcing (logits rel. L2 ≤ 2e-2 at every step; block selections compared):
@@ -262,7 +268,8 @@ struct GenerateArgs {
     /// without CUDA graphs).
     #[arg(long)]
     trace: Option<PathBuf>,
-    /// Write the run's tokens, text, sampling settings and timings as JSON here.
+    /// Write the run's tokens, text, sampling settings and timings as JSON here
+    /// (not written when Ctrl-C interrupts the run).
     #[arg(long)]
     json: Option<PathBuf>,
     /// More token ids that end generation, besides the model's EOS ids
@@ -298,7 +305,8 @@ struct PerplexityArgs {
     max_chunks: Option<usize>,
     /// Save every scored position's top-K log-probabilities, the mass
     /// outside them and the token that followed here (binary; the format
-    /// is documented in src/quality/logits_file.rs), as a base for --kl-base.
+    /// is documented in src/quality/logits_file.rs), as a base for --kl-base
+    /// (not written when Ctrl-C interrupts the run).
     #[arg(long)]
     save_logits: Option<PathBuf>,
     /// K of --save-logits.
@@ -309,7 +317,7 @@ struct PerplexityArgs {
     /// plus the rest, top-1 agreement, Δ perplexity.
     #[arg(long)]
     kl_base: Option<PathBuf>,
-    /// Write the report as JSON here.
+    /// Write the report as JSON here (not written when Ctrl-C interrupts the run).
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -484,7 +492,7 @@ struct BenchArgs {
     /// Traced steps per case with --trace.
     #[arg(long, default_value_t = 4)]
     trace_steps: usize,
-    /// Report path.
+    /// Report path (not written when Ctrl-C interrupts the grid).
     #[arg(long)]
     json: PathBuf,
 }

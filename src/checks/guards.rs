@@ -717,8 +717,14 @@ fn engine_nonfinite(gpu: &Arc<Gpu>) -> Result<Asserts> {
 
 /// The non-finite logits cases (part of [`check_guards`]; also run alone by
 /// the ignored test `gpu_nonfinite_logits_are_errors` in
-/// tests/gpu_kernels.rs): [`sample_rows_nonfinite`] and
-/// [`engine_nonfinite`], one [`CaseResult`] each.
+/// tests/gpu_kernels.rs), one [`CaseResult`] each: `sample_rows
+/// (non-finite)` — NaN, +inf and all −inf rows (greedy and sampled) must be
+/// reported with the row, lowest id, count and V that
+/// [`sample::check_logits`] gives, and −inf among finite logits must not;
+/// `GpuModel (non-finite)` — NaN / −inf written into the engine's logits
+/// buffer after a prefill, and NaN logits computed inside a graph-replayed
+/// decode step mid-generation, must come back as
+/// [`Error::NonFiniteLogits`] naming the sequence (and decode step 3).
 pub fn check_nonfinite_logits(gpu: &Arc<Gpu>, rng: &mut SmallRng) -> Vec<CaseResult> {
     let mut out = Vec::new();
     let r = sample_rows_nonfinite(gpu, rng);
