@@ -71,15 +71,21 @@ __device__ __forceinline__ float block_sum(float v, float* shm) {
 // A kernel whose guard fails (bad input it cannot process) skips the offending work and
 // reports it here instead of failing silently. The record: i32 [8] in pinned, device-mapped
 // host memory: [0] code (0 = none), [1] row of the launch, [2] layer, [3] the offending value,
-// [4] the limit it broke, [5] KV head (-1: a per-row guard), [6..8) 0. The first error wins
-// (atomicCAS on the code); only the claiming thread writes the other words. A null record
-// reports nothing. The host reads it after a synchronisation and clears it.
+// [4] the limit it broke, [5] KV head (-1: a per-row guard), [6] a count (non-finite logits:
+// the offending entries of the row; else 0), [7] 0. The first error wins (atomicCAS on the
+// code); only the claiming thread writes the other words. A null record reports nothing. The
+// host reads it after a synchronisation and clears it.
 #define DEVERR_ROPE_POSITION 1  // qkv_rope_append: position outside the RoPE table
 #define DEVERR_SELECT_BLOCKS 2  // select_blocks: more blocks than the launch's cap
 #define DEVERR_SLOT_DIFF 3      // slot_diff: more missed blocks than free slots
+// Non-finite logits (argmax_rows, argmax_advance, sample_rows; the rule of src/sample.rs
+// `check_logits`): value = the lowest offending id (-1 for NO_FINITE), limit = V, count word.
+#define DEVERR_LOGITS_NAN 4        // a NaN in the row
+#define DEVERR_LOGITS_POSINF 5     // no NaN, a +inf in the row
+#define DEVERR_LOGITS_NO_FINITE 6  // every entry -inf
 
-__device__ __forceinline__ void raise_device_error(int* rec, int code, int row, int layer, int head,
-                                                   int value, int limit) {
+__device__ __forceinline__ void raise_device_error_n(int* rec, int code, int row, int layer, int head,
+                                                     int value, int limit, int count) {
     if (rec == nullptr) return;
     if (*(volatile int*)rec != 0) return;  // an earlier error holds the record
     if (atomicCAS(rec, 0, code) != 0) return;
@@ -89,5 +95,11 @@ __device__ __forceinline__ void raise_device_error(int* rec, int code, int row, 
     w[3] = value;
     w[4] = limit;
     w[5] = head;
+    w[6] = count;
     __threadfence_system();
+}
+
+__device__ __forceinline__ void raise_device_error(int* rec, int code, int row, int layer, int head,
+                                                   int value, int limit) {
+    raise_device_error_n(rec, code, row, layer, head, value, limit, 0);
 }

@@ -12,8 +12,10 @@
 // masses (steps 4, 5) in shared memory. Sums are in f64; their order differs
 // from the CPU's, so a draw within ~1e-15 of a cumulative boundary may land on
 // the neighbouring token.
-// Greedy (T == 0 or top_k == 1) and rows without a finite logit: the argmax
-// (ties to the lower index, NaN never wins), as sample.rs does.
+// Greedy (T == 0 or top_k == 1): the argmax (ties to the lower index), as sample.rs does.
+// A row no token can be chosen from (sample.rs `check_logits`: a NaN, a +inf, or no finite
+// logit) goes through argmax_row too, which reports it to the device error record `rec`
+// (null: not reported) with the row, the lowest offending id, V and the count.
 // Grid: rows blocks of SAMPLE_THREADS threads; logits f32 [rows, ld] (V used),
 // u f64 [rows], out u32 [rows].
 
@@ -109,7 +111,7 @@ __device__ u64 sample_descend(const float* row, int V, u64 lo, SampleMass m, dou
 
 extern "C" __global__ void sample_rows(const float* __restrict__ logits, long long ld, int rows, int V,
                                        float temperature, int top_k, float top_p, const double* __restrict__ u01,
-                                       u32* __restrict__ out) {
+                                       u32* __restrict__ out, int* rec) {
     const int r = blockIdx.x;
     if (r >= rows) return;
     const float* row = logits + (u64)r * (u64)ld;
@@ -119,13 +121,17 @@ extern "C" __global__ void sample_rows(const float* __restrict__ logits, long lo
     // the largest finite logit and the number of finite ones
     float mx = -INFINITY;
     double nfin = 0.0;
+    bool bad = false;  // a NaN or a +inf (check_logits)
     for (int j = threadIdx.x; j < V; j += blockDim.x) {
         const float l = row[j];
         if (isfinite(l)) {
             mx = fmaxf(mx, l);
             nfin += 1.0;
+        } else if (!(l < 0.0f)) {
+            bad = true;
         }
     }
+    bad = __syncthreads_or(bad);
     mx = warp_max(mx);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     if (lane == 0) smax[warp] = mx;
@@ -133,9 +139,10 @@ extern "C" __global__ void sample_rows(const float* __restrict__ logits, long lo
     mx = -INFINITY;
     for (int w = 0; w < nw; ++w) mx = fmaxf(mx, smax[w]);
     nfin = sample_block_sum(nfin, scratch);
-    if (temperature == 0.0f || top_k == 1 || nfin == 0.0) {
-        const u32 id = argmax_row(row, V);
-        if (threadIdx.x == 0) out[r] = id;
+    if (temperature == 0.0f || top_k == 1 || nfin == 0.0 || bad) {
+        const RowPick p = argmax_row(row, V);
+        report_row_pick(rec, p, r, V);
+        if (threadIdx.x == 0) out[r] = p.id;
         return;
     }
     SampleMass m{row, mx, temperature, 0.0};

@@ -5,9 +5,12 @@
 //!
 //! One process loads the weights once and runs a grid of cases (attention
 //! × batch × context). Per case:
-//! 1. memory check: the KV caches of B sequences (K, V, c, and Kc/p for
-//!    sparse attention) plus the step's buffers and a margin must fit in the
-//!    device's free memory, else the case is skipped with the reason;
+//! 1. memory check ([`crate::memory`], the estimator `generate` and
+//!    `offload-check` refuse with): the KV caches of B sequences (K, V, c,
+//!    and Kc/p for sparse attention; offloaded: the slot pools and the
+//!    pinned host store) plus the step's buffers and a margin must fit in
+//!    the device's free memory and the host's available memory, else the
+//!    case is skipped with the reason;
 //! 2. B sequences of L tokens: `--prefill synthetic` fills each with random
 //!    bf16 K/V and computes c, Kc and p from them on the GPU
 //!    ([`GpuModel::fill_synthetic`]), without running the model (labelled
@@ -384,6 +387,13 @@ fn run_case(
     context: usize,
     compare_modes: bool,
 ) -> Result<Value> {
+    let cell = || {
+        format!(
+            "the {} cell B = {batch}, L = {context}, before it ran (earlier cells are on stderr)",
+            if sparse { "sparse" } else { "dense" }
+        )
+    };
+    crate::interrupt::check(cell)?;
     let gpu = model.gpu().clone();
     let offload = model.offload_options();
     let extra = if compare_modes { 2 * spec.steps + 8 } else { 0 }
@@ -393,32 +403,16 @@ fn run_case(
         + 3;
     let cap = context + spec.warmup + spec.steps + extra + 1;
     let footprint = model.offload_footprint(batch, cap);
-    let kv_bytes = if offload.is_some() {
-        // the pools and rings, the small state of every sequence, and one
-        // full sequence while it is filled
-        let c = &model.config;
-        let bs = model.plan.budget.block_size.max(1);
-        let full_kv =
-            cap.div_ceil(bs) * bs * c.num_key_value_heads * c.head_dim * 4 * c.num_hidden_layers;
-        let small = model.sequence_bytes(cap).saturating_sub(full_kv);
-        footprint.gpu_kv_bytes + batch * small + model.sequence_bytes(cap)
-    } else {
-        batch * model.sequence_bytes(cap)
-    };
-    let c = &model.config;
-    // Step buffers: per-layer QKV rows, logits, activations, partials, scores (generous).
-    let step_bytes = batch
-        * (c.num_hidden_layers
-            * (c.num_attention_heads + 3 * c.num_key_value_heads)
-            * c.head_dim
-            * 2
-            + c.vocab_size * 4
-            + 8 * c.intermediate_size
-            + 4 * c.num_attention_heads * (cap / 16 + 64))
-        + (256 << 20);
-    let margin: usize = 2 << 30;
+    // the estimator generate and offload-check refuse with (crate::memory)
+    let need = model.memory_need(
+        batch,
+        cap,
+        offload,
+        matches!(spec.prefill, BenchPrefill::Real(_)),
+    );
+    let kv_bytes = need.kv;
     gpu.synchronize()?;
-    let (free, total) = gpu.mem_info()?;
+    let total = gpu.mem_info()?.1;
     let mut base = json!({
         "attention": if sparse { "sparse" } else { "dense" },
         "kv": kv_name(&offload),
@@ -441,28 +435,13 @@ fn run_case(
         base["host_pinned_bytes"] = json!(footprint.host_pinned_bytes);
         base["host_bytes_per_sequence"] = json!(footprint.host_pinned_bytes / batch.max(1));
         base["gpu_kv_bytes_per_sequence"] = json!(footprint.gpu_kv_bytes / batch.max(1));
-        let host_avail = crate::kv::host_store::host_available_bytes()?;
-        if footprint.host_pinned_bytes + (8 << 30) > host_avail {
-            let reason = format!(
-                "needs {:.1} GiB of pinned host memory + 8 GiB margin; {:.1} GiB available",
-                footprint.host_pinned_bytes as f64 / (1u64 << 30) as f64,
-                host_avail as f64 / (1u64 << 30) as f64
-            );
-            eprintln!("  skip: {reason}");
-            let mut v = base;
-            v["skipped"] = json!(reason);
-            return Ok(v);
-        }
     }
-    if kv_bytes + step_bytes + margin > free {
-        let reason = format!(
-            "needs {:.1} GiB of KV + {:.1} GiB of step buffers + {:.0} GiB margin; {:.1} GiB of {:.1} GiB free",
-            kv_bytes as f64 / (1u64 << 30) as f64,
-            step_bytes as f64 / (1u64 << 30) as f64,
-            margin as f64 / (1u64 << 30) as f64,
-            free as f64 / (1u64 << 30) as f64,
-            total as f64 / (1u64 << 30) as f64
-        );
+    let avail = crate::memory::available(&gpu, need.host_pinned > 0)?;
+    if let Err(e) = crate::memory::check(&need, &avail, "cell skipped") {
+        let reason = match e {
+            Error::Limit(m) => m,
+            other => return Err(other),
+        };
         eprintln!("  skip: {reason}");
         let mut v = base;
         v["skipped"] = json!(reason);
@@ -473,6 +452,7 @@ fn run_case(
     let mut seqs = Vec::with_capacity(batch);
     let mut first = Vec::with_capacity(batch);
     for b in 0..batch {
+        crate::interrupt::check(cell)?;
         let mut seq = model.new_sequence(cap)?;
         let sq = &mut seq;
         let toks = source.tokens(b, batch, context + 1);
@@ -695,6 +675,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
             BenchPrefill::Synthetic => PrefillMode::Auto,
         },
     };
+    crate::memory::check_weights(&gpu, &ckpt.config, ckpt.eviction_heads)?;
     let mut model = GpuModel::new(gpu.clone(), &ckpt, opts(spec.sparse[0]))?;
     let cfg = ckpt.config.clone();
     drop(ckpt);

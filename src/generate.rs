@@ -4,7 +4,7 @@
 use crate::cpu::{CpuModel, Sequence};
 use crate::pipeline::{GpuModel, GpuSequence};
 use crate::quality::dist::{token_logprobs, TokenLogprob};
-use crate::sample::{Sampler, SamplingParams};
+use crate::sample::{check_logits, Sampler, SamplingParams};
 use crate::{Error, Result};
 use std::time::Instant;
 
@@ -16,6 +16,9 @@ pub enum StopReason {
     Eos,
     /// `max_new_tokens` were generated.
     MaxTokens,
+    /// Ctrl-C (SIGINT, [`crate::interrupt`]) between two decode steps: the
+    /// tokens are those chosen before it.
+    Interrupted,
 }
 
 /// One generation request for a single sequence.
@@ -98,10 +101,16 @@ pub trait Stepper {
 /// The generation loop shared by every backend: validation, prefill (timed),
 /// then sample → report → stop check → decode until a stop id or
 /// `max_new_tokens` (timed). `on_token(id)` sees every token as soon as it
-/// is chosen.
+/// is chosen. A Ctrl-C ([`crate::interrupt::requested`]) seen before a
+/// decode step ends the loop with [`StopReason::Interrupted`] and the
+/// tokens so far.
 ///
 /// Errors: bad sampling parameters, a request past the model's context
-/// (`max_position`), or any backend error.
+/// (`max_position`), any backend error; a logits row no token can be
+/// chosen from ([`crate::sample::check_logits`]) is
+/// [`Error::NonFiniteLogits`] naming the decode step (tokens chosen before,
+/// 0 = the prefill's logits) and the sequence (0); Ctrl-C during the
+/// prefill is [`Error::Interrupted`].
 pub fn run_loop(
     engine: &mut dyn Stepper,
     req: &Request,
@@ -126,7 +135,10 @@ pub fn run_loop(
     let mut logprobs = Vec::new();
     let mut stop = StopReason::MaxTokens;
     while tokens.len() < req.max_new_tokens {
-        let tok = engine.next_token(&mut sampler, greedy)?;
+        let step = tokens.len();
+        let tok = engine
+            .next_token(&mut sampler, greedy)
+            .map_err(|e| e.locate(step, 0))?;
         if let Some(k) = req.logprobs {
             logprobs.push(token_logprobs(&engine.logits()?, tok, k));
         }
@@ -137,6 +149,10 @@ pub fn run_loop(
             break;
         }
         if tokens.len() == req.max_new_tokens {
+            break;
+        }
+        if crate::interrupt::requested() {
+            stop = StopReason::Interrupted;
             break;
         }
         let _span =
@@ -171,7 +187,9 @@ impl Stepper for CpuStepper<'_> {
         Ok(())
     }
     fn next_token(&mut self, sampler: &mut Sampler, _greedy: bool) -> Result<u32> {
-        Ok(sampler.sample(&self.logits))
+        // the layer where the hidden state went non-finite, when it did
+        check_logits(&self.logits).map_err(|f| f.to_error(self.seq.nonfinite_layer))?;
+        sampler.sample(&self.logits)
     }
     fn logits(&mut self) -> Result<Vec<f32>> {
         Ok(self.logits.clone())
@@ -203,10 +221,9 @@ pub fn generate_cpu(
 
 /// The GPU engine as a [`Stepper`]: one sequence; greedy picks and
 /// temperature/top-k/top-p sampling run on the GPU ([`GpuModel::sample`],
-/// fed the CPU sampler's seeded draws; only the id is copied back). Unlike
-/// [`Sampler::sample`], a draw is taken even for a row without a finite
-/// logit (the GPU cannot tell beforehand), so after such a row the two
-/// draw streams part.
+/// fed the CPU sampler's seeded draws; only the id is copied back). A row
+/// no token can be chosen from is refused by the kernels themselves
+/// through the device error record, read with the id: no extra copy.
 struct GpuStepper<'a> {
     model: &'a mut GpuModel,
     seq: GpuSequence,
@@ -258,7 +275,11 @@ impl Stepper for GpuStepper<'_> {
 /// prefilled sequence moves to pinned host memory before decoding). Same loop, stop rules and timings as
 /// [`generate_cpu`]; decode time includes the per-step copy of the chosen id.
 ///
-/// Errors: as [`run_loop`]; [`Error::Cuda`] on a device failure.
+/// Errors: as [`run_loop`]; [`Error::Limit`] when the sequence's KV, the
+/// step and prefill buffers (and with offload the pinned host store) do not
+/// fit the GPU's free memory (and the host's available memory), refused
+/// before they are allocated ([`GpuModel::check_memory`]); [`Error::Cuda`]
+/// on a device failure.
 pub fn generate_gpu(
     model: &mut GpuModel,
     req: &Request,
@@ -267,7 +288,19 @@ pub fn generate_gpu(
 ) -> Result<Output> {
     let max_position = model.config.max_position_embeddings;
     check_length(req.prompt.len(), req.max_new_tokens, max_position)?;
-    let seq = model.new_sequence(req.prompt.len() + req.max_new_tokens)?;
+    let cap = req.prompt.len() + req.max_new_tokens;
+    // refused with the numbers before the caches are allocated
+    model.check_memory(
+        1,
+        cap,
+        model.offload_options(),
+        true,
+        match model.offload_options() {
+            Some(_) => "lower --prompt-tokens or --max-new-tokens",
+            None => "lower --prompt-tokens or --max-new-tokens, or offload the KV to host memory (--kv offload)",
+        },
+    )?;
+    let seq = model.new_sequence(cap)?;
     let mut st = GpuStepper { model, seq };
     run_loop(&mut st, req, max_position, progress, on_token)
 }

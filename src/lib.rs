@@ -18,6 +18,9 @@
 //! - [`sample`]: token sampling;
 //! - [`synth`]: random-weight checkpoints for tests and benchmarks;
 //! - [`generate`]: the text-generation loop behind `sparda generate`;
+//! - [`interrupt`]: Ctrl-C (SIGINT) handling of the long-running commands;
+//! - [`memory`]: the GPU and pinned host memory a run needs, checked against
+//!   what the machine has before anything is allocated;
 //! - [`quality`]: perplexity and the comparison with a saved base run
 //!   (KL divergence, top-1 agreement) behind `sparda perplexity`;
 //! - [`mod@bench`]: the decode benchmark behind `sparda bench`;
@@ -31,7 +34,9 @@ pub mod cpu;
 pub mod cuda;
 pub mod error;
 pub mod generate;
+pub mod interrupt;
 pub mod kv;
+pub mod memory;
 pub mod model;
 pub mod pipeline;
 pub mod quality;

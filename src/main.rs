@@ -25,12 +25,16 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Generate text from a prompt (streams tokens; prints tokens/s at the end).
+    /// Ctrl-C stops before the next decode step: the trace is finished, no
+    /// --json report is written, exit code 130 (a second Ctrl-C exits at once).
     #[command(mut_arg("fetch", |a| a.help(GENERATE_FETCH_HELP).num_args(1)))]
     Generate(GenerateArgs),
     /// Perplexity of a text under teacher forcing, scored the way the mode
     /// decodes: chunks of --context tokens, the last --score tokens of each
     /// scored one decode step at a time; with --kl-base, KL divergence, top-1
     /// agreement and Δ perplexity against a base run saved by --save-logits.
+    /// Ctrl-C stops before the next decode step: no --json or --save-logits
+    /// file is written, exit code 130 (a second Ctrl-C exits at once).
     #[command(mut_arg("fetch", |a| a.help(GENERATE_FETCH_HELP).num_args(1)))]
     Perplexity(PerplexityArgs),
     /// Write a random-weight checkpoint (config.json, safetensors, tokenizer.json).
@@ -44,7 +48,9 @@ enum Cmd {
     },
     /// Decode-throughput benchmark of the GPU-resident engine (runtime.md §5):
     /// runs every attention × batch × context case in one process (weights
-    /// loaded once) and writes a JSON report; prints a table.
+    /// loaded once) and writes a JSON report; prints a table. Ctrl-C stops
+    /// before the next cell: the trace is finished, no report is written
+    /// (each finished cell is printed on stderr), exit code 130.
     Bench(BenchArgs),
     /// Check the GPU engine end to end against the CPU reference under teacher
     /// forcing, judged by KL divergence and top-1 agreement against what bf16
@@ -268,7 +274,8 @@ struct GenerateArgs {
     /// without CUDA graphs).
     #[arg(long)]
     trace: Option<PathBuf>,
-    /// Write the run's tokens, text, sampling settings and timings as JSON here.
+    /// Write the run's tokens, text, sampling settings and timings as JSON here
+    /// (not written when Ctrl-C interrupts the run).
     #[arg(long)]
     json: Option<PathBuf>,
     /// More token ids that end generation, besides the model's EOS ids
@@ -304,7 +311,8 @@ struct PerplexityArgs {
     max_chunks: Option<usize>,
     /// Save every scored position's top-K log-probabilities, the mass
     /// outside them and the token that followed here (binary; the format
-    /// is documented in src/quality/logits_file.rs), as a base for --kl-base.
+    /// is documented in src/quality/logits_file.rs), as a base for --kl-base
+    /// (not written when Ctrl-C interrupts the run).
     #[arg(long)]
     save_logits: Option<PathBuf>,
     /// K of --save-logits.
@@ -315,7 +323,7 @@ struct PerplexityArgs {
     /// plus the rest, top-1 agreement, Δ perplexity.
     #[arg(long)]
     kl_base: Option<PathBuf>,
-    /// Write the report as JSON here.
+    /// Write the report as JSON here (not written when Ctrl-C interrupts the run).
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -490,7 +498,7 @@ struct BenchArgs {
     /// Traced steps per case with --trace.
     #[arg(long, default_value_t = 4)]
     trace_steps: usize,
-    /// Report path.
+    /// Report path (not written when Ctrl-C interrupts the grid).
     #[arg(long)]
     json: PathBuf,
 }
@@ -531,6 +539,16 @@ fn main() {
             std::process::exit(1);
         }
     };
+    // Ctrl-C stops the long loops between units of work (sparda::interrupt);
+    // the other commands keep the default (the process ends at once).
+    if matches!(
+        cli.cmd,
+        Cmd::Generate(_) | Cmd::Perplexity(_) | Cmd::Bench(_)
+    ) {
+        if let Err(e) = sparda::interrupt::install() {
+            eprintln!("warning: {e}; Ctrl-C will end the run without finishing its trace");
+        }
+    }
     let r = match cli.cmd {
         Cmd::Generate(a) => cmd_generate(a),
         Cmd::Perplexity(a) => cmd_perplexity(a),
@@ -559,7 +577,10 @@ fn main() {
         Cmd::GpuCheck { json } => sparda::checks::gpu_check(&json)
             .and_then(|ok| check_outcome("gpu-check", "kernel", ok, &json)),
     };
-    let r = r.and_then(|()| match session {
+    // The trace records what ran, also when the run failed or was
+    // interrupted: it is finished (merged, written, its temporary file
+    // removed) either way.
+    let traced = match session {
         Some(s) => {
             let path = s.path().to_path_buf();
             s.finish().map(|_| {
@@ -570,9 +591,26 @@ fn main() {
             })
         }
         None => Ok(()),
-    });
-    if let Err(e) = r {
-        eprintln!("error: {e}");
-        std::process::exit(1);
+    };
+    match (r, traced) {
+        (Ok(()), Ok(())) => {}
+        (Err(e @ Error::Interrupted(_)), t) => {
+            if let Err(te) = t {
+                eprintln!("error: {te}");
+            }
+            eprintln!("{e}");
+            std::process::exit(sparda::interrupt::EXIT_CODE);
+        }
+        (Err(e), t) => {
+            if let Err(te) = t {
+                eprintln!("error: {te}");
+            }
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+        (Ok(()), Err(e)) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
     }
 }

@@ -54,8 +54,117 @@ pub struct Sampler {
     rng: StdRng,
 }
 
+/// Why no token can be chosen from a logits row ([`check_logits`]). The
+/// GPU's argmax and sampling kernels report the same faults, with the same
+/// numbers, through the device error record
+/// ([`crate::cuda::device_error::DeviceErrorKind::LogitsNan`] and its
+/// siblings).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsFault {
+    /// At least one NaN: `id` is the lowest id holding one, `count` how many
+    /// of the row's `vocab` entries are NaN.
+    Nan {
+        /// Lowest id holding a NaN.
+        id: usize,
+        /// NaN entries in the row.
+        count: usize,
+        /// Entries in the row (V).
+        vocab: usize,
+    },
+    /// No NaN, but at least one +∞: `id` is the lowest id holding one,
+    /// `count` how many entries are +∞.
+    PosInf {
+        /// Lowest id holding +∞.
+        id: usize,
+        /// +∞ entries in the row.
+        count: usize,
+        /// Entries in the row (V).
+        vocab: usize,
+    },
+    /// No finite entry: every entry is −∞ (or the row is empty).
+    NoFinite {
+        /// Entries in the row (V).
+        vocab: usize,
+    },
+}
+
+impl std::fmt::Display for LogitsFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            LogitsFault::Nan { id, count, vocab } => {
+                write!(f, "NaN at id {id} ({count} of {vocab} entries NaN)")
+            }
+            LogitsFault::PosInf { id, count, vocab } => {
+                write!(f, "+inf at id {id} ({count} of {vocab} entries +inf)")
+            }
+            LogitsFault::NoFinite { vocab: 0 } => write!(f, "an empty logits row"),
+            LogitsFault::NoFinite { vocab } => {
+                write!(f, "no finite logit (all {vocab} entries -inf)")
+            }
+        }
+    }
+}
+
+impl LogitsFault {
+    /// The crate error for this fault, step and sequence not yet known
+    /// ([`Error::locate`] adds them); `layer` as the engine can tell.
+    pub fn to_error(self, layer: Option<usize>) -> Error {
+        Error::NonFiniteLogits {
+            step: None,
+            sequence: None,
+            layer,
+            what: self.to_string(),
+        }
+    }
+}
+
+/// Whether a token can be chosen from `logits` (\[V\], f32): the rule every
+/// token-picking path applies (greedy and sampled, CPU and GPU): a NaN
+/// anywhere, a +∞ anywhere, or no finite entry (every entry −∞, the
+/// distribution is undefined) is a fault; −∞ entries among finite ones are
+/// fine (masked tokens). A NaN is reported before a +∞, and both before
+/// "no finite". One pass over the row.
+///
+/// Errors: the [`LogitsFault`] (turn it into the crate's error with
+/// [`LogitsFault::to_error`]).
+pub fn check_logits(logits: &[f32]) -> std::result::Result<(), LogitsFault> {
+    let (mut nan, mut nan_id, mut inf, mut inf_id, mut finite) = (0, None, 0, None, false);
+    for (j, &x) in logits.iter().enumerate() {
+        if x.is_nan() {
+            nan += 1;
+            nan_id.get_or_insert(j);
+        } else if x == f32::INFINITY {
+            inf += 1;
+            inf_id.get_or_insert(j);
+        } else if x.is_finite() {
+            finite = true;
+        }
+    }
+    let vocab = logits.len();
+    if let Some(id) = nan_id {
+        return Err(LogitsFault::Nan {
+            id,
+            count: nan,
+            vocab,
+        });
+    }
+    if let Some(id) = inf_id {
+        return Err(LogitsFault::PosInf {
+            id,
+            count: inf,
+            vocab,
+        });
+    }
+    if !finite {
+        return Err(LogitsFault::NoFinite { vocab });
+    }
+    Ok(())
+}
+
 /// Index of the largest logit, ties to the lower index; NaN never wins
-/// (a row of only NaN gives 0, as the GPU's argmax kernels do).
+/// (a row of only NaN gives 0, as the GPU's argmax kernels do). A pure
+/// rule: token-picking paths first refuse rows that [`check_logits`]
+/// faults ([`Sampler::sample`] does).
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0usize;
     for (i, &v) in logits.iter().enumerate() {
@@ -95,14 +204,19 @@ impl Sampler {
     }
 
     /// Draws the next token from `logits` (\[V\], f32): the argmax when greedy
-    /// or when no logit is finite (no draw then), else [`sample_with_u`]
-    /// with the next [`Sampler::draw`].
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.is_greedy() || !logits.iter().any(|x| x.is_finite()) {
-            return argmax(logits);
+    /// (no draw then), else [`sample_with_u`] with the next
+    /// [`Sampler::draw`].
+    ///
+    /// Errors: [`Error::NonFiniteLogits`] (step and sequence not yet known,
+    /// see [`Error::locate`]) for a row [`check_logits`] refuses: a NaN, a
+    /// +∞, or no finite logit; no draw is taken then.
+    pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
+        check_logits(logits).map_err(|f| f.to_error(None))?;
+        if self.is_greedy() {
+            return Ok(argmax(logits));
         }
         let u = self.draw();
-        sample_with_u(&self.params, logits, u)
+        Ok(sample_with_u(&self.params, logits, u))
     }
 }
 

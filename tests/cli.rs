@@ -901,3 +901,213 @@ fn checkpoint_of_another_size_lists_ten_mismatches_and_a_count() {
         "{err}"
     );
 }
+
+/// What tells an interrupt test that the run got going.
+enum Ready {
+    /// The first byte of generated text on stdout (decoding has started).
+    Stdout,
+    /// A line of stderr containing this text, then the delay.
+    Stderr(&'static str, Duration),
+}
+
+/// Starts `sparda args`, waits until `ready`, sends it `signals` SIGINTs
+/// (with `kill -INT`, 50 ms apart) and waits for it to end (at most 120 s).
+/// Returns the exit code and stderr.
+fn interrupted_run(args: &[&str], ready: Ready, signals: usize) -> (Option<i32>, String) {
+    use std::io::BufRead;
+    use std::sync::mpsc;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sparda"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("runs the binary");
+    let (tx, rx) = mpsc::channel::<()>();
+    let mut stdout = child.stdout.take().expect("piped stdout");
+    let stderr = child.stderr.take().expect("piped stderr");
+    let want = match ready {
+        Ready::Stderr(s, _) => Some(s),
+        Ready::Stdout => None,
+    };
+    let tx2 = tx.clone();
+    let out_reader = std::thread::spawn(move || {
+        let mut buf = [0u8; 256];
+        let mut told = false;
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            if want.is_none() && !told {
+                tx2.send(()).ok();
+                told = true;
+            }
+        }
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut all = String::new();
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(|l| l.ok())
+        {
+            if want.is_some_and(|w| line.contains(w)) {
+                tx.send(()).ok();
+            }
+            all.push_str(&line);
+            all.push('\n');
+        }
+        all
+    });
+    if rx.recv_timeout(Duration::from_secs(120)).is_err() {
+        child.kill().ok();
+        child.wait().ok();
+        panic!(
+            "sparda {}: never got going; stderr: {}",
+            args.join(" "),
+            err_reader.join().unwrap_or_default()
+        );
+    }
+    if let Ready::Stderr(_, d) = ready {
+        std::thread::sleep(d);
+    }
+    for i in 0..signals {
+        if i > 0 {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let ok = Command::new("kill")
+            .args(["-INT", &child.id().to_string()])
+            .status()
+            .expect("runs kill");
+        assert!(ok.success(), "kill -INT failed");
+    }
+    let start = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("waits on the binary") {
+            break st;
+        }
+        if start.elapsed() > Duration::from_secs(120) {
+            child.kill().ok();
+            child.wait().ok();
+            panic!("sparda {} did not stop after SIGINT", args.join(" "));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    out_reader.join().ok();
+    (status.code(), err_reader.join().expect("stderr reader"))
+}
+
+/// Files in `dir` whose names end with `suffix`.
+fn files_ending(dir: &std::path::Path, suffix: &str) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(suffix))
+        .collect()
+}
+
+/// Ctrl-C during `generate`: exit code 130, the trace finished (it parses and
+/// holds the decode steps that ran), no temporary file left, and no --json
+/// report (an interrupted run writes none; stderr says so).
+#[test]
+fn ctrl_c_during_generate_finishes_the_trace_and_writes_no_report() {
+    let dir = common::TmpDir::new("ctrlc-generate");
+    let trace = dir.path().join("run.json");
+    let json = dir.path().join("out.json");
+    let (t, j) = (trace.display().to_string(), json.display().to_string());
+    let (code, err) = interrupted_run(
+        &[
+            "generate",
+            "--model",
+            "synth:tiny",
+            "--backend",
+            "cpu",
+            "--prompt",
+            "Once upon a time",
+            "--max-new-tokens",
+            "30000",
+            "--ignore-eos",
+            "--trace",
+            &t,
+            "--json",
+            &j,
+        ],
+        Ready::Stdout,
+        1,
+    );
+    assert_eq!(code, Some(130), "stderr: {err}");
+    assert!(err.contains("stop: Interrupted"), "{err}");
+    assert!(err.contains("interrupted (Ctrl-C) at decode step"), "{err}");
+    assert!(err.contains(&format!("{j} not written")), "{err}");
+    assert!(err.contains("trace written to"), "{err}");
+    assert!(!json.exists(), "an interrupted run wrote {j}");
+    assert_eq!(files_ending(dir.path(), ".tmp"), Vec::<String>::new());
+    let s = sparda::trace::summarize_file(&trace).expect("the trace parses");
+    assert!(s.steps >= 1, "no decode step in the trace: {s:?}");
+    assert!(
+        s.steps < 30_000,
+        "the run was not stopped early: {} steps",
+        s.steps
+    );
+}
+
+/// Ctrl-C during `perplexity`: exit code 130, neither the --json report nor
+/// the --save-logits file (nor its `.partial`) left behind, and stderr says
+/// how far the scoring got.
+#[test]
+fn ctrl_c_during_perplexity_leaves_no_partial_files() {
+    let dir = common::TmpDir::new("ctrlc-perplexity");
+    let json = dir.path().join("ppl.json");
+    let logits = dir.path().join("base.logits");
+    let (j, l) = (json.display().to_string(), logits.display().to_string());
+    let tok = fixture_tokenizer();
+    let text = format!("{}/data/texts/hamlet.txt", env!("CARGO_MANIFEST_DIR"));
+    let (code, err) = interrupted_run(
+        &[
+            "perplexity",
+            "--model",
+            "synth:tiny",
+            "--backend",
+            "cpu",
+            "--tokenizer",
+            &tok,
+            "--text",
+            &text,
+            "--context",
+            "1024",
+            "--json",
+            &j,
+            "--save-logits",
+            &l,
+        ],
+        Ready::Stderr("prefilled and", Duration::from_millis(700)),
+        1,
+    );
+    assert_eq!(code, Some(130), "stderr: {err}");
+    assert!(err.contains("interrupted after"), "{err}");
+    assert!(err.contains(&format!("{j} and {l} not written")), "{err}");
+    assert!(!json.exists() && !logits.exists());
+    assert_eq!(files_ending(dir.path(), ".partial"), Vec::<String>::new());
+    assert_eq!(files_ending(dir.path(), ".tmp"), Vec::<String>::new());
+}
+
+/// A second Ctrl-C ends the run at once, with the same exit code.
+#[test]
+fn a_second_ctrl_c_exits_at_once_with_130() {
+    let (code, err) = interrupted_run(
+        &[
+            "generate",
+            "--model",
+            "synth:tiny",
+            "--backend",
+            "cpu",
+            "--prompt",
+            "Once upon a time",
+            "--max-new-tokens",
+            "30000",
+            "--ignore-eos",
+        ],
+        Ready::Stdout,
+        2,
+    );
+    assert_eq!(code, Some(130), "stderr: {err}");
+}

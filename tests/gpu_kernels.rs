@@ -45,3 +45,25 @@ fn gpu_context_without_cuda_is_an_error_not_a_panic() {
         other => panic!("expected Error::Cuda, got {other:?}"),
     }
 }
+
+/// Non-finite logits on the GPU: NaN / +inf / all −inf rows through the
+/// sampling kernel (greedy and sampled paths), NaN and −inf written into
+/// the engine's logits buffer after a prefill, and NaN logits computed
+/// inside a graph-replayed decode step of a generation must come back as
+/// `Error::NonFiniteLogits` naming the sequence (and, from the generation
+/// loop, decode step 3), with the record cleared afterwards
+/// (`sparda::checks::guards::check_nonfinite_logits`). Needs a GPU:
+/// `cargo test --release --test gpu_kernels -- --ignored`.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
+fn gpu_nonfinite_logits_are_errors() {
+    use rand::SeedableRng;
+    let gpu =
+        std::sync::Arc::new(sparda::cuda::Gpu::new(0).unwrap_or_else(|e| panic!("Gpu::new: {e}")));
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(9);
+    let cases = sparda::checks::guards::check_nonfinite_logits(&gpu, &mut rng);
+    assert_eq!(cases.len(), 2);
+    for c in &cases {
+        assert!(c.pass, "{}: {:?}", c.kernel, c.error);
+    }
+}

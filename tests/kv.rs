@@ -105,12 +105,26 @@ fn footprint_matches_runtime_md_and_refuses_with_numbers() {
         f.gpu_kv_bytes,
         16 * (31 * (64 + RING_BLOCKS) + 1024) * (64 << 10)
     );
-    let err = f.check(1 << 30, usize::MAX).unwrap_err().to_string();
+    // the decision (sparda::memory::check) refuses it with the numbers
+    let need = sparda::memory::Need {
+        weights: 0,
+        kv: f.gpu_kv_bytes,
+        workspace: 0,
+        host_pinned: f.host_pinned_bytes,
+    };
+    let avail = |host| sparda::memory::Available {
+        gpu_free: usize::MAX / 2,
+        gpu_total: usize::MAX / 2,
+        host: Some(host),
+    };
+    let err = sparda::memory::check(&need, &avail(1 << 30), "lower --batch")
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("31.00 GiB of pinned host memory") && err.contains("1.00 GiB available"),
         "{err}"
     );
-    assert!(f.check(usize::MAX, usize::MAX).is_ok());
+    assert!(sparda::memory::check(&need, &avail(40 << 30), "").is_ok());
 }
 
 /// A slot pool per (layer, KV head) driven by the tiny model's real NOSA

@@ -11,7 +11,7 @@ fn greedy_is_argmax_with_ties_to_the_lower_id() {
     assert_eq!(argmax(&[f32::NAN, -1.0, f32::NAN, -2.0]), 1);
     assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NAN]), 0);
     let mut s = Sampler::new(SamplingParams::default());
-    assert_eq!(s.sample(&[0.1, 0.3, 0.2]), 1);
+    assert_eq!(s.sample(&[0.1, 0.3, 0.2]).unwrap(), 1);
 }
 
 #[test]
@@ -30,8 +30,8 @@ fn top_k_one_and_tiny_top_p_are_greedy() {
         seed: 3,
     });
     for _ in 0..100 {
-        assert_eq!(k1.sample(&logits), 1);
-        assert_eq!(p0.sample(&logits), 1);
+        assert_eq!(k1.sample(&logits).unwrap(), 1);
+        assert_eq!(p0.sample(&logits).unwrap(), 1);
     }
 }
 
@@ -46,7 +46,7 @@ fn top_k_never_leaves_the_k_best() {
     });
     let allowed = [6u32, 13, 20]; // ties at the cut go to the lower ids
     for _ in 0..500 {
-        assert!(allowed.contains(&s.sample(&logits)));
+        assert!(allowed.contains(&s.sample(&logits).unwrap()));
     }
 }
 
@@ -62,7 +62,7 @@ fn top_p_keeps_the_smallest_nucleus() {
     });
     let mut counts = [0usize; 3];
     for _ in 0..4000 {
-        counts[s.sample(&logits) as usize] += 1;
+        counts[s.sample(&logits).unwrap() as usize] += 1;
     }
     assert_eq!(counts[2], 0);
     let frac = counts[0] as f64 / 4000.0; // renormalised: 0.6 / 0.9 = 0.667
@@ -79,7 +79,9 @@ fn temperature_sampling_follows_softmax_and_seed() {
             top_p: 1.0,
             seed,
         });
-        (0..6000).map(|_| s.sample(&logits)).collect::<Vec<u32>>()
+        (0..6000)
+            .map(|_| s.sample(&logits).unwrap())
+            .collect::<Vec<u32>>()
     };
     let a = run(5);
     assert_eq!(a, run(5));
@@ -140,7 +142,7 @@ fn sample_is_sample_with_u_of_the_next_draw() {
         let (mut a, mut b) = (Sampler::new(params), Sampler::new(params));
         assert!(!a.is_greedy());
         for _ in 0..200 {
-            let want = a.sample(&logits);
+            let want = a.sample(&logits).unwrap();
             let u = b.draw();
             assert!((0.0..1.0).contains(&u));
             assert_eq!(sparda::sample::sample_with_u(&params, &logits, u), want);

@@ -17,6 +17,11 @@
 //!   written into its device-resident inputs: [`GpuModel::argmax`] must
 //!   fail with layer 0's `qkv_rope_append` error, and the next check must
 //!   find the record cleared.
+//! - `sample_rows (non-finite)`, `GpuModel (non-finite)`: logits rows no
+//!   token can be chosen from ([`sample::check_logits`]: a NaN, a +inf, all
+//!   −inf) through the sampling kernel and through the engine (injected
+//!   into the logits buffer, and produced inside a graph-replayed decode
+//!   step by a NaN final-norm weight): [`check_nonfinite_logits`].
 //!
 //! `rel_l2` is the fraction of failed assertions, tolerance 0.
 
@@ -31,6 +36,7 @@ use crate::cuda::ops::{self, EvictionWeights, RopeTables};
 use crate::cuda::{Bf16, Gpu};
 use crate::model::select::Budget;
 use crate::pipeline::{DecodeMode, GpuModel};
+use crate::sample::{self, SamplingParams};
 use crate::synth::{self, Preset};
 use crate::{Error, Result};
 use cudarc::driver::CudaSlice;
@@ -159,6 +165,7 @@ pub fn check_guards(gpu: &Arc<Gpu>, rng: &mut SmallRng) -> Vec<CaseResult> {
         json!({"model": "tiny", "step": "graph replay, device-fed", "position": "RoPE table rows"}),
         r,
     );
+    out.extend(check_nonfinite_logits(gpu, rng));
     out
 }
 
@@ -246,6 +253,7 @@ fn rope_guard(gpu: &Gpu, rng: &mut SmallRng) -> Result<Asserts> {
             head: None,
             value,
             limit: table_rows as i32,
+            count: 0,
         };
         if part == 0 {
             let w = want(1, 64);
@@ -344,6 +352,7 @@ fn select_guard(gpu: &Gpu, rng: &mut SmallRng) -> Result<Asserts> {
         head: Some(h),
         value: nb[1] as i32,
         limit: cap as i32,
+        count: 0,
     };
     t.check(got == Some(want(0)) || got == Some(want(1)), || {
         format!("record {got:?}, want {:?} (head 0 or 1)", want(0))
@@ -421,6 +430,7 @@ fn slot_diff_guard(gpu: &Gpu) -> Result<Asserts> {
         head: Some(1),
         value: 6,
         limit: 4,
+        count: 0,
     };
     t.record_is(&errs, &want);
     t.take_is(&errs, &want);
@@ -464,6 +474,7 @@ fn engine_guard(gpu: &Arc<Gpu>) -> Result<Asserts> {
         head: None,
         value: rows as i32,
         limit: rows as i32,
+        count: 0,
     }
     .to_error()
     .to_string();
@@ -478,4 +489,257 @@ fn engine_guard(gpu: &Arc<Gpu>) -> Result<Asserts> {
         format!("check_device_errors after the report: {again:?}, want Ok (cleared)")
     });
     Ok(t)
+}
+
+/// Sampling parameters of the non-finite cases: greedy and sampled.
+const NONFINITE_PARAMS: [SamplingParams; 2] = [
+    SamplingParams {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 0,
+    },
+    SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.95,
+        seed: 0,
+    },
+];
+
+/// A finite row of `vocab` logits.
+fn finite_row(rng: &mut SmallRng, vocab: usize) -> Vec<f32> {
+    (0..vocab).map(|_| rng.random_range(-4.0f32..4.0)).collect()
+}
+
+/// Rows no token can be chosen from ([`sample::check_logits`]), by name.
+fn nonfinite_rows(rng: &mut SmallRng, vocab: usize) -> Vec<(&'static str, Vec<f32>)> {
+    let mut one_nan = finite_row(rng, vocab);
+    one_nan[vocab / 3] = f32::NAN;
+    let mut pos_inf = finite_row(rng, vocab);
+    pos_inf[vocab / 2] = f32::INFINITY;
+    pos_inf[vocab - 1] = f32::INFINITY;
+    let mut nan_inf = finite_row(rng, vocab);
+    nan_inf[7] = f32::INFINITY;
+    nan_inf[vocab - 2] = f32::NAN;
+    nan_inf[vocab - 5] = f32::NAN;
+    vec![
+        ("all NaN", vec![f32::NAN; vocab]),
+        ("one NaN", one_nan),
+        ("+inf", pos_inf),
+        ("NaN and +inf", nan_inf),
+        ("all -inf", vec![f32::NEG_INFINITY; vocab]),
+    ]
+}
+
+/// The record a kernel must write for row `row` holding `fault`.
+fn logits_record(fault: sample::LogitsFault, row: usize) -> DeviceError {
+    use sample::LogitsFault as F;
+    let (kind, value, count, vocab) = match fault {
+        F::Nan { id, count, vocab } => (DeviceErrorKind::LogitsNan, id as i32, count, vocab),
+        F::PosInf { id, count, vocab } => (DeviceErrorKind::LogitsPosInf, id as i32, count, vocab),
+        F::NoFinite { vocab } => (DeviceErrorKind::LogitsNoFinite, -1, vocab, vocab),
+    };
+    DeviceError {
+        kind,
+        row: row as i32,
+        layer: -1,
+        head: None,
+        value,
+        limit: vocab as i32,
+        count: count as i32,
+    }
+}
+
+/// `r` is [`Error::NonFiniteLogits`] with `step`, sequence `seq` and `what`.
+fn is_nonfinite(
+    r: &Result<impl std::fmt::Debug>,
+    step: Option<usize>,
+    seq: usize,
+    what: &str,
+) -> bool {
+    matches!(r, Err(Error::NonFiniteLogits { step: s, sequence: Some(q), layer: None, what: w })
+        if *s == step && *q == seq && w == what)
+}
+
+/// `sample_rows` (both its greedy and its sampling path) on three rows, the
+/// middle one non-finite: the record names row 1 with the fault
+/// `check_logits` gives for it (id, count, V), `take` turns it into
+/// [`Error::NonFiniteLogits`] for sequence 1, the good rows get their
+/// tokens and the bad one its argmax; a row with −inf entries among finite
+/// ones raises nothing.
+fn sample_rows_nonfinite(gpu: &Gpu, rng: &mut SmallRng) -> Result<Asserts> {
+    let vocab = 1000;
+    let errs = DeviceErrors::new(gpu)?;
+    let mut t = Asserts::new();
+    let u = [0.25f64, 0.5, 0.75];
+    for p in NONFINITE_PARAMS {
+        for (name, bad) in nonfinite_rows(rng, vocab) {
+            let good = [finite_row(rng, vocab), finite_row(rng, vocab)];
+            let x: Vec<f32> = [&good[0][..], &bad[..], &good[1][..]].concat();
+            let dev = gpu.upload(&x)?;
+            let got = ops::sample_rows(gpu, &dev, 3, vocab, &p, &u, errs.sink(0))?;
+            let want = [
+                sample::sample_with_u(&p, &good[0], u[0]),
+                sample::argmax(&bad),
+                sample::sample_with_u(&p, &good[1], u[2]),
+            ];
+            t.check(got == want, || {
+                format!("{name}, T {}: ids {got:?}, want {want:?}", p.temperature)
+            });
+            let fault = sample::check_logits(&bad).err();
+            t.check(fault.is_some(), || {
+                format!("{name}: check_logits passes it")
+            });
+            let Some(fault) = fault else { continue };
+            t.record_is(&errs, &logits_record(fault, 1));
+            let r = errs.take();
+            t.check(is_nonfinite(&r, None, 1, &fault.to_string()), || {
+                format!(
+                    "{name}, T {}: take() {r:?}, want NonFiniteLogits for sequence 1: {fault}",
+                    p.temperature
+                )
+            });
+        }
+        let mut masked = finite_row(rng, vocab);
+        masked[3] = f32::NEG_INFINITY;
+        let dev = gpu.upload(&masked)?;
+        ops::sample_rows(gpu, &dev, 1, vocab, &p, &u[..1], errs.sink(0))?;
+        let r = errs.peek();
+        t.check(matches!(r, Ok(None)), || {
+            format!(
+                "−inf among finite logits, T {}: record {r:?}, want none",
+                p.temperature
+            )
+        });
+        errs.clear();
+    }
+    Ok(t)
+}
+
+/// The engine end to end on the tiny model: NaN / all −inf written into the
+/// prefill's logits buffer make [`GpuModel::argmax`] and
+/// [`GpuModel::sample`] fail with [`Error::NonFiniteLogits`] for sequence 0
+/// (and clear the record); a generation whose final-norm weight turns NaN
+/// after its third token (every later logit NaN, computed inside the decode
+/// step, replayed from its CUDA graph) fails at decode step 3, sequence 0,
+/// greedy and sampled.
+fn engine_nonfinite(gpu: &Arc<Gpu>) -> Result<Asserts> {
+    let ckpt = synth::build(Preset::Tiny, 21)?;
+    let vocab = ckpt.config.vocab_size;
+    let prompt: Vec<u32> = (0..100u32)
+        .map(|i| (i * 7919) % (vocab as u32 - 3) + 3)
+        .collect();
+    let mut t = Asserts::new();
+    for (name, value) in [("all NaN", f32::NAN), ("all -inf", f32::NEG_INFINITY)] {
+        let mut model = GpuModel::new(gpu.clone(), &ckpt, EngineOptions::default())?;
+        let mut seq = model.new_sequence(prompt.len() + 8)?;
+        model.prefill(&mut seq, &prompt, |_, _| {})?;
+        let fault = sample::check_logits(&vec![value; vocab])
+            .err()
+            .map(|f| f.to_string())
+            .unwrap_or_default();
+        for p in NONFINITE_PARAMS {
+            {
+                let ws = model.ws.as_mut().expect("a prefill workspace");
+                gpu.stream()
+                    .memcpy_htod(&vec![value; vocab], &mut ws.logits.slice_mut(0..vocab))
+                    .map_err(|e| Error::Cuda(format!("writing the logits: {e}")))?;
+            }
+            let r = if p.temperature == 0.0 {
+                model.argmax()
+            } else {
+                model.sample(&p, &[0.5])
+            };
+            t.check(is_nonfinite(&r, None, 0, &fault), || {
+                format!(
+                    "{name}, T {}: {r:?}, want NonFiniteLogits for sequence 0: {fault}",
+                    p.temperature
+                )
+            });
+            let again = model.check_device_errors();
+            t.check(again.is_ok(), || {
+                format!("{name}: record not cleared: {again:?}")
+            });
+        }
+    }
+    for p in NONFINITE_PARAMS {
+        let mut model = GpuModel::new(gpu.clone(), &ckpt, EngineOptions::default())?;
+        model.set_decode_mode(DecodeMode::Graph);
+        let norm = dptr(gpu, &model.final_norm);
+        let norm_bytes = model.final_norm.len() * 2;
+        let g = gpu.clone();
+        let req = crate::generate::Request {
+            prompt: prompt.clone(),
+            max_new_tokens: 8,
+            sampling: p,
+            stop_ids: vec![],
+            logprobs: None,
+        };
+        let mut n = 0;
+        let r = crate::generate::generate_gpu(
+            &mut model,
+            &req,
+            |_, _| {},
+            |_| {
+                n += 1;
+                if n == 3 {
+                    // bf16 0xFFFF is a NaN: every later logit is NaN
+                    // SAFETY: `norm` is the live final-norm weight of `model`
+                    // (norm_bytes long), on this stream.
+                    unsafe {
+                        cudarc::driver::result::memset_d8_async(
+                            norm,
+                            0xFF,
+                            norm_bytes,
+                            g.stream().cu_stream(),
+                        )
+                    }
+                    .map_err(|e| Error::Cuda(format!("poisoning the final norm: {e}")))?;
+                }
+                Ok(())
+            },
+        );
+        let want = format!("NaN at id 0 ({vocab} of {vocab} entries NaN)");
+        let r = r.map(|o| o.tokens);
+        t.check(is_nonfinite(&r, Some(3), 0, &want), || {
+            format!(
+                "generate, T {}: {r:?}, want NonFiniteLogits at decode step 3, sequence 0: {want}",
+                p.temperature
+            )
+        });
+        t.check(model.last_step_was_graph(), || {
+            "the poisoned step did not replay the CUDA graph".into()
+        });
+    }
+    Ok(t)
+}
+
+/// The non-finite logits cases (part of [`check_guards`]; also run alone by
+/// the ignored test `gpu_nonfinite_logits_are_errors` in
+/// tests/gpu_kernels.rs), one [`CaseResult`] each: `sample_rows
+/// (non-finite)` — NaN, +inf and all −inf rows (greedy and sampled) must be
+/// reported with the row, lowest id, count and V that
+/// [`sample::check_logits`] gives, and −inf among finite logits must not;
+/// `GpuModel (non-finite)` — NaN / −inf written into the engine's logits
+/// buffer after a prefill, and NaN logits computed inside a graph-replayed
+/// decode step mid-generation, must come back as
+/// [`Error::NonFiniteLogits`] naming the sequence (and decode step 3).
+pub fn check_nonfinite_logits(gpu: &Arc<Gpu>, rng: &mut SmallRng) -> Vec<CaseResult> {
+    let mut out = Vec::new();
+    let r = sample_rows_nonfinite(gpu, rng);
+    finish(
+        &mut out,
+        "sample_rows (non-finite)",
+        json!({"vocab": 1000, "rows": 3, "bad_row": 1, "logits": ["all NaN", "one NaN", "+inf", "NaN and +inf", "all -inf"], "temperature": [0.0, 0.8]}),
+        r,
+    );
+    let r = engine_nonfinite(gpu);
+    finish(
+        &mut out,
+        "GpuModel (non-finite)",
+        json!({"model": "tiny", "injected": ["NaN / -inf logits after prefill", "NaN final norm after 3 tokens"], "temperature": [0.0, 0.8]}),
+        r,
+    );
+    out
 }

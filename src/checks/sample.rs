@@ -10,11 +10,14 @@
 //!
 //! Vocabularies 1,000 / 49,152 (SmolLM2) / 128,256 (Llama 3); logits of
 //! spread 1 and 8 (flat and peaked), with ties (values rounded to 1/8) and
-//! with −inf / +inf / NaN entries; parameters: temperature only, top-k, top-p,
+//! with −inf / +inf / NaN entries (rows with a NaN or a +inf, which no token
+//! can be chosen from, must get their argmax: the kernel reports them to the
+//! device error record, checked in group `guards`); parameters: temperature only, top-k, top-p,
 //! both, top-k past the vocabulary, greedy (T = 0 and top-k 1); draws
 //! including 0 and 1 − 2⁻⁵³.
 
 use super::kernels::CaseResult;
+use crate::cuda::device_error::ErrorSink;
 use crate::cuda::{ops, Gpu};
 use crate::sample::{self, SamplingParams};
 use rand::rngs::SmallRng;
@@ -86,14 +89,20 @@ pub fn check_sampling(gpu: &Gpu, rng: &mut SmallRng) -> Vec<CaseResult> {
                                    "temperature": temperature, "top_k": top_k, "top_p": top_p});
                 let r = (|| {
                     let dev = gpu.upload(&x)?;
-                    ops::sample_rows(gpu, &dev, rows, vocab, &p, &u)
+                    ops::sample_rows(gpu, &dev, rows, vocab, &p, &u, ErrorSink::NONE)
                 })();
                 out.push(match r {
                     Ok(got) => {
                         let (mut bad, mut near, mut first) = (0usize, 0usize, None);
                         for r in 0..rows {
                             let row = &x[r * vocab..(r + 1) * vocab];
-                            let want = sample::sample_with_u(&p, row, u[r]);
+                            // a row no token can be chosen from gets its argmax
+                            // (and is reported where a record is given: group
+                            // `guards`, `sample_rows (non-finite)`)
+                            let want = match sample::check_logits(row) {
+                                Ok(()) => sample::sample_with_u(&p, row, u[r]),
+                                Err(_) => sample::argmax(row),
+                            };
                             if got[r] == want {
                                 continue;
                             }

@@ -52,7 +52,15 @@ pub(crate) fn cmd_bench(a: BenchArgs) -> Result<()> {
         equivalent_batches: a.equivalent_batch,
         trace_steps: if a.trace.is_some() { a.trace_steps } else { 0 },
     };
-    let report = sparda::bench::run(&spec)?;
+    let report = sparda::bench::run(&spec).inspect_err(|e| {
+        if let Error::Interrupted(_) = e {
+            // no report of an interrupted grid; each finished cell's line is above
+            eprintln!(
+                "bench: interrupted; {} not written (the finished cells are printed above)",
+                a.json.display()
+            );
+        }
+    })?;
     std::fs::write(
         &a.json,
         serde_json::to_string_pretty(&report).expect("json"),

@@ -135,13 +135,19 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> Result<()> {
         }
     };
     let out = match engine {
-        Engine::Cpu(model) => generate::generate_cpu(&model, &req, progress, on_token)?.0,
+        Engine::Cpu(model) => generate::generate_cpu(&model, &req, progress, on_token).map(|r| r.0),
         Engine::Cuda(mut model) => {
-            let out = generate::generate_gpu(&mut model, &req, progress, on_token)?;
-            model.flush_trace()?;
-            out
+            let out = generate::generate_gpu(&mut model, &req, progress, on_token);
+            // the GPU spans recorded so far go into the trace, also when the run
+            // failed or was interrupted (a failure to flush them then is secondary)
+            match (model.flush_trace(), out) {
+                (Ok(_), out) | (Err(_), out @ Err(_)) => out,
+                (Err(e), Ok(_)) => Err(e),
+            }
         }
     };
+    bar.finish_and_clear();
+    let out = out?;
     writeln!(stdout).ok();
     eprintln!(
         "prefill {} tokens in {:.0} ms ({:.1} tokens/s); {} tokens generated, {} decode steps in {:.0} ms ({:.2} tokens/s); stop: {:?}",
@@ -154,11 +160,23 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> Result<()> {
         out.decode_tokens_per_s(),
         out.stop
     );
+    if out.stop == generate::StopReason::Interrupted {
+        // No --json report: an interrupted run's figures are not the run's
+        // (as vLLM's and llama.cpp's tools leave no result file).
+        if let Some(p) = &a.json {
+            eprintln!("interrupted: {} not written", p.display());
+        }
+        return Err(Error::Interrupted(format!(
+            "decode step {} ({} tokens generated)",
+            out.tokens.len(),
+            out.tokens.len()
+        )));
+    }
     if let Some(p) = a.json {
         // the generated text, without the stop token that ended it
         let text_ids = match out.stop {
             generate::StopReason::Eos => &out.tokens[..out.tokens.len() - 1],
-            generate::StopReason::MaxTokens => &out.tokens[..],
+            generate::StopReason::MaxTokens | generate::StopReason::Interrupted => &out.tokens[..],
         };
         let mut v = serde_json::json!({
             "model": a.mode.model, "attention": plan_json, "prompt_tokens": req.prompt, "tokens": out.tokens,

@@ -234,7 +234,9 @@ fn engine_options(a: &ModeArgs) -> EngineOptions {
 /// selection.
 ///
 /// Errors: overrides the checkpoint cannot honour; forecast selection on a
-/// model that runs dense; device errors.
+/// model that runs dense; bf16 weights that do not fit in the GPU's free
+/// memory ([`sparda::memory::check_weights`], before the upload); device
+/// errors.
 pub(crate) fn build_engine(
     a: &ModeArgs,
     backend: Backend,
@@ -245,6 +247,8 @@ pub(crate) fn build_engine(
     let opts = engine_options(a);
     if backend == Backend::Cuda {
         let gpu = std::sync::Arc::new(sparda::cuda::Gpu::new(0)?);
+        // refused with the numbers before anything is uploaded
+        sparda::memory::check_weights(&gpu, &ckpt.config, ckpt.eviction_heads)?;
         let t = std::time::Instant::now();
         let mut m = GpuModel::new(gpu, ckpt, opts)?;
         if a.kv == KvArg::Offload {

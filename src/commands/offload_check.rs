@@ -89,8 +89,18 @@ pub(crate) fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
         prefill: PrefillMode::Auto,
     };
     let gpu = std::sync::Arc::new(sparda::cuda::Gpu::new(0)?);
+    // refused with the numbers before anything is allocated: the weights,
+    // then the resident run's and the offloaded runs' KV (every sequence
+    // has room for its prompt and the new tokens, as checks::identity sizes it)
+    sparda::memory::check_weights(&gpu, &ckpt.config, ckpt.eviction_heads)?;
     let mut model = GpuModel::new(gpu.clone(), &ckpt, opts)?;
     drop(ckpt);
+    let cap = prompts.iter().map(Vec::len).max().unwrap_or(0) + a.new_tokens + 1;
+    let change = "lower --batch, --prompt-tokens or --new-tokens";
+    model.check_memory(a.batch, cap, None, true, change)?;
+    for o in a.offload.options() {
+        model.check_memory(a.batch, cap, Some(o), true, change)?;
+    }
     eprintln!(
         "offload-check: {} ({:?}, S = {} blocks) on {}, prompt {} tokens, {} new tokens",
         a.model,

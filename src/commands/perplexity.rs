@@ -12,7 +12,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use sparda::quality::identity::{check_model, check_text, ModelIdentity, TextIdentity};
 use sparda::quality::kl::KlSummary;
 use sparda::quality::logits_file::{LogitsHeader, LogitsReader, LogitsWriter};
-use sparda::quality::{evaluate, ChunkPlan, CpuLogits, Evaluation, GpuLogits, Progress};
+use sparda::quality::{
+    evaluate, ChunkPlan, CpuLogits, Evaluation, GpuLogits, NextTokenLogits, Progress,
+};
+use sparda::sample::check_logits;
 use sparda::{Error, Result};
 use std::path::Path;
 
@@ -83,6 +86,16 @@ pub(crate) fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     }
     let engine = build_engine(&a.mode, backend, &ckpt, forecast.as_ref(), false)?;
     drop(ckpt);
+    if let Engine::Cuda(m) = &engine {
+        // one chunk's sequence at a time: refused before it is allocated
+        m.check_memory(
+            1,
+            plan.context.max(plan.prefill_len() + 1),
+            m.offload_options(),
+            true,
+            "lower --context",
+        )?;
+    }
     let plan_a = engine.plan();
     let mut mode = plan_json(&a.mode, backend, &engine, forecast.is_some());
     mode["selection"] = serde_json::json!(plan_a.rule().map(|r| format!("{r:?}")));
@@ -129,29 +142,65 @@ pub(crate) fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
         ProgressStyle::with_template("score {bar:40} {pos}/{len} tokens {per_sec} eta {eta} {msg}")
             .expect("static template"),
     );
+    let last = std::cell::Cell::new(None::<Progress>);
     let progress = |p: &Progress| {
         bar.set_position(p.scored as u64);
         bar.set_message(format!("chunk {} ppl {:.4}", p.chunk + 1, p.mean_nll.exp()));
+        last.set(Some(*p));
     };
     let ev = match engine {
         Engine::Cpu(model) => evaluate(
-            &mut CpuLogits::new(&model),
+            &mut Guarded::new(&mut CpuLogits::new(&model)),
             &tokens,
             &plan,
             writer.as_mut(),
             base.as_mut(),
             progress,
-        )?,
+        ),
         Engine::Cuda(mut model) => evaluate(
-            &mut GpuLogits::new(&mut model, plan.context),
+            &mut Guarded::new(&mut GpuLogits::new(&mut model, plan.context)),
             &tokens,
             &plan,
             writer.as_mut(),
             base.as_mut(),
             progress,
-        )?,
+        ),
     };
     bar.finish_and_clear();
+    let ev = match ev {
+        Ok(ev) => ev,
+        Err(e) => {
+            // No partial saved-logits file is left behind (and, interrupted,
+            // no result file is written: what completed goes to stderr).
+            if let Some(p) = &a.save_logits {
+                drop(writer.take());
+                let _ = std::fs::remove_file(partial_path(p));
+            }
+            if let Error::Interrupted(_) = e {
+                let done = last.get();
+                let outputs: Vec<String> = [a.json.as_deref(), a.save_logits.as_deref()]
+                    .into_iter()
+                    .flatten()
+                    .map(|p| p.display().to_string())
+                    .collect();
+                eprintln!(
+                    "interrupted after {} of {} scored positions{}{}",
+                    done.map_or(0, |p| p.scored),
+                    plan.positions(),
+                    done.map_or(String::new(), |p| format!(
+                        " (running perplexity {:.4} over them)",
+                        p.mean_nll.exp()
+                    )),
+                    if outputs.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; {} not written", outputs.join(" and "))
+                    }
+                );
+            }
+            return Err(e);
+        }
+    };
     if let Some(w) = writer {
         w.finish()?;
     }
@@ -210,6 +259,71 @@ pub(crate) fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
             .map_err(|e| Error::io(p, e))?;
     }
     Ok(())
+}
+
+/// A perplexity run's engine, checked between units of work: Ctrl-C
+/// ([`sparda::interrupt`]) before each chunk's prefill and each decode
+/// step, and every logits row by [`check_logits`] — a NaN, a +inf or no
+/// finite logit is [`Error::NonFiniteLogits`] naming the chunk (each chunk
+/// is a fresh sequence) and the decode step within it (0: the prefill's
+/// logits), on the CPU and the GPU alike (the GPU's kernels report the same
+/// fault first, through the device error record).
+struct Guarded<'a> {
+    inner: &'a mut dyn NextTokenLogits,
+    /// The chunk being scored (count of prefills − 1).
+    chunk: usize,
+    /// Decode steps of this chunk so far.
+    step: usize,
+    prefills: usize,
+}
+
+impl<'a> Guarded<'a> {
+    fn new(inner: &'a mut dyn NextTokenLogits) -> Self {
+        Guarded {
+            inner,
+            chunk: 0,
+            step: 0,
+            prefills: 0,
+        }
+    }
+
+    /// The logits row `r` of decode step `self.step` of this chunk, checked.
+    fn checked(&self, r: Result<Vec<f32>>) -> Result<Vec<f32>> {
+        let (step, chunk) = (self.step, self.chunk);
+        let l = r.map_err(|e| e.locate(step, chunk))?;
+        check_logits(&l).map_err(|f| f.to_error(None).locate(step, chunk))?;
+        Ok(l)
+    }
+}
+
+impl NextTokenLogits for Guarded<'_> {
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn prefill(&mut self, prefix: &[u32]) -> Result<Vec<f32>> {
+        self.chunk = self.prefills;
+        self.prefills += 1;
+        self.step = 0;
+        let c = self.chunk;
+        sparda::interrupt::check(|| format!("chunk {c}, before its prefill"))?;
+        let r = self.inner.prefill(prefix);
+        self.checked(r)
+    }
+    fn decode(&mut self, token: u32) -> Result<Vec<f32>> {
+        self.step += 1;
+        let (c, s) = (self.chunk, self.step);
+        sparda::interrupt::check(|| format!("chunk {c}, decode step {s}"))?;
+        let r = self.inner.decode(token);
+        self.checked(r)
+    }
+}
+
+/// `FILE.partial`, where [`LogitsWriter`] writes `--save-logits FILE` until
+/// it is complete (src/quality/logits_file.rs, "Format").
+fn partial_path(p: &Path) -> std::path::PathBuf {
+    let mut s = p.as_os_str().to_owned();
+    s.push(".partial");
+    s.into()
 }
 
 /// "1 chunk", "2 chunks".

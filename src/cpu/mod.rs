@@ -226,6 +226,12 @@ pub struct Sequence {
     /// decode step selected that layer's blocks with — post-RoPE, [Hkv, D] —
     /// and the windows it scored (spec §4); None otherwise.
     pub forecasts: Vec<Option<(Vec<f32>, usize)>>,
+    /// The first layer after which the residual stream of the last forward
+    /// call held a NaN or ±∞ (any row), `None` when it stayed finite through
+    /// every layer: where a non-finite logits row came from
+    /// ([`crate::Error::NonFiniteLogits`]'s `layer`). Costs one pass over
+    /// the residual per layer.
+    pub nonfinite_layer: Option<usize>,
 }
 
 impl Sequence {
@@ -426,6 +432,7 @@ impl CpuModel {
                 .collect(),
             selections: vec![vec![Vec::new(); c.num_key_value_heads]; c.num_hidden_layers],
             forecasts: vec![None; c.num_hidden_layers],
+            nonfinite_layer: None,
         }
     }
 
@@ -513,6 +520,7 @@ impl CpuModel {
         // The forecast for the next layer, computed by the current one (spec §4).
         let mut pending: Option<Vec<f32>> = None;
         let res_scale = self.residual_scale();
+        seq.nonfinite_layer = None;
         for (li, layer) in self.layers.iter().enumerate() {
             let fc = if forecast { Some(&mut pending) } else { None };
             let attn = self.attention(li, layer, seq, &x, n, sparse, rope_len, fc);
@@ -522,6 +530,9 @@ impl CpuModel {
             let mlp = self.mlp(layer, &x, n);
             for (xi, mi) in x.iter_mut().zip(&mlp) {
                 *xi += mi * res_scale;
+            }
+            if seq.nonfinite_layer.is_none() && !x.iter().all(|v| v.is_finite()) {
+                seq.nonfinite_layer = Some(li);
             }
         }
         let rows: &[f32] = match logits {
@@ -580,6 +591,9 @@ impl CpuModel {
     /// Prefill: [`forward`](Self::forward) over the prompt in chunks of
     /// [`PREFILL_CHUNK`] tokens, calling `progress(done, total)` after each;
     /// returns the logits of the prompt's last token.
+    ///
+    /// Errors: as [`forward`](Self::forward); [`Error::Interrupted`] when
+    /// Ctrl-C was pressed ([`crate::interrupt`], checked before each chunk).
     pub fn prefill(
         &self,
         seq: &mut Sequence,
@@ -592,6 +606,13 @@ impl CpuModel {
         let prompt_len = seq.len() + prompt.len();
         let mut logits = Vec::new();
         for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
+            crate::interrupt::check(|| {
+                format!(
+                    "prefill, {} of {} prompt tokens done",
+                    i * PREFILL_CHUNK,
+                    prompt.len()
+                )
+            })?;
             logits = self.forward(seq, chunk, Phase::Prefill { prompt_len }, Logits::Last)?;
             progress(
                 (i * PREFILL_CHUNK + chunk.len()).min(prompt.len()),

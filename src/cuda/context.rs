@@ -714,21 +714,36 @@ impl Gpu {
     }
 
     /// Copies host data to a new device buffer (stream-ordered).
+    ///
+    /// Errors: [`Error::Cuda`] naming the copy, its elements and bytes (e.g.
+    /// out of device memory).
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
-        self.stream.clone_htod(host).cuda("host→device copy")
+        self.stream.clone_htod(host).cuda(&format!(
+            "host→device copy of {}",
+            elements::<T>(host.len())
+        ))
     }
 
     /// A new zero-filled device buffer of `len` elements.
+    ///
+    /// Errors: [`Error::Cuda`] naming the allocation, its elements and
+    /// bytes (e.g. out of device memory).
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
         self.stream
             .alloc_zeros(len)
-            .cuda(&format!("allocating {len} elements"))
+            .cuda(&format!("allocating {}", elements::<T>(len)))
     }
 
     /// Copies a device buffer (or view) to the host, after all earlier work
     /// on the stream; synchronises.
+    ///
+    /// Errors: [`Error::Cuda`] naming the copy and its elements (an earlier
+    /// kernel's failure surfaces here too).
     pub fn download<T: DeviceRepr, S: DevicePtr<T>>(&self, dev: &S) -> Result<Vec<T>> {
-        let v = self.stream.clone_dtoh(dev).cuda("device→host copy")?;
+        let v = self
+            .stream
+            .clone_dtoh(dev)
+            .cuda(&format!("device→host copy of {}", elements::<T>(dev.len())))?;
         self.synchronize()?;
         Ok(v)
     }
@@ -878,6 +893,15 @@ pub(crate) fn dptr_mut<T, S: DevicePtrMut<T>>(gpu: &Gpu, s: &mut S) -> u64 {
 /// A grid dimension as u32, or [`Error::Input`] naming it.
 pub(crate) fn grid(x: usize, what: &str) -> Result<u32> {
     u32::try_from(x).map_err(|_| Error::Input(format!("{what} = {x} exceeds the CUDA grid limit")))
+}
+
+/// "N elements of B bytes (X GiB)", for allocation and copy errors.
+pub(crate) fn elements<T>(n: usize) -> String {
+    let b = std::mem::size_of::<T>();
+    format!(
+        "{n} elements of {b} bytes ({} GiB)",
+        crate::memory::gib(n.saturating_mul(b))
+    )
 }
 
 /// `x` as an i32 kernel/cuBLAS argument, or [`Error::Input`] naming it.

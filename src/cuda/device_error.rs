@@ -1,7 +1,7 @@
 //! The device error record: how a kernel reports a failed guard (a
 //! position past the RoPE table, more blocks than a launch was sized for,
-//! more missed blocks than free slots) instead of writing stale or empty
-//! data silently.
+//! more missed blocks than free slots, a logits row no token can be chosen
+//! from) instead of writing stale or empty data silently.
 //!
 //! The record is [`RECORD_WORDS`] i32 words in pinned, device-mapped host
 //! memory ([`DeviceErrors`]), written by `raise_device_error`
@@ -16,7 +16,8 @@
 //! | 3 | value: the offending number (position, blocks, missed blocks) |
 //! | 4 | limit: what the launch allowed (RoPE rows, block cap, free slots) |
 //! | 5 | KV head, or −1 when the guard is per row |
-//! | 6, 7 | 0 (reserved) |
+//! | 6 | count: the offending entries of a non-finite logits row, else 0 |
+//! | 7 | 0 (reserved) |
 //!
 //! The first error wins: a kernel claims the record with `atomicCAS` on the
 //! code (0 → its code) and only the claiming thread writes the other words,
@@ -26,6 +27,7 @@
 
 use crate::cuda::Gpu;
 use crate::kv::host_store::PinnedKv;
+use crate::sample::LogitsFault;
 use crate::{Error, Result};
 use std::sync::atomic::{AtomicI32, Ordering};
 
@@ -44,6 +46,8 @@ const W_VALUE: usize = 3;
 const W_LIMIT: usize = 4;
 /// Word index of the KV head (−1: none).
 const W_HEAD: usize = 5;
+/// Word index of the count (non-finite logits).
+const W_COUNT: usize = 6;
 
 /// Which guard failed (the record's code; `DEVERR_*` in kernels/common.cuh,
 /// both must agree).
@@ -61,14 +65,29 @@ pub enum DeviceErrorKind {
     /// slots; the excess was left unfetched (slot −1). Value: the misses;
     /// limit: the free slots.
     SlotDiffNoSlot,
+    /// `argmax_rows`, `argmax_advance` (kernels/argmax.cu) or `sample_rows`
+    /// (kernels/sample.cu): a NaN in a logits row (the rule of
+    /// [`crate::sample::check_logits`]); the row's id is the argmax of its
+    /// other entries. Value: the lowest NaN id; limit: V; count: the NaN
+    /// entries. Layer −1 (after the last layer).
+    LogitsNan,
+    /// As [`DeviceErrorKind::LogitsNan`] for a row without NaN but with a
+    /// +∞. Value: the lowest +∞ id; limit: V; count: the +∞ entries.
+    LogitsPosInf,
+    /// As [`DeviceErrorKind::LogitsNan`] for a row without a finite entry
+    /// (all −∞). Value: −1; limit: V; count: V.
+    LogitsNoFinite,
 }
 
 impl DeviceErrorKind {
     /// Every kind.
-    pub const ALL: [DeviceErrorKind; 3] = [
+    pub const ALL: [DeviceErrorKind; 6] = [
         DeviceErrorKind::RopePosition,
         DeviceErrorKind::SelectBlocksCap,
         DeviceErrorKind::SlotDiffNoSlot,
+        DeviceErrorKind::LogitsNan,
+        DeviceErrorKind::LogitsPosInf,
+        DeviceErrorKind::LogitsNoFinite,
     ];
 
     /// The record's code for this kind (≥ 1).
@@ -77,6 +96,9 @@ impl DeviceErrorKind {
             DeviceErrorKind::RopePosition => 1,
             DeviceErrorKind::SelectBlocksCap => 2,
             DeviceErrorKind::SlotDiffNoSlot => 3,
+            DeviceErrorKind::LogitsNan => 4,
+            DeviceErrorKind::LogitsPosInf => 5,
+            DeviceErrorKind::LogitsNoFinite => 6,
         }
     }
 
@@ -91,7 +113,20 @@ impl DeviceErrorKind {
             DeviceErrorKind::RopePosition => "qkv_rope_append",
             DeviceErrorKind::SelectBlocksCap => "select_blocks",
             DeviceErrorKind::SlotDiffNoSlot => "slot_diff",
+            DeviceErrorKind::LogitsNan
+            | DeviceErrorKind::LogitsPosInf
+            | DeviceErrorKind::LogitsNoFinite => "argmax/sample",
         }
+    }
+
+    /// Whether this kind reports a logits row no token can be chosen from.
+    pub fn is_logits(self) -> bool {
+        matches!(
+            self,
+            DeviceErrorKind::LogitsNan
+                | DeviceErrorKind::LogitsPosInf
+                | DeviceErrorKind::LogitsNoFinite
+        )
     }
 }
 
@@ -109,8 +144,12 @@ pub struct DeviceError {
     pub head: Option<i32>,
     /// The offending number (position, blocks, missed blocks).
     pub value: i32,
-    /// What the launch allowed (RoPE rows, block cap, free slots).
+    /// What the launch allowed (RoPE rows, block cap, free slots; V for
+    /// logits).
     pub limit: i32,
+    /// The offending entries of a non-finite logits row (0 for the other
+    /// kinds).
+    pub count: i32,
 }
 
 impl DeviceError {
@@ -135,6 +174,7 @@ impl DeviceError {
             head: (w[W_HEAD] >= 0).then_some(w[W_HEAD]),
             value: w[W_VALUE],
             limit: w[W_LIMIT],
+            count: w[W_COUNT],
         }))
     }
 
@@ -148,19 +188,48 @@ impl DeviceError {
         w[W_VALUE] = self.value;
         w[W_LIMIT] = self.limit;
         w[W_HEAD] = self.head.unwrap_or(-1);
+        w[W_COUNT] = self.count;
         w
     }
 
-    /// The crate error for this record: [`Error::Limit`] naming the kernel,
+    /// The [`LogitsFault`] a logits kind reports (the same as
+    /// [`crate::sample::check_logits`] gives for the row), `None` for the
+    /// other kinds.
+    pub fn logits_fault(&self) -> Option<LogitsFault> {
+        let vocab = self.limit.max(0) as usize;
+        let (id, count) = (self.value.max(0) as usize, self.count.max(0) as usize);
+        match self.kind {
+            DeviceErrorKind::LogitsNan => Some(LogitsFault::Nan { id, count, vocab }),
+            DeviceErrorKind::LogitsPosInf => Some(LogitsFault::PosInf { id, count, vocab }),
+            DeviceErrorKind::LogitsNoFinite => Some(LogitsFault::NoFinite { vocab }),
+            _ => None,
+        }
+    }
+
+    /// The crate error for this record: for a logits kind
+    /// [`Error::NonFiniteLogits`] naming the sequence (the row; the decode
+    /// step is for the caller to add, [`Error::locate`]) and the fault,
+    /// worded as on the CPU; else [`Error::Limit`] naming the kernel,
     /// layer, row (and KV head) and the numbers.
     pub fn to_error(&self) -> Error {
-        Error::Limit(format!("device check: {self}"))
+        match self.logits_fault() {
+            Some(f) => Error::NonFiniteLogits {
+                step: None,
+                sequence: Some(self.row.max(0) as usize),
+                layer: None,
+                what: f.to_string(),
+            },
+            None => Error::Limit(format!("device check: {self}")),
+        }
     }
 }
 
 impl std::fmt::Display for DeviceError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let (l, r, v, lim) = (self.layer, self.row, self.value, self.limit);
+        if let Some(fault) = self.logits_fault() {
+            return write!(f, "{} (row {r}): {fault}", self.kind.kernel());
+        }
         let head = self
             .head
             .map(|h| format!(", KV head {h}"))
@@ -180,6 +249,9 @@ impl std::fmt::Display for DeviceError {
                 "{v} missed blocks but {lim} free slots; {} blocks were left unfetched",
                 v.saturating_sub(lim)
             ),
+            DeviceErrorKind::LogitsNan
+            | DeviceErrorKind::LogitsPosInf
+            | DeviceErrorKind::LogitsNoFinite => Ok(()),
         }
     }
 }
@@ -297,8 +369,10 @@ impl DeviceErrors {
     /// after the kernels that may raise it have completed (a
     /// synchronisation); reading costs no device work.
     ///
-    /// Errors: the raised error ([`Error::Limit`] naming the kernel, layer,
-    /// row, KV head and numbers); [`Error::Cuda`] for an unknown code.
+    /// Errors: the raised error ([`DeviceError::to_error`]: an
+    /// [`Error::Limit`] naming the kernel, layer, row, KV head and numbers,
+    /// or [`Error::NonFiniteLogits`] naming the sequence); [`Error::Cuda`]
+    /// for an unknown code.
     pub fn take(&self) -> Result<()> {
         take_record(self.words())
     }
@@ -341,7 +415,8 @@ mod tests {
                 layer: 17,
                 head: None,
                 value: 8192,
-                limit: 8192
+                limit: 8192,
+                count: 0
             }
         );
         assert_eq!(e.to_words(), w);
@@ -396,6 +471,49 @@ mod tests {
     }
 
     #[test]
+    fn logits_records_read_as_the_cpu_check_words_them() {
+        // [code, row, layer, value, limit, head, count, 0] as kernels/argmax.cu writes them.
+        let mut row = vec![0.5f32; 1000];
+        row[17] = f32::NAN;
+        row[400] = f32::NAN;
+        row[999] = f32::NAN;
+        let want = crate::sample::check_logits(&row).unwrap_err();
+        let e = DeviceError::from_words(&[4, 2, -1, 17, 1000, -1, 3, 0])
+            .unwrap()
+            .unwrap();
+        assert_eq!(e.kind, DeviceErrorKind::LogitsNan);
+        assert_eq!(e.logits_fault(), Some(want));
+        assert_eq!(e.to_words(), [4, 2, -1, 17, 1000, -1, 3, 0]);
+        match e.to_error() {
+            Error::NonFiniteLogits {
+                step: None,
+                sequence: Some(2),
+                layer: None,
+                what,
+            } => assert_eq!(what, "NaN at id 17 (3 of 1000 entries NaN)"),
+            other => panic!("expected NonFiniteLogits, got {other:?}"),
+        }
+        let inf = DeviceError::from_words(&[5, 0, -1, 9, 16, -1, 2, 0])
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            inf.to_error().to_string().split(';').next().unwrap(),
+            "non-finite logits at sequence 0: +inf at id 9 (2 of 16 entries +inf)"
+        );
+        let none = DeviceError::from_words(&[6, 1, -1, -1, 16, -1, 16, 0])
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            none.logits_fault(),
+            Some(crate::sample::LogitsFault::NoFinite { vocab: 16 })
+        );
+        assert_eq!(
+            none.to_string(),
+            "argmax/sample (row 1): no finite logit (all 16 entries -inf)"
+        );
+    }
+
+    #[test]
     fn unknown_code_is_a_cuda_error_with_the_words() {
         match DeviceError::from_words(&[42, 1, 2, 3, 4, 5, 0, 0]) {
             Err(Error::Cuda(m)) => assert!(m.contains("unknown code 42"), "{m}"),
@@ -414,6 +532,7 @@ mod tests {
             head: Some(1),
             value: 9,
             limit: 3,
+            count: 0,
         };
         let r = record(e.to_words());
         match take_record(&r) {

@@ -194,7 +194,7 @@ impl Drop for PinnedKv {
 /// `MemAvailable` of /proc/meminfo in bytes: the host memory that can still
 /// be pinned without swapping (compare with
 /// [`Footprint::host_pinned_bytes`](crate::kv::Footprint) via
-/// [`Footprint::check`](crate::kv::Footprint::check)).
+/// [`crate::memory::check`]).
 ///
 /// Errors: [`Error::Io`] when /proc/meminfo cannot be read,
 /// [`Error::Limit`] when it has no parsable `MemAvailable` line.

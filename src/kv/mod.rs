@@ -241,7 +241,8 @@ pub fn plan_slots(slots: &[u32], selected: &[u32], ring_first: u32) -> Result<Sl
     Ok(out)
 }
 
-/// Host and GPU bytes that an offloaded request needs (runtime.md §4):
+/// Host and GPU bytes that an offloaded request needs (runtime.md §4;
+/// [`crate::memory::estimate`] adds the rest and decides whether it fits):
 /// the full K/V of every offloaded layer in pinned host memory; on the GPU,
 /// per offloaded layer, S slots per (sequence, KV head) plus the
 /// [`RING_BLOCKS`] tail ring, plus the resident layers' full cache.
@@ -277,27 +278,5 @@ impl Footprint {
                 * (offloaded * (slots + RING_BLOCKS) + resident * blocks)
                 * per_block,
         }
-    }
-
-    /// Refuses a request that does not fit, before anything is allocated.
-    ///
-    /// Errors: [`Error::Limit`] with the bytes needed and available.
-    pub fn check(&self, host_available: usize, gpu_available: usize) -> Result<()> {
-        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-        if self.host_pinned_bytes > host_available {
-            return Err(Error::Limit(format!(
-                "offloaded KV needs {:.2} GiB of pinned host memory, {:.2} GiB available (lower --batch or --context)",
-                gib(self.host_pinned_bytes),
-                gib(host_available)
-            )));
-        }
-        if self.gpu_kv_bytes > gpu_available {
-            return Err(Error::Limit(format!(
-                "KV slot pools need {:.2} GiB of GPU memory, {:.2} GiB available",
-                gib(self.gpu_kv_bytes),
-                gib(gpu_available)
-            )));
-        }
-        Ok(())
     }
 }

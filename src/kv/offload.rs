@@ -519,10 +519,9 @@ impl GpuModel {
             }
             let sl = &mut seq.layers[l];
             // The ring: tokens [64·max(T/64 − 1, 0), T) at rows t mod ring.
-            let mut rk: CudaSlice<Bf16> =
-                s.alloc_zeros(ring * kvd).cuda("allocating a tail ring")?;
-            let mut rv: CudaSlice<Bf16> =
-                s.alloc_zeros(ring * kvd).cuda("allocating a tail ring")?;
+            let what = format!("allocating layer {l}'s tail ring of {ring} tokens × {kvd} bf16");
+            let mut rk: CudaSlice<Bf16> = s.alloc_zeros(ring * kvd).cuda(&what)?;
+            let mut rv: CudaSlice<Bf16> = s.alloc_zeros(ring * kvd).cuda(&what)?;
             let a = (t / bs).saturating_sub(RING_BLOCKS - 1) * bs;
             let mut tok = a;
             while tok < t {
@@ -539,9 +538,9 @@ impl GpuModel {
             }
             sl.k = rk;
             sl.v = rv;
-            let pool = s
-                .alloc_zeros(hk * s_slots * 2 * bs * dh)
-                .cuda("allocating a slot pool")?;
+            let pool = s.alloc_zeros(hk * s_slots * 2 * bs * dh).cuda(&format!(
+                "allocating layer {l}'s slot pool of {hk} KV heads × {s_slots} slots × {bs} tokens (K and V, D = {dh})"
+            ))?;
             let slots = gpu.upload(&vec![-1i32; hk * s_slots])?;
             layers.push(Some(OffloadLayer {
                 pool,

@@ -122,24 +122,73 @@ impl GpuModel {
 
     /// Bytes of device memory one sequence with room for `capacity_tokens`
     /// tokens takes under the current plan and selection path (K, V, c,
-    /// and Kc/p for GPU selection), every layer.
+    /// and Kc/p for GPU selection), every layer
+    /// ([`crate::memory::KvLayout::sequence_bytes`]).
     pub fn sequence_bytes(&self, capacity_tokens: usize) -> usize {
+        self.kv_layout().sequence_bytes(capacity_tokens)
+    }
+
+    /// How this engine lays out a sequence's KV on the GPU, for
+    /// [`crate::memory::estimate`].
+    pub fn kv_layout(&self) -> crate::memory::KvLayout {
         let c = &self.config;
-        let bs = self.plan.budget.block_size.max(1);
-        let cap = capacity_tokens.max(1).div_ceil(bs) * bs;
-        let (hk, kvd) = (c.num_key_value_heads, c.num_key_value_heads * c.head_dim);
-        let mut per = cap * kvd * 2 * 2;
-        if self.eviction {
-            per += cap * hk * 4;
+        crate::memory::KvLayout {
+            layers: self.layers.len(),
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            budget: self.plan.budget,
+            eviction: self.eviction,
+            gpu_selection: self.gpu_selection(),
         }
-        if self.gpu_selection() {
-            let capw = self.plan.budget.windows(cap).max(1);
-            per += capw * kvd * 4;
-            if self.eviction {
-                per += capw * hk * 4;
-            }
-        }
-        per * self.layers.len()
+    }
+
+    /// What `batch` sequences of `capacity_tokens` tokens need on this
+    /// engine ([`crate::memory::estimate`]; weights 0, they are resident):
+    /// all KV on the GPU (`offload` None) or offloaded with `offload`'s
+    /// settings; `prefill`: they are prefilled for real.
+    pub fn memory_need(
+        &self,
+        batch: usize,
+        capacity_tokens: usize,
+        offload: Option<crate::kv::offload::OffloadOptions>,
+        prefill: bool,
+    ) -> crate::memory::Need {
+        let resident = offload.map(|o| usize::from(!o.offload_layer0).min(self.layers.len()));
+        crate::memory::estimate(
+            &self.config,
+            &self.kv_layout(),
+            &crate::memory::Workload {
+                batch,
+                capacity_tokens,
+                offload_resident_layers: resident,
+                prefill,
+                prefill_chunk: crate::pipeline::PREFILL_CHUNK,
+                partials_budget_bytes: crate::pipeline::PARTIALS_BUDGET_BYTES,
+            },
+        )
+    }
+
+    /// Refuses, before anything is allocated, `batch` sequences of
+    /// `capacity_tokens` tokens that do not fit what the machine has now
+    /// ([`GpuModel::memory_need`] against [`crate::memory::available`],
+    /// decided by [`crate::memory::check`]); `change` ends the message
+    /// (what to change).
+    ///
+    /// Errors: [`Error::Limit`] with the GiB needed (and their parts) and
+    /// available; [`Error::Cuda`] when the device cannot be queried;
+    /// /proc/meminfo errors when pinned memory is needed.
+    pub fn check_memory(
+        &self,
+        batch: usize,
+        capacity_tokens: usize,
+        offload: Option<crate::kv::offload::OffloadOptions>,
+        prefill: bool,
+        change: &str,
+    ) -> Result<()> {
+        let need = self.memory_need(batch, capacity_tokens, offload, prefill);
+        self.gpu.synchronize()?;
+        let avail = crate::memory::available(&self.gpu, need.host_pinned > 0)?;
+        crate::memory::check(&need, &avail, change)
     }
 
     /// A new, empty sequence with room for `capacity_tokens` tokens (rounded

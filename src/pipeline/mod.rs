@@ -790,7 +790,10 @@ impl GpuModel {
     ///
     /// Errors: as [`ops::sample_rows`]; [`Error::Input`] before any logits
     /// or when `u01` does not hold one draw per row; a device error raised
-    /// since the last check (see [`GpuModel::check_device_errors`]).
+    /// since the last check (see [`GpuModel::check_device_errors`]), among
+    /// them [`Error::NonFiniteLogits`] naming the sequence (row) of a logits
+    /// row no token can be chosen from ([`crate::sample::check_logits`]'s
+    /// rule, applied by the kernels; read with the ids, no extra copy).
     pub fn sample(
         &mut self,
         params: &crate::sample::SamplingParams,
@@ -808,18 +811,23 @@ impl GpuModel {
             self.config.vocab_size,
             params,
             u01,
+            self.device_errors.sink(0),
         )?;
         self.device_errors.take()?;
         Ok(ids)
     }
 
     /// Greedy sampling on the GPU: the argmax of each logits row (ties to the
-    /// lower id, NaN never wins), \[rows\] (synchronises; only the ids travel).
+    /// lower id), \[rows\] (synchronises; only the ids travel).
     /// After a device-resident decode step the step computed it already.
     ///
     /// Errors: as [`GpuModel::logits`]; [`Error::Cuda`] on a failure; a
     /// device error raised since the last check (see
-    /// [`GpuModel::check_device_errors`]).
+    /// [`GpuModel::check_device_errors`]), among them
+    /// [`Error::NonFiniteLogits`] naming the sequence (row) of a logits row
+    /// with a NaN, a +∞ or no finite entry ([`crate::sample::check_logits`]'s
+    /// rule, applied by the argmax kernels; read with the ids, no extra
+    /// copy).
     pub fn argmax(&mut self) -> Result<Vec<u32>> {
         let ids = self.argmax_rows()?;
         self.device_errors.take()?;
@@ -839,6 +847,7 @@ impl GpuModel {
                 let v = i32_dim(self.config.vocab_size, "vocab")?;
                 let n = i32_dim(rows, "rows")?;
                 let (lp, op) = (dptr(&gpu, &ws.logits), dptr(&gpu, &ws.argmax));
+                let rec = self.device_errors.device_ptr();
                 let f = gpu.function("argmax_rows")?;
                 let cfg = LaunchConfig {
                     grid_dim: (grid(rows, "rows")?, 1, 1),
@@ -846,9 +855,9 @@ impl GpuModel {
                     shared_mem_bytes: 0,
                 };
                 let mut b = gpu.stream().launch_builder(f);
-                b.arg(&lp).arg(&n).arg(&v).arg(&op);
+                b.arg(&lp).arg(&n).arg(&v).arg(&op).arg(&rec);
                 // SAFETY: argument list matches kernels/argmax.cu; logits hold rows·V
-                // values, argmax at least rows.
+                // values, argmax at least rows; rec is the model's error record.
                 unsafe { b.launch(cfg) }.cuda("argmax_rows")?;
                 gpu.download(&ws.argmax.slice(0..rows))
             }

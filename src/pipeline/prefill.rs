@@ -20,7 +20,8 @@ impl GpuModel {
     /// Errors: an empty prompt, a token id ≥ V, a length past
     /// `max_position_embeddings` ([`Error::Input`] / [`Error::Limit`]); a
     /// device error raised by one of the prompt's kernels ([`Error::Limit`]);
-    /// [`Error::Cuda`] on a device failure.
+    /// [`Error::Cuda`] on a device failure; [`Error::Interrupted`] when
+    /// Ctrl-C was pressed ([`crate::interrupt`], checked before each chunk).
     pub fn prefill(
         &mut self,
         seq: &mut GpuSequence,
@@ -36,6 +37,9 @@ impl GpuModel {
         let sparse = self.plan.sparse_at(prompt_len) && self.prefill_mode != PrefillMode::Dense;
         let mut done = 0;
         while done < prompt.len() {
+            crate::interrupt::check(|| {
+                format!("prefill, {done} of {} prompt tokens done", prompt.len())
+            })?;
             let t_end = t0 + done;
             let n = self
                 .prefill_rows(t_end + PREFILL_CHUNK, sparse)

@@ -219,9 +219,12 @@ impl GpuModel {
             shared_mem_bytes: 0,
         };
         let mut b = gpu.stream().launch_builder(f);
-        b.arg(&lp).arg(&n_).arg(&v_).arg(&op).arg(&io);
+        // a NaN / +inf / all -inf logits row is reported to the model's error
+        // record, read where the engine hands ids or logits to the host
+        let rec = self.device_errors.device_ptr();
+        b.arg(&lp).arg(&n_).arg(&v_).arg(&op).arg(&io).arg(&rec);
         // SAFETY: argument list matches kernels/argmax.cu; logits hold n·V values,
-        // argmax n, io 4n.
+        // argmax n, io 4n; rec is the model's error record (fixed address).
         unsafe { b.launch(cfg) }.cuda("argmax_advance").map(drop)
     }
 }

@@ -569,8 +569,10 @@ fn attn_shapes<Q: DeviceSlice<Bf16>, O: DeviceSlice<Bf16>>(
 fn alloc_partials(gpu: &Gpu, slots: usize, d: usize) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
     // SAFETY: every slot's (max, sum) is written by attn_partial before attn_combine
     // reads it; its D values are read only when the max is finite, i.e. written.
-    let part_o = unsafe { gpu.stream().alloc(slots * d) }.cuda("allocating attention partials")?;
-    let part_ml = unsafe { gpu.stream().alloc(slots * 2) }.cuda("allocating attention partials")?;
+    let what =
+        format!("allocating attention partials for {slots} (row, head, split) slots of D = {d}");
+    let part_o = unsafe { gpu.stream().alloc(slots * d) }.cuda(&what)?;
+    let part_ml = unsafe { gpu.stream().alloc(slots * 2) }.cuda(&what)?;
     Ok((part_o, part_ml))
 }
 

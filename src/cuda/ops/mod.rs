@@ -360,8 +360,14 @@ where
 /// `vocab` values (row r at r·vocab of `logits`), one token per row, with
 /// the uniform draws `u01` (\[rows\], f64 in [0, 1)): the rule of
 /// [`crate::sample::sample_with_u`] (kernels/sample.cu).
-/// Greedy parameters give the argmax. Returns the ids (synchronises: only
-/// rows ids travel back, not the logits).
+/// Greedy parameters give the argmax. A row no token can be chosen from
+/// ([`crate::sample::check_logits`]: a NaN, a +∞, no finite logit) gets
+/// its argmax and is reported to `err`'s record (one of them when several
+/// are: the first to claim the record; kind
+/// [`crate::cuda::device_error::DeviceErrorKind::LogitsNan`] and siblings;
+/// `err.layer` is not used), for the caller to read after this call.
+/// Returns the ids (synchronises: only rows ids travel back, not the
+/// logits).
 ///
 /// Errors: [`Error::Input`] on a length mismatch, a draw outside [0, 1) or
 /// invalid parameters ([`crate::sample::SamplingParams::validate`]);
@@ -373,6 +379,7 @@ pub fn sample_rows<L>(
     vocab: usize,
     params: &crate::sample::SamplingParams,
     u01: &[f64],
+    err: crate::cuda::device_error::ErrorSink,
 ) -> Result<Vec<u32>>
 where
     L: DevicePtr<f32>,
@@ -416,9 +423,10 @@ where
         .arg(&k_)
         .arg(&params.top_p)
         .arg(&up)
-        .arg(&op);
+        .arg(&op)
+        .arg(&err.record);
     // SAFETY: argument list matches kernels/sample.cu; logits hold rows·vocab
-    // values, u and out rows each.
+    // values, u and out rows each; the record is null or RECORD_WORDS i32.
     unsafe { b.launch(cfg) }.cuda("sample_rows")?;
     gpu.download(&out)
 }

@@ -944,10 +944,9 @@ pub fn select_decode<Q: DevicePtr<Bf16>>(
     window_scores(gpu, q, q_stride, heads, batch, budget, ws)?;
     let s_max = budget.attended;
     // SAFETY: select_blocks writes every element of both buffers.
-    let mut sel: CudaSlice<i32> =
-        unsafe { gpu.stream().alloc(b * hk * s_max) }.cuda("allocating the block selection")?;
-    let mut nsel: CudaSlice<i32> =
-        unsafe { gpu.stream().alloc(b * hk) }.cuda("allocating the block selection")?;
+    let what = format!("allocating the block selection of {b} rows × {hk} KV heads × S = {s_max}");
+    let mut sel: CudaSlice<i32> = unsafe { gpu.stream().alloc(b * hk * s_max) }.cuda(&what)?;
+    let mut nsel: CudaSlice<i32> = unsafe { gpu.stream().alloc(b * hk) }.cuda(&what)?;
     let w_stride = ws.w_stride;
     select_from_scores(
         gpu, batch, budget, rule, &ws.scores, w_stride, &mut sel, &mut nsel, s_max, None, err,
