@@ -348,6 +348,15 @@ fn time_steps(model: &mut GpuModel, seqs: &mut [GpuSequence], steps: usize) -> R
     })
 }
 
+/// [`time_steps`]' per-step GPU milliseconds (`sparda tune-ctas`).
+pub(crate) fn time_step_ms(
+    model: &mut GpuModel,
+    seqs: &mut [GpuSequence],
+    steps: usize,
+) -> Result<Vec<f64>> {
+    Ok(time_steps(model, seqs, steps)?.gpu_ms)
+}
+
 /// Times of [`time_steps`]: GPU step times from CUDA events (ms each) and
 /// the host's wall time per step spent issuing them (ms). Host time close to
 /// the GPU step time means the host, not the GPU, sets the pace (or a step

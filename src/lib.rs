@@ -44,6 +44,7 @@ pub mod sample;
 pub mod synth;
 pub mod tokenizer;
 pub mod trace;
+pub mod tune;
 pub mod weights;
 
 pub use error::{Error, Result};

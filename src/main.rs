@@ -52,6 +52,12 @@ enum Cmd {
     /// before the next cell: the trace is finished, no report is written
     /// (each finished cell is printed on stderr), exit code 130.
     Bench(BenchArgs),
+    /// Measure this GPU's fetch table for offloaded KV: the real decode loop
+    /// on synthetic NOSA-8B with the SM copy kernel at each CTA count and
+    /// the copy engines, synchronous fetch and forecast prefetch, per batch
+    /// size; writes tuning/fetch_<gpu>.json, which `--fetch auto` then uses
+    /// (runtime.md §4). `--show` prints the table in use.
+    TuneCtas(TuneCtasArgs),
     /// Check the GPU engine end to end against the CPU reference under teacher
     /// forcing, judged by KL divergence and top-1 agreement against what bf16
     /// arithmetic itself costs (the CPU reference with bf16 rounding), with
@@ -406,6 +412,57 @@ impl OffloadArgs {
     }
 }
 
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum TuneModeArg {
+    /// The fetch inside the layer (NOSA/InfLLM-V2 selection).
+    Sync,
+    /// Forecast prefetch beside the previous layer's compute.
+    Prefetch,
+}
+
+#[derive(Args)]
+struct TuneCtasArgs {
+    /// Print the table in use for this GPU (or --gpu) and where it came from; measure nothing.
+    #[arg(long)]
+    show: bool,
+    /// With --show: the GPU name (as nvidia-smi prints it) instead of GPU 0's.
+    #[arg(long, requires = "show")]
+    gpu: Option<String>,
+    /// Model: a sparse checkpoint directory or `synth:PRESET[:SEED]`.
+    #[arg(long, default_value = "synth:nosa-8b")]
+    model: String,
+    /// Batch sizes (default 1,4,8,16,32,64,128; --quick: 8,16,32).
+    #[arg(long, value_delimiter = ',', num_args = 1.., allow_negative_numbers = true)]
+    batch: Option<Vec<usize>>,
+    /// Context lengths, tokens (K = 1024; default 32K,64K; --quick: 32K).
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    context: Option<Vec<String>>,
+    /// CTA counts of the SM kernel (default 2,4,6,8,12,16,24,32; --quick: 4,8,16,32).
+    #[arg(long, value_delimiter = ',', num_args = 1.., allow_negative_numbers = true)]
+    ctas: Option<Vec<usize>>,
+    /// Leave the copy engines out of the sweep.
+    #[arg(long)]
+    no_dma: bool,
+    /// Schedules to measure.
+    #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "sync,prefetch")]
+    mode: Vec<TuneModeArg>,
+    /// Rounds over every configuration (default 3; --quick: 2).
+    #[arg(long)]
+    repeats: Option<usize>,
+    /// Timed decode steps per configuration and round (default 16; --quick: 12).
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Untimed steps after each switch (≥ 2: build, capture).
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// A smaller sweep (about two minutes on an H200).
+    #[arg(long)]
+    quick: bool,
+    /// Where to write the table (default tuning/fetch_<gpu>.json).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum BenchPrefillArg {
     /// Real dense prefill (NOSA_F), then decode.
@@ -561,6 +618,7 @@ fn main() {
         } => sparda::checks::e2e::gpu_check_e2e(model.as_deref(), &text, &json, steps)
             .and_then(|ok| check_outcome("gpu-check-e2e", "end-to-end", ok, &json)),
         Cmd::Bench(a) => cmd_bench(a),
+        Cmd::TuneCtas(a) => commands::tune_ctas::cmd_tune_ctas(a),
         Cmd::OffloadCheck(a) => cmd_offload_check(a),
         Cmd::Trace(TraceCmd::Summarize { file, json }) => {
             sparda::trace::summarize_file(&file).map(|s| {

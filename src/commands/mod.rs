@@ -7,6 +7,7 @@ pub mod mode;
 pub mod offload_check;
 pub mod perplexity;
 pub mod synth;
+pub mod tune_ctas;
 
 use sparda::{Error, Result};
 use std::path::PathBuf;

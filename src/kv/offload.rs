@@ -340,9 +340,15 @@ impl GpuModel {
             let env = std::env::var_os(ENV_TABLE).map(std::path::PathBuf::from);
             match FetchTable::for_gpu(name, env.as_deref())? {
                 Some((t, _)) => self.fetch_table = Some(Arc::new(t)),
-                None => eprintln!(
-                    "note: no fetch table for the {name}: fetching by SparDA's rule (SM kernel, 16 or 32 CTAs); `sparda tune-ctas` measures one for this GPU"
-                ),
+                None => {
+                    static SHOWN: std::sync::atomic::AtomicBool =
+                        std::sync::atomic::AtomicBool::new(false);
+                    if !SHOWN.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                        eprintln!(
+                            "note: no fetch table for the {name}: fetching by SparDA's rule (SM kernel, 16 or 32 CTAs); `sparda tune-ctas` measures one for this GPU"
+                        );
+                    }
+                }
             }
         }
         self.offload = opts;

@@ -1,0 +1,459 @@
+//! `sparda tune-ctas`: measures the fetch configurations of offloaded
+//! decode on this GPU and chooses one per batch size, separately for the
+//! synchronous fetch and for forecast prefetch (runtime.md §4), into a
+//! [`FetchTable`].
+//!
+//! Protocol: synthetic NOSA-8B weights (or any sparse checkpoint), random
+//! forecast projections for the prefetch mode; for each context and batch
+//! size B, B sequences filled with synthetic KV (runtime.md §5) and
+//! offloaded once per mode; then, in `repeats` rounds (each round in a
+//! rotated order), each configuration — the SM copy kernel at each CTA
+//! count, and the copy engines — is set, warmed up (the step is rebuilt and
+//! captured) and timed over `steps` real decode steps (CUDA events per
+//! step). A configuration's figure is the median over rounds of each
+//! round's median step time; its spread is max − min of the round medians.
+//!
+//! Choice per (mode, B): over the contexts measured, each configuration's
+//! geometric-mean ratio to the fastest configuration of that context; the
+//! lowest wins, and any configuration within the winner's relative spread
+//! counts as tied, where the one that takes the fewest SMs is chosen (the
+//! copy engines take none).
+
+use crate::bench::{open_model, time_step_ms};
+use crate::cpu::EngineOptions;
+use crate::cuda::Gpu;
+use crate::kv::fetch_table::{FetchChoice, FetchEntry, FetchMode, FetchTable, FORMAT};
+use crate::kv::offload::OffloadOptions;
+use crate::model::forecast::ForecastWeights;
+use crate::model::{AttentionOverrides, PrefillMode, SelectionRule};
+use crate::pipeline::GpuModel;
+use crate::{Error, Result};
+use serde::Serialize;
+use serde_json::json;
+use std::sync::Arc;
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct TuneSpec {
+    /// Checkpoint directory or `synth:PRESET[:SEED]` (default synth:nosa-8b).
+    pub model: String,
+    /// Batch sizes B, ascending.
+    pub batches: Vec<usize>,
+    /// Context lengths, tokens.
+    pub contexts: Vec<usize>,
+    /// Configurations swept.
+    pub configs: Vec<FetchChoice>,
+    /// Modes measured.
+    pub modes: Vec<FetchMode>,
+    /// Rounds over every configuration.
+    pub repeats: usize,
+    /// Timed decode steps per configuration and round.
+    pub steps: usize,
+    /// Untimed steps after each switch (≥ 2: build, capture).
+    pub warmup: usize,
+    /// Seed of the synthetic KV and forecast weights.
+    pub seed: u64,
+}
+
+/// The default CTA counts swept: 2 … 32.
+pub const DEFAULT_CTAS: [usize; 8] = [2, 4, 6, 8, 12, 16, 24, 32];
+
+/// One measured cell: (mode, context, B, configuration).
+#[derive(Debug, Clone, Serialize)]
+pub struct SweepCell {
+    /// Synchronous fetch or forecast prefetch.
+    pub mode: FetchMode,
+    /// Context length, tokens.
+    pub context: usize,
+    /// Batch size.
+    pub batch: usize,
+    /// `sm:N` or `dma`.
+    pub config: String,
+    /// Median over rounds of the round's median step time, ms.
+    pub step_ms: f64,
+    /// max − min of the round medians, ms.
+    pub spread_ms: f64,
+    /// Each round's median step time, ms.
+    pub rounds_ms: Vec<f64>,
+}
+
+/// SMs a configuration takes from compute (the copy engines take none).
+fn sms(c: FetchChoice) -> usize {
+    match c {
+        FetchChoice::Sm { ctas } => ctas,
+        FetchChoice::Dma => 0,
+    }
+}
+
+/// Median of a non-empty list.
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
+
+/// The choice for one (mode, B) from its cells (every context, every
+/// configuration): see the module doc. Returns the chosen configuration
+/// and its step time at the largest context. `None` without cells.
+pub fn choose(cells: &[&SweepCell], configs: &[FetchChoice]) -> Option<(FetchChoice, f64)> {
+    let mut contexts: Vec<usize> = cells.iter().map(|c| c.context).collect();
+    contexts.sort_unstable();
+    contexts.dedup();
+    let cell = |cfg: FetchChoice, l: usize| {
+        cells
+            .iter()
+            .find(|c| c.context == l && c.config == cfg.label())
+    };
+    // per configuration: geometric mean ratio to each context's fastest, and
+    // its largest relative spread
+    let mut scored: Vec<(FetchChoice, f64, f64)> = Vec::new();
+    for &cfg in configs {
+        let mut log_sum = 0.0;
+        let mut rel_spread = 0.0f64;
+        let mut n = 0;
+        for &l in &contexts {
+            let best = cells
+                .iter()
+                .filter(|c| c.context == l)
+                .map(|c| c.step_ms)
+                .fold(f64::INFINITY, f64::min);
+            if let Some(c) = cell(cfg, l) {
+                log_sum += (c.step_ms / best).ln();
+                rel_spread = rel_spread.max(c.spread_ms / c.step_ms);
+                n += 1;
+            }
+        }
+        if n == contexts.len() && n > 0 {
+            scored.push((cfg, (log_sum / n as f64).exp(), rel_spread));
+        }
+    }
+    let &(_, best, spread) = scored.iter().min_by(|a, b| a.1.total_cmp(&b.1))?;
+    let chosen = scored
+        .iter()
+        .filter(|s| s.1 <= best * (1.0 + spread))
+        .min_by(|a, b| sms(a.0).cmp(&sms(b.0)).then(a.1.total_cmp(&b.1)))?
+        .0;
+    let l_max = *contexts.last()?;
+    Some((chosen, cell(chosen, l_max)?.step_ms))
+}
+
+/// Runs the sweep and returns the table (with the sweep in it). Progress
+/// on stderr, one line per configuration and round.
+///
+/// Errors: CUDA missing or failing; a model that cannot run sparse
+/// attention; no cell fitting in memory; bad arguments.
+pub fn run(spec: &TuneSpec) -> Result<FetchTable> {
+    crate::cuda::require()?;
+    if spec.batches.is_empty() || spec.contexts.is_empty() || spec.configs.is_empty() {
+        return Err(Error::Input(
+            "tune-ctas: need a batch size, a context and a configuration".into(),
+        ));
+    }
+    if spec.repeats == 0 || spec.steps == 0 || spec.warmup < 2 {
+        return Err(Error::Input(
+            "tune-ctas: need ≥ 1 round, ≥ 1 timed step and ≥ 2 warm-up steps".into(),
+        ));
+    }
+    let gpu = Arc::new(Gpu::new(0)?);
+    let info = gpu.info().clone();
+    eprintln!(
+        "tune-ctas: {} ({} SMs); loading {} …",
+        info.name, info.sm_count, spec.model
+    );
+    let ckpt = open_model(&spec.model)?;
+    let opts = EngineOptions {
+        attention: AttentionOverrides {
+            sparse: Some(true),
+            selection: Some(SelectionRule::Nosa),
+            ..Default::default()
+        },
+        prefill: PrefillMode::Auto,
+    };
+    let mut model = GpuModel::new(gpu.clone(), &ckpt, opts)?;
+    let cfg = ckpt.config.clone();
+    drop(ckpt);
+    let fw = ForecastWeights::from_arg(&format!("synth:{}", spec.seed), &cfg)?;
+    let mut cells: Vec<SweepCell> = Vec::new();
+    let mut skipped: Vec<serde_json::Value> = Vec::new();
+    let total = spec.modes.len() * spec.contexts.len() * spec.batches.len();
+    let mut done = 0;
+    for &mode in &spec.modes {
+        for &l in &spec.contexts {
+            for &b in &spec.batches {
+                done += 1;
+                let off = OffloadOptions {
+                    fetch: spec.configs[0].engine(),
+                    offload_layer0: false,
+                };
+                model.set_forecast(None, false)?;
+                model.set_offload(Some(off))?;
+                model.set_forecast((mode == FetchMode::Prefetch).then_some(&fw), true)?;
+                let cap = l + spec.repeats * spec.configs.len() * (spec.warmup + spec.steps) + 8;
+                if let Err(e) =
+                    model.check_memory(b, cap, Some(off), false, "lower --batch or --context")
+                {
+                    eprintln!("[{done}/{total}] {mode:?} L={l} B={b}: skipped: {e}");
+                    skipped.push(
+                        json!({"mode": mode, "context": l, "batch": b, "reason": e.to_string()}),
+                    );
+                    continue;
+                }
+                eprintln!("[{done}/{total}] {mode:?} L={l} B={b}: filling {b} sequences …");
+                crate::interrupt::check(|| format!("tune-ctas ({mode:?}, L {l}, B {b})"))?;
+                let mut seqs = Vec::with_capacity(b);
+                for i in 0..b {
+                    let mut s = model.new_sequence(cap)?;
+                    model.fill_synthetic(&mut s, l, spec.seed.wrapping_add(i as u64))?;
+                    model.offload_sequence(&mut s, cap)?;
+                    seqs.push(s);
+                }
+                let first = vec![1u32; b];
+                let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); spec.configs.len()];
+                for r in 0..spec.repeats {
+                    for k in 0..spec.configs.len() {
+                        let i = (k + r) % spec.configs.len();
+                        crate::interrupt::check(|| format!("tune-ctas ({mode:?}, L {l}, B {b})"))?;
+                        model.set_offload(Some(OffloadOptions {
+                            fetch: spec.configs[i].engine(),
+                            offload_layer0: false,
+                        }))?;
+                        model.decode(&mut seqs, &first)?;
+                        for _ in 2..spec.warmup {
+                            model.decode_greedy(&mut seqs)?;
+                        }
+                        let ms = median(&time_step_ms(&mut model, &mut seqs, spec.steps)?);
+                        rounds[i].push(ms);
+                    }
+                }
+                let mut line = Vec::new();
+                for (i, &c) in spec.configs.iter().enumerate() {
+                    let r = &rounds[i];
+                    let hi = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
+                    let cell = SweepCell {
+                        mode,
+                        context: l,
+                        batch: b,
+                        config: c.label(),
+                        step_ms: median(r),
+                        spread_ms: hi - lo,
+                        rounds_ms: r.clone(),
+                    };
+                    line.push(format!("{} {:.2}", cell.config, cell.step_ms));
+                    cells.push(cell);
+                }
+                eprintln!("    step ms: {}", line.join(", "));
+                drop(seqs);
+                model.release_buffers();
+            }
+        }
+    }
+    model.set_forecast(None, false)?;
+    model.set_offload(None)?;
+    let entries = |mode: FetchMode| -> Vec<FetchEntry> {
+        spec.batches
+            .iter()
+            .filter_map(|&b| {
+                let mine: Vec<&SweepCell> = cells
+                    .iter()
+                    .filter(|c| c.mode == mode && c.batch == b)
+                    .collect();
+                choose(&mine, &spec.configs).map(|(choice, step_ms)| FetchEntry {
+                    batch: b,
+                    choice,
+                    step_ms,
+                })
+            })
+            .collect()
+    };
+    let (sync, prefetch) = (entries(FetchMode::Sync), entries(FetchMode::Prefetch));
+    if sync.is_empty() && prefetch.is_empty() {
+        return Err(Error::Input(
+            "tune-ctas: no cell fitted in memory; lower --batch or --context".into(),
+        ));
+    }
+    // A mode not measured keeps the other's choices (the runtime needs both).
+    let (sync, prefetch) = match (sync.is_empty(), prefetch.is_empty()) {
+        (true, _) => (prefetch.clone(), prefetch),
+        (_, true) => (sync.clone(), sync),
+        _ => (sync, prefetch),
+    };
+    let (pcie, driver) = nvidia_smi_link();
+    Ok(FetchTable {
+        format: FORMAT,
+        gpu: info.name.clone(),
+        sm_count: info.sm_count,
+        pcie,
+        driver: driver.unwrap_or_else(|| format!("CUDA {}", info.driver_version_string())),
+        date_utc: crate::checks::kernels::utc_now_iso(),
+        commit: std::env::var("SPARDA_COMMIT").ok().or_else(crate::bench::git_commit),
+        protocol: format!(
+            "sparda tune-ctas on {}: synthetic KV (runtime.md §5), NOSA selection; prefetch mode with random forecast projections (synth:{}); contexts {:?}; per configuration and round {} warm-up + {} timed decode steps (CUDA events), {} rounds in rotated order; figure = median of round medians, spread = max - min",
+            spec.model, spec.seed, spec.contexts, spec.warmup, spec.steps, spec.repeats
+        ),
+        sync,
+        prefetch,
+        sweep: json!({"cells": cells, "skipped": skipped,
+            "configs": spec.configs.iter().map(|c| c.label()).collect::<Vec<_>>()}),
+    })
+}
+
+/// PCIe link ("GenG xW") and driver version from `nvidia-smi`, when it is
+/// there ("unknown" / `None` otherwise).
+fn nvidia_smi_link() -> (String, Option<String>) {
+    let out = std::process::Command::new("nvidia-smi")
+        .args([
+            "--query-gpu=pcie.link.gen.max,pcie.link.width.max,driver_version",
+            "--format=csv,noheader,nounits",
+            "--id=0",
+        ])
+        .output();
+    match out {
+        Ok(o) if o.status.success() => {
+            let s = String::from_utf8_lossy(&o.stdout);
+            let f: Vec<&str> = s.trim().split(',').map(str::trim).collect();
+            match f.as_slice() {
+                [g, w, d] => (format!("Gen{g} x{w}"), Some(d.to_string())),
+                _ => ("unknown".into(), None),
+            }
+        }
+        _ => ("unknown".into(), None),
+    }
+}
+
+/// The sweep as a text table: one row per (mode, context, B), one column
+/// per configuration (median step ms ± spread), the choice marked `*`.
+pub fn sweep_table(t: &FetchTable) -> String {
+    let cells: Vec<SweepCell> = t.sweep["cells"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|c| {
+                    Some(SweepCell {
+                        mode: serde_json::from_value(c["mode"].clone()).ok()?,
+                        context: c["context"].as_u64()? as usize,
+                        batch: c["batch"].as_u64()? as usize,
+                        config: c["config"].as_str()?.to_string(),
+                        step_ms: c["step_ms"].as_f64()?,
+                        spread_ms: c["spread_ms"].as_f64()?,
+                        rounds_ms: Vec::new(),
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let configs: Vec<String> = t.sweep["configs"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|c| c.as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut out = format!("{:<9} {:>7} {:>4}", "mode", "context", "B");
+    for c in &configs {
+        out += &format!(" {c:>14}");
+    }
+    out.push('\n');
+    let mut keys: Vec<(FetchMode, usize, usize)> =
+        cells.iter().map(|c| (c.mode, c.context, c.batch)).collect();
+    keys.dedup();
+    for (mode, l, b) in keys {
+        let chosen = t.choose(mode, b).label();
+        out += &format!(
+            "{:<9} {:>7} {:>4}",
+            format!("{mode:?}").to_lowercase(),
+            l,
+            b
+        );
+        for c in &configs {
+            let cell = cells
+                .iter()
+                .find(|x| x.mode == mode && x.context == l && x.batch == b && &x.config == c);
+            out += &match cell {
+                Some(x) => format!(
+                    " {:>14}",
+                    format!(
+                        "{}{:.2}±{:.2}",
+                        if *c == chosen { "*" } else { "" },
+                        x.step_ms,
+                        x.spread_ms / 2.0
+                    )
+                ),
+                None => format!(" {:>14}", "-"),
+            };
+        }
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cell(l: usize, cfg: &str, ms: f64, spread: f64) -> SweepCell {
+        SweepCell {
+            mode: FetchMode::Sync,
+            context: l,
+            batch: 8,
+            config: cfg.into(),
+            step_ms: ms,
+            spread_ms: spread,
+            rounds_ms: vec![ms],
+        }
+    }
+
+    #[test]
+    fn the_fastest_wins_and_ties_within_the_spread_go_to_fewer_sms() {
+        let configs = [
+            FetchChoice::Sm { ctas: 4 },
+            FetchChoice::Sm { ctas: 8 },
+            FetchChoice::Sm { ctas: 16 },
+            FetchChoice::Dma,
+        ];
+        let cells = [
+            cell(32768, "sm:4", 10.5, 0.05),
+            cell(32768, "sm:8", 10.0, 0.05),
+            cell(32768, "sm:16", 10.02, 0.05),
+            cell(32768, "dma", 14.0, 0.1),
+        ];
+        let refs: Vec<&SweepCell> = cells.iter().collect();
+        // sm:16 is within sm:8's 0.5 % spread but takes more SMs: sm:8.
+        assert_eq!(
+            choose(&refs, &configs),
+            Some((FetchChoice::Sm { ctas: 8 }, 10.0))
+        );
+        // A wide spread makes sm:4 a tie: fewer SMs win.
+        let cells = [
+            cell(32768, "sm:4", 10.5, 0.05),
+            cell(32768, "sm:8", 10.0, 1.0),
+            cell(32768, "sm:16", 10.02, 0.05),
+            cell(32768, "dma", 14.0, 0.1),
+        ];
+        let refs: Vec<&SweepCell> = cells.iter().collect();
+        assert_eq!(
+            choose(&refs, &configs),
+            Some((FetchChoice::Sm { ctas: 4 }, 10.5))
+        );
+    }
+
+    #[test]
+    fn over_contexts_the_geometric_mean_ratio_decides() {
+        let configs = [FetchChoice::Sm { ctas: 4 }, FetchChoice::Sm { ctas: 8 }];
+        // sm:4 best at 32K by 2 %, sm:8 best at 64K by 10 %: sm:8 overall,
+        // reported with its 64K time.
+        let cells = [
+            cell(32768, "sm:4", 10.0, 0.0),
+            cell(32768, "sm:8", 10.2, 0.0),
+            cell(65536, "sm:4", 22.0, 0.0),
+            cell(65536, "sm:8", 20.0, 0.0),
+        ];
+        let refs: Vec<&SweepCell> = cells.iter().collect();
+        assert_eq!(
+            choose(&refs, &configs),
+            Some((FetchChoice::Sm { ctas: 8 }, 20.0))
+        );
+        assert_eq!(choose(&[], &configs), None);
+    }
+}
