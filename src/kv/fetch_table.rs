@@ -23,7 +23,11 @@ pub const FORMAT: u32 = 1;
 /// Tables built into the binary: (GPU name as `cuDeviceGetName` gives it,
 /// the table's JSON text, the file it came from). A table `sparda
 /// tune-ctas` wrote joins this list when it is committed under `tuning/`.
-const BUILT_IN: &[(&str, &str, &str)] = &[];
+const BUILT_IN: &[(&str, &str, &str)] = &[(
+    "NVIDIA H200",
+    include_str!("../../tuning/fetch_nvidia_h200.json"),
+    "tuning/fetch_nvidia_h200.json",
+)];
 
 /// The environment variable naming a table file to use instead of the
 /// built-in one.
