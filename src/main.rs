@@ -350,7 +350,8 @@ enum KvArg {
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum FetchArg {
-    /// Per batch size and GPU (SM kernel; CTAs by SparDA's rule, 16 on the H200).
+    /// Per batch size and schedule from the GPU's fetch table (`sparda
+    /// tune-ctas`; built in for the H200), else SparDA's rule (SM kernel, 16 or 32 CTAs).
     Auto,
     /// Persistent UVA copy kernel on --prefetch-ctas CTAs.
     Sm,
@@ -371,7 +372,7 @@ struct OffloadArgs {
     /// repeated; generate and perplexity take one).
     #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "auto")]
     fetch: Vec<FetchArg>,
-    /// CTAs of the SM fetch kernel (default: by the per-GPU rule with --fetch auto, 16 with --fetch sm).
+    /// CTAs of the SM fetch kernel (default: from the fetch table with --fetch auto, 16 with --fetch sm).
     #[arg(long, allow_negative_numbers = true)]
     prefetch_ctas: Option<usize>,
     /// Offload layer 0 too (default: it stays on the GPU, for every mode compared).

@@ -7,13 +7,17 @@
 #            the project's converter (scripts/fixture.py; the `gguf` package is carried in
 #            .device/fx2/py) into .fixtures/smollm2-135m-instruct
 #   e2e      sparda gpu-check-e2e with the fixture on real text (data/texts/hamlet.txt)
-#   table    the quality table: `sparda perplexity` at 8K context in every mode, each
-#            scored against the dense run (KL, top-1, Δ perplexity); identity pairs
-#            (offloaded vs resident; forecast with prefetch offloaded vs resident); CPU vs
-#            GPU on one chunk. Texts: hamlet.txt (data/texts) and paradise_lost.txt
-#            (TEXTS_DIR, default .device/texts, a copy of ../shared/data/texts).
-# Env: SPARDA (binary, default .device/bin/sparda), SPARDA_COMMIT, CHUNKS (per text, default 4),
-#      SCORE (scored tokens per chunk, default 1024), CPU_SCORE (default 128).
+#   table    the quality table on the GPU: `sparda perplexity` at 8K context in every mode,
+#            each scored against the dense run (KL, top-1, Δ perplexity); identity pairs
+#            (offloaded vs resident; forecast with prefetch offloaded vs resident). Texts:
+#            hamlet.txt (data/texts) and paradise_lost.txt (TEXTS_DIR, default .device/texts,
+#            a copy of ../shared/data/texts). About 7 minutes on an H200 (each run compiles
+#            its kernels first).
+#   table-cpu  CPU vs GPU on one chunk of hamlet (the CPU reference prefills 8K tokens in
+#            about 80 s on 16 cores; about 100 s per CPU run)
+# Then: python3 scripts/quality_table.py OUT_DIR > OUT_DIR.md
+# Env: SPARDA (binary, default .device/bin/sparda), SPARDA_COMMIT, CHUNKS (per text, default 2),
+#      SCORE (scored tokens per chunk, default 1024), CPU_SCORE (default 64).
 set -uo pipefail
 phase=${1:?phase}; out=${2:?out dir}
 mkdir -p "$out"
@@ -35,8 +39,8 @@ e2e)
   "$SPARDA" gpu-check-e2e --model "$FX" --text data/texts/hamlet.txt \
     --json "$out/gpu_check_e2e.json"
   ;;
-table)
-  CHUNKS=${CHUNKS:-4}; SCORE=${SCORE:-1024}; CPU_SCORE=${CPU_SCORE:-128}
+table|table-cpu)
+  CHUNKS=${CHUNKS:-2}; SCORE=${SCORE:-1024}; CPU_SCORE=${CPU_SCORE:-64}
   TEXTS_DIR=${TEXTS_DIR:-.device/texts}
   common=(--model "$FX" --context 8192 --score "$SCORE" --max-chunks "$CHUNKS")
   b48=(--selection infllmv2 --budget-blocks 48 --select-blocks 16)
@@ -49,7 +53,7 @@ table)
       || { echo "FAILED: $name"; tail -5 "$out/$t/$name.log"; }
     tail -3 "$out/$t/$name.log"
   }
-  for text in data/texts/hamlet.txt "$TEXTS_DIR/paradise_lost.txt"; do
+  [[ "$phase" == table ]] && for text in data/texts/hamlet.txt "$TEXTS_DIR/paradise_lost.txt"; do
     t=$(basename "$text" .txt); mkdir -p "$out/$t"; L="$out/$t"
     g=("${common[@]}" --text "$text" --backend cuda)
     ppl dense "${g[@]}" --save-logits "$L/dense.logits"
@@ -63,6 +67,7 @@ table)
     ppl forecast_random_b64_s16_offload_prefetch_vs_resident "${g[@]}" "${b64[@]}" --forecast synth --kv offload --kl-base "$L/fc.logits"
     rm -f "$L"/*.logits
   done
+  [[ "$phase" == table ]] && exit 0
   # CPU vs GPU on one chunk of hamlet (the CPU reference decodes too slowly for more).
   t=hamlet_cpu; mkdir -p "$out/$t"; L="$out/$t"
   c1=(--model "$FX" --context 8192 --score "$CPU_SCORE" --max-chunks 1 --text data/texts/hamlet.txt)

@@ -24,13 +24,14 @@ pub enum FetchEngine {
     /// the misses (32 KiB chunks at D = 128). The host reads each layer's
     /// fetch lists first, so this engine synchronises once per layer.
     Dma,
-    /// Chosen per batch size and GPU by [`fetch_rule`] (the default).
+    /// Chosen per batch size and schedule from the GPU's fetch table
+    /// ([`crate::kv::fetch_table`]), else by [`fetch_rule`] (the default).
     Auto,
 }
 
 /// The default fetch engine for `batch` sequences on the GPU named
-/// `gpu_name` (runtime.md §2, §4), used by
-/// [`FetchEngine::Auto`] until a tuning table exists:
+/// `gpu_name` (runtime.md §2, §4), used by [`FetchEngine::Auto`] on a GPU
+/// without a fetch table ([`crate::kv::fetch_table`]):
 /// - the SM copy kernel everywhere: on the H200 (2026-11-30,
 ///   benches/results/offload_sync_vs_gpu_resident_grid_h200_2026-11-30_a8338ae.json) it moved 49.5–50.8 GB/s on 16
 ///   CTAs at B = 16–64 against 19.5–24.3 GB/s for the copy engines (32 KiB
