@@ -140,6 +140,12 @@ struct OffloadCheckArgs {
     /// every fetch on the copy stream (0: no stress run).
     #[arg(long, default_value_t = 0)]
     copy_delay_us: u32,
+    /// Sample GPU memory in use and the process's resident memory every N
+    /// decode steps of each run (long runs: GPU memory must stay flat); the
+    /// report also spells out every sequence's token at steps 2,000, 8,000
+    /// and 20,000 where the run reaches them.
+    #[arg(long, default_value_t = 1000)]
+    sample_memory_every: usize,
     /// Report path.
     #[arg(long)]
     json: PathBuf,

@@ -37,6 +37,45 @@ pub struct Run {
     pub decode_ms: f64,
     /// Offload counters of the run (None when GPU-resident).
     pub stats: Option<crate::pipeline::OffloadStats>,
+    /// Memory sampled after the prefill and every `sample_every` decode
+    /// steps (and after the last step).
+    pub memory: Vec<MemorySample>,
+}
+
+/// Memory in use at one decode step of a run (for long-run checks: GPU
+/// memory must stay flat; host memory may grow only by the new tokens' KV).
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct MemorySample {
+    /// Decode steps done (0: after the prefill).
+    pub step: usize,
+    /// GPU memory in use on the device (total − free, `cuMemGetInfo`), bytes.
+    pub gpu_used_bytes: usize,
+    /// The process's resident set (VmRSS of /proc/self/status, pinned host
+    /// memory included once touched), bytes; 0 where /proc is missing.
+    pub host_rss_bytes: usize,
+}
+
+/// VmRSS of /proc/self/status, bytes (0 when it cannot be read).
+fn host_rss_bytes() -> usize {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<usize>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// A [`MemorySample`] now.
+fn sample_memory(model: &GpuModel, step: usize) -> Result<MemorySample> {
+    let (free, total) = model.gpu().mem_info()?;
+    Ok(MemorySample {
+        step,
+        gpu_used_bytes: total - free,
+        host_rss_bytes: host_rss_bytes(),
+    })
 }
 
 fn fnv1a(x: &[f32]) -> u64 {
@@ -52,8 +91,9 @@ fn fnv1a(x: &[f32]) -> u64 {
 
 /// Greedy decode of `new_tokens` tokens after each of `prompts` (a batch
 /// of B sequences of different lengths, decoded together), GPU-resident
-/// (`mode` None) or offloaded. Tokens and logit hashes are step-major:
-/// entry `step · B + b`.
+/// (`mode` None) or offloaded, sampling memory every `sample_every` steps
+/// (0: after the prefill and at the end only). Tokens and logit hashes are
+/// step-major: entry `step · B + b`.
 ///
 /// Errors: as [`GpuModel::prefill`], [`GpuModel::offload_sequence`],
 /// [`GpuModel::decode`].
@@ -62,6 +102,7 @@ pub fn run(
     prompts: &[Vec<u32>],
     new_tokens: usize,
     mode: Option<Mode>,
+    sample_every: usize,
 ) -> Result<Run> {
     let offload = mode.map(|m| m.offload);
     model.set_offload(offload)?;
@@ -95,9 +136,11 @@ pub fn run(
         model.reset_offload_stats()?;
     }
     tokens.extend_from_slice(&tok);
+    let mut memory = vec![sample_memory(model, 0)?];
     let t = std::time::Instant::now();
     let v = model.config.vocab_size;
-    for _ in 1..new_tokens {
+    for step in 1..new_tokens {
+        crate::interrupt::check(|| format!("offload-check decode step {step}"))?;
         model.decode(&mut seqs, &tok)?;
         let logits = model.download_logits()?;
         logit_hashes.extend(logits.chunks_exact(v).map(fnv1a));
@@ -109,6 +152,9 @@ pub fn run(
             )));
         }
         tokens.extend_from_slice(&tok);
+        if (sample_every > 0 && step % sample_every == 0) || step + 1 == new_tokens {
+            memory.push(sample_memory(model, step)?);
+        }
     }
     let decode_ms = t.elapsed().as_secs_f64() * 1e3;
     let stats = if offload.is_some() {
@@ -125,7 +171,26 @@ pub fn run(
         logit_hashes,
         decode_ms,
         stats,
+        memory,
     })
+}
+
+/// Growth over a run's samples: (GPU bytes, host RSS bytes) from the first
+/// sample to the last, as signed numbers.
+fn growth(m: &[MemorySample]) -> (i64, i64) {
+    match (m.first(), m.last()) {
+        (Some(a), Some(b)) => (
+            b.gpu_used_bytes as i64 - a.gpu_used_bytes as i64,
+            b.host_rss_bytes as i64 - a.host_rss_bytes as i64,
+        ),
+        _ => (0, 0),
+    }
+}
+
+/// The B greedy tokens of decode step `step` of a step-major token list
+/// (`None` past its end).
+fn tokens_at(tokens: &[u32], b: usize, step: usize) -> Option<&[u32]> {
+    tokens.get(step * b..(step + 1) * b)
 }
 
 /// The resident run, then one offloaded run per entry of `engines`, each
@@ -137,8 +202,15 @@ pub fn offload_identity(
     prompts: &[Vec<u32>],
     new_tokens: usize,
     modes: &[Mode],
+    sample_every: usize,
 ) -> Result<(bool, Value)> {
-    let base = run(model, prompts, new_tokens, None)?;
+    let base = run(model, prompts, new_tokens, None, sample_every)?;
+    let nb = prompts.len().max(1);
+    // the steps whose tokens the report spells out (long runs: 2K, 8K, 20K)
+    let checkpoints: Vec<usize> = [2_000usize, 8_000, 20_000]
+        .into_iter()
+        .filter(|&s| s < new_tokens)
+        .collect();
     eprintln!(
         "offload-check: GPU-resident sparse, {} tokens in {:.0} ms",
         base.tokens.len(),
@@ -149,7 +221,7 @@ pub fn offload_identity(
     let forecast = model.forecast_on();
     for m in modes {
         let o = &m.offload;
-        let r = run(model, prompts, new_tokens, Some(*m))?;
+        let r = run(model, prompts, new_tokens, Some(*m), sample_every)?;
         let tok_mismatch = base.tokens.iter().zip(&r.tokens).position(|(a, b)| a != b);
         let logit_mismatch = base
             .logit_hashes
@@ -196,6 +268,14 @@ pub fn offload_identity(
             "locality_gamma_per_layer": st.locality(),
             "blocks_fetched": st.fetched.iter().sum::<u64>(),
             "bytes_fetched": st.bytes_fetched(),
+            "memory_samples": r.memory,
+            "gpu_mem_growth_bytes": growth(&r.memory).0,
+            "host_rss_growth_bytes": growth(&r.memory).1,
+            "tokens_at_checkpoints": checkpoints.iter().map(|&s| json!({
+                "step": s,
+                "tokens": tokens_at(&r.tokens, nb, s),
+                "equal_to_resident": tokens_at(&r.tokens, nb, s) == tokens_at(&base.tokens, nb, s),
+            })).collect::<Vec<_>>(),
         }));
     }
     let v = json!({
@@ -203,7 +283,13 @@ pub fn offload_identity(
         "prompt_tokens": prompts.iter().map(Vec::len).collect::<Vec<_>>(),
         "new_tokens": new_tokens,
         "final_context": prompts.iter().map(|p| p.len() + new_tokens).collect::<Vec<_>>(),
-        "resident": {"decode_ms": base.decode_ms, "tokens_head": &base.tokens[..base.tokens.len().min(32)]},
+        "resident": {"decode_ms": base.decode_ms, "tokens_head": &base.tokens[..base.tokens.len().min(32)],
+            "memory_samples": base.memory,
+            "gpu_mem_growth_bytes": growth(&base.memory).0,
+            "host_rss_growth_bytes": growth(&base.memory).1,
+            "tokens_at_checkpoints": checkpoints.iter().map(|&s| json!({
+                "step": s, "tokens": tokens_at(&base.tokens, nb, s)})).collect::<Vec<_>>()},
+        "memory_sample_every": sample_every,
         "offloaded": runs,
         "identical": all,
         "compared": "greedy token and FNV-1a hash of the f32 logits bits of every sequence at every step (the batch decoded together)",
