@@ -607,7 +607,11 @@ fn main() {
     // the other commands keep the default (the process ends at once).
     if matches!(
         cli.cmd,
-        Cmd::Generate(_) | Cmd::Perplexity(_) | Cmd::Bench(_)
+        Cmd::Generate(_)
+            | Cmd::Perplexity(_)
+            | Cmd::Bench(_)
+            | Cmd::OffloadCheck(_)
+            | Cmd::TuneCtas(_)
     ) {
         if let Err(e) = sparda::interrupt::install() {
             eprintln!("warning: {e}; Ctrl-C will end the run without finishing its trace");

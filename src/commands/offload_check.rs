@@ -143,14 +143,13 @@ pub(crate) fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
     if let Some(f) = &forecast {
         model.set_forecast(Some(f), false)?;
     }
-    let (mut ok, mut v) =
-        sparda::checks::identity::offload_identity(
-            &mut model,
-            &prompts,
-            a.new_tokens,
-            &modes,
-            a.sample_memory_every,
-        )?;
+    let (mut ok, mut v) = sparda::checks::identity::offload_identity(
+        &mut model,
+        &prompts,
+        a.new_tokens,
+        &modes,
+        a.sample_memory_every,
+    )?;
     v["forecast"] = serde_json::json!(a.forecast);
     if let (Some(f), true) = (&forecast, a.cpu_check_steps > 0) {
         // the CPU reference opens the model again (the GPU run dropped its copy)
