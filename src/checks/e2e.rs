@@ -49,7 +49,8 @@
 //!
 //! Cases: the tiny synthetic model built in memory (dense; NOSA sparse with
 //! GPU selection and with the host fallback; NOSA with dense prefill; NOSA
-//! with a dense_len that a sequence crosses mid-batch; InfLLM-V2), and, when
+//! with a dense_len that a sequence crosses mid-batch; InfLLM-V2; dense with
+//! dynamic NTK RoPE, prompts below, across and past its original maximum), and, when
 //! a model directory is given (the SmolLM2 fixture), real text through it:
 //! dense (≥ 256 positions) and InfLLM-V2 past a small budget. Each case
 //! grows one sequence's cache during decode (it starts with room for its
@@ -859,6 +860,15 @@ pub fn gpu_check_e2e(
         sc.dense_len = 400;
     }
     let tiny_dl = synth::build_config(&dl_cfg, true, 8)?;
+    // Dynamic NTK RoPE with a 256-token original maximum: one prompt
+    // prefilled past it (its own prefill table), one crossing it during
+    // decode (the decode table's per-position lengths), one below it.
+    let mut ntk_cfg = Preset::Tiny.config();
+    ntk_cfg.rope_scaling = crate::config::RopeScaling::Dynamic {
+        factor: 2.0,
+        original_max_position_embeddings: 256,
+    };
+    let tiny_ntk = synth::build_config(&ntk_cfg, true, 9)?;
     let fixture = model_dir.map(Checkpoint::open).transpose()?;
     let text_ids = match model_dir {
         Some(dir) => {
@@ -927,6 +937,17 @@ pub fn gpu_check_e2e(
             inputs: Inputs::Random {
                 prompt_lens: vec![100, 380, 600],
                 seed: 15,
+            },
+            min_steps: 0,
+        },
+        CaseSpec {
+            name: "tiny-dense-dynamic-ntk",
+            ckpt: &tiny_ntk,
+            opts: opts(ov(Some(false), None), PrefillMode::Auto),
+            path: SelectionPath::Gpu,
+            inputs: Inputs::Random {
+                prompt_lens: vec![100, 230, 300],
+                seed: 18,
             },
             min_steps: 0,
         },

@@ -699,34 +699,47 @@ impl GpuModel {
         layers + b16(&self.embed) + self.lm_head.as_ref().map_or(0, b16) + b16(&self.final_norm)
     }
 
-    /// Makes the RoPE tables cover positions 0 … need−1.
+    /// Makes the decode RoPE table ([`RopeTables::for_decode`]: row p at
+    /// sequence length p + 1) cover positions 0 … need−1.
     pub(crate) fn ensure_rope(&mut self, need: usize) -> Result<()> {
         if self.rope_tables.as_ref().is_some_and(|t| t.rows >= need) {
             return Ok(());
         }
         let max = self.config.max_position_embeddings;
-        if let RopeScaling::Dynamic {
-            original_max_position_embeddings: orig,
-            ..
-        } = self.config.rope_scaling
-        {
-            if need > orig {
-                return Err(Error::Input(format!(
-                    "dynamic NTK RoPE past original_max_position_embeddings {orig} (needed {need} positions) is not supported by the CUDA backend yet; use --backend cpu"
-                )));
-            }
-        }
         let have = self.rope_tables.as_ref().map_or(0, |t| t.rows);
         let rows = need.max(2 * have).max(4096).min(max.max(need));
-        // seq_len only matters for dynamic NTK, refused above past its original maximum.
-        self.rope_tables = Some(RopeTables::from_rope(
+        self.rope_tables = Some(RopeTables::for_decode(
             &self.gpu,
             &self.rope,
             self.config.head_dim,
             rows,
-            1,
         )?);
         Ok(())
+    }
+
+    /// Whether a prefill reaching `prompt_len` tokens rotates its positions
+    /// with other angles than the decode table's: dynamic NTK RoPE past its
+    /// original maximum, where the CPU reference rotates every prompt
+    /// position at the prompt's whole length (spec §1; the result does not
+    /// depend on chunking).
+    pub(crate) fn prefill_needs_own_rope(&self, prompt_len: usize) -> bool {
+        matches!(self.config.rope_scaling,
+            RopeScaling::Dynamic { original_max_position_embeddings: orig, .. } if prompt_len > orig)
+    }
+
+    /// The table a prefill of `prompt_len` tokens rotates with when
+    /// [`GpuModel::prefill_needs_own_rope`]: positions 0 … prompt_len−1 at
+    /// sequence length prompt_len.
+    ///
+    /// Errors: [`Error::Cuda`] on a copy failure.
+    pub(crate) fn prefill_rope(&self, prompt_len: usize) -> Result<RopeTables> {
+        RopeTables::from_rope(
+            &self.gpu,
+            &self.rope,
+            self.config.head_dim,
+            prompt_len,
+            prompt_len,
+        )
     }
 
     /// The logits of the last call, f32 [rows, V] on the device (rows = 1

@@ -35,6 +35,36 @@ impl GpuModel {
         let prompt_len = t0 + prompt.len();
         self.check_tokens(prompt, prompt_len)?;
         let sparse = self.plan.sparse_at(prompt_len) && self.prefill_mode != PrefillMode::Dense;
+        // Dynamic NTK RoPE past its original maximum: the prompt rotates at
+        // its whole length (the CPU reference's rule), not with the decode
+        // table's per-position lengths; the decode table comes back after.
+        let decode_table = if self.prefill_needs_own_rope(prompt_len) {
+            self.ensure_rope(prompt_len + 1)?;
+            let t = self.prefill_rope(prompt_len)?;
+            Some(std::mem::replace(&mut self.rope_tables, Some(t)))
+        } else {
+            None
+        };
+        let r = self.prefill_chunks(seq, prompt, sparse, &mut progress);
+        if let Some(d) = decode_table {
+            // the prefill table's last readers finish before it is freed
+            let synced = self.gpu.synchronize();
+            self.rope_tables = d;
+            synced?;
+        }
+        r?;
+        self.check_device_errors()
+    }
+
+    /// The chunk loop of [`GpuModel::prefill`].
+    fn prefill_chunks(
+        &mut self,
+        seq: &mut GpuSequence,
+        prompt: &[u32],
+        sparse: bool,
+        progress: &mut impl FnMut(usize, usize),
+    ) -> Result<()> {
+        let t0 = seq.len;
         let mut done = 0;
         while done < prompt.len() {
             crate::interrupt::check(|| {
@@ -63,7 +93,7 @@ impl GpuModel {
             self.forward(std::slice::from_mut(seq), &rows, which)?;
             progress(done, prompt.len());
         }
-        self.check_device_errors()
+        Ok(())
     }
 
     /// Rows per prefill chunk so the attention partials of a context of up

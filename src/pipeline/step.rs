@@ -140,18 +140,10 @@ impl GpuModel {
     }
 
     /// The RoPE rows a step over `seqs` needs: positions up to the batch's
-    /// capacity (device-fed steps advance without the host), or, for dynamic
-    /// NTK RoPE (tables limited to the original maximum), the next position.
+    /// capacity (device-fed steps advance without the host).
     pub(crate) fn step_rope_need(&self, seqs: &[GpuSequence], cap: usize) -> usize {
         let next = seqs.iter().map(|s| s.len + 1).max().unwrap_or(1);
-        let want = cap.min(self.config.max_position_embeddings).max(next);
-        match self.config.rope_scaling {
-            RopeScaling::Dynamic {
-                original_max_position_embeddings: orig,
-                ..
-            } if want > orig => next,
-            _ => want,
-        }
+        cap.min(self.config.max_position_embeddings).max(next)
     }
 
     /// Runs one device-resident decode step (see the module doc): grows

@@ -201,6 +201,31 @@ pub struct RopeTables {
     pub half: usize,
 }
 
+/// Host cos/sin tables, [positions, D/2] each: row p from
+/// [`crate::config::Rope::cos_sin`] at sequence length `seq_len`, or, when
+/// `None`, at p + 1 (the decode table, [`RopeTables::for_decode`]).
+pub fn rope_rows(
+    rope: &crate::config::Rope,
+    head_dim: usize,
+    positions: usize,
+    seq_len: Option<usize>,
+) -> (Vec<f32>, Vec<f32>) {
+    let half = head_dim / 2;
+    let (mut cos, mut sin) = (
+        vec![0.0f32; positions * half],
+        vec![0.0f32; positions * half],
+    );
+    for p in 0..positions {
+        rope.cos_sin(
+            p,
+            seq_len.unwrap_or(p + 1),
+            &mut cos[p * half..(p + 1) * half],
+            &mut sin[p * half..(p + 1) * half],
+        );
+    }
+    (cos, sin)
+}
+
 impl RopeTables {
     /// Tables for positions 0 … `positions`−1 from the model's RoPE, at
     /// sequence length `seq_len` (only dynamic scaling depends on it; see
@@ -214,20 +239,25 @@ impl RopeTables {
         positions: usize,
         seq_len: usize,
     ) -> Result<Self> {
-        let half = head_dim / 2;
-        let (mut cos, mut sin) = (
-            vec![0.0f32; positions * half],
-            vec![0.0f32; positions * half],
-        );
-        for p in 0..positions {
-            rope.cos_sin(
-                p,
-                seq_len,
-                &mut cos[p * half..(p + 1) * half],
-                &mut sin[p * half..(p + 1) * half],
-            );
-        }
-        Self::from_host(gpu, &cos, &sin, half)
+        let (cos, sin) = rope_rows(rope, head_dim, positions, Some(seq_len));
+        Self::from_host(gpu, &cos, &sin, head_dim / 2)
+    }
+
+    /// The decode table: row p at sequence length p + 1, the length a
+    /// sequence has when its token at position p is decoded — with dynamic
+    /// NTK RoPE the base grows with it past the original maximum, as the
+    /// CPU reference rotates each decoded token (spec §1); for every other
+    /// RoPE type the same as [`RopeTables::from_rope`].
+    ///
+    /// Errors: [`Error::Cuda`] on a copy failure.
+    pub fn for_decode(
+        gpu: &Gpu,
+        rope: &crate::config::Rope,
+        head_dim: usize,
+        positions: usize,
+    ) -> Result<Self> {
+        let (cos, sin) = rope_rows(rope, head_dim, positions, None);
+        Self::from_host(gpu, &cos, &sin, head_dim / 2)
     }
 
     /// Tables from host arrays cos/sin, [rows, half] each.
@@ -795,4 +825,45 @@ pub fn qkv_rope_append<Q: DevicePtrMut<Bf16>>(
     // SAFETY: shapes checked above; the pointer tables live until their
     // stream-ordered free after the launch.
     unsafe { launch_qkv_rope_append(gpu, &args) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rope_rows;
+    use crate::config::{Rope, RopeScaling};
+
+    /// The decode table rotates row p at length p + 1 (dynamic NTK grows
+    /// its base past the original maximum), a prefill table every row at
+    /// the prompt's length; below the original maximum both are the plain
+    /// table.
+    #[test]
+    fn decode_rows_use_their_own_length_and_prefill_rows_the_prompts() {
+        let rope = Rope::new(
+            16,
+            10_000.0,
+            4096,
+            RopeScaling::Dynamic {
+                factor: 2.0,
+                original_max_position_embeddings: 64,
+            },
+        );
+        let half = 8;
+        let (dc, ds) = rope_rows(&rope, 16, 200, None);
+        let (pc, ps) = rope_rows(&rope, 16, 200, Some(200));
+        let (mut c, mut s) = (vec![0.0; half], vec![0.0; half]);
+        for p in [0usize, 63, 64, 65, 150, 199] {
+            rope.cos_sin(p, p + 1, &mut c, &mut s);
+            assert_eq!(&dc[p * half..(p + 1) * half], &c[..], "decode row {p}");
+            assert_eq!(&ds[p * half..(p + 1) * half], &s[..], "decode row {p}");
+            rope.cos_sin(p, 200, &mut c, &mut s);
+            assert_eq!(&pc[p * half..(p + 1) * half], &c[..], "prefill row {p}");
+            assert_eq!(&ps[p * half..(p + 1) * half], &s[..], "prefill row {p}");
+        }
+        // below the original maximum the rows agree; past it they differ
+        assert_eq!(
+            dc[10 * half + 3],
+            rope_rows(&rope, 16, 64, Some(64)).0[10 * half + 3]
+        );
+        assert_ne!(dc[150 * half + 3], pc[150 * half + 3]);
+    }
 }
