@@ -311,6 +311,12 @@ pub struct ModelConfig {
     pub mup: Option<Mup>,
     /// `sparse_config` as written (defaults filled), if present.
     pub sparse: Option<SparseConfig>,
+    /// config.json's `sliding_window` when it is enabled (Mistral-style):
+    /// the runtime has no sliding-window attention, so it is accepted only
+    /// while it is ≥ `max_position_embeddings` (full attention), also after
+    /// [`ModelConfig::with_max_position`]. `None` when absent, null or
+    /// `use_sliding_window = false`.
+    pub sliding_window: Option<usize>,
 }
 
 /// Reads typed values out of one JSON object, naming `prefix + key` in errors.
@@ -744,9 +750,13 @@ impl ModelConfig {
             )?,
         };
 
+        let mut sliding_window = None;
         if let Some(w) = f.raw("sliding_window") {
             let w = f.usize_of("sliding_window", w)?;
             let enabled = f.opt_bool("use_sliding_window")?.unwrap_or(true);
+            if enabled {
+                sliding_window = Some(w);
+            }
             if enabled && w < max_position_embeddings {
                 return Err(f.err(
                     "sliding_window",
@@ -852,6 +862,7 @@ impl ModelConfig {
             eos_token_ids,
             mup,
             sparse,
+            sliding_window,
         };
         if let Some(b) = cfg.bos_token_id {
             cfg.check_token_id(b, "bos_token_id", path)?;
@@ -955,6 +966,9 @@ impl ModelConfig {
                 "original_max_position_embeddings": original_max_position_embeddings}),
         };
         m.insert("rope_scaling".into(), scaling);
+        if let Some(w) = self.sliding_window {
+            m.insert("sliding_window".into(), Value::from(w));
+        }
         m.insert(
             "tie_word_embeddings".into(),
             Value::from(self.tie_word_embeddings),
@@ -1031,9 +1045,17 @@ impl ModelConfig {
     /// attention factor follow `max_position_embeddings` as in MiniCPM's code
     /// (so raising it past `original_max_position_embeddings` switches to the
     /// long factors, exactly as editing config.json would).
-    pub fn with_max_position(mut self, n: usize) -> Self {
+    ///
+    /// Errors: [`Error::Input`] when `n` passes an enabled `sliding_window`
+    /// (sliding-window attention would then apply; not implemented).
+    pub fn with_max_position(mut self, n: usize) -> Result<Self> {
+        if let Some(w) = self.sliding_window.filter(|&w| w < n) {
+            return Err(Error::Input(format!(
+                "--max-position {n}: past the model's sliding_window = {w}, where its sliding-window attention would apply (not implemented); give --max-position ≤ {w}"
+            )));
+        }
         self.max_position_embeddings = n;
-        self
+        Ok(self)
     }
 
     /// The RoPE tables of this config (spec §1, NeoX layout).

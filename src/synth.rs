@@ -115,6 +115,7 @@ impl Preset {
             eos_token_ids: vec![EOS_ID],
             mup: None,
             sparse: Some(SparseConfig::default()),
+            sliding_window: None,
         };
         match self {
             Preset::Tiny => ModelConfig {

@@ -351,7 +351,10 @@ fn longrope_short_vs_long_factors_and_attention_factor() {
     let a = 100.0 * inv[2] as f64;
     assert!((sin[2] as f64 - a.sin() * 1.0645812948447542).abs() < 1e-4);
     // `with_max_position` follows the same rule.
-    let c2 = parse(&minicpm()).unwrap().with_max_position(131072);
+    let c2 = parse(&minicpm())
+        .unwrap()
+        .with_max_position(131072)
+        .unwrap();
     assert_eq!(c2.rope().inv_freq(1), inv);
     assert_eq!(c2.max_position_embeddings, 131072);
     // `su` alias and the old `type` key.
@@ -453,7 +456,8 @@ fn overrides_change_theta_and_limit() {
     let c = parse(&without(llama(), "rope_scaling"))
         .unwrap()
         .with_rope_theta(40000.0)
-        .with_max_position(200_000);
+        .with_max_position(200_000)
+        .unwrap();
     assert_eq!(c.rope_theta, 40000.0);
     assert_eq!(c.max_position_embeddings, 200_000);
     let inv = c.rope().inv_freq(1);
@@ -726,6 +730,31 @@ fn active_sliding_window_is_refused_by_name() {
         json!(true),
     );
     assert_eq!(config_err(parse(&v)).0, "sliding_window");
+    // A window that covers the context stays covering it: --max-position
+    // past it is refused with both numbers, up to it is fine; a window
+    // switched off never limits it.
+    let c = parse(&with(llama(), "sliding_window", json!(131072))).unwrap();
+    assert_eq!(c.sliding_window, Some(131072));
+    let e = c.clone().with_max_position(262144).unwrap_err().to_string();
+    assert!(
+        e.contains("--max-position 262144") && e.contains("sliding_window = 131072"),
+        "{e}"
+    );
+    assert_eq!(
+        c.with_max_position(65536).unwrap().max_position_embeddings,
+        65536
+    );
+    let off = with(
+        with(llama(), "sliding_window", json!(4096)),
+        "use_sliding_window",
+        json!(false),
+    );
+    let c = parse(&off).unwrap();
+    assert_eq!(c.sliding_window, None);
+    assert_eq!(
+        c.with_max_position(262144).unwrap().max_position_embeddings,
+        262144
+    );
 }
 
 #[test]

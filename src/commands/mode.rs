@@ -111,18 +111,20 @@ pub(crate) fn mode_config(a: &ModeArgs) -> Result<ModelConfig> {
         Some(spec) => sparda::synth::parse_spec(spec)?.0.config(),
         None => ModelConfig::from_file(&a.model)?,
     };
-    Ok(with_overrides(a, config))
+    with_overrides(a, config)
 }
 
 /// `config` with the --rope-theta and --max-position overrides applied.
-fn with_overrides(a: &ModeArgs, mut config: ModelConfig) -> ModelConfig {
+///
+/// Errors: a --max-position past an enabled sliding_window.
+fn with_overrides(a: &ModeArgs, mut config: ModelConfig) -> Result<ModelConfig> {
     if let Some(t) = a.rope_theta {
         config = config.with_rope_theta(t);
     }
     if let Some(m) = a.max_position {
-        config = config.with_max_position(m);
+        config = config.with_max_position(m)?;
     }
-    config
+    Ok(config)
 }
 
 /// The tokenizer file `--tokenizer` names, else the model directory's, or
@@ -170,7 +172,7 @@ pub(crate) fn open_checkpoint(a: &ModeArgs) -> Result<Checkpoint> {
         eprintln!("building {name} in memory…");
     }
     let mut ckpt = sparda::bench::open_model(&name)?;
-    ckpt.config = with_overrides(a, ckpt.config);
+    ckpt.config = with_overrides(a, ckpt.config)?;
     Ok(ckpt)
 }
 
