@@ -710,8 +710,9 @@ fn run_case_inner(
         out.gpu_vs_emulation_rel_l2_per_step[b][0] = rel_l2(&got, &emu_logits[b][0]).0;
         errs.push((if e.is_nan() { f64::INFINITY } else { e }, b, 0, differs));
     }
-    // Batched teacher-forced decode.
+    // Batched teacher-forced decode (step indexes every per-sequence record).
     let v = vocab;
+    #[allow(clippy::needless_range_loop)]
     for step in 1..=steps {
         let toks: Vec<u32> = runs.iter().map(|r| r.tokens[step - 1]).collect();
         model.decode(&mut seqs, &toks)?;

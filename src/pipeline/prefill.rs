@@ -41,7 +41,7 @@ impl GpuModel {
         let decode_table = if self.prefill_needs_own_rope(prompt_len) {
             self.ensure_rope(prompt_len + 1)?;
             let t = self.prefill_rope(prompt_len)?;
-            Some(std::mem::replace(&mut self.rope_tables, Some(t)))
+            Some(self.rope_tables.replace(t))
         } else {
             None
         };
