@@ -468,6 +468,11 @@ struct TuneCtasArgs {
     /// Where to write the table (default tuning/fetch_<gpu>.json).
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Merge this sweep into the table already at --out (same GPU): cells
+    /// measured again replace the old ones, the others stay, and the
+    /// choices are made over all of them (a grid spread over several runs).
+    #[arg(long)]
+    append: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]

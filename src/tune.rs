@@ -59,7 +59,7 @@ pub struct TuneSpec {
 pub const DEFAULT_CTAS: [usize; 8] = [2, 4, 6, 8, 12, 16, 24, 32];
 
 /// One measured cell: (mode, context, B, configuration).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct SweepCell {
     /// Synchronous fetch or forecast prefetch.
     pub mode: FetchMode,
@@ -250,34 +250,7 @@ pub fn run(spec: &TuneSpec) -> Result<FetchTable> {
     }
     model.set_forecast(None, false)?;
     model.set_offload(None)?;
-    let entries = |mode: FetchMode| -> Vec<FetchEntry> {
-        spec.batches
-            .iter()
-            .filter_map(|&b| {
-                let mine: Vec<&SweepCell> = cells
-                    .iter()
-                    .filter(|c| c.mode == mode && c.batch == b)
-                    .collect();
-                choose(&mine, &spec.configs).map(|(choice, step_ms)| FetchEntry {
-                    batch: b,
-                    choice,
-                    step_ms,
-                })
-            })
-            .collect()
-    };
-    let (sync, prefetch) = (entries(FetchMode::Sync), entries(FetchMode::Prefetch));
-    if sync.is_empty() && prefetch.is_empty() {
-        return Err(Error::Input(
-            "tune-ctas: no cell fitted in memory; lower --batch or --context".into(),
-        ));
-    }
-    // A mode not measured keeps the other's choices (the runtime needs both).
-    let (sync, prefetch) = match (sync.is_empty(), prefetch.is_empty()) {
-        (true, _) => (prefetch.clone(), prefetch),
-        (_, true) => (sync.clone(), sync),
-        _ => (sync, prefetch),
-    };
+    let (sync, prefetch) = entries_of(&cells, &spec.configs)?;
     let (pcie, driver) = nvidia_smi_link();
     Ok(FetchTable {
         format: FORMAT,
@@ -295,6 +268,107 @@ pub fn run(spec: &TuneSpec) -> Result<FetchTable> {
         prefetch,
         sweep: json!({"cells": cells, "skipped": skipped,
             "configs": spec.configs.iter().map(|c| c.label()).collect::<Vec<_>>()}),
+    })
+}
+
+/// The table's entries from sweep cells: per mode and measured batch size,
+/// [`choose`]'s configuration; a mode without cells takes the other's
+/// entries (the runtime needs both).
+///
+/// Errors: [`Error::Input`] when no cell was measured.
+pub fn entries_of(
+    cells: &[SweepCell],
+    configs: &[FetchChoice],
+) -> Result<(Vec<FetchEntry>, Vec<FetchEntry>)> {
+    let entries = |mode: FetchMode| -> Vec<FetchEntry> {
+        let mut batches: Vec<usize> = cells
+            .iter()
+            .filter(|c| c.mode == mode)
+            .map(|c| c.batch)
+            .collect();
+        batches.sort_unstable();
+        batches.dedup();
+        batches
+            .into_iter()
+            .filter_map(|b| {
+                let mine: Vec<&SweepCell> = cells
+                    .iter()
+                    .filter(|c| c.mode == mode && c.batch == b)
+                    .collect();
+                choose(&mine, configs).map(|(choice, step_ms)| FetchEntry {
+                    batch: b,
+                    choice,
+                    step_ms,
+                })
+            })
+            .collect()
+    };
+    let (sync, prefetch) = (entries(FetchMode::Sync), entries(FetchMode::Prefetch));
+    match (sync.is_empty(), prefetch.is_empty()) {
+        (true, true) => Err(Error::Input(
+            "tune-ctas: no cell fitted in memory; lower --batch or --context".into(),
+        )),
+        (true, false) => Ok((prefetch.clone(), prefetch)),
+        (false, true) => Ok((sync.clone(), sync)),
+        _ => Ok((sync, prefetch)),
+    }
+}
+
+/// The sweep cells a table records (its `sweep.cells`).
+///
+/// Errors: [`Error::Input`] naming `origin` when they cannot be read.
+pub fn cells_of(t: &FetchTable, origin: &str) -> Result<Vec<SweepCell>> {
+    serde_json::from_value(t.sweep["cells"].clone())
+        .map_err(|e| Error::Input(format!("fetch table {origin}: its sweep cells: {e}")))
+}
+
+/// `new` with the sweep of `old` (a table of the same GPU, e.g. an earlier
+/// device call's part of the grid) merged in: cells `new` measured replace
+/// `old`'s of the same (mode, context, batch, configuration), the others
+/// are kept, and the choices are made again over all cells (configurations:
+/// the union of both sweeps'). `new`'s metadata stays; the protocol notes
+/// the merge.
+///
+/// Errors: tables of different GPUs (both named); unreadable sweeps.
+pub fn merge(old: &FetchTable, new: FetchTable, origin: &str) -> Result<FetchTable> {
+    if old.gpu != new.gpu {
+        return Err(Error::Input(format!(
+            "{origin}: a fetch table of the {}, this sweep ran on the {}",
+            old.gpu, new.gpu
+        )));
+    }
+    let fresh = cells_of(&new, "this sweep")?;
+    let key = |c: &SweepCell| (c.mode, c.context, c.batch, c.config.clone());
+    let mut cells: Vec<SweepCell> = cells_of(old, origin)?
+        .into_iter()
+        .filter(|o| !fresh.iter().any(|f| key(f) == key(o)))
+        .collect();
+    cells.extend(fresh);
+    let mut labels: Vec<String> = Vec::new();
+    for t in [old, &new] {
+        for l in t.sweep["configs"].as_array().into_iter().flatten() {
+            if let Some(l) = l.as_str().filter(|l| !labels.iter().any(|x| x == l)) {
+                labels.push(l.to_string());
+            }
+        }
+    }
+    let configs = labels
+        .iter()
+        .map(|l| FetchChoice::parse_label(l))
+        .collect::<Result<Vec<_>>>()?;
+    let (sync, prefetch) = entries_of(&cells, &configs)?;
+    let skipped = new.sweep["skipped"].clone();
+    Ok(FetchTable {
+        protocol: format!(
+            "{} (merged with the sweep of {origin}, measured {} at commit {})",
+            new.protocol,
+            old.date_utc,
+            old.commit.as_deref().unwrap_or("?")
+        ),
+        sync,
+        prefetch,
+        sweep: json!({"cells": cells, "skipped": skipped, "configs": labels}),
+        ..new
     })
 }
 
@@ -436,6 +510,62 @@ mod tests {
             choose(&refs, &configs),
             Some((FetchChoice::Sm { ctas: 4 }, 10.5))
         );
+    }
+
+    #[test]
+    fn merged_sweeps_keep_the_other_batches_and_choose_again() {
+        let table = |cells: Vec<SweepCell>, configs: &[&str]| {
+            let parsed: Vec<FetchChoice> = configs
+                .iter()
+                .map(|l| FetchChoice::parse_label(l).unwrap())
+                .collect();
+            let (sync, prefetch) = entries_of(&cells, &parsed).unwrap();
+            FetchTable {
+                format: FORMAT,
+                gpu: "NVIDIA H200".into(),
+                sm_count: 132,
+                pcie: "Gen5 x16".into(),
+                driver: "580".into(),
+                date_utc: "2026-12-01T00:00:00Z".into(),
+                commit: Some("abc".into()),
+                protocol: "p".into(),
+                sync,
+                prefetch,
+                sweep: json!({"cells": cells, "skipped": [], "configs": configs}),
+            }
+        };
+        let at = |b, cfg: &str, ms| SweepCell {
+            batch: b,
+            ..cell(32768, cfg, ms, 0.0)
+        };
+        let old = table(
+            vec![
+                at(8, "sm:4", 10.0),
+                at(8, "sm:8", 11.0),
+                at(16, "sm:4", 20.0),
+                at(16, "sm:8", 19.0),
+            ],
+            &["sm:4", "sm:8"],
+        );
+        // the new call re-measures B 16 and adds the copy engines there
+        let new = table(
+            vec![
+                at(16, "sm:4", 20.0),
+                at(16, "sm:8", 21.0),
+                at(16, "dma", 18.0),
+            ],
+            &["sm:4", "sm:8", "dma"],
+        );
+        let m = merge(&old, new, "old.json").unwrap();
+        let c = |b| m.choose(FetchMode::Sync, b);
+        assert_eq!(c(8), FetchChoice::Sm { ctas: 4 }); // kept from the old sweep
+        assert_eq!(c(16), FetchChoice::Dma); // chosen again over the new cells
+        assert_eq!(cells_of(&m, "m").unwrap().len(), 5);
+        assert!(m.protocol.contains("merged with the sweep of old.json"));
+        let mut other = old.clone();
+        other.gpu = "NVIDIA A100-SXM4-80GB".into();
+        let e = merge(&other, m, "a100.json").unwrap_err().to_string();
+        assert!(e.contains("A100") && e.contains("H200"), "{e}");
     }
 
     #[test]

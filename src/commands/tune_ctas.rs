@@ -71,6 +71,13 @@ pub(crate) fn cmd_tune_ctas(a: TuneCtasArgs) -> Result<()> {
     let out = a
         .out
         .unwrap_or_else(|| PathBuf::from("tuning").join(table_file_name(&table.gpu)));
+    // --append: a grid spread over several device calls, one table
+    let table = if a.append && out.exists() {
+        let old = FetchTable::load(&out)?;
+        sparda::tune::merge(&old, table, &out.display().to_string())?
+    } else {
+        table
+    };
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     }

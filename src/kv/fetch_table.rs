@@ -67,6 +67,22 @@ impl FetchChoice {
         }
     }
 
+    /// Reads a [`FetchChoice::label`] back.
+    ///
+    /// Errors: [`Error::Input`] naming the label unless it is `dma` or
+    /// `sm:N` with 1 ≤ N ≤ 1024.
+    pub fn parse_label(label: &str) -> Result<FetchChoice> {
+        if label == "dma" {
+            return Ok(FetchChoice::Dma);
+        }
+        match label.strip_prefix("sm:").map(str::parse::<usize>) {
+            Some(Ok(ctas)) if (1..=1024).contains(&ctas) => Ok(FetchChoice::Sm { ctas }),
+            _ => Err(Error::Input(format!(
+                "fetch configuration `{label}`: give `dma` or `sm:N` with 1 ≤ N ≤ 1024"
+            ))),
+        }
+    }
+
     /// `sm:N` or `dma`.
     pub fn label(self) -> String {
         match self {
@@ -336,6 +352,19 @@ mod tests {
             assert_eq!(file, format!("tuning/{}", table_file_name(name)));
             let (_, src) = FetchTable::for_gpu(name, None).unwrap().unwrap();
             assert_eq!(src, TableSource::BuiltIn(file));
+            // its sweep reads back, and choosing again over it gives its entries
+            let cells = crate::tune::cells_of(&t, file).unwrap();
+            assert!(!cells.is_empty(), "{file}");
+            let configs: Vec<FetchChoice> = t.sweep["configs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|l| FetchChoice::parse_label(l.as_str().unwrap()).unwrap())
+                .collect();
+            assert_eq!(
+                crate::tune::entries_of(&cells, &configs).unwrap(),
+                (t.sync.clone(), t.prefetch.clone())
+            );
         }
     }
 
