@@ -1428,9 +1428,88 @@ mod tests {
         assert!(parse_tokens("").is_err());
     }
 
+    fn book(name: &str, len: u32) -> Book {
+        Book {
+            name: name.into(),
+            tokens: (0..len).collect(),
+        }
+    }
+
+    #[test]
+    fn contexts_are_capped_at_the_model_maximum() {
+        // 128K + 89 decoded positions on a 131,072-position model: 127K
+        assert_eq!(cap_context(131_072, 88, 131_072), Some(130_048));
+        // with 2,048 positions after it, 126K (129,024 tokens)
+        assert_eq!(cap_context(131_072, 2_047, 131_072), Some(129_024));
+        assert_eq!(cap_context(65_536, 88, 131_072), Some(65_536));
+        assert_eq!(cap_context(1_000, 100, 600), Some(499));
+        assert_eq!(cap_context(10, 200, 100), None);
+        let s = tiny_spec(); // 1 warm-up, 1 step
+        assert_eq!(positions_after_context(&s, false), 1 + 1 + 2 + 3);
+        assert_eq!(positions_after_context(&s, true), 7 + 2 + 8);
+    }
+
+    #[test]
+    fn sequences_take_different_texts_then_different_offsets() {
+        let src = Source::Books(vec![book("a.txt", 100), book("b.txt", 50)]);
+        // batch 4 on 2 texts: 2 sequences per text, at 0 and half its length
+        assert_eq!(src.origin(0, 4), (0, 0));
+        assert_eq!(src.origin(1, 4), (1, 0));
+        assert_eq!(src.origin(2, 4), (0, 50));
+        assert_eq!(src.origin(3, 4), (1, 25));
+        assert_eq!(src.tokens(3, 4, 30)[..3], [25, 26, 27]);
+        assert_eq!(
+            src.tokens(3, 4, 30)[29],
+            (25 + 29) % 50,
+            "wraps at the text's end"
+        );
+        let o = src.origins_json(2);
+        assert_eq!(o[1]["text"], "b.txt");
+        assert_eq!(o[1]["offset"], 0);
+        assert_eq!(o[1]["text_tokens"], 50);
+        assert_eq!(Source::Random(0, 10).origins_json(2), Value::Null);
+    }
+
+    #[test]
+    fn the_eb_grid_and_its_cell_keys() {
+        let mut s = tiny_spec();
+        s.contexts = vec![16_384, 131_072];
+        s.equivalent_batches = vec![64, 128];
+        assert_eq!(
+            eb_grid(&s).len(),
+            2 * 2 * 4,
+            "no forecast modes without --forecast"
+        );
+        s.forecast = Some("synth:1".into());
+        let g = eb_grid(&s);
+        assert_eq!(g.len(), 2 * 2 * 6);
+        assert_eq!(g[0], (16_384, 64, EbMode::DenseGpu));
+        assert_eq!(g[23], (131_072, 128, EbMode::ForecastNoPrefetch));
+        let off = OffloadOptions::default();
+        let k = cell_key(&s, &off, 131_072, 128, EbMode::ForecastPrefetch);
+        assert_eq!(k.file_name(), "forecast-prefetch_L131072_eb128.json");
+        assert_eq!(k.fetch, "offload-sm16");
+        assert_eq!(k.prefill, "synthetic");
+        assert_eq!(
+            cell_key(&s, &off, 16_384, 64, EbMode::DenseGpu).fetch,
+            "gpu"
+        );
+    }
+
+    #[test]
+    fn resume_without_an_equivalent_batch_grid_is_refused() {
+        let mut s = tiny_spec();
+        s.resume = Some(PathBuf::from("cells"));
+        let e = run(&s).unwrap_err().to_string();
+        assert!(
+            e.contains("--resume") && e.contains("--equivalent-batch"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn prompts_differ_per_sequence_and_wrap_around_the_book() {
-        let book = Source::Book((0..100u32).collect());
+        let book = Source::Books(vec![book("x.txt", 100)]);
         let a = book.tokens(0, 4, 10);
         let b = book.tokens(1, 4, 10);
         assert_eq!(a[0], 0);
