@@ -612,7 +612,8 @@ fn mode_rank(r: &Row) -> usize {
         + if r.baseline { 100 } else { 0 }
 }
 
-/// Sorts rows by context, equivalent batch, mode order ([`mode_rank`]),
+/// Sorts rows by context, equivalent batch, mode order (the order of
+/// [`crate::bench::EbMode::ALL`], baselines after),
 /// then batch.
 pub fn sort_rows(rows: &mut [Row]) {
     rows.sort_by(|a, b| {
@@ -636,7 +637,7 @@ pub fn sort_rows(rows: &mut [Row]) {
 /// A context in tokens as the report prints it: `16K` when a multiple of
 /// 1,024, else the number.
 pub fn context_label(l: u64) -> String {
-    if l > 0 && l % 1024 == 0 {
+    if l > 0 && l.is_multiple_of(1024) {
         format!("{}K", l / 1024)
     } else {
         l.to_string()
@@ -711,7 +712,7 @@ pub fn markdown(l: &Loaded) -> String {
     };
     let mut out = String::new();
     out.push_str(&format!(
-        "GPU {}; CUDA driver {}; commit {}; date {}; model {}.\n",
+        "- GPU {}; CUDA driver {}; commit {}; date {}; model {}.\n",
         list(uniq(l.runs.iter().map(|r| r.gpu.clone()))),
         list(uniq(l.runs.iter().map(|r| r.driver.clone()))),
         list(uniq(l.runs.iter().map(|r| r.commit.clone()))),
@@ -721,16 +722,16 @@ pub fn markdown(l: &Loaded) -> String {
         list(uniq(l.runs.iter().map(|r| r.model.clone()))),
     ));
     for p in uniq(l.runs.iter().map(|r| r.prefill.clone())) {
-        out.push_str(&format!("Fill: {p}.\n"));
+        out.push_str(&format!("- Fill: {p}.\n"));
     }
     for p in uniq(l.runs.iter().map(|r| r.prompt_tokens.clone())) {
-        out.push_str(&format!("Prompt tokens: {p}.\n"));
+        out.push_str(&format!("- Prompt tokens: {p}.\n"));
     }
     for p in uniq(l.runs.iter().map(|r| r.protocol.clone())) {
-        out.push_str(&format!("Protocol: {p}.\n"));
+        out.push_str(&format!("- Protocol: {p}.\n"));
     }
     out.push_str(&format!(
-        "Roofline: PCIe bytes of the step (fetch counters) at {PCIE_CEILING_GB_S} GB/s, HBM bytes (weights less the input embedding, plus the KV read: all of it for dense attention, the attended blocks and the compressed keys for sparse) at the run's measured layer-GEMM ceiling, else {:.2} TB/s (device.md); the larger of the two for forecast + prefetch, the sum otherwise. measured / roofline = step p50 / roofline.\n",
+        "- Roofline: PCIe bytes of the step (fetch counters) at {PCIE_CEILING_GB_S} GB/s, HBM bytes (weights less the input embedding, plus the KV read: all of it for dense attention, the attended blocks and the compressed keys for sparse) at the run's measured layer-GEMM ceiling, else {:.2} TB/s (device.md); the larger of the two for forecast + prefetch, the sum otherwise. measured / roofline = step p50 / roofline.\n",
         HBM_WEIGHT_READ_GB_S / 1e3
     ));
     let capped: Vec<String> = l
@@ -749,13 +750,13 @@ pub fn markdown(l: &Loaded) -> String {
         .collect();
     if !capped.is_empty() {
         out.push_str(&format!(
-            "Contexts capped so that the context plus the decoded steps stay within the model's max_position_embeddings: {}.\n",
+            "- Contexts capped so that the context plus the decoded steps stay within the model's max_position_embeddings: {}.\n",
             capped.join("; ")
         ));
     }
     for b in &l.baselines {
         out.push_str(&format!(
-            "Baseline `{}`: {} (torch {}, transformers {}, {}).\n",
+            "- Baseline `{}`: {} (torch {}, transformers {}, {}).\n",
             b["baseline"].as_str().unwrap_or("?"),
             b["what"].as_str().unwrap_or(""),
             b["torch"].as_str().unwrap_or("?"),
@@ -791,7 +792,7 @@ pub fn merged_json(l: &Loaded) -> Value {
 }
 
 /// Writes the chart of tokens/s against context length (K tokens), one
-/// line per mode (and equivalent batch when several), as an SVG file
+/// line per mode (per mode and EB when a context ran a mode at several EBs), as an SVG file
 /// (plotters, SVG backend). Skipped rows and rows without tokens/s are
 /// left out.
 ///
@@ -810,11 +811,14 @@ pub fn write_chart(rows: &[Row], path: &Path) -> Result<()> {
             path.display()
         )));
     }
-    let ebs = uniq(
-        pts.iter()
-            .map(|(r, _)| r.equivalent_batch.map(|e| e.to_string())),
-    );
-    let name = |r: &Row| match (ebs.len() > 1, r.equivalent_batch) {
+    // EB in the legend only when one context ran a mode at several EBs (a
+    // grid with one EB per context draws one line per mode across contexts)
+    let several_ebs = pts.iter().any(|(a, _)| {
+        pts.iter().any(|(b, _)| {
+            a.context == b.context && a.mode == b.mode && a.equivalent_batch != b.equivalent_batch
+        })
+    });
+    let name = |r: &Row| match (several_ebs, r.equivalent_batch) {
         (true, Some(e)) => format!("{} (EB {e})", r.mode),
         _ => r.mode.clone(),
     };

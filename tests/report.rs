@@ -162,6 +162,7 @@ fn meta() -> Value {
     })
 }
 
+#[allow(clippy::too_many_arguments)]
 fn cell(
     mode_slug: &str,
     mode: &str,
@@ -280,7 +281,9 @@ fn bad_inputs_are_errors_naming_the_file() {
     let d = tmp_dir("bad");
     let f = d.join("x.json");
     std::fs::write(&f, r#"{"something": 1}"#).unwrap();
-    let e = load_inputs(&[f.clone()]).unwrap_err().to_string();
+    let e = load_inputs(std::slice::from_ref(&f))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("x.json") && e.contains("neither"), "{e}");
     std::fs::write(
         &f,
