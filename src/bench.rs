@@ -107,6 +107,11 @@ pub struct BenchSpec {
     /// [`crate::trace::init_subscriber`]); as many untraced eager steps run
     /// first, for the overhead figure.
     pub trace_steps: usize,
+    /// With `equivalent_batches`: write each cell as its own JSON file in
+    /// this directory as it completes ([`crate::report::write_atomic`]) and
+    /// skip cells whose file exists with the same configuration
+    /// ([`crate::report::plan_cells`]).
+    pub resume: Option<PathBuf>,
 }
 
 /// The modes compared under the equivalent-batch protocol (runtime.md §5).
@@ -147,6 +152,17 @@ impl EbMode {
             EbMode::ForecastNoPrefetch => "forecast, no prefetch",
         }
     }
+    /// File-name slug of the mode (cell files of `--resume`).
+    pub fn slug(self) -> &'static str {
+        match self {
+            EbMode::DenseGpu => "dense-gpu",
+            EbMode::SparseGpu => "nosa-gpu",
+            EbMode::NosaOffload => "nosa-offload-sync",
+            EbMode::InfllmOffload => "infllmv2-offload-sync",
+            EbMode::ForecastPrefetch => "forecast-prefetch",
+            EbMode::ForecastNoPrefetch => "forecast-no-prefetch",
+        }
+    }
     /// Whether the mode keeps only selected blocks on the GPU.
     pub fn offloaded(self) -> bool {
         !matches!(self, EbMode::DenseGpu | EbMode::SparseGpu)
@@ -170,6 +186,58 @@ pub fn equivalent_batch(
         eb
     } else {
         (eb * attended * block_size / context.max(1)).max(1)
+    }
+}
+
+/// The cells of an equivalent-batch grid in run order: per context (as
+/// asked), per EB, every [`EbMode`] (the forecast modes only with
+/// `--forecast`). Empty without `--equivalent-batch`.
+pub fn eb_grid(spec: &BenchSpec) -> Vec<(usize, usize, EbMode)> {
+    let mut out = Vec::new();
+    for &l in &spec.contexts {
+        for &eb in &spec.equivalent_batches {
+            for mode in EbMode::ALL {
+                let forecast_mode =
+                    matches!(mode, EbMode::ForecastPrefetch | EbMode::ForecastNoPrefetch);
+                if forecast_mode && spec.forecast.is_none() {
+                    continue; // needs --forecast
+                }
+                out.push((l, eb, mode));
+            }
+        }
+    }
+    out
+}
+
+/// The [`crate::report::CellKey`] of one EB cell of `spec` (context as
+/// asked), offloaded modes fetching with `off`.
+pub fn cell_key(
+    spec: &BenchSpec,
+    off: &OffloadOptions,
+    context: usize,
+    eb: usize,
+    mode: EbMode,
+) -> crate::report::CellKey {
+    crate::report::CellKey {
+        model: spec.model.clone(),
+        mode: mode.slug().to_string(),
+        context,
+        equivalent_batch: eb,
+        steps: spec.steps,
+        warmup: spec.warmup,
+        prefill: match spec.prefill {
+            BenchPrefill::Synthetic => "synthetic".to_string(),
+            BenchPrefill::Real(m) => format!("real ({m:?})"),
+        },
+        forecast: spec.forecast.clone(),
+        fetch: if mode.offloaded() {
+            kv_name(&Some(*off))
+        } else {
+            "gpu".to_string()
+        },
+        seed: spec.seed,
+        budget_blocks: spec.budget_blocks,
+        select_blocks: spec.select_blocks,
     }
 }
 
@@ -257,8 +325,63 @@ pub fn git_commit() -> Option<String> {
     Some(c)
 }
 
-/// Book tokens for prompts: every `.txt` under `dir`, encoded and joined.
-fn book_tokens(tok: &Tokenizer, dir: &Path) -> Result<Vec<u32>> {
+/// The default directory of prompt texts: `../shared/data/texts` (the
+/// team's books beside the checkout, several whole texts) when it holds a
+/// `.txt`, else `data/texts` (the bundled one). Relative to `root`.
+pub fn default_texts_dir(root: &Path) -> PathBuf {
+    let shared = root.join("../shared/data/texts");
+    let has_txt = std::fs::read_dir(&shared).is_ok_and(|d| {
+        d.filter_map(|e| e.ok())
+            .any(|e| e.path().extension().is_some_and(|x| x == "txt"))
+    });
+    if has_txt {
+        shared
+    } else {
+        root.join("data/texts")
+    }
+}
+
+/// The positions a case decodes past its context: warm-up and timed steps,
+/// the extra steps of the mode comparison, the host-issue step, fetch
+/// timing and tracing, and a margin of 3 (the sequences' capacity is
+/// context + this + 1).
+pub fn positions_after_context(spec: &BenchSpec, compare_modes: bool) -> usize {
+    spec.warmup
+        + spec.steps
+        + if compare_modes { 2 * spec.steps + 8 } else { 0 }
+        + 2
+        + spec.fetch_timing_steps
+        + 2 * spec.trace_steps
+        + 3
+}
+
+/// The context a case runs at: `asked` when `asked + after + 1` positions
+/// fit in `max_position` (max_position_embeddings), else the largest
+/// multiple of 1,024 that does (e.g. 128K with 89 positions after it on a
+/// 131,072-position model runs as 127K), else `max_position − after − 1`.
+/// Returns `None` when not even one context token fits.
+pub fn cap_context(asked: usize, after: usize, max_position: usize) -> Option<usize> {
+    let room = max_position.checked_sub(after + 1).filter(|&r| r > 0)?;
+    if asked <= room {
+        Some(asked)
+    } else if room >= 1024 {
+        Some(room / 1024 * 1024)
+    } else {
+        Some(room)
+    }
+}
+
+/// One text's tokens, for prompts.
+struct Book {
+    /// File name (e.g. `hamlet.txt`).
+    name: String,
+    /// Its tokens.
+    tokens: Vec<u32>,
+}
+
+/// Book tokens for prompts: every `.txt` under `dir`, encoded, one
+/// [`Book`] each, sorted by name.
+fn book_tokens(tok: &Tokenizer, dir: &Path) -> Result<Vec<Book>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| Error::io(dir, e))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -268,7 +391,16 @@ fn book_tokens(tok: &Tokenizer, dir: &Path) -> Result<Vec<u32>> {
     let mut out = Vec::new();
     for f in files {
         let text = std::fs::read_to_string(&f).map_err(|e| Error::io(&f, e))?;
-        out.extend(tok.encode(&text)?);
+        let tokens = tok.encode(&text)?;
+        if !tokens.is_empty() {
+            out.push(Book {
+                name: f
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                tokens,
+            });
+        }
     }
     if out.is_empty() {
         return Err(Error::Input(format!(
@@ -281,19 +413,40 @@ fn book_tokens(tok: &Tokenizer, dir: &Path) -> Result<Vec<u32>> {
 
 /// Where prompt tokens come from.
 enum Source {
-    Book(Vec<u32>),
+    /// Real text: one or more books (runtime.md §5: each sequence a
+    /// different text or offset).
+    Books(Vec<Book>),
+    /// Random ids (seed, vocabulary size).
     Random(u64, usize),
 }
 
 impl Source {
-    /// `len` tokens for sequence `b` of `batch`: the book from offset
-    /// b·(book/batch), wrapping around; or random ids in 3 … V−1.
+    /// Where sequence `b` of `batch` starts: book `b mod n` of the n books,
+    /// and on it the k-th (k = b div n) of the ⌈batch/n⌉ sequences that
+    /// share that book, at offset k·(book length / ⌈batch/n⌉). Returns the
+    /// book index and the offset (random ids: (0, 0)).
+    fn origin(&self, b: usize, batch: usize) -> (usize, usize) {
+        match self {
+            Source::Books(books) if !books.is_empty() => {
+                let n = books.len();
+                let per_book = batch.max(1).div_ceil(n);
+                let i = b % n;
+                (i, (b / n) * (books[i].tokens.len() / per_book))
+            }
+            _ => (0, 0),
+        }
+    }
+    /// `len` tokens for sequence `b` of `batch`: the book and offset of
+    /// [`Source::origin`], wrapping around at the book's end; or random ids
+    /// in 3 … V−1.
     fn tokens(&self, b: usize, batch: usize, len: usize) -> Vec<u32> {
         match self {
-            Source::Book(t) => {
-                let off = b * (t.len() / batch.max(1));
-                (0..len).map(|i| t[(off + i) % t.len()]).collect()
+            Source::Books(books) if !books.is_empty() => {
+                let (i, off) = self.origin(b, batch);
+                let t = &books[i].tokens;
+                (0..len).map(|j| t[(off + j) % t.len()]).collect()
             }
+            Source::Books(_) => vec![3; len],
             Source::Random(seed, vocab) => {
                 let mut rng = SmallRng::seed_from_u64(seed.wrapping_add(b as u64 * 7919));
                 (0..len)
@@ -302,6 +455,30 @@ impl Source {
             }
         }
     }
+    /// The text and offset of every sequence of a batch (for the report),
+    /// or null for random ids.
+    fn origins_json(&self, batch: usize) -> Value {
+        match self {
+            Source::Books(books) if !books.is_empty() => Value::Array(
+                (0..batch)
+                    .map(|b| {
+                        let (i, off) = self.origin(b, batch);
+                        json!({"text": books[i].name, "offset": off, "text_tokens": books[i].tokens.len()})
+                    })
+                    .collect(),
+            ),
+            _ => Value::Null,
+        }
+    }
+}
+
+/// Resident set size of this process, bytes (`VmRSS` of /proc/self/status;
+/// None where that file does not exist).
+pub fn host_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 /// Median of a non-empty list.
@@ -405,12 +582,7 @@ fn run_case(
     crate::interrupt::check(cell)?;
     let gpu = model.gpu().clone();
     let offload = model.offload_options();
-    let extra = if compare_modes { 2 * spec.steps + 8 } else { 0 }
-        + 2
-        + spec.fetch_timing_steps
-        + 2 * spec.trace_steps
-        + 3;
-    let cap = context + spec.warmup + spec.steps + extra + 1;
+    let cap = context + positions_after_context(spec, compare_modes) + 1;
     let footprint = model.offload_footprint(batch, cap);
     // the estimator generate and offload-check refuse with (crate::memory)
     let need = model.memory_need(
@@ -438,6 +610,7 @@ fn run_case(
         "mode": format!("{:?}", model.plan.mode),
         "batch": batch, "context": context,
         "kv_bytes": kv_bytes,
+        "prompt_origin": source.origins_json(batch),
     });
     if offload.is_some() {
         base["offload_layer0"] = json!(offload.is_some_and(|o| o.offload_layer0));
@@ -549,6 +722,9 @@ fn run_case(
     v["step_ms_median"] = json!(median(&per_step));
     v["step_ms_p10"] = json!(percentile(&per_step, 10.0));
     v["step_ms_p90"] = json!(percentile(&per_step, 90.0));
+    v["step_ms_p99"] = json!(percentile(&per_step, 99.0));
+    v["step_ms_all"] = json!(per_step);
+    v["host_rss_bytes"] = json!(host_rss_bytes());
     v["step_ms_min"] = json!(per_step.iter().copied().fold(f64::INFINITY, f64::min));
     v["host_issue_ms_per_step"] = json!(host_ms_per_step);
     v["host_issue_one_step_ms"] = json!(host_issue_one_ms);
@@ -662,12 +838,71 @@ fn run_case(
 /// ([`Error::Input`]); checkpoint errors. A case that does not fit in
 /// device memory is skipped and recorded, not an error.
 pub fn run(spec: &BenchSpec) -> Result<Value> {
-    crate::cuda::require()?;
     if spec.steps == 0 || spec.warmup == 0 || spec.batches.is_empty() || spec.contexts.is_empty() {
         return Err(Error::Input(
             "bench: need ≥ 1 timed step, ≥ 1 warm-up step, a batch and a context".into(),
         ));
     }
+    if spec.equivalent_batches.contains(&0) {
+        return Err(Error::Input("--equivalent-batch: give sizes ≥ 1".into()));
+    }
+    if spec.resume.is_some() && spec.equivalent_batches.is_empty() {
+        return Err(Error::Input(
+            "--resume writes the cells of an --equivalent-batch grid: give --equivalent-batch"
+                .into(),
+        ));
+    }
+    let kv_modes = if spec.kv.is_empty() {
+        vec![None]
+    } else {
+        spec.kv.clone()
+    };
+    // The offload settings of every offloaded mode of an EB grid: the first
+    // offloaded --kv entry (or the defaults).
+    let off = kv_modes
+        .iter()
+        .flatten()
+        .next()
+        .copied()
+        .unwrap_or_default();
+    // The EB grid and, with --resume, what is already done: planned before
+    // anything is loaded, so a finished grid costs no GPU time.
+    let eb_cells = eb_grid(spec);
+    let keys: Vec<crate::report::CellKey> = eb_cells
+        .iter()
+        .map(|&(l, eb, mode)| cell_key(spec, &off, l, eb, mode))
+        .collect();
+    let plan = match &spec.resume {
+        Some(dir) => Some(crate::report::plan_cells(dir, &keys)?),
+        None => None,
+    };
+    let mut done_cases = Vec::new();
+    if let Some(p) = &plan {
+        for c in p {
+            if let crate::report::CellPlan::Done(f) = c {
+                let text = std::fs::read_to_string(f).map_err(|e| Error::io(f, e))?;
+                let v: Value = serde_json::from_str(&text)
+                    .map_err(|e| Error::Input(format!("{}: not JSON: {e}", f.display())))?;
+                done_cases.push(v["case"].clone());
+            }
+        }
+        eprintln!(
+            "bench: --resume {}: {} of {} cells done, {} to run",
+            spec.resume.as_deref().unwrap_or(Path::new("")).display(),
+            done_cases.len(),
+            p.len(),
+            p.len() - done_cases.len()
+        );
+        if done_cases.len() == p.len() {
+            return Ok(json!({
+                "what": bench_what(spec),
+                "resume_dir": spec.resume,
+                "note": "every cell of the grid was already in the --resume directory: nothing ran (`sparda report DIR` merges them)",
+                "cases": done_cases,
+            }));
+        }
+    }
+    crate::cuda::require()?;
     let gpu = Arc::new(Gpu::new(0)?);
     let t = std::time::Instant::now();
     eprintln!("bench: loading {} …", spec.model);
@@ -695,12 +930,57 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
         model.weight_bytes() as f64 / 1e9
     );
     let source = match &spec.tokenizer {
-        Some(p) => Source::Book(book_tokens(&Tokenizer::from_file(p)?, &spec.texts)?),
+        Some(p) => Source::Books(book_tokens(&Tokenizer::from_file(p)?, &spec.texts)?),
         None => Source::Random(spec.seed, cfg.vocab_size),
     };
+    // Contexts capped at the model's maximum position (runtime.md §5 asks
+    // for 128K; 128K plus the decoded steps exceeds 131,072 positions).
+    let max_pos = cfg.max_position_embeddings;
+    let capped = |l: usize, compare: bool| {
+        let after = positions_after_context(spec, compare);
+        cap_context(l, after, max_pos).ok_or_else(|| {
+            Error::Input(format!(
+                "--context {l}: the model's max_position_embeddings {max_pos} leaves no context token once {after} decoded positions are added"
+            ))
+        })
+    };
+    for &l in &spec.contexts {
+        let c = capped(l, false)?;
+        if c != l {
+            eprintln!(
+                "bench: context {l} runs as {c}: {l} + {} decoded positions exceed max_position_embeddings {max_pos}",
+                positions_after_context(spec, false) + 1
+            );
+        }
+    }
+    // The GEMM ceiling at each batch that runs: the --batch list, or the
+    // real batches of the EB cells still to run.
+    let budget = model.plan.budget;
+    let mut ceiling_batches: Vec<usize> = if spec.equivalent_batches.is_empty() {
+        spec.batches.clone()
+    } else {
+        let mut v = Vec::new();
+        for (i, &(l, eb, mode)) in eb_cells.iter().enumerate() {
+            let to_run = plan
+                .as_ref()
+                .is_none_or(|p| matches!(p[i], crate::report::CellPlan::Run(_)));
+            if to_run {
+                v.push(equivalent_batch(
+                    mode,
+                    eb,
+                    budget.attended,
+                    budget.block_size,
+                    capped(l, false)?,
+                ));
+            }
+        }
+        v
+    };
+    ceiling_batches.sort_unstable();
+    ceiling_batches.dedup();
     let mut ceilings = Vec::new();
     if spec.ceiling_reps > 0 {
-        for &b in &spec.batches {
+        for &b in &ceiling_batches {
             let c = model.gemm_ceiling(b, spec.ceiling_reps)?;
             eprintln!(
                 "bench: layer GEMMs alone (one graph) at B={b}: cuBLAS {:.3} ms ({:.0} GB/s), engine routing {:.3} ms; lm_head {:.3} ms",
@@ -709,13 +989,50 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
             ceilings.push(c);
         }
     }
+    let info = gpu.info();
+    // Run-level facts, in the report and in every cell file.
+    let meta = json!({
+        "what": bench_what(spec),
+        "gpu": info.name, "arch": info.arch, "sm_count": info.sm_count,
+        "total_mem_bytes": info.total_mem_bytes,
+        "driver_cuda_version": info.driver_version_string(),
+        "nvrtc_version": format!("{}.{}", info.nvrtc_version.0, info.nvrtc_version.1),
+        "date_utc": crate::checks::kernels::utc_now_iso(),
+        "commit": git_commit(),
+        "model": spec.model,
+        "config": {
+            "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+            "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim, "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
+            "tie_word_embeddings": cfg.tie_word_embeddings,
+            "max_position_embeddings": max_pos,
+            "budget_blocks_S": budget.attended, "block_size": budget.block_size,
+            "kernel_stride": budget.kernel_stride,
+        },
+        "weight_bytes": model.weight_bytes(),
+        "small_batch_gemv": gpu.small_gemv(),
+        "weights_load_s": load_s,
+        "prefill": match spec.prefill {
+            BenchPrefill::Synthetic => "synthetic: random bf16 K/V N(0,1) per layer; c, Kc, p computed from them on the GPU; the model is not run (runtime.md §5)".to_string(),
+            BenchPrefill::Real(m) => format!("real ({m:?})"),
+        },
+        "prompt_tokens": match &source {
+            Source::Books(b) => format!(
+                "book text ({}: {}), sequence b on text b mod {}, sequences sharing a text at different offsets (`prompt_origin` per case)",
+                spec.texts.display(),
+                b.iter().map(|x| x.name.as_str()).collect::<Vec<_>>().join(", "),
+                b.len()
+            ),
+            Source::Random(..) => "random ids".to_string(),
+        },
+        "protocol": format!(
+            "per case: {} warm-up decode steps excluded (the first builds the device-resident step and runs it eagerly, the second captures the CUDA graph), then {} timed greedy steps fed on the device; CUDA events around each step; tokens/s = B·steps / timed wall time; decode only (prefill excluded)",
+            spec.warmup, spec.steps
+        ),
+    });
+    let ceiling_at = |b: usize| ceilings.iter().find(|c| c.batch == b);
     let min_ctx = *spec.contexts.iter().min().expect("non-empty");
-    let mut cases = Vec::new();
-    let kv_modes = if spec.kv.is_empty() {
-        vec![None]
-    } else {
-        spec.kv.clone()
-    };
+    let mut cases = done_cases;
     let forecast = spec
         .forecast
         .as_deref()
@@ -730,67 +1047,69 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
     if forecast.is_some() {
         sel_modes.extend(spec.prefetch.iter().map(|&p| Some(p)));
     }
-    if spec.equivalent_batches.contains(&0) {
-        return Err(Error::Input("--equivalent-batch: give sizes ≥ 1".into()));
-    }
-    if !spec.equivalent_batches.is_empty() {
-        let off = kv_modes
-            .iter()
-            .flatten()
-            .next()
-            .copied()
-            .unwrap_or_default();
-        for &l in &spec.contexts {
-            for &eb in &spec.equivalent_batches {
-                for mode in EbMode::ALL {
-                    let forecast_mode =
-                        matches!(mode, EbMode::ForecastPrefetch | EbMode::ForecastNoPrefetch);
-                    if forecast_mode && forecast.is_none() {
-                        continue; // needs --forecast
-                    }
-                    let mut o = opts(mode != EbMode::DenseGpu);
-                    if mode != EbMode::DenseGpu {
-                        // each mode's own rule, whatever --selection says
-                        o.attention.selection = Some(if mode == EbMode::InfllmOffload {
-                            SelectionRule::InfLlmV2
-                        } else {
-                            SelectionRule::Nosa
-                        });
-                    }
-                    model.set_offload(None)?; // the new options must not meet the last mode's offload
-                    model.set_options(o)?;
-                    model.set_offload(mode.offloaded().then_some(off))?;
-                    model.set_forecast(
-                        if forecast_mode {
-                            forecast.as_ref()
-                        } else {
-                            None
-                        },
-                        mode == EbMode::ForecastPrefetch,
-                    )?;
-                    let b = equivalent_batch(
-                        mode,
-                        eb,
-                        model.plan.budget.attended,
-                        model.plan.budget.block_size,
-                        l,
-                    );
-                    eprintln!("bench: EB {eb}, L {l}: {} at B = {b}", mode.name());
-                    let mut c = run_case(
-                        &mut model,
-                        spec,
-                        &source,
-                        mode != EbMode::DenseGpu,
-                        b,
-                        l,
-                        false,
-                    )?;
-                    c["equivalent_batch"] = json!(eb);
-                    c["eb_mode"] = json!(mode.name());
-                    cases.push(c);
-                }
-            }
+    for (i, &(asked, eb, mode)) in eb_cells.iter().enumerate() {
+        let file = match plan.as_ref().map(|p| &p[i]) {
+            Some(crate::report::CellPlan::Done(_)) => continue,
+            Some(crate::report::CellPlan::Run(f)) => Some(f),
+            None => None,
+        };
+        let l = capped(asked, false)?;
+        let forecast_mode = matches!(mode, EbMode::ForecastPrefetch | EbMode::ForecastNoPrefetch);
+        let mut o = opts(mode != EbMode::DenseGpu);
+        if mode != EbMode::DenseGpu {
+            // each mode's own rule, whatever --selection says
+            o.attention.selection = Some(if mode == EbMode::InfllmOffload {
+                SelectionRule::InfLlmV2
+            } else {
+                SelectionRule::Nosa
+            });
         }
+        model.set_offload(None)?; // the new options must not meet the last mode's offload
+        model.set_options(o)?;
+        model.set_offload(mode.offloaded().then_some(off))?;
+        model.set_forecast(
+            if forecast_mode {
+                forecast.as_ref()
+            } else {
+                None
+            },
+            mode == EbMode::ForecastPrefetch,
+        )?;
+        let b = equivalent_batch(
+            mode,
+            eb,
+            model.plan.budget.attended,
+            model.plan.budget.block_size,
+            l,
+        );
+        eprintln!("bench: EB {eb}, L {l}: {} at B = {b}", mode.name());
+        let mut c = run_case(
+            &mut model,
+            spec,
+            &source,
+            mode != EbMode::DenseGpu,
+            b,
+            l,
+            false,
+        )?;
+        c["equivalent_batch"] = json!(eb);
+        c["eb_mode"] = json!(mode.name());
+        c["context_asked"] = json!(asked);
+        if let Some(ce) = ceiling_at(b) {
+            c["hbm_gb_s"] = json!(ce.layers_gb_per_s);
+        }
+        if let Some(f) = file {
+            let mut cell = meta.clone();
+            cell["date_utc"] = json!(crate::checks::kernels::utc_now_iso());
+            cell["cell_key"] = serde_json::to_value(&keys[i]).expect("CellKey serializes");
+            cell["gemm_ceiling"] = json!(ceiling_at(b).into_iter().collect::<Vec<_>>());
+            cell["case"] = c.clone();
+            crate::report::write_atomic(f, &cell)?;
+            eprintln!("  cell written: {}", f.display());
+        }
+        cases.push(c);
+    }
+    if !eb_cells.is_empty() {
         model.set_forecast(None, false)?;
         model.set_offload(None)?;
     }
@@ -815,7 +1134,12 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
                             Some(p) => model.set_forecast(forecast.as_ref(), p)?,
                         }
                         let compare = !sparse && b == 1 && l == min_ctx && kv.is_none();
-                        cases.push(run_case(&mut model, spec, &source, sparse, b, l, compare)?);
+                        let lc = capped(l, compare)?;
+                        let mut c = run_case(&mut model, spec, &source, sparse, b, lc, compare)?;
+                        if lc != l {
+                            c["context_asked"] = json!(l);
+                        }
+                        cases.push(c);
                     }
                     model.set_forecast(None, false)?;
                 }
@@ -848,39 +1172,15 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
         _ => Value::Null,
     };
     let forecast_comparison = forecast_comparison(&cases);
-    let info = gpu.info();
-    Ok(json!({
-        "what": bench_what(spec),
-        "gpu": info.name, "arch": info.arch, "sm_count": info.sm_count,
-        "total_mem_bytes": info.total_mem_bytes,
-        "driver_cuda_version": info.driver_version_string(),
-        "nvrtc_version": format!("{}.{}", info.nvrtc_version.0, info.nvrtc_version.1),
-        "date_utc": crate::checks::kernels::utc_now_iso(),
-        "commit": git_commit(),
-        "model": spec.model,
-        "config": {
-            "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
-            "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
-            "head_dim": cfg.head_dim, "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
-            "budget_blocks_S": model.plan.budget.attended, "block_size": model.plan.budget.block_size,
-        },
-        "weight_bytes": model.weight_bytes(),
-        "small_batch_gemv": gpu.small_gemv(),
-        "weights_load_s": load_s,
-        "prefill": match spec.prefill {
-            BenchPrefill::Synthetic => "synthetic: random bf16 K/V N(0,1) per layer; c, Kc, p computed from them on the GPU; the model is not run (runtime.md §5)".to_string(),
-            BenchPrefill::Real(m) => format!("real ({m:?})"),
-        },
-        "prompt_tokens": match source { Source::Book(_) => "book text (data/texts), each sequence a different offset", Source::Random(..) => "random ids" },
-        "protocol": format!(
-            "per case: {} warm-up decode steps excluded (the first builds the device-resident step and runs it eagerly, the second captures the CUDA graph), then {} timed greedy steps fed on the device; CUDA events around each step; tokens/s = B·steps / timed wall time; decode only (prefill excluded)",
-            spec.warmup, spec.steps
-        ),
-        "gemm_ceiling": ceilings,
-        "target_comparison": comparison,
-        "forecast_comparison": forecast_comparison,
-        "cases": cases,
-    }))
+    let mut report = meta;
+    report["gemm_ceiling"] = json!(ceilings);
+    report["target_comparison"] = comparison;
+    report["forecast_comparison"] = forecast_comparison;
+    report["cases"] = Value::Array(cases);
+    if let Some(d) = &spec.resume {
+        report["resume_dir"] = json!(d);
+    }
+    Ok(report)
 }
 
 /// Forecast-mode figures per (fetch engine, B, L) that ran sync NOSA, forecast
@@ -1128,9 +1428,88 @@ mod tests {
         assert!(parse_tokens("").is_err());
     }
 
+    fn book(name: &str, len: u32) -> Book {
+        Book {
+            name: name.into(),
+            tokens: (0..len).collect(),
+        }
+    }
+
+    #[test]
+    fn contexts_are_capped_at_the_model_maximum() {
+        // 128K + 89 decoded positions on a 131,072-position model: 127K
+        assert_eq!(cap_context(131_072, 88, 131_072), Some(130_048));
+        // with 2,048 positions after it, 126K (129,024 tokens)
+        assert_eq!(cap_context(131_072, 2_047, 131_072), Some(129_024));
+        assert_eq!(cap_context(65_536, 88, 131_072), Some(65_536));
+        assert_eq!(cap_context(1_000, 100, 600), Some(499));
+        assert_eq!(cap_context(10, 200, 100), None);
+        let s = tiny_spec(); // 1 warm-up, 1 step
+        assert_eq!(positions_after_context(&s, false), 1 + 1 + 2 + 3);
+        assert_eq!(positions_after_context(&s, true), 7 + 2 + 8);
+    }
+
+    #[test]
+    fn sequences_take_different_texts_then_different_offsets() {
+        let src = Source::Books(vec![book("a.txt", 100), book("b.txt", 50)]);
+        // batch 4 on 2 texts: 2 sequences per text, at 0 and half its length
+        assert_eq!(src.origin(0, 4), (0, 0));
+        assert_eq!(src.origin(1, 4), (1, 0));
+        assert_eq!(src.origin(2, 4), (0, 50));
+        assert_eq!(src.origin(3, 4), (1, 25));
+        assert_eq!(src.tokens(3, 4, 30)[..3], [25, 26, 27]);
+        assert_eq!(
+            src.tokens(3, 4, 30)[29],
+            (25 + 29) % 50,
+            "wraps at the text's end"
+        );
+        let o = src.origins_json(2);
+        assert_eq!(o[1]["text"], "b.txt");
+        assert_eq!(o[1]["offset"], 0);
+        assert_eq!(o[1]["text_tokens"], 50);
+        assert_eq!(Source::Random(0, 10).origins_json(2), Value::Null);
+    }
+
+    #[test]
+    fn the_eb_grid_and_its_cell_keys() {
+        let mut s = tiny_spec();
+        s.contexts = vec![16_384, 131_072];
+        s.equivalent_batches = vec![64, 128];
+        assert_eq!(
+            eb_grid(&s).len(),
+            2 * 2 * 4,
+            "no forecast modes without --forecast"
+        );
+        s.forecast = Some("synth:1".into());
+        let g = eb_grid(&s);
+        assert_eq!(g.len(), 2 * 2 * 6);
+        assert_eq!(g[0], (16_384, 64, EbMode::DenseGpu));
+        assert_eq!(g[23], (131_072, 128, EbMode::ForecastNoPrefetch));
+        let off = OffloadOptions::default();
+        let k = cell_key(&s, &off, 131_072, 128, EbMode::ForecastPrefetch);
+        assert_eq!(k.file_name(), "forecast-prefetch_L131072_eb128.json");
+        assert_eq!(k.fetch, "offload-sm16");
+        assert_eq!(k.prefill, "synthetic");
+        assert_eq!(
+            cell_key(&s, &off, 16_384, 64, EbMode::DenseGpu).fetch,
+            "gpu"
+        );
+    }
+
+    #[test]
+    fn resume_without_an_equivalent_batch_grid_is_refused() {
+        let mut s = tiny_spec();
+        s.resume = Some(PathBuf::from("cells"));
+        let e = run(&s).unwrap_err().to_string();
+        assert!(
+            e.contains("--resume") && e.contains("--equivalent-batch"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn prompts_differ_per_sequence_and_wrap_around_the_book() {
-        let book = Source::Book((0..100u32).collect());
+        let book = Source::Books(vec![book("x.txt", 100)]);
         let a = book.tokens(0, 4, 10);
         let b = book.tokens(1, 4, 10);
         assert_eq!(a[0], 0);
@@ -1174,6 +1553,7 @@ mod tests {
             sync: true,
             equivalent_batches: vec![],
             trace_steps: 0,
+            resume: None,
         }
     }
 

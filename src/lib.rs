@@ -40,6 +40,7 @@ pub mod memory;
 pub mod model;
 pub mod pipeline;
 pub mod quality;
+pub mod report;
 pub mod sample;
 pub mod synth;
 pub mod tokenizer;

@@ -52,6 +52,13 @@ enum Cmd {
     /// before the next cell: the trace is finished, no report is written
     /// (each finished cell is printed on stderr), exit code 130.
     Bench(BenchArgs),
+    /// The benchmark report (runtime.md §5): merges `sparda bench --resume`
+    /// cell directories, single-file `sparda bench --json` reports and
+    /// baseline JSONs (benches/baselines/) into PREFIX.json (every figure,
+    /// GPU, driver, commits, dates), PREFIX.md (the table: tokens/s, step
+    /// p50/p99, γ, PCIe GB/s, GPU and host memory, roofline) and PREFIX.svg
+    /// (tokens/s against context per mode). CPU only.
+    Report(ReportArgs),
     /// Measure this GPU's fetch table for offloaded KV: the real decode loop
     /// on synthetic NOSA-8B with the SM copy kernel at each CTA count and
     /// the copy engines, synchronous fetch and forecast prefetch, per batch
@@ -86,6 +93,21 @@ enum Cmd {
     /// (greedy tokens and logits bits at every step): one resident
     /// run, then one offloaded run per --fetch engine. Exit 1 if any differs.
     OffloadCheck(OffloadCheckArgs),
+}
+
+#[derive(Args)]
+struct ReportArgs {
+    /// Inputs: cell directories of `sparda bench --resume`, bench reports,
+    /// baseline JSONs (files or directories of them).
+    #[arg(required = true, num_args = 1..)]
+    inputs: Vec<PathBuf>,
+    /// Output prefix: writes PREFIX.json, PREFIX.md and PREFIX.svg.
+    #[arg(long)]
+    out: PathBuf,
+    /// Also put the markdown between the `<!-- BEGIN sparda report -->` and
+    /// `<!-- END sparda report -->` lines of this file (e.g. README.md).
+    #[arg(long, value_name = "FILE")]
+    readme: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -518,12 +540,15 @@ struct BenchArgs {
     /// How sequences are filled before decoding.
     #[arg(long, value_enum, default_value_t = BenchPrefillArg::Synthetic)]
     prefill: BenchPrefillArg,
-    /// tokenizer.json: prompts from the books in --texts (else random ids).
+    /// tokenizer.json for prompts from the books in --texts (default: the
+    /// checkpoint's, or the fixture's for synth: models; without one, random ids).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
-    /// Directory of .txt books for prompts.
-    #[arg(long, default_value = "data/texts")]
-    texts: PathBuf,
+    /// Directory of .txt books for prompts, one text per file; sequence b of a
+    /// batch reads text b mod n at its own offset (default: ../shared/data/texts
+    /// when it holds texts, else data/texts).
+    #[arg(long)]
+    texts: Option<PathBuf>,
     /// Seed of random ids and synthetic state.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -569,7 +594,13 @@ struct BenchArgs {
     trace_steps: usize,
     /// Report path (not written when Ctrl-C interrupts the grid).
     #[arg(long)]
-    json: PathBuf,
+    json: Option<PathBuf>,
+    /// With --equivalent-batch: write each cell to DIR/{mode}_L{context}_eb{EB}.json
+    /// as it completes (atomically), and skip cells whose file exists with the
+    /// same configuration (model, mode, context, EB, steps, warm-up, fill,
+    /// forecast, fetch, seed, budget); merge them with `sparda report DIR`.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -634,6 +665,7 @@ fn main() {
         } => sparda::checks::e2e::gpu_check_e2e(model.as_deref(), &text, &json, steps)
             .and_then(|ok| check_outcome("gpu-check-e2e", "end-to-end", ok, &json)),
         Cmd::Bench(a) => cmd_bench(a),
+        Cmd::Report(a) => commands::report::cmd_report(a),
         Cmd::TuneCtas(a) => commands::tune_ctas::cmd_tune_ctas(a),
         Cmd::OffloadCheck(a) => cmd_offload_check(a),
         Cmd::Trace(TraceCmd::Summarize { file, json }) => {

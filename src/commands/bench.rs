@@ -10,6 +10,22 @@ pub(crate) fn cmd_bench(a: BenchArgs) -> Result<()> {
         .iter()
         .map(|c| sparda::bench::parse_tokens(c))
         .collect::<Result<Vec<_>>>()?;
+    if a.json.is_none() && a.resume.is_none() {
+        return Err(Error::Input(
+            "bench: give --json FILE (the report) or --resume DIR (one file per cell), or both"
+                .into(),
+        ));
+    }
+    // Book prompts need a tokenizer: --tokenizer, else the checkpoint's
+    // tokenizer.json, else the fixture's (the synth presets' own).
+    let tokenizer = a.tokenizer.clone().or_else(|| {
+        let own = std::path::Path::new(&a.model).join("tokenizer.json");
+        if a.model.starts_with("synth:") {
+            Some(fixture_tokenizer()).filter(|p| p.is_file())
+        } else {
+            Some(own).filter(|p| p.is_file())
+        }
+    });
     let spec = sparda::bench::BenchSpec {
         model: a.model,
         sparse: a
@@ -32,8 +48,10 @@ pub(crate) fn cmd_bench(a: BenchArgs) -> Result<()> {
             BenchPrefillArg::Dense => sparda::bench::BenchPrefill::Real(PrefillMode::Dense),
             BenchPrefillArg::Sparse => sparda::bench::BenchPrefill::Real(PrefillMode::Auto),
         },
-        tokenizer: a.tokenizer,
-        texts: a.texts,
+        tokenizer,
+        texts: a
+            .texts
+            .unwrap_or_else(|| sparda::bench::default_texts_dir(std::path::Path::new("."))),
         seed: a.seed,
         ceiling_reps: a.ceiling_reps,
         profile_reps: a.profile_reps,
@@ -51,22 +69,39 @@ pub(crate) fn cmd_bench(a: BenchArgs) -> Result<()> {
         sync: a.sync == OnOff::On,
         equivalent_batches: a.equivalent_batch,
         trace_steps: if a.trace.is_some() { a.trace_steps } else { 0 },
+        resume: a.resume.clone(),
     };
     let report = sparda::bench::run(&spec).inspect_err(|e| {
         if let Error::Interrupted(_) = e {
             // no report of an interrupted grid; each finished cell's line is above
             eprintln!(
-                "bench: interrupted; {} not written (the finished cells are printed above)",
-                a.json.display()
+                "bench: interrupted; {} not written (the finished cells are printed above{})",
+                a.json
+                    .as_deref()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_else(|| "the report".into()),
+                if a.resume.is_some() {
+                    "; each finished cell's file is in the --resume directory"
+                } else {
+                    ""
+                }
             );
         }
     })?;
-    std::fs::write(
-        &a.json,
-        serde_json::to_string_pretty(&report).expect("json"),
-    )
-    .map_err(|e| Error::io(&a.json, e))?;
+    if let Some(j) = &a.json {
+        std::fs::write(j, serde_json::to_string_pretty(&report).expect("json"))
+            .map_err(|e| Error::io(j, e))?;
+    }
     print!("{}", sparda::bench::table(&report));
-    eprintln!("bench: report in {}", a.json.display());
+    if let Some(j) = &a.json {
+        eprintln!("bench: report in {}", j.display());
+    }
+    if let Some(d) = &a.resume {
+        eprintln!(
+            "bench: cell files in {} (merge them: sparda report {} --out PREFIX)",
+            d.display(),
+            d.display()
+        );
+    }
     Ok(())
 }

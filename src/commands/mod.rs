@@ -6,6 +6,7 @@ pub mod generate;
 pub mod mode;
 pub mod offload_check;
 pub mod perplexity;
+pub mod report;
 pub mod synth;
 pub mod tune_ctas;
 

@@ -1,0 +1,345 @@
+//! `sparda report` and `sparda bench --resume` on the CPU: the roofline on
+//! hand numbers, resume planning on a temporary directory, the report of
+//! hand-made cell files and a baseline, and the committed single-file
+//! equivalent-batch report (runtime.md §5).
+
+use serde_json::{json, Value};
+use sparda::report::*;
+use std::path::{Path, PathBuf};
+
+fn tmp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("sparda_report_{name}_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn roofline_on_hand_numbers() {
+    // 1 GB over PCIe at 50 GB/s = 20 ms; 37 GB from HBM at 3,700 GB/s = 10 ms
+    let mut i = RooflineInput {
+        pcie_bytes: 1e9,
+        hbm_bytes: 37e9,
+        pcie_gb_s: 50.0,
+        hbm_gb_s: 3700.0,
+        overlapped: false,
+    };
+    let r = roofline(&i);
+    assert!((r.pcie_ms - 20.0).abs() < 1e-9);
+    assert!((r.hbm_ms - 10.0).abs() < 1e-9);
+    assert!((r.step_ms - 30.0).abs() < 1e-9, "sync: the sum");
+    i.overlapped = true;
+    assert!(
+        (roofline(&i).step_ms - 20.0).abs() < 1e-9,
+        "prefetch: the larger"
+    );
+    i.pcie_bytes = 0.0;
+    i.overlapped = false;
+    let r = roofline(&i);
+    assert_eq!(r.pcie_ms, 0.0);
+    assert!((r.step_ms - 10.0).abs() < 1e-9, "GPU-resident: HBM alone");
+    i.hbm_gb_s = 0.0;
+    assert!(
+        roofline(&i).step_ms.is_nan(),
+        "a zero rate gives NaN, not a panic"
+    );
+}
+
+fn nosa8b() -> ModelShape {
+    ModelShape {
+        weight_bytes: 16_372_638_464.0,
+        layers: 32,
+        kv_heads: 2,
+        head_dim: 128,
+        vocab: 73_448,
+        hidden: 4096,
+        tie_word_embeddings: false,
+        budget_blocks: 64,
+        block_size: 64,
+        kernel_stride: 16,
+    }
+}
+
+#[test]
+fn hbm_bytes_of_a_step_on_the_nosa_8b_shape() {
+    let s = nosa8b();
+    // weights 16,372,638,464 − 73,448·4,096·2 = 15,770,952,448
+    // dense B 32, L 16K: 32·32·2 heads · 16,384 · 128 · 4 = 17,179,869,184
+    assert_eq!(hbm_bytes_per_step(&s, 32, 16_384, false), 32_950_821_632.0);
+    // sparse B 128: per head 4,096 attended tokens · 512 + 1,024 Kc rows · 256
+    // = 2,359,296; × 8,192 heads = 19,327,352,832
+    assert_eq!(hbm_bytes_per_step(&s, 128, 16_384, true), 35_098_305_280.0);
+    // a context shorter than the budget reads only its own tokens
+    assert_eq!(
+        hbm_bytes_per_step(&s, 1, 1024, true),
+        15_770_952_448.0 + 64.0 * (1024.0 * 512.0 + 64.0 * 256.0)
+    );
+    let tied = ModelShape {
+        tie_word_embeddings: true,
+        ..s
+    };
+    assert_eq!(
+        hbm_bytes_per_step(&tied, 1, 64, false),
+        16_372_638_464.0 + 64.0 * 64.0 * 512.0
+    );
+}
+
+fn key(mode: &str, context: usize) -> CellKey {
+    CellKey {
+        model: "synth:nosa-8b".into(),
+        mode: mode.into(),
+        context,
+        equivalent_batch: 64,
+        steps: 64,
+        warmup: 2,
+        prefill: "synthetic".into(),
+        forecast: Some("synth:1".into()),
+        fetch: "offload-auto".into(),
+        seed: 0,
+        budget_blocks: None,
+        select_blocks: None,
+    }
+}
+
+#[test]
+fn resume_skips_existing_cells_and_runs_missing_ones() {
+    let d = tmp_dir("resume");
+    let keys = [
+        key("nosa-offload-sync", 65_536),
+        key("forecast-prefetch", 65_536),
+        key("nosa-offload-sync", 131_072),
+    ];
+    assert_eq!(keys[0].file_name(), "nosa-offload-sync_L65536_eb64.json");
+    let f0 = d.join(keys[0].file_name());
+    write_atomic(
+        &f0,
+        &json!({"cell_key": keys[0], "commit": "abc1234", "case": {}}),
+    )
+    .unwrap();
+    assert!(!d.join("nosa-offload-sync_L65536_eb64.json.tmp").exists());
+    let plan = plan_cells(&d, &keys).unwrap();
+    assert_eq!(
+        plan,
+        vec![
+            CellPlan::Done(f0.clone()),
+            CellPlan::Run(d.join("forecast-prefetch_L65536_eb64.json")),
+            CellPlan::Run(d.join("nosa-offload-sync_L131072_eb64.json")),
+        ]
+    );
+    // another commit does not matter; another step count does, and is named
+    let mut other = key("forecast-prefetch", 65_536);
+    other.steps = 32;
+    write_atomic(
+        &d.join(other.file_name()),
+        &json!({"cell_key": other, "commit": "def"}),
+    )
+    .unwrap();
+    let e = plan_cells(&d, &keys).unwrap_err().to_string();
+    assert!(e.contains("forecast-prefetch_L65536_eb64.json"), "{e}");
+    assert!(
+        e.contains("cell_key.steps") && e.contains("32") && e.contains("64"),
+        "{e}"
+    );
+    // a file that is not a cell file is an error naming it, not a skip
+    std::fs::write(d.join(other.file_name()), "{not json").unwrap();
+    let e = plan_cells(&d, &keys).unwrap_err().to_string();
+    assert!(e.contains("not JSON") && e.contains("line 1"), "{e}");
+    // a directory that does not exist yet: everything runs
+    let plan = plan_cells(&d.join("new"), &keys).unwrap();
+    assert!(plan.iter().all(|p| matches!(p, CellPlan::Run(_))));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+fn meta() -> Value {
+    json!({
+        "gpu": "NVIDIA H200", "driver_cuda_version": "13.0", "commit": "abc1234",
+        "date_utc": "2026-12-02T10:00:00Z", "model": "synth:nosa-8b",
+        "config": {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 2, "head_dim": 128,
+                   "intermediate": 16384, "vocab": 73448, "tie_word_embeddings": false,
+                   "budget_blocks_S": 64, "block_size": 64, "kernel_stride": 16},
+        "weight_bytes": 16_372_638_464u64,
+        "gemm_ceiling": [{"batch": 128, "layers_gb_per_s": 3700.0}],
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn cell(
+    mode_slug: &str,
+    mode: &str,
+    kv: &str,
+    sel: &str,
+    b: u64,
+    l: u64,
+    asked: u64,
+    step: f64,
+    fetched: Option<f64>,
+) -> Value {
+    let mut v = meta();
+    v["cell_key"] = serde_json::to_value(key(mode_slug, asked as usize)).unwrap();
+    let mut c = json!({"attention": if mode.starts_with("dense") {"dense"} else {"sparse"},
+        "kv": kv, "selection": sel, "eb_mode": mode, "equivalent_batch": 64, "batch": b,
+        "context": l, "context_asked": asked, "step_ms_median": step, "step_ms_p99": step * 1.1,
+        "tokens_per_s": b as f64 * 1e3 / step, "gpu_mem_used_bytes": 40u64 << 30});
+    if let Some(f) = fetched {
+        c["offload"] = json!({"locality_gamma": 0.8, "bytes_fetched_per_step": f});
+        c["host_pinned_bytes"] = json!(60u64 << 30);
+    }
+    v["case"] = c;
+    v
+}
+
+#[test]
+fn report_of_hand_made_cells_and_a_baseline() {
+    let d = tmp_dir("cells");
+    let cells = d.join("cells");
+    let c1 = cell(
+        "dense-gpu",
+        "dense, KV on GPU",
+        "gpu",
+        "dense",
+        4,
+        65_536,
+        65_536,
+        20.0,
+        None,
+    );
+    let c2 = cell(
+        "forecast-prefetch",
+        "forecast + prefetch",
+        "offload-auto",
+        "forecast+prefetch",
+        64,
+        130_048,
+        131_072,
+        100.0,
+        Some(2.53e9),
+    );
+    let c3 = cell(
+        "nosa-offload-sync",
+        "NOSA offloaded (sync)",
+        "offload-auto",
+        "query-aware (sync NOSA)",
+        64,
+        65_536,
+        65_536,
+        80.0,
+        Some(2.53e9),
+    );
+    for (n, c) in [("a.json", &c1), ("b.json", &c2), ("c.json", &c3)] {
+        write_atomic(&cells.join(n), c).unwrap();
+    }
+    std::fs::write(cells.join("leftover.json.tmp"), "{").unwrap(); // an interrupted write: ignored
+    let base = d.join("baseline.json");
+    std::fs::write(&base, json!({"baseline": "transformers-sdpa", "what": "transformers, PyTorch SDPA, full attention",
+        "torch": "2.11", "transformers": "5.17", "gpu": "NVIDIA H200",
+        "rows": [{"mode": "transformers SDPA, KV on GPU", "batch": 4, "context": 65536, "equivalent_batch": 64,
+                  "tokens_per_s": 40.0, "step_ms_median": 100.0, "step_ms_p99": 104.0,
+                  "gpu_mem_used_bytes": 30u64 << 30, "host_mem_bytes": 0}]}).to_string()).unwrap();
+    let l = load_inputs(&[cells.clone(), base.clone()]).unwrap();
+    let modes: Vec<&str> = l.rows.iter().map(|r| r.mode.as_str()).collect();
+    assert_eq!(
+        modes,
+        [
+            "dense, KV on GPU",
+            "NOSA offloaded (sync)",
+            "transformers SDPA, KV on GPU",
+            "forecast + prefetch"
+        ]
+    );
+    assert!(l.rows[2].baseline);
+    let md = markdown(&l);
+    // dense B 4 at 64K: HBM 15,770,952,448 + 4·64·65,536·512 = 24,360,887,040 B at 3,700 GB/s = 6.58 ms
+    assert!(md.contains("| 64K | 64 | dense, KV on GPU | 4 | 200 | 20.00 | 22.00 | – | – | 40.0 | 0.0 | 6.58 | 3.04 |\n"), "{md}");
+    // sync: 2.53 GB at 50.6 GB/s = 50 ms, + HBM (15,770,952,448 + 4,096·(2,097,152 + 4,096·256)) / 3.7e12 = 7.74 ms
+    assert!(md.contains("| 64K | 64 | NOSA offloaded (sync) | 64 | 800 | 80.00 | 88.00 | 0.800 | 31.6 | 40.0 | 60.0 | 57.74 | 1.39 |\n"), "{md}");
+    // prefetch: max(50, HBM) = 50 ms; the capped context is stated
+    assert!(md.contains("| 127K (128K asked) | 64 | forecast + prefetch | 64 | 640 | 100.00 | 110.00 | 0.800 | 25.3 | 40.0 | 60.0 | 50.00 | 2.00 |\n"), "{md}");
+    assert!(md.contains("| 64K | 64 | transformers SDPA, KV on GPU | 4 | 40 | 100.00 | 104.00 | – | – | 30.0 | 0.0 | – | – |\n"), "{md}");
+    assert!(md.contains("128K ran as 127K (130048 tokens)"), "{md}");
+    assert!(md.contains("Baseline `transformers-sdpa`: transformers, PyTorch SDPA, full attention (torch 2.11, transformers 5.17, NVIDIA H200)"), "{md}");
+    let prefix = d.join("out/eb64");
+    write_report(&l, &prefix).unwrap();
+    let svg = std::fs::read_to_string(d.join("out/eb64.svg")).unwrap();
+    assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(100)]);
+    assert!(svg.contains("forecast + prefetch") && svg.contains("transformers SDPA, KV on GPU"));
+    let j: Value =
+        serde_json::from_str(&std::fs::read_to_string(d.join("out/eb64.json")).unwrap()).unwrap();
+    assert_eq!(j["rows"].as_array().unwrap().len(), 4);
+    assert_eq!(j["runs"][0]["gpu"], "NVIDIA H200");
+    assert_eq!(
+        j["rows"][3]["roofline"]["step_ms"]
+            .as_f64()
+            .unwrap()
+            .round(),
+        50.0
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn bad_inputs_are_errors_naming_the_file() {
+    let d = tmp_dir("bad");
+    let f = d.join("x.json");
+    std::fs::write(&f, r#"{"something": 1}"#).unwrap();
+    let e = load_inputs(std::slice::from_ref(&f))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("x.json") && e.contains("neither"), "{e}");
+    std::fs::write(
+        &f,
+        r#"{"baseline": "b", "rows": [{"mode": "m", "batch": 1}]}"#,
+    )
+    .unwrap();
+    let e = load_inputs(&[f]).unwrap_err().to_string();
+    assert!(e.contains("rows[0]") && e.contains("`context`"), "{e}");
+    assert!(load_inputs(&[d.join("empty")]).is_err());
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn the_committed_eb128_report_reads_in_the_old_single_file_format() {
+    let f = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("benches/results/equivalent_batch_eb128_16k_2026-11-30_93b82b9.json");
+    let l = load_inputs(&[f]).unwrap();
+    assert_eq!(l.rows.len(), 6);
+    let r = l
+        .rows
+        .iter()
+        .find(|r| r.mode == "NOSA offloaded (sync)")
+        .unwrap();
+    assert_eq!(
+        (r.batch, r.context, r.equivalent_batch),
+        (128, 16_384, Some(128))
+    );
+    assert_eq!(r.tokens_per_s.unwrap().round(), 1450.0);
+    // no GEMM ceiling in that run: HBM at device.md's 3.67 TB/s;
+    // 3,319,296,000 B / 50.6 GB/s = 65.60 ms + 35,098,305,280 B / 3.67 TB/s = 9.56 ms
+    let rl = r.roofline.unwrap();
+    assert!((rl.pcie_ms - 65.599).abs() < 0.01, "{rl:?}");
+    assert!((rl.hbm_ms - 9.5636).abs() < 0.01, "{rl:?}");
+    assert!((r.measured_over_roofline.unwrap() - 88.28 / 75.162).abs() < 0.001);
+    assert_eq!(r.step_ms_p99, None, "not recorded then");
+    let fp = l
+        .rows
+        .iter()
+        .find(|r| r.mode == "forecast + prefetch")
+        .unwrap();
+    assert!(
+        (fp.roofline.unwrap().step_ms - 65.6).abs() < 0.1,
+        "prefetch: PCIe alone bounds it"
+    );
+}
+
+#[test]
+fn readme_section_is_replaced_between_the_markers() {
+    let text = format!("# x\n\nbefore\n{README_BEGIN}\nold table\n{README_END}\nafter\n");
+    let out = replace_between_markers(&text, "| new |\n", "README.md").unwrap();
+    assert_eq!(
+        out,
+        format!("# x\n\nbefore\n{README_BEGIN}\n| new |\n{README_END}\nafter\n")
+    );
+    let e = replace_between_markers("no markers", "x", "README.md")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("README.md") && e.contains("BEGIN"), "{e}");
+}
