@@ -152,7 +152,7 @@ pub struct Fit {
 }
 
 /// The default λ grid, relative to tr(G)/d.
-pub const DEFAULT_GRID: [f64; 8] = [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 1.0];
+pub const DEFAULT_GRID: [f64; 11] = [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 0.3, 1.0, 3.0, 10.0];
 
 /// Σ_ij A_ij B_ij.
 fn dot(a: MatRef<'_, f64>, b: MatRef<'_, f64>) -> f64 {

@@ -30,7 +30,7 @@ use faer::{Accum, Mat, Par, Side};
 /// Errors: [`Error::Format`] when H is not a multiple of Hkv or q's length
 /// is not H·D.
 pub fn group_mean(q: &[f32], heads: usize, kv_heads: usize, head_dim: usize) -> Result<Vec<f32>> {
-    if kv_heads == 0 || heads % kv_heads != 0 || q.len() != heads * head_dim {
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) || q.len() != heads * head_dim {
         return Err(Error::Format(format!(
             "group mean: {} query values for {heads} heads of {head_dim} over {kv_heads} KV heads",
             q.len()

@@ -212,7 +212,7 @@ pub(crate) fn cmd_collect(a: ForecastCollectArgs) -> Result<()> {
         .map(|t| text_chunks(&tok, t, a.context, a.max_chunks))
         .collect::<Result<_>>()?;
     let prefix = a.context - a.decode;
-    let per_chunk = (min_pos..prefix).filter(|p| (p - min_pos) % a.stride == 0).count() + a.decode;
+    let per_chunk = (min_pos..prefix).filter(|p| (p - min_pos).is_multiple_of(a.stride)).count() + a.decode;
     let total: usize = chunks.iter().map(|c| c.len() * per_chunk).sum();
     eprintln!(
         "collect: {} texts, {} chunks of {} tokens, {total} positions ({} prefill every {} from {min_pos}, {} decode per chunk), {} layers, CPU reference",
@@ -263,7 +263,7 @@ fn collect_into(
         for (ci, toks) in text_chunks.iter().enumerate() {
             let mut seq = m.new_sequence();
             let positions: BTreeSet<usize> =
-                (min_pos..prefix).filter(|p| (p - min_pos) % a.stride == 0).collect();
+                (min_pos..prefix).filter(|p| (p - min_pos).is_multiple_of(a.stride)).collect();
             seq.capture = Some(Capture { positions, queries: true, rows: Vec::new() });
             for chunk in toks[..prefix].chunks(PREFILL_CHUNK) {
                 sparda::interrupt::check(|| format!("collect, {} records written", w.count()))?;
@@ -340,8 +340,8 @@ pub(crate) fn cmd_fit(a: ForecastFitArgs) -> Result<()> {
             let acc = if is_held { &mut held } else { &mut train };
             let ctx = |e| Error::Input(format!("{} record {i}: {}", path.display(), fe(e)));
             // q_future_proj of layer j: x̂_j → layer j+1's target; slot L−1 holds q_curr_proj of layer 0
-            for j in 0..l - 1 {
-                acc[j].add(rec.x(&h, j), rec.target(&h, j + 1, ti)).map_err(ctx)?;
+            for (j, aj) in acc.iter_mut().enumerate().take(l - 1) {
+                aj.add(rec.x(&h, j), rec.target(&h, j + 1, ti)).map_err(ctx)?;
             }
             acc[l - 1].add(rec.x(&h, 0), rec.target(&h, 0, ti)).map_err(ctx)?;
             i += 1;
