@@ -170,9 +170,10 @@ struct ForecastFitArgs {
     /// Record files from `forecast collect` (one model).
     #[arg(long, value_delimiter = ',', num_args = 1.., required = true)]
     data: Vec<PathBuf>,
-    /// Target: `score` (least-squares fit of the real window scores) or
-    /// `qmean` (group-mean pre-RoPE query); forecast/README.md compares them.
-    #[arg(long, default_value = "score")]
+    /// Target: `qmean` (group-mean pre-RoPE query; the better recall on
+    /// SmolLM2) or `score` (least-squares fit of the real window scores);
+    /// forecast/README.md compares them.
+    #[arg(long, default_value = "qmean")]
     target: String,
     /// Every N-th record of each file is held out to choose λ (0: none, λ = 1e-3 · mean eigenvalue).
     #[arg(long, default_value_t = 5)]
