@@ -8,7 +8,11 @@ use serde::Serialize;
 /// (hits, free) where free = |{m ∈ real : ¬forced(m)}| and hits = |{m ∈
 /// real ∩ predicted : ¬forced(m)}|. Block ids need not be sorted;
 /// duplicates in `predicted` count once.
-pub fn free_hits(real: &[usize], predicted: &[usize], forced: impl Fn(usize) -> bool) -> (u64, u64) {
+pub fn free_hits(
+    real: &[usize],
+    predicted: &[usize],
+    forced: impl Fn(usize) -> bool,
+) -> (u64, u64) {
     let mut hits = 0u64;
     let mut free = 0u64;
     for &m in real {

@@ -169,9 +169,7 @@ impl Writer {
         for v in [r.position, r.text, r.phase, 0] {
             self.out.write_all(&v.to_le_bytes()).map_err(io(p))?;
         }
-        self.out
-            .write_all(bytemuck_f32(&r.data))
-            .map_err(io(p))?;
+        self.out.write_all(bytemuck_f32(&r.data)).map_err(io(p))?;
         self.count += 1;
         Ok(())
     }
@@ -242,10 +240,10 @@ impl Reader {
         }
         let mut json = vec![0u8; hlen as usize];
         input.read_exact(&mut json).map_err(io(path))?;
-        let header: Header = serde_json::from_slice(&json).map_err(|e| {
-            Error::Format(format!("{}: bad header JSON: {e}", path.display()))
-        })?;
-        if header.layers == 0 || header.hidden == 0 || header.kv_heads == 0 || header.head_dim == 0 {
+        let header: Header = serde_json::from_slice(&json)
+            .map_err(|e| Error::Format(format!("{}: bad header JSON: {e}", path.display())))?;
+        if header.layers == 0 || header.hidden == 0 || header.kv_heads == 0 || header.head_dim == 0
+        {
             return Err(Error::Format(format!(
                 "{}: header has a zero shape (layers {}, hidden {}, kv_heads {}, head_dim {})",
                 path.display(),
@@ -344,7 +342,12 @@ mod tests {
             w.push(r).unwrap();
         }
         assert!(w
-            .push(&Record { position: 1, text: 0, phase: 0, data: vec![0.0; 3] })
+            .push(&Record {
+                position: 1,
+                text: 0,
+                phase: 0,
+                data: vec![0.0; 3]
+            })
             .is_err());
         assert_eq!(w.finish().unwrap(), 3);
         let mut r = Reader::open(&p).unwrap();
@@ -368,9 +371,17 @@ mod tests {
         let mut unfinished = bytes.clone();
         unfinished[8..16].copy_from_slice(&0u64.to_le_bytes());
         std::fs::write(&p, &unfinished).unwrap();
-        assert!(Reader::open(&p).err().unwrap().to_string().contains("record count 0"));
+        assert!(Reader::open(&p)
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("record count 0"));
         std::fs::write(&p, b"NOTAFILE0000000000000000").unwrap();
-        assert!(Reader::open(&p).err().unwrap().to_string().contains("magic"));
+        assert!(Reader::open(&p)
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("magic"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -31,7 +31,11 @@ pub struct Accumulator {
 
 impl std::fmt::Debug for Accumulator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Accumulator(d {}, k {}, rows {})", self.d, self.k, self.rows)
+        write!(
+            f,
+            "Accumulator(d {}, k {}, rows {})",
+            self.d, self.k, self.rows
+        )
     }
 }
 
@@ -152,7 +156,9 @@ pub struct Fit {
 }
 
 /// The default λ grid, relative to tr(G)/d.
-pub const DEFAULT_GRID: [f64; 11] = [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 0.3, 1.0, 3.0, 10.0];
+pub const DEFAULT_GRID: [f64; 11] = [
+    1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 0.3, 1.0, 3.0, 10.0,
+];
 
 /// Σ_ij A_ij B_ij.
 fn dot(a: MatRef<'_, f64>, b: MatRef<'_, f64>) -> f64 {
@@ -203,7 +209,14 @@ pub fn fit(train: &Accumulator, held: &Accumulator, grid: &[f64]) -> Result<Fit>
         let s: Vec<f64> = (0..d).map(|i| evd.S()[i].max(0.0)).collect();
         let mean = train.gram.diagonal().column_vector().iter().sum::<f64>() / d as f64;
         let mut z = Mat::<f64>::zeros(d, k);
-        matmul(&mut z, Accum::Replace, u.transpose(), &train.cross, 1.0, par());
+        matmul(
+            &mut z,
+            Accum::Replace,
+            u.transpose(),
+            &train.cross,
+            1.0,
+            par(),
+        );
         let mut best = (f64::INFINITY, grid[0]);
         for &rel in grid {
             let lam = rel * mean.max(f64::MIN_POSITIVE);
@@ -211,7 +224,10 @@ pub fn fit(train: &Accumulator, held: &Accumulator, grid: &[f64]) -> Result<Fit>
             let mut wt = Mat::<f64>::zeros(d, k);
             matmul(&mut wt, Accum::Replace, u, &zs, 1.0, par());
             let e = sse(&held, wt.as_ref()) / held.yy.max(f64::MIN_POSITIVE);
-            scores.push(LambdaScore { rel, held_rel_err: e });
+            scores.push(LambdaScore {
+                rel,
+                held_rel_err: e,
+            });
             if e < best.0 {
                 best = (e, rel);
             }
@@ -231,9 +247,11 @@ pub fn fit(train: &Accumulator, held: &Accumulator, grid: &[f64]) -> Result<Fit>
     for i in 0..d {
         a[(i, i)] += lam;
     }
-    let llt = a
-        .llt(Side::Lower)
-        .map_err(|e| Error::Solve(format!("Cholesky of the {d}×{d} Gram + λI (λ {lam:.3e}): {e:?}")))?;
+    let llt = a.llt(Side::Lower).map_err(|e| {
+        Error::Solve(format!(
+            "Cholesky of the {d}×{d} Gram + λI (λ {lam:.3e}): {e:?}"
+        ))
+    })?;
     let wt = faer::linalg::solvers::Solve::solve(&llt, &all.cross);
     let train_rel_err = sse(&all, wt.as_ref()) / all.yy.max(f64::MIN_POSITIVE);
     let mut w = vec![0.0f32; k * d];
@@ -245,7 +263,10 @@ pub fn fit(train: &Accumulator, held: &Accumulator, grid: &[f64]) -> Result<Fit>
     Ok(Fit {
         w,
         lambda_rel: chosen,
-        held_rel_err: scores.iter().find(|s| s.rel == chosen).map(|s| s.held_rel_err),
+        held_rel_err: scores
+            .iter()
+            .find(|s| s.rel == chosen)
+            .map(|s| s.held_rel_err),
         grid: scores,
         rows: (train.rows, held.rows),
         train_rel_err,
@@ -286,16 +307,19 @@ mod tests {
                     clean + 0.01 * r()
                 })
                 .collect();
-            if i % 5 == 0 { held.add(&x, &y).unwrap() } else { train.add(&x, &y).unwrap() }
+            if i % 5 == 0 {
+                held.add(&x, &y).unwrap()
+            } else {
+                train.add(&x, &y).unwrap()
+            }
         }
         assert_eq!((train.rows(), held.rows()), (1200, 300));
         let f = fit(&train, &held, &DEFAULT_GRID).unwrap();
-        let max_err = f
-            .w
-            .iter()
-            .zip(&w_true)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let max_err =
+            f.w.iter()
+                .zip(&w_true)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
         assert!(max_err < 5e-3, "max |W − W_true| = {max_err}");
         assert!(f.lambda_rel <= 1e-3, "λ {}", f.lambda_rel);
         let e = f.held_rel_err.unwrap();
@@ -318,10 +342,23 @@ mod tests {
         assert_eq!(f.lambda_rel, 1e-3);
         assert!(f.w.iter().all(|v| v.is_finite()));
         assert!(f.train_rel_err < 1e-2, "{}", f.train_rel_err);
-        assert!(a.add(&[0.0; 9], &[0.0; 2]).unwrap_err().to_string().contains("x has 9"));
+        assert!(a
+            .add(&[0.0; 9], &[0.0; 2])
+            .unwrap_err()
+            .to_string()
+            .contains("x has 9"));
         let mut x = vec![0.0; 10];
         x[3] = f32::NAN;
-        assert!(a.add(&x, &[0.0; 2]).unwrap_err().to_string().contains("value 3"));
-        assert!(fit(&Accumulator::new(3, 1), &Accumulator::new(3, 1), &DEFAULT_GRID).is_err());
+        assert!(a
+            .add(&x, &[0.0; 2])
+            .unwrap_err()
+            .to_string()
+            .contains("value 3"));
+        assert!(fit(
+            &Accumulator::new(3, 1),
+            &Accumulator::new(3, 1),
+            &DEFAULT_GRID
+        )
+        .is_err());
     }
 }

@@ -72,14 +72,19 @@ pub fn score_fit(
         )));
     }
     if let Some(i) = s.iter().position(|v| !v.is_finite()) {
-        return Err(Error::Format(format!("score fit: window score {i} is not finite")));
+        return Err(Error::Format(format!(
+            "score fit: window score {i} is not finite"
+        )));
     }
     if mc < 2 {
         return Ok(vec![0.0; head_dim]);
     }
     let mut mean_k = vec![0.0f64; head_dim];
     for i in 0..mc {
-        for (m, v) in mean_k.iter_mut().zip(&kc[i * stride..i * stride + head_dim]) {
+        for (m, v) in mean_k
+            .iter_mut()
+            .zip(&kc[i * stride..i * stride + head_dim])
+        {
             *m += *v as f64 / mc as f64;
         }
     }
@@ -95,9 +100,11 @@ pub fn score_fit(
     for i in 0..head_dim {
         a[(i, i)] += eps;
     }
-    let llt = a
-        .llt(Side::Lower)
-        .map_err(|e| Error::Solve(format!("score fit: Cholesky of the {head_dim}×{head_dim} key Gram: {e:?}")))?;
+    let llt = a.llt(Side::Lower).map_err(|e| {
+        Error::Solve(format!(
+            "score fit: Cholesky of the {head_dim}×{head_dim} key Gram: {e:?}"
+        ))
+    })?;
     let f = faer::linalg::solvers::Solve::solve(&llt, &b);
     Ok((0..head_dim).map(|i| f[(i, 0)] as f32).collect())
 }
@@ -129,7 +136,10 @@ mod tests {
         for (g, w) in got.iter().zip(&f) {
             assert!((g - w).abs() < 1e-4, "{got:?} vs {f:?}");
         }
-        assert_eq!(score_fit(&kc, stride, 3, &s[..1], 1e-9).unwrap(), vec![0.0; 3]);
+        assert_eq!(
+            score_fit(&kc, stride, 3, &s[..1], 1e-9).unwrap(),
+            vec![0.0; 3]
+        );
         assert!(score_fit(&kc[..10], stride, 3, &s, 1e-9).is_err());
     }
 }

@@ -4,9 +4,14 @@
 //! targets, recall) are in the `sparda-forecast` crate (forecast/); this
 //! module drives the CPU reference and writes the results.
 
-use crate::{ForecastCollectArgs, ForecastEvalArgs, ForecastFitArgs, ForecastImportArgs, ForecastModelArgs, SelectionArg};
+use crate::{
+    ForecastCollectArgs, ForecastEvalArgs, ForecastFitArgs, ForecastImportArgs, ForecastModelArgs,
+    SelectionArg,
+};
 use sparda::config::{ModelConfig, Rope};
-use sparda::cpu::{ops, Capture, CapturedRow, CpuModel, EngineOptions, Logits, Phase, Sequence, PREFILL_CHUNK};
+use sparda::cpu::{
+    ops, Capture, CapturedRow, CpuModel, EngineOptions, Logits, Phase, Sequence, PREFILL_CHUNK,
+};
 use sparda::model::forecast::ForecastWeights;
 use sparda::model::select::{self, Budget};
 use sparda::model::{AttentionOverrides, PrefillMode, SelectionRule};
@@ -78,7 +83,15 @@ fn settings_json(m: &CpuModel, context: usize) -> serde_json::Value {
 /// `max_chunks`).
 ///
 /// Errors: a text shorter than one chunk, with both numbers.
-fn text_chunks(tok: &Tokenizer, text: &Path, context: usize, max_chunks: usize) -> Result<Vec<Vec<u32>>> {
+fn text_chunks(
+    tok: &Tokenizer,
+    text: &Path,
+    context: usize,
+    max_chunks: usize,
+) -> Result<Vec<Vec<u32>>> {
+    if context == 0 {
+        return Err(Error::Input("--context must be ≥ 1 token".into()));
+    }
     let s = std::fs::read_to_string(text).map_err(|e| Error::io(text, e))?;
     let ids = tok.encode(&s)?;
     if ids.len() < context {
@@ -146,16 +159,23 @@ fn records_of(
             let mut f = vec![0.0f32; kvd];
             for h in 0..hk {
                 let kch = if mc > 0 { &kv.kc[h * dh..] } else { &[][..] };
-                let s = select::query_window_scores(&q[h * g * dh..(h + 1) * g * dh], dh, kch, kvd, mc);
+                let s =
+                    select::query_window_scores(&q[h * g * dh..(h + 1) * g * dh], dh, kch, kvd, mc);
                 let ls: Vec<f32> = s.iter().map(|v| v.max(1e-30).ln()).collect();
-                let fh = targets::score_fit(kch, kvd, dh, &ls, 1e-3)
-                    .map_err(|e| Error::Input(format!("layer {l}, position {pos}, KV head {h}: {}", fe(e))))?;
+                let fh = targets::score_fit(kch, kvd, dh, &ls, 1e-3).map_err(|e| {
+                    Error::Input(format!("layer {l}, position {pos}, KV head {h}: {}", fe(e)))
+                })?;
                 f[h * dh..(h + 1) * dh].copy_from_slice(&fh);
             }
             rotate(&rope, &mut f, pos, rope_len(pos), dh, true);
             data.extend_from_slice(&f);
         }
-        out.push(Record { position: pos as u32, text, phase, data });
+        out.push(Record {
+            position: pos as u32,
+            text,
+            phase,
+            data,
+        });
     }
     Ok(out)
 }
@@ -179,7 +199,9 @@ pub(crate) fn cmd_collect(a: ForecastCollectArgs) -> Result<()> {
     }
     let (ckpt, tok, m) = open_model(&a.model)?;
     let budget = m.plan.budget;
-    let min_pos = a.min_position.unwrap_or(budget.attended * budget.block_size);
+    let min_pos = a
+        .min_position
+        .unwrap_or(budget.attended * budget.block_size);
     if a.decode >= a.context || min_pos >= a.context {
         return Err(Error::Input(format!(
             "--context {} must exceed --decode {} and the first sampled position {min_pos} (--min-position)",
@@ -212,7 +234,10 @@ pub(crate) fn cmd_collect(a: ForecastCollectArgs) -> Result<()> {
         .map(|t| text_chunks(&tok, t, a.context, a.max_chunks))
         .collect::<Result<_>>()?;
     let prefix = a.context - a.decode;
-    let per_chunk = (min_pos..prefix).filter(|p| (p - min_pos).is_multiple_of(a.stride)).count() + a.decode;
+    let per_chunk = (min_pos..prefix)
+        .filter(|p| (p - min_pos).is_multiple_of(a.stride))
+        .count()
+        + a.decode;
     let total: usize = chunks.iter().map(|c| c.len() * per_chunk).sum();
     eprintln!(
         "collect: {} texts, {} chunks of {} tokens, {total} positions ({} prefill every {} from {min_pos}, {} decode per chunk), {} layers, CPU reference",
@@ -262,14 +287,26 @@ fn collect_into(
     for (ti, text_chunks) in chunks.iter().enumerate() {
         for (ci, toks) in text_chunks.iter().enumerate() {
             let mut seq = m.new_sequence();
-            let positions: BTreeSet<usize> =
-                (min_pos..prefix).filter(|p| (p - min_pos).is_multiple_of(a.stride)).collect();
-            seq.capture = Some(Capture { positions, queries: true, rows: Vec::new() });
+            let positions: BTreeSet<usize> = (min_pos..prefix)
+                .filter(|p| (p - min_pos).is_multiple_of(a.stride))
+                .collect();
+            seq.capture = Some(Capture {
+                positions,
+                queries: true,
+                rows: Vec::new(),
+            });
             for chunk in toks[..prefix].chunks(PREFILL_CHUNK) {
                 sparda::interrupt::check(|| format!("collect, {} records written", w.count()))?;
-                m.forward(&mut seq, chunk, Phase::Prefill { prompt_len: prefix }, Logits::Last)?;
+                m.forward(
+                    &mut seq,
+                    chunk,
+                    Phase::Prefill { prompt_len: prefix },
+                    Logits::Last,
+                )?;
                 let rows = std::mem::take(&mut seq.capture.as_mut().unwrap().rows);
-                let recs = records_of(m, &seq, &rows, ti as u32, records::PHASE_PREFILL, |_| prefix)?;
+                let recs = records_of(m, &seq, &rows, ti as u32, records::PHASE_PREFILL, |_| {
+                    prefix
+                })?;
                 for r in &recs {
                     w.push(r).map_err(fe)?;
                 }
@@ -277,7 +314,11 @@ fn collect_into(
             }
             for (t, &token) in toks.iter().enumerate().skip(prefix) {
                 sparda::interrupt::check(|| format!("collect, {} records written", w.count()))?;
-                seq.capture = Some(Capture { positions: BTreeSet::from([t]), queries: true, rows: Vec::new() });
+                seq.capture = Some(Capture {
+                    positions: BTreeSet::from([t]),
+                    queries: true,
+                    rows: Vec::new(),
+                });
                 m.decode(&mut seq, token)?;
                 let rows = std::mem::take(&mut seq.capture.as_mut().unwrap().rows);
                 for r in &records_of(m, &seq, &rows, ti as u32, records::PHASE_DECODE, |p| p + 1)? {
@@ -315,7 +356,10 @@ pub(crate) fn cmd_fit(a: ForecastFitArgs) -> Result<()> {
     first.target_index(&a.target).map_err(fe)?;
     let (l, d, k) = (first.layers, first.hidden, first.kv_heads * first.head_dim);
     if l < 2 {
-        return Err(Error::Input(format!("{}: {l} layers; forecast needs ≥ 2", a.data[0].display())));
+        return Err(Error::Input(format!(
+            "{}: {l} layers; forecast needs ≥ 2",
+            a.data[0].display()
+        )));
     }
     let mut train: Vec<Accumulator> = (0..l).map(|_| Accumulator::new(d, k)).collect();
     let mut held = train.clone();
@@ -324,7 +368,13 @@ pub(crate) fn cmd_fit(a: ForecastFitArgs) -> Result<()> {
         let mut r = records::Reader::open(path).map_err(fe)?;
         let h = r.header.clone();
         if (h.layers, h.hidden, h.kv_heads, h.head_dim, &h.fingerprint)
-            != (first.layers, first.hidden, first.kv_heads, first.head_dim, &first.fingerprint)
+            != (
+                first.layers,
+                first.hidden,
+                first.kv_heads,
+                first.head_dim,
+                &first.fingerprint,
+            )
         {
             return Err(Error::Input(format!(
                 "{}: model {} (fingerprint {}, {} layers, d {}, {}×{}) differs from {}'s {} ({}, {} layers, d {}, {}×{})",
@@ -336,27 +386,42 @@ pub(crate) fn cmd_fit(a: ForecastFitArgs) -> Result<()> {
         let pb = progress(r.count, &format!("fit {}", path.display()));
         let mut i = 0u64;
         while let Some(rec) = r.next_record().map_err(fe)? {
-            let is_held = a.held_out_every > 0 && (i % a.held_out_every as u64) == (a.held_out_every as u64 - 1);
+            let is_held = a.held_out_every > 0
+                && (i % a.held_out_every as u64) == (a.held_out_every as u64 - 1);
             let acc = if is_held { &mut held } else { &mut train };
             let ctx = |e| Error::Input(format!("{} record {i}: {}", path.display(), fe(e)));
             // q_future_proj of layer j: x̂_j → layer j+1's target; slot L−1 holds q_curr_proj of layer 0
             for (j, aj) in acc.iter_mut().enumerate().take(l - 1) {
-                aj.add(rec.x(&h, j), rec.target(&h, j + 1, ti)).map_err(ctx)?;
+                aj.add(rec.x(&h, j), rec.target(&h, j + 1, ti))
+                    .map_err(ctx)?;
             }
-            acc[l - 1].add(rec.x(&h, 0), rec.target(&h, 0, ti)).map_err(ctx)?;
+            acc[l - 1]
+                .add(rec.x(&h, 0), rec.target(&h, 0, ti))
+                .map_err(ctx)?;
             i += 1;
             pb.inc(1);
         }
         pb.finish_and_clear();
-        eprintln!("  {}: {} records (file {})", path.display(), r.count, fi + 1);
+        eprintln!(
+            "  {}: {} records (file {})",
+            path.display(),
+            r.count,
+            fi + 1
+        );
     }
     let mut tensors = Vec::new();
     let mut report = Vec::new();
     for (j, (tr, he)) in train.iter().zip(&held).enumerate() {
         let (name, what) = if j + 1 < l {
-            (names::layer(j, LayerTensor::QFutureProj), format!("layer {j} q_future_proj"))
+            (
+                names::layer(j, LayerTensor::QFutureProj),
+                format!("layer {j} q_future_proj"),
+            )
         } else {
-            (names::layer(0, LayerTensor::QCurrProj), "layer 0 q_curr_proj".to_string())
+            (
+                names::layer(0, LayerTensor::QCurrProj),
+                "layer 0 q_curr_proj".to_string(),
+            )
         };
         let f = ridge::fit(tr, he, &ridge::DEFAULT_GRID)
             .map_err(|e| Error::Input(format!("{what}: {}", fe(e))))?;
@@ -368,8 +433,16 @@ pub(crate) fn cmd_fit(a: ForecastFitArgs) -> Result<()> {
             f.rows.0,
             f.rows.1
         );
-        tensors.push(OwnedTensor::from_f32(name.clone(), vec![k, d], &f.w, DType::F32)?);
-        report.push(LayerFit { tensor: name, fit: f });
+        tensors.push(OwnedTensor::from_f32(
+            name.clone(),
+            vec![k, d],
+            &f.w,
+            DType::F32,
+        )?);
+        report.push(LayerFit {
+            tensor: name,
+            fit: f,
+        });
     }
     sparda::weights::write_safetensors(&a.out, &tensors)?;
     eprintln!(
@@ -388,7 +461,8 @@ pub(crate) fn cmd_fit(a: ForecastFitArgs) -> Result<()> {
             "collect_settings": first.settings, "layers": report,
             "commit": sparda::bench::git_commit(),
         });
-        std::fs::write(j, serde_json::to_string_pretty(&v).expect("json")).map_err(|e| Error::io(j, e))?;
+        std::fs::write(j, serde_json::to_string_pretty(&v).expect("json"))
+            .map_err(|e| Error::io(j, e))?;
     }
     Ok(())
 }
@@ -403,7 +477,14 @@ struct Candidate {
 /// (spec §4 "Forecast mode"), per KV head: f = RoPE(W · x̂) with W =
 /// q_curr_proj and x̂ = x̂_0 for layer 0 (its current-step windows), W =
 /// q_future_proj_{l−1} and x̂ = x̂_{l−1} for l ≥ 1 (the previous step's windows).
-fn forecast_selection(m: &CpuModel, w: &ForecastWeights, xn: &[Vec<f32>], seq: &Sequence, l: usize, t: usize) -> Vec<Vec<usize>> {
+fn forecast_selection(
+    m: &CpuModel,
+    w: &ForecastWeights,
+    xn: &[Vec<f32>],
+    seq: &Sequence,
+    l: usize,
+    t: usize,
+) -> Vec<Vec<usize>> {
     let c = &m.config;
     let (hk, dh) = (c.num_key_value_heads, c.head_dim);
     let budget: &Budget = &m.plan.budget;
@@ -437,18 +518,30 @@ pub(crate) fn cmd_eval(a: ForecastEvalArgs) -> Result<()> {
         let (label, path) = match spec.split_once('=') {
             Some((l, p)) => (l.to_string(), p.to_string()),
             None => (
-                Path::new(spec).file_stem().map_or(spec.clone(), |s| s.to_string_lossy().into_owned()),
+                Path::new(spec)
+                    .file_stem()
+                    .map_or(spec.clone(), |s| s.to_string_lossy().into_owned()),
                 spec.clone(),
             ),
         };
-        cands.push(Candidate { label, weights: ForecastWeights::from_arg(&path, cfg)? });
+        cands.push(Candidate {
+            label,
+            weights: ForecastWeights::from_arg(&path, cfg)?,
+        });
     }
     if let Some(p) = &a.sparda {
-        cands.push(Candidate { label: "sparda".into(), weights: ForecastWeights::open(p, cfg)? });
+        cands.push(Candidate {
+            label: "sparda".into(),
+            weights: ForecastWeights::open(p, cfg)?,
+        });
     }
     let budget = m.plan.budget;
     if a.positions == 0 || a.positions >= a.context {
-        return Err(Error::Input(format!("--positions {} must be in 1 … --context − 1 = {}", a.positions, a.context - 1)));
+        return Err(Error::Input(format!(
+            "--positions {} must be in 1 … --context − 1 = {}",
+            a.positions,
+            a.context.saturating_sub(1)
+        )));
     }
     let prefix = a.context - a.positions;
     if budget.blocks(prefix) <= budget.attended {
@@ -468,7 +561,10 @@ pub(crate) fn cmd_eval(a: ForecastEvalArgs) -> Result<()> {
         .text
         .iter()
         .enumerate()
-        .map(|(i, t)| text_chunks(&tok, t, a.context, a.max_chunks).map(|c| c.into_iter().map(move |x| (i, x))))
+        .map(|(i, t)| {
+            text_chunks(&tok, t, a.context, a.max_chunks)
+                .map(|c| c.into_iter().map(move |x| (i, x)))
+        })
         .collect::<Result<Vec<_>>>()?
         .into_iter()
         .flatten()
@@ -482,10 +578,17 @@ pub(crate) fn cmd_eval(a: ForecastEvalArgs) -> Result<()> {
         for (t, &token) in toks.iter().enumerate().skip(prefix) {
             sparda::interrupt::check(|| format!("eval, {steps} steps scored"))?;
             let prev = seq.selections.clone();
-            seq.capture = Some(Capture { positions: BTreeSet::from([t]), queries: false, rows: Vec::new() });
+            seq.capture = Some(Capture {
+                positions: BTreeSet::from([t]),
+                queries: false,
+                rows: Vec::new(),
+            });
             m.decode(&mut seq, token)?;
             let rows = seq.capture.take().map(|c| c.rows).unwrap_or_default();
-            let xn: Vec<Vec<f32>> = rows.into_iter().map(|mut r| r.pop().map(|r| r.xn).unwrap_or_default()).collect();
+            let xn: Vec<Vec<f32>> = rows
+                .into_iter()
+                .map(|mut r| r.pop().map(|r| r.xn).unwrap_or_default())
+                .collect();
             pb.inc(1);
             let nb = budget.blocks(t);
             if !m.plan.sparse_at(t + 1) || nb <= budget.attended || xn.len() != nl {
@@ -496,10 +599,13 @@ pub(crate) fn cmd_eval(a: ForecastEvalArgs) -> Result<()> {
             let forced = |b: usize| budget.is_forced(b, q);
             let candidates = (0..nb).filter(|&b| !forced(b)).count() as u64;
             for l in 0..nl {
-                let fsel: Vec<Vec<Vec<usize>>> =
-                    cands.iter().map(|c| forecast_selection(&m, &c.weights, &xn, &seq, l, t)).collect();
+                let fsel: Vec<Vec<Vec<usize>>> = cands
+                    .iter()
+                    .map(|c| forecast_selection(&m, &c.weights, &xn, &seq, l, t))
+                    .collect();
                 for (h, real) in seq.selections[l].iter().enumerate() {
-                    let (hits, free) = free_hits(real, prev[l].get(h).map_or(&[][..], |v| v), forced);
+                    let (hits, free) =
+                        free_hits(real, prev[l].get(h).map_or(&[][..], |v| v), forced);
                     tallies[l][0].add(hits as f64, free);
                     tallies[l][1].add(random_expected_hits(free, candidates), free);
                     for (ci, sel) in fsel.iter().enumerate() {
@@ -513,11 +619,22 @@ pub(crate) fn cmd_eval(a: ForecastEvalArgs) -> Result<()> {
     pb.finish_and_clear();
     // the table
     let mut md = String::new();
-    md.push_str(&format!("| layer | {} |\n|---|{}\n", methods.join(" | "), "---|".repeat(methods.len())));
+    md.push_str(&format!(
+        "| layer | {} |\n|---|{}\n",
+        methods.join(" | "),
+        "---|".repeat(methods.len())
+    ));
     let mut all = vec![Tally::default(); methods.len()];
     for (l, row) in tallies.iter().enumerate() {
-        let cells: Vec<String> = row.iter().map(|t| t.recall().map_or("-".into(), |r| format!("{:.3}", r))).collect();
-        md.push_str(&format!("| {l}{} | {} |\n", if l == 0 { " (q_curr)" } else { "" }, cells.join(" | ")));
+        let cells: Vec<String> = row
+            .iter()
+            .map(|t| t.recall().map_or("-".into(), |r| format!("{:.3}", r)))
+            .collect();
+        md.push_str(&format!(
+            "| {l}{} | {} |\n",
+            if l == 0 { " (q_curr)" } else { "" },
+            cells.join(" | ")
+        ));
         if l >= 1 {
             for (a, t) in all.iter_mut().zip(row) {
                 a.hits += t.hits;
@@ -526,7 +643,10 @@ pub(crate) fn cmd_eval(a: ForecastEvalArgs) -> Result<()> {
             }
         }
     }
-    let cells: Vec<String> = all.iter().map(|t| t.recall().map_or("-".into(), |r| format!("{:.3}", r))).collect();
+    let cells: Vec<String> = all
+        .iter()
+        .map(|t| t.recall().map_or("-".into(), |r| format!("{:.3}", r)))
+        .collect();
     md.push_str(&format!("| all ≥ 1 | {} |\n", cells.join(" | ")));
     println!(
         "recall of the freely chosen blocks of layer l's real query-aware selection ({} steps, {:?} budget {} blocks, {:.0} s):\n{md}",
@@ -562,7 +682,8 @@ pub(crate) fn cmd_eval(a: ForecastEvalArgs) -> Result<()> {
             "markdown": md,
             "commit": sparda::bench::git_commit(),
         });
-        std::fs::write(j, serde_json::to_string_pretty(&v).expect("json")).map_err(|e| Error::io(j, e))?;
+        std::fs::write(j, serde_json::to_string_pretty(&v).expect("json"))
+            .map_err(|e| Error::io(j, e))?;
         eprintln!("report in {}", j.display());
     }
     Ok(())
@@ -595,15 +716,24 @@ pub(crate) fn import(pt: &Path, out: &Path, cfg: Option<&ModelConfig>) -> Result
     let mut seen = std::collections::BTreeMap::new();
     for t in &mut tensors {
         let Some(name) = canonical_forecast_name(&t.name) else {
-            return Err(Error::checkpoint(pt, format!("tensor `{}`: no layer index in its key", t.name)));
+            return Err(Error::checkpoint(
+                pt,
+                format!("tensor `{}`: no layer index in its key", t.name),
+            ));
         };
         if let Some(prev) = seen.insert(name.clone(), t.name.clone()) {
-            return Err(Error::checkpoint(pt, format!("`{}` and `{prev}` both map to `{name}`", t.name)));
+            return Err(Error::checkpoint(
+                pt,
+                format!("`{}` and `{prev}` both map to `{name}`", t.name),
+            ));
         }
         t.name = name;
     }
     if tensors.is_empty() {
-        return Err(Error::checkpoint(pt, "no q_future_proj / q_curr_proj tensors in this checkpoint"));
+        return Err(Error::checkpoint(
+            pt,
+            "no q_future_proj / q_curr_proj tensors in this checkpoint",
+        ));
     }
     sparda::weights::write_safetensors(out, &tensors)?;
     if let Some(cfg) = cfg {
@@ -627,7 +757,11 @@ pub(crate) fn cmd_import(a: ForecastImportArgs) -> Result<()> {
         "wrote {n} forecast tensors from {} to {}{}",
         a.file.display(),
         a.out.display(),
-        if cfg.is_some() { " (checked against the model's shapes)" } else { "" }
+        if cfg.is_some() {
+            " (checked against the model's shapes)"
+        } else {
+            ""
+        }
     );
     Ok(())
 }
