@@ -15,6 +15,8 @@
 //! The `sparda` binary (`sparda forecast collect|fit|eval|import`) drives
 //! the model and calls into this crate.
 
+#![warn(missing_docs)]
+
 pub mod recall;
 pub mod records;
 pub mod ridge;
