@@ -93,6 +93,143 @@ enum Cmd {
     /// (greedy tokens and logits bits at every step): one resident
     /// run, then one offloaded run per --fetch engine. Exit 1 if any differs.
     OffloadCheck(OffloadCheckArgs),
+    /// Forecast weights from the model's own activations (spec §4 "Forecast
+    /// mode"): collect activations on the CPU reference, fit the projections
+    /// by ridge regression, evaluate their block recall, or import a SparDA
+    /// checkpoint (forecast/README.md).
+    #[command(subcommand)]
+    Forecast(ForecastCmd),
+}
+
+#[derive(Subcommand)]
+enum ForecastCmd {
+    /// Run the model over real text (CPU reference: prefill, then
+    /// teacher-forced decode steps) and stream, at sampled positions, each
+    /// layer's normalized attention input x̂ and its targets (group-mean
+    /// pre-RoPE query; window-score fit) to a record file (format in
+    /// forecast/src/records.rs). Ctrl-C stops between positions and removes the unfinished file (exit code 130).
+    Collect(ForecastCollectArgs),
+    /// Ridge regression per layer from record files (f64 Gram matrices, λ
+    /// chosen on held-out records): q_future_proj of every layer l (x̂_l →
+    /// layer l+1's target) and layer 0's q_curr_proj, written as
+    /// .safetensors that --forecast loads.
+    Fit(ForecastFitArgs),
+    /// Recall, per layer, of each forecast's chosen blocks against the blocks
+    /// the real query-aware selection chooses at the same budget (free blocks
+    /// only: sink and window blocks excluded), beside reusing the previous
+    /// step's selection and random choice; teacher-forced decode on the CPU.
+    Eval(ForecastEvalArgs),
+    /// Convert a SparDA trainer checkpoint (.pt/.pth) to .safetensors with
+    /// canonical tensor names.
+    Import(ForecastImportArgs),
+}
+
+/// The model flags of `sparda forecast collect|eval`.
+#[derive(Args)]
+struct ForecastModelArgs {
+    /// Checkpoint directory (config.json, *.safetensors, tokenizer.json) or `synth:PRESET[:SEED]`.
+    #[arg(long)]
+    model: PathBuf,
+    /// tokenizer.json (default: the model directory's; the fixture's for synth:).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Selection rule (a dense checkpoint gets a default sparse_config).
+    #[arg(long, value_enum)]
+    selection: Option<SelectionArg>,
+    /// Attended blocks S per (sequence, KV head) (sets topk = S − window blocks).
+    #[arg(long)]
+    budget_blocks: Option<usize>,
+    /// Query-aware shortlist parameter select_blocks.
+    #[arg(long)]
+    select_blocks: Option<usize>,
+}
+
+#[derive(Args)]
+struct ForecastCollectArgs {
+    #[command(flatten)]
+    model: ForecastModelArgs,
+    /// Text files (comma-separated or repeated).
+    #[arg(long, value_delimiter = ',', num_args = 1.., required = true)]
+    text: Vec<PathBuf>,
+    /// Tokens per chunk (each chunk a fresh sequence).
+    #[arg(long, default_value_t = 4096)]
+    context: usize,
+    /// Chunks per text.
+    #[arg(long, default_value_t = 1)]
+    max_chunks: usize,
+    /// Record every STRIDE-th prefill position from --min-position.
+    #[arg(long, default_value_t = 8)]
+    stride: usize,
+    /// First prefill position recorded (default: budget blocks × block size,
+    /// where selection starts to drop blocks).
+    #[arg(long)]
+    min_position: Option<usize>,
+    /// Teacher-forced decode steps at the end of each chunk, every one recorded.
+    #[arg(long, default_value_t = 16)]
+    decode: usize,
+    /// Record file to write.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(Args)]
+struct ForecastFitArgs {
+    /// Record files from `forecast collect` (one model).
+    #[arg(long, value_delimiter = ',', num_args = 1.., required = true)]
+    data: Vec<PathBuf>,
+    /// Target: `qmean` (group-mean pre-RoPE query; the better recall on
+    /// SmolLM2) or `score` (least-squares fit of the real window scores);
+    /// forecast/README.md compares them.
+    #[arg(long, default_value = "qmean")]
+    target: String,
+    /// Every N-th record of each file is held out to choose λ (0: none, λ = 1e-3 · mean eigenvalue).
+    #[arg(long, default_value_t = 5)]
+    held_out_every: usize,
+    /// Forecast weights to write (.safetensors).
+    #[arg(long)]
+    out: PathBuf,
+    /// Per-layer fit report (λ, held-out error).
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct ForecastEvalArgs {
+    #[command(flatten)]
+    model: ForecastModelArgs,
+    /// Held-out text files (comma-separated or repeated).
+    #[arg(long, value_delimiter = ',', num_args = 1.., required = true)]
+    text: Vec<PathBuf>,
+    /// Tokens per chunk; the last --positions of each are decoded and scored.
+    #[arg(long, default_value_t = 4096)]
+    context: usize,
+    /// Decode steps scored per chunk.
+    #[arg(long, default_value_t = 64)]
+    positions: usize,
+    /// Chunks per text.
+    #[arg(long, default_value_t = 1)]
+    max_chunks: usize,
+    /// Forecast weights to evaluate, `[LABEL=]FILE` or `synth[:SEED]` (repeatable).
+    #[arg(long)]
+    forecast: Vec<String>,
+    /// A SparDA trainer checkpoint (.pt) to evaluate as the `sparda` column.
+    #[arg(long)]
+    sparda: Option<PathBuf>,
+    /// Report path.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct ForecastImportArgs {
+    /// SparDA trainer checkpoint (.pt / .pth).
+    file: PathBuf,
+    /// .safetensors to write.
+    #[arg(long)]
+    out: PathBuf,
+    /// Model directory (or `synth:PRESET`) whose config the written weights are checked against.
+    #[arg(long)]
+    model: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -648,6 +785,7 @@ fn main() {
             | Cmd::Bench(_)
             | Cmd::OffloadCheck(_)
             | Cmd::TuneCtas(_)
+            | Cmd::Forecast(_)
     ) {
         if let Err(e) = sparda::interrupt::install() {
             eprintln!("warning: {e}; Ctrl-C will end the run without finishing its trace");
@@ -668,6 +806,10 @@ fn main() {
         Cmd::Report(a) => commands::report::cmd_report(a),
         Cmd::TuneCtas(a) => commands::tune_ctas::cmd_tune_ctas(a),
         Cmd::OffloadCheck(a) => cmd_offload_check(a),
+        Cmd::Forecast(ForecastCmd::Collect(a)) => commands::forecast::cmd_collect(a),
+        Cmd::Forecast(ForecastCmd::Fit(a)) => commands::forecast::cmd_fit(a),
+        Cmd::Forecast(ForecastCmd::Eval(a)) => commands::forecast::cmd_eval(a),
+        Cmd::Forecast(ForecastCmd::Import(a)) => commands::forecast::cmd_import(a),
         Cmd::Trace(TraceCmd::Summarize { file, json }) => {
             sparda::trace::summarize_file(&file).map(|s| {
                 if json {

@@ -2,6 +2,7 @@
 //! `main.rs`.
 
 pub mod bench;
+pub mod forecast;
 pub mod generate;
 pub mod mode;
 pub mod offload_check;

@@ -232,6 +232,35 @@ pub struct Sequence {
     /// ([`crate::Error::NonFiniteLogits`]'s `layer`). Costs one pass over
     /// the residual per layer.
     pub nonfinite_layer: Option<usize>,
+    /// Activations to record for fitting forecast weights (`sparda forecast
+    /// collect|eval`); `None` (the default) records nothing and costs nothing.
+    pub capture: Option<Capture>,
+}
+
+/// Activations a forward call records at chosen positions, for fitting and
+/// evaluating forecast projections (spec §4 "Forecast mode": what the
+/// forecast sees is x̂_l, what it predicts is layer l+1's query). Rows are
+/// appended per layer as forward calls run; the caller drains them.
+#[derive(Debug, Clone, Default)]
+pub struct Capture {
+    /// Absolute token positions whose rows are recorded.
+    pub positions: std::collections::BTreeSet<usize>,
+    /// Whether to record the pre-RoPE queries too (else `q` stays empty).
+    pub queries: bool,
+    /// `rows[layer]`: the recorded rows of that layer, in call order.
+    pub rows: Vec<Vec<CapturedRow>>,
+}
+
+/// One recorded row of one layer ([`Capture`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CapturedRow {
+    /// Token position.
+    pub position: usize,
+    /// x̂: the RMSNorm'd attention input of the layer, \[d\].
+    pub xn: Vec<f32>,
+    /// The layer's queries before RoPE (bias included), [H·D]; empty unless
+    /// [`Capture::queries`].
+    pub q: Vec<f32>,
 }
 
 impl Sequence {
@@ -433,6 +462,7 @@ impl CpuModel {
             selections: vec![vec![Vec::new(); c.num_key_value_heads]; c.num_hidden_layers],
             forecasts: vec![None; c.num_hidden_layers],
             nonfinite_layer: None,
+            capture: None,
         }
     }
 
@@ -699,6 +729,25 @@ impl CpuModel {
         });
         // bf16 emulation: the fused QKV GEMM stores bf16 (`ws.qkv`).
         let mut q = self.linear(&xn, n, &layer.q, hq * dh, |p| p.qkv);
+        if let Some(cap) = seq.capture.as_mut() {
+            if cap.rows.len() < c.num_hidden_layers {
+                cap.rows.resize(c.num_hidden_layers, Vec::new());
+            }
+            let d = c.hidden_size;
+            for (i, pos) in (t0..t0 + n).enumerate() {
+                if cap.positions.contains(&pos) {
+                    cap.rows[li].push(CapturedRow {
+                        position: pos,
+                        xn: xn[i * d..(i + 1) * d].to_vec(),
+                        q: if cap.queries {
+                            q[i * hq * dh..(i + 1) * hq * dh].to_vec()
+                        } else {
+                            Vec::new()
+                        },
+                    });
+                }
+            }
+        }
         let mut k = self.linear(&xn, n, &layer.k, hk * dh, |p| p.qkv);
         let v = self.linear(&xn, n, &layer.v, hk * dh, |p| p.qkv);
         // The eviction score from v as the cache stores it (bf16 under the
