@@ -39,9 +39,18 @@ impl Tokenizer {
             path.to_path_buf()
         };
         let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| Error::Tokenizer {
+        Self::from_bytes(&bytes, path)
+    }
+
+    /// Loads a `tokenizer.json` from its contents `bytes`; `path` names the
+    /// file in this tokenizer's errors.
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`] naming `path`, as in [`Tokenizer::from_file`].
+    pub fn from_bytes(bytes: &[u8], path: PathBuf) -> Result<Tokenizer> {
+        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| Error::Tokenizer {
             path: path.clone(),
-            msg: why_not_a_tokenizer(&bytes, &e.to_string()),
+            msg: why_not_a_tokenizer(bytes, &e.to_string()),
         })?;
         Ok(Tokenizer { inner, path })
     }

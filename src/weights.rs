@@ -444,6 +444,46 @@ fn header_tensor(
     })
 }
 
+/// Parses the text of shard index `index` (`model.safetensors.index.json`):
+/// its `weight_map` object, tensor name → shard file name, grouped as shard
+/// file → the tensor names it must hold.
+///
+/// # Errors
+/// [`Error::Checkpoint`] naming `index`: malformed JSON, no `weight_map`
+/// object, a value that is not a string, or a file that is not a plain file
+/// name (a path, `..`), naming the tensor.
+pub(crate) fn parse_shard_index(
+    index: &Path,
+    text: &str,
+) -> Result<BTreeMap<String, BTreeSet<String>>> {
+    let v: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| Error::checkpoint(index, format!("malformed shard index: {e}")))?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| Error::checkpoint(index, "shard index has no `weight_map` object"))?;
+    let mut by_file: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (name, file) in map {
+        let file = file.as_str().ok_or_else(|| {
+            Error::checkpoint(
+                index,
+                format!("weight_map[{name}]: expected a file name, found {file}"),
+            )
+        })?;
+        if file.contains('/') || file.contains('\\') || file == ".." {
+            return Err(Error::checkpoint(
+                index,
+                format!("weight_map[{name}]: file `{file}` must be a plain file name"),
+            ));
+        }
+        by_file
+            .entry(file.to_string())
+            .or_default()
+            .insert(name.clone());
+    }
+    Ok(by_file)
+}
+
 /// Where a tensor's bytes live.
 #[derive(Debug, Clone)]
 enum Loc {
@@ -464,10 +504,28 @@ struct Entry {
     loc: Loc,
 }
 
+/// The whole contents of one safetensors file: memory-mapped from disk, or
+/// held in memory ([`TensorStore::from_safetensors_bytes`]).
+#[derive(Debug)]
+enum FileBytes {
+    Mapped(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for FileBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            FileBytes::Mapped(m) => m,
+            FileBytes::Owned(v) => v,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct MappedFile {
     path: PathBuf,
-    map: Mmap,
+    bytes: FileBytes,
 }
 
 /// Named tensors, memory-mapped from safetensors files or held in memory.
@@ -534,35 +592,24 @@ impl TensorStore {
 
     fn open_index(dir: &Path, index: &Path) -> Result<TensorStore> {
         let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
-        let v: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| Error::checkpoint(index, format!("malformed shard index: {e}")))?;
-        let map = v
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| Error::checkpoint(index, "shard index has no `weight_map` object"))?;
-        let mut by_file: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-        for (name, file) in map {
-            let file = file.as_str().ok_or_else(|| {
-                Error::checkpoint(
-                    index,
-                    format!("weight_map[{name}]: expected a file name, found {file}"),
-                )
-            })?;
-            if file.contains('/') || file.contains('\\') || file == ".." {
-                return Err(Error::checkpoint(
-                    index,
-                    format!("weight_map[{name}]: file `{file}` must be a plain file name"),
-                ));
-            }
-            by_file
-                .entry(file.to_string())
-                .or_default()
-                .insert(name.clone());
-        }
+        let by_file = parse_shard_index(index, &text)?;
         let mut store = TensorStore::empty(dir);
         for (file, names) in &by_file {
             store.add_file(&dir.join(file), Some(names))?;
         }
+        Ok(store)
+    }
+
+    /// A store over one safetensors file held in memory: `bytes` is the
+    /// whole file, `path` only names it in errors. The same checks as
+    /// [`TensorStore::open`] on a file with these contents.
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] naming `path` for a malformed header or an
+    /// unsupported dtype.
+    pub(crate) fn from_safetensors_bytes(path: &Path, bytes: Vec<u8>) -> Result<TensorStore> {
+        let mut store = TensorStore::empty(path);
+        store.add_bytes(path, FileBytes::Owned(bytes), None)?;
         Ok(store)
     }
 
@@ -573,7 +620,18 @@ impl TensorStore {
         // SAFETY: the map is read-only; the checkpoint files are not expected to
         // change while the runtime runs (as with every mmap-based loader).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        let header = parse_header(path, &map)?;
+        self.add_bytes(path, FileBytes::Mapped(map), listed)
+    }
+
+    /// Registers the tensors of safetensors file `path`, whose contents are
+    /// `bytes`. With `listed`, every listed name must be in the file.
+    fn add_bytes(
+        &mut self,
+        path: &Path,
+        bytes: FileBytes,
+        listed: Option<&BTreeSet<String>>,
+    ) -> Result<()> {
+        let header = parse_header(path, &bytes)?;
         let file_idx = self.files.len();
         let mut problems = header.problems;
         for h in header.tensors {
@@ -624,7 +682,7 @@ impl TensorStore {
         }
         self.files.push(MappedFile {
             path: path.to_path_buf(),
-            map,
+            bytes,
         });
         Ok(())
     }
@@ -662,7 +720,7 @@ impl TensorStore {
     pub fn get(&self, name: &str) -> Option<TensorView<'_>> {
         let (key, e) = self.entries.get_key_value(name)?;
         let data: &[u8] = match &e.loc {
-            Loc::File { file, start, end } => &self.files[*file].map[*start..*end],
+            Loc::File { file, start, end } => &self.files[*file].bytes[*start..*end],
             Loc::Owned(i) => &self.owned[*i].data,
         };
         Some(TensorView {

@@ -12,7 +12,7 @@
 use crate::weights::{DType, OwnedTensor};
 use crate::{Error, Result};
 use std::collections::HashMap;
-use std::io::Read;
+use std::io::{Read, Seek};
 use std::path::Path;
 
 /// A pickled value (the subset torch.save produces).
@@ -384,8 +384,20 @@ fn collect(v: &Val, prefix: &str, out: &mut Vec<(String, TensorRef)>) {
 /// storage type, a storage too short for its view — each naming the file.
 pub fn read_tensors(path: &Path, want: impl Fn(&str) -> bool) -> Result<Vec<OwnedTensor>> {
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    read_tensors_from(file, path, want)
+}
+
+/// [`read_tensors`] on the contents of a checkpoint read from `archive`
+/// (a file, or bytes in memory); `path` only names it in errors.
+///
+/// Errors: as [`read_tensors`].
+pub fn read_tensors_from(
+    archive: impl Read + Seek,
+    path: &Path,
+    want: impl Fn(&str) -> bool,
+) -> Result<Vec<OwnedTensor>> {
     let mut zip =
-        zip::ZipArchive::new(file).map_err(|e| bad(path, format!("not a zip archive ({e})")))?;
+        zip::ZipArchive::new(archive).map_err(|e| bad(path, format!("not a zip archive ({e})")))?;
     let pkl_name = (0..zip.len())
         .filter_map(|k| zip.name_for_index(k).map(str::to_string))
         .find(|n| n.ends_with("data.pkl"))

@@ -767,8 +767,16 @@ pub fn parse_trace_text(text: &str) -> std::result::Result<Value, String> {
 /// ([`Error::Input`] naming the file).
 pub fn summarize_file(path: &Path) -> Result<Summary> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    let v =
-        parse_trace_text(&text).map_err(|e| Error::Input(format!("{}: {e}", path.display())))?;
+    summarize_text(&text, path)
+}
+
+/// Parses ([`parse_trace_text`]) and summarizes the text of a trace file;
+/// `path` only names the file in errors.
+///
+/// Errors: [`Error::Input`] naming the file when the text is not a trace
+/// JSON or holds no complete span.
+pub fn summarize_text(text: &str, path: &Path) -> Result<Summary> {
+    let v = parse_trace_text(text).map_err(|e| Error::Input(format!("{}: {e}", path.display())))?;
     let in_file = |m: String| Error::Input(format!("{}: {m}", path.display()));
     let s = summarize(&v).map_err(|e| match e {
         Error::Input(m) => in_file(m),
