@@ -773,3 +773,29 @@ fn unseen_model_type_and_architecture_load_with_a_warning() {
     );
     assert_eq!(parse(&v).unwrap(), parse(&llama()).unwrap());
 }
+
+/// A positive value that is 0 or infinite once rounded to f32 (the
+/// precision the runtime computes in) is refused, naming the key and both
+/// values; the smallest positive f32 is still accepted. (Found by fuzzing:
+/// `rms_norm_eps` 1e-75 was accepted and ran as 0.)
+#[test]
+fn positive_values_must_survive_rounding_to_f32() {
+    let (f, m) = config_err(parse(&with(llama(), "rms_norm_eps", json!(1e-75))));
+    assert_eq!(f, "rms_norm_eps");
+    assert_eq!(
+        m,
+        "test/config.json: field `rms_norm_eps`: 1e-75 is 0 in f32, the precision the runtime computes in (positive finite f32 values: 1e-45 to 3.4028235e38)"
+    );
+    for (key, v, in_f32) in [
+        ("scale_emb", 1e50, "inf"),
+        ("scale_depth", 1e-60, "0"),
+        ("dim_model_base", 1e300, "inf"),
+    ] {
+        let (f, m) = config_err(parse(&with(minicpm(), key, json!(v))));
+        assert_eq!(f, key);
+        assert!(m.contains(&format!(" is {in_f32} in f32")), "{m}");
+    }
+    let c = parse(&with(llama(), "rms_norm_eps", json!(1e-45))).unwrap();
+    assert_eq!(c.rms_norm_eps, f32::from_bits(1));
+    c.validate(Path::new(P)).unwrap();
+}
