@@ -799,3 +799,30 @@ fn positive_values_must_survive_rounding_to_f32() {
     assert_eq!(c.rms_norm_eps, f32::from_bits(1));
     c.validate(Path::new(P)).unwrap();
 }
+
+/// JSON numbers are read correctly rounded, so a config written and read
+/// back equals the one read. (Found by fuzzing: a llama3
+/// `high_freq_factor` of 4.4444444444444444e23 came back one ulp larger.)
+#[test]
+fn float_fields_read_back_exactly() {
+    let v = with(
+        llama(),
+        "rope_scaling",
+        json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.4444444444444444e23, "original_max_position_embeddings": 8192}),
+    );
+    let c = parse(&v).unwrap();
+    let RopeScaling::Llama3 {
+        high_freq_factor, ..
+    } = c.rope_scaling
+    else {
+        panic!("{:?}", c.rope_scaling)
+    };
+    assert_eq!(
+        high_freq_factor.to_bits(),
+        4.4444444444444444e23f64.to_bits()
+    );
+    c.validate(Path::new(P)).unwrap();
+    let text = c.to_json_value().to_string();
+    assert!(text.contains("4.4444444444444444e+23"), "{text}");
+}
