@@ -160,7 +160,9 @@ impl SparseConfig {
 
     /// Checks the rules of spec §1 ("Validation"): kernel_size = 2·kernel_stride
     /// (both > 0); kernel_stride divides block_size; block_size divides
-    /// window_size; select_blocks ≥ 1; init_blocks + select_blocks ≤ topk.
+    /// window_size; select_blocks ≥ 1; init_blocks + select_blocks ≤ topk;
+    /// and the budget S·block_size (tokens) fits in usize, so that
+    /// [`SparseConfig::budget_blocks`] and the offload check cannot overflow.
     ///
     /// # Errors
     /// [`Error::Config`] for `path`, field `sparse_config.<key>`, with the numbers.
@@ -170,14 +172,14 @@ impl SparseConfig {
         if self.kernel_stride == 0 {
             return err("kernel_stride", "kernel_stride = 0; must be ≥ 1".into());
         }
-        if self.kernel_size != 2 * self.kernel_stride {
+        if self.kernel_stride.checked_mul(2) != Some(self.kernel_size) {
             return err(
                 "kernel_size",
                 format!(
                     "kernel_size = {} must equal 2·kernel_stride = 2·{} = {}",
                     self.kernel_size,
                     self.kernel_stride,
-                    2 * self.kernel_stride
+                    2 * self.kernel_stride as u128
                 ),
             );
         }
@@ -208,15 +210,29 @@ impl SparseConfig {
                 format!("select_blocks = {}; must be ≥ 1", self.select_blocks),
             );
         }
-        if self.init_blocks + self.select_blocks > self.topk {
+        if self.init_blocks as u128 + self.select_blocks as u128 > self.topk as u128 {
             return err(
                 "topk",
                 format!(
                     "init_blocks + select_blocks = {} + {} = {} exceeds topk = {} (the shortlist must fit in the budget)",
                     self.init_blocks,
                     self.select_blocks,
-                    self.init_blocks + self.select_blocks,
+                    self.init_blocks as u128 + self.select_blocks as u128,
                     self.topk
+                ),
+            );
+        }
+        // S = topk + W blocks of block_size tokens: the slot pool, in tokens.
+        let budget_tokens =
+            (self.topk as u128 + self.window_blocks() as u128) * self.block_size as u128;
+        if budget_tokens > usize::MAX as u128 {
+            return err(
+                "topk",
+                format!(
+                    "the budget (topk + window_size/block_size) · block_size = ({} + {}) · {} = {budget_tokens} tokens does not fit in usize",
+                    self.topk,
+                    self.window_blocks(),
+                    self.block_size
                 ),
             );
         }

@@ -826,3 +826,30 @@ fn float_fields_read_back_exactly() {
     let text = c.to_json_value().to_string();
     assert!(text.contains("4.4444444444444444e+23"), "{text}");
 }
+
+/// Sparse settings whose arithmetic would overflow are refused with the
+/// numbers instead of overflowing. (Found by fuzzing: kernel_stride
+/// 11111111111111111116 overflowed 2·kernel_stride.)
+#[test]
+fn sparse_settings_that_overflow_are_refused() {
+    let (f, m) = sparse_err(json!({"kernel_stride": 11111111111111111116u64}));
+    assert_eq!(f, "sparse_config.kernel_size");
+    assert!(
+        m.ends_with("kernel_size = 32 must equal 2·kernel_stride = 2·11111111111111111116 = 22222222222222222232"),
+        "{m}"
+    );
+    let (f, m) = sparse_err(json!({"init_blocks": u64::MAX, "select_blocks": 2, "topk": 10}));
+    assert_eq!(f, "sparse_config.topk");
+    assert!(
+        m.contains("= 18446744073709551615 + 2 = 18446744073709551617 exceeds topk = 10"),
+        "{m}"
+    );
+    let (f, m) = sparse_err(json!({"topk": u64::MAX / 64}));
+    assert_eq!(f, "sparse_config.topk");
+    assert!(
+        m.ends_with(
+            "(288230376151711743 + 16) · 64 = 18446744073709552576 tokens does not fit in usize"
+        ),
+        "{m}"
+    );
+}
