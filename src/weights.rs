@@ -987,9 +987,19 @@ pub fn layer_tensors(cfg: &ModelConfig, eviction_heads: bool) -> Vec<LayerTensor
 /// `mlp_bias`), eviction heads when `eviction_heads`, final norm, and
 /// `lm_head.weight` unless `tie_word_embeddings`.
 pub fn expected_tensors(cfg: &ModelConfig, eviction_heads: bool) -> Vec<(String, Vec<usize>)> {
+    expected_tensors_of_layers(cfg, eviction_heads, cfg.num_hidden_layers)
+}
+
+/// [`expected_tensors`] with the per-layer tensors of the first `layers`
+/// layers only.
+fn expected_tensors_of_layers(
+    cfg: &ModelConfig,
+    eviction_heads: bool,
+    layers: usize,
+) -> Vec<(String, Vec<usize>)> {
     let mut out = vec![(names::embed(), vec![cfg.vocab_size, cfg.hidden_size])];
     let per_layer = layer_tensors(cfg, eviction_heads);
-    for l in 0..cfg.num_hidden_layers {
+    for l in 0..layers {
         for &t in &per_layer {
             out.push((names::layer(l, t), layer_tensor_shape(cfg, t)));
         }
@@ -1062,7 +1072,9 @@ impl Checkpoint {
     /// and then every layer needs them; the store must hold every one of
     /// [`expected_tensors`] with those shapes — every missing and mis-shaped
     /// tensor is listed in one error (the first [`MAX_LISTED`] lines, then
-    /// "… and N more"). A tensor the runtime reads under another config (a
+    /// "… and N more"); layers of `num_hidden_layers` past the last layer
+    /// the store holds a tensor of are one line naming both counts. A tensor
+    /// the runtime reads under another config (a
     /// bias when `attention_bias` is false, a layer past
     /// `num_hidden_layers`, …) is an error too, since ignoring it would give
     /// wrong output. Any other extra tensor (`rotary_emb.inv_freq`,
@@ -1163,19 +1175,19 @@ fn is_runtime_tensor(name: &str) -> bool {
     if name == names::embed() || name == names::final_norm() || name == names::lm_head() {
         return true;
     }
-    let Some(rest) = name.strip_prefix("model.layers.") else {
+    let Some((_, suffix)) = split_layer_name(name) else {
         return false;
     };
-    let Some((idx, suffix)) = rest.split_once('.') else {
-        return false;
-    };
-    if idx.parse::<usize>().is_err() {
-        return false;
-    }
     LayerTensor::ALL
         .iter()
         .filter(|t| !matches!(t, LayerTensor::QFutureProj | LayerTensor::QCurrProj))
         .any(|t| t.suffix() == suffix)
+}
+
+/// `model.layers.{i}.<suffix>` → (i, suffix).
+fn split_layer_name(name: &str) -> Option<(usize, &str)> {
+    let (idx, suffix) = name.strip_prefix("model.layers.")?.split_once('.')?;
+    Some((idx.parse().ok()?, suffix))
 }
 
 /// What validation found out about a store that matches its config.
@@ -1189,7 +1201,35 @@ struct Validated {
 fn validate(cfg: &ModelConfig, store: &TensorStore, path: &Path) -> Result<Validated> {
     let a0 = names::layer(0, LayerTensor::EvictA);
     let eviction_heads = store.contains(&a0);
-    let expected = expected_tensors(cfg, eviction_heads);
+    let mut hints = Vec::new();
+    // Layers past the last one the store has a tensor of are one problem
+    // line, not one per tensor: a config.json with a wrong (even huge)
+    // num_hidden_layers must not list, or build the names of, every tensor
+    // of every missing layer.
+    let held = store
+        .names()
+        .iter()
+        .filter_map(|n| split_layer_name(n))
+        .map(|(i, _)| i.saturating_add(1))
+        .max()
+        .unwrap_or(0);
+    let layers = cfg.num_hidden_layers.min(held);
+    if cfg.num_hidden_layers > held {
+        hints.push(if held == 0 {
+            format!(
+                "num_hidden_layers = {}, but the weights hold no layer tensor (model.layers.N.…)",
+                cfg.num_hidden_layers
+            )
+        } else {
+            format!(
+                "num_hidden_layers = {}, but the weights hold tensors of layers 0 … {} only: layers {held} … {} are missing",
+                cfg.num_hidden_layers,
+                held - 1,
+                cfg.num_hidden_layers - 1
+            )
+        });
+    }
+    let expected = expected_tensors_of_layers(cfg, eviction_heads, layers);
     let expected_names: BTreeSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
     let mut missing = Vec::new();
     let mut misshaped = Vec::new();
@@ -1230,9 +1270,8 @@ fn validate(cfg: &ModelConfig, store: &TensorStore, path: &Path) -> Result<Valid
             dtype.name()
         ));
     }
-    let mut hints = Vec::new();
     if eviction_heads {
-        let lacking: Vec<usize> = (1..cfg.num_hidden_layers)
+        let lacking: Vec<usize> = (1..layers)
             .filter(|&l| !store.contains(&names::layer(l, LayerTensor::EvictA)))
             .collect();
         if !lacking.is_empty() {
@@ -1241,7 +1280,7 @@ fn validate(cfg: &ModelConfig, store: &TensorStore, path: &Path) -> Result<Valid
             ));
         }
     } else {
-        let having: Vec<usize> = (1..cfg.num_hidden_layers)
+        let having: Vec<usize> = (1..layers)
             .filter(|&l| store.contains(&names::layer(l, LayerTensor::EvictA)))
             .collect();
         if !having.is_empty() {

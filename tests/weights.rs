@@ -426,6 +426,45 @@ fn many_mismatches_list_ten_lines_and_a_count() {
     assert!(msg.ends_with(&format!("\n… and {} more", n - 10)), "{msg}");
 }
 
+/// A config.json naming more layers than the weights hold gets one line with
+/// both counts, not a line per tensor of every missing layer. (Found by
+/// fuzzing: num_hidden_layers = 278238685388 built names for every missing
+/// tensor, without end.)
+#[test]
+fn layers_past_the_weights_are_one_line() {
+    let cfg = cfg_of(&small_config(false, false, false));
+    let mut huge = small_config(false, false, false);
+    huge["num_hidden_layers"] = json!(278238685388u64);
+    let msg = checkpoint_msg(Checkpoint::from_parts(
+        cfg_of(&huge),
+        TensorStore::from_tensors(tensors_for(&cfg, false)),
+    ));
+    assert!(msg.contains("(1 problem lines)"), "{msg}");
+    assert!(
+        msg.ends_with(
+            "num_hidden_layers = 278238685388, but the weights hold tensors of layers 0 … 1 only: \
+             layers 2 … 278238685387 are missing"
+        ),
+        "{msg}"
+    );
+    let msg = checkpoint_msg(Checkpoint::from_parts(
+        cfg_of(&huge),
+        TensorStore::from_tensors(Vec::new()),
+    ));
+    assert!(
+        msg.contains(
+            "num_hidden_layers = 278238685388, but the weights hold no layer tensor (model.layers.N.…)"
+        ),
+        "{msg}"
+    );
+    // and the lm_head hint, then embedding, final norm and lm_head missing
+    assert!(msg.contains("(5 problem lines)"), "{msg}");
+    assert!(
+        msg.contains("missing: model.norm.weight (expected shape [8])"),
+        "{msg}"
+    );
+}
+
 fn logits_of(ck: &Checkpoint) -> Vec<f32> {
     let m = CpuModel::new(ck, EngineOptions::default()).unwrap();
     let mut seq = m.new_sequence();
