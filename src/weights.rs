@@ -451,7 +451,7 @@ fn header_tensor(
 /// # Errors
 /// [`Error::Checkpoint`] naming `index`: malformed JSON, no `weight_map`
 /// object, a value that is not a string, or a file that is not a plain file
-/// name (a path, `..`), naming the tensor.
+/// name (a path, `..`, `.`, empty), naming the tensor.
 pub(crate) fn parse_shard_index(
     index: &Path,
     text: &str,
@@ -470,7 +470,10 @@ pub(crate) fn parse_shard_index(
                 format!("weight_map[{name}]: expected a file name, found {file}"),
             )
         })?;
-        if file.contains('/') || file.contains('\\') || file == ".." {
+        // A path, `..`, `.` or the empty name would leave the checkpoint
+        // directory or name the directory itself.
+        let plain = Path::new(file).file_name() == Some(std::ffi::OsStr::new(file));
+        if !plain || file.contains('\\') {
             return Err(Error::checkpoint(
                 index,
                 format!("weight_map[{name}]: file `{file}` must be a plain file name"),

@@ -208,6 +208,38 @@ fn missing_index_shard_is_io_error_naming_it() {
     }
 }
 
+/// A shard the index names must be a plain file name in the checkpoint
+/// directory: a path, `..`, `.` and the empty name are refused naming the
+/// index, the tensor and the name. (Found by fuzzing: the empty name was
+/// accepted and opened the directory itself.)
+#[test]
+fn index_shard_names_must_be_plain_file_names() {
+    let dir = TmpDir::new("weights-shard-names");
+    let v = small_config(false, false, false);
+    write_config(dir.path(), &v);
+    let ts = tensors_for(&cfg_of(&v), false);
+    for bad in [
+        "",
+        ".",
+        "..",
+        "../model.safetensors",
+        "sub/model.safetensors",
+        "a\\b",
+        "shard/",
+    ] {
+        let mut map = write_sharded(dir.path(), &ts, 5);
+        map.insert(names::final_norm(), json!(bad));
+        write_index(dir.path(), &map);
+        let msg = checkpoint_msg(Checkpoint::open(dir.path()));
+        assert!(
+            msg.ends_with(&format!(
+                "model.safetensors.index.json: weight_map[model.norm.weight]: file `{bad}` must be a plain file name"
+            )),
+            "{msg}"
+        );
+    }
+}
+
 #[test]
 fn index_pointing_at_wrong_shard_is_error() {
     let dir = TmpDir::new("weights-wrong-shard");
