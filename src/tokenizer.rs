@@ -46,10 +46,11 @@ impl Tokenizer {
     /// file in this tokenizer's errors.
     ///
     /// The JSON is checked before the tokenizers crate reads it, and the
-    /// post-processor after: tokenizers 0.22 panics, instead of returning an
-    /// error, on malformed JSON inside the `decoder` value, and while
-    /// encoding with a post-processor its own builder would have refused
-    /// (a template naming a special token it does not define, or `$B`).
+    /// post-processor and decoder after: tokenizers 0.22 panics, instead of
+    /// returning an error, on malformed JSON inside the `decoder` value,
+    /// while encoding with a post-processor its own builder would have
+    /// refused (a template naming a special token it does not define, or
+    /// `$B`), and while decoding with a `Strip` decoder whose `stop` is not 0.
     ///
     /// # Errors
     /// [`Error::Tokenizer`] naming `path`, as in [`Tokenizer::from_file`];
@@ -65,6 +66,9 @@ impl Tokenizer {
             .map_err(|e| err(why_not_a_tokenizer(&json, &e.to_string())))?;
         if let Some(pp) = json.get("post_processor") {
             check_post_processor(pp, "post_processor").map_err(err)?;
+        }
+        if let Some(d) = json.get("decoder") {
+            check_decoder(d, "decoder").map_err(err)?;
         }
         Ok(Tokenizer { inner, path })
     }
@@ -140,6 +144,34 @@ fn why_not_a_tokenizer(json: &serde_json::Value, crate_msg: &str) -> String {
         }
         _ => "not a Hugging Face tokenizer.json: the top level is not a JSON object".to_string(),
     }
+}
+
+/// Checks decoder `d` (JSON at key path `at`): tokenizers 0.22's `Strip`
+/// decoder panics (a reversed slice range, or an index below 0) when it
+/// decodes a short token made only of its `content` character and `stop`
+/// is not 0, so only `stop` = 0 (what Llama-2 and Mistral tokenizers use)
+/// is accepted. `Sequence` decoders are checked member by member.
+fn check_decoder(d: &serde_json::Value, at: &str) -> std::result::Result<(), String> {
+    use serde_json::Value;
+    match d.get("type").and_then(Value::as_str) {
+        Some("Sequence") => {
+            let members = d.get("decoders").and_then(Value::as_array);
+            for (i, m) in members.into_iter().flatten().enumerate() {
+                check_decoder(m, &format!("{at}.decoders[{i}]"))?;
+            }
+        }
+        Some("Strip") => {
+            let stop = d.get("stop").and_then(Value::as_u64).unwrap_or(0);
+            if stop != 0 {
+                return Err(format!(
+                    "{at}: a Strip decoder with stop = {stop} is not supported \
+                     (tokenizers 0.22 panics decoding a token made only of its `content` character; stop must be 0)"
+                ));
+            }
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 /// Checks post-processor `pp` (JSON at key path `at`) as the tokenizers

@@ -90,3 +90,28 @@ fn malformed_json_inside_the_decoder_is_a_json_error() {
         "{msg}"
     );
 }
+
+/// tokenizers 0.22's Strip decoder panics decoding a token made only of its
+/// `content` character when `stop` ≥ 1 (a reversed slice range); such a
+/// decoder is refused at load, also inside a Sequence. `stop` = 0, the
+/// Llama-2 / Mistral setting, loads and decodes.
+#[test]
+fn strip_decoder_with_a_stop_is_refused() {
+    let with_decoder = |d: Value| {
+        let mut t = with_post_processor(Value::Null);
+        t["decoder"] = d;
+        t.to_string()
+    };
+    let strip = |stop: u64| json!({"type": "Strip", "content": " ", "start": 1, "stop": stop});
+    assert_eq!(
+        load_err(&with_decoder(strip(1))),
+        "dir/tokenizer.json: tokenizer: decoder: a Strip decoder with stop = 1 is not supported \
+         (tokenizers 0.22 panics decoding a token made only of its `content` character; stop must be 0)"
+    );
+    let seq = json!({"type": "Sequence", "decoders": [{"type": "Fuse"}, strip(2)]});
+    assert!(load_err(&with_decoder(seq)).starts_with(
+        "dir/tokenizer.json: tokenizer: decoder.decoders[1]: a Strip decoder with stop = 2"
+    ));
+    let tok = Tokenizer::from_bytes(with_decoder(strip(0)).as_bytes(), "t.json".into()).unwrap();
+    assert_eq!(tok.decode(&[2, 1]).unwrap(), "a<s>");
+}
