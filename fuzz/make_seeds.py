@@ -331,6 +331,13 @@ def torch_pts():
            for l in range(2)}
     sd2["module.layers.0.self_attn.q_curr_proj.weight"] = Tensor(half, 0, [rows, d], [d, 1])
     out("torch_pt", "state_dict_f16.pt", torch_save(sd2, [half], "archive"))
+    # the pickle programs alone, for the torch_pickle target (its storages
+    # 0 … 3 hold 256 bytes each, enough for every view above)
+    for name in ["sparda_small_forecast.pt", "state_dict_f16.pt"]:
+        with open(os.path.join(FUZZ, "seeds", "torch_pt", name), "rb") as f:
+            z = zipfile.ZipFile(f)
+            pkl = next(n for n in z.namelist() if n.endswith("data.pkl"))
+            out("torch_pickle", name.replace(".pt", ".pkl"), z.read(pkl))
 
 
 # ---------------------------------------------------------------- traces

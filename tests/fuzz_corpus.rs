@@ -136,6 +136,11 @@ fn torch_pt_corpus() {
 }
 
 #[test]
+fn torch_pickle_corpus() {
+    replay("torch_pickle");
+}
+
+#[test]
 fn trace_summarize_corpus() {
     replay("trace_summarize");
 }
@@ -153,6 +158,7 @@ fn every_target_has_a_corpus_and_every_corpus_a_target() {
             "safetensors",
             "shard_index",
             "tokenizer_json",
+            "torch_pickle",
             "torch_pt",
             "trace_summarize"
         ]
