@@ -343,7 +343,12 @@ fn call(callable: Val, args: Val, path: &Path) -> Result<Val> {
             Ok(Val::Tensor(TensorRef {
                 key: key.clone(),
                 dtype,
-                offset: *offset as usize,
+                offset: usize::try_from(*offset).map_err(|_| {
+                    bad(
+                        path,
+                        format!("pickle: tensor storage offset {offset} is negative"),
+                    )
+                })?,
                 size,
                 stride,
             }))
@@ -375,13 +380,73 @@ fn collect(v: &Val, prefix: &str, out: &mut Vec<(String, TensorRef)>) {
     }
 }
 
+/// The elements of view `t` of `storage`, row-major. The view must lie
+/// inside the storage and hold at most as many elements as it (an expanded
+/// or overlapping view, never saved for parameters or optimizer state, is
+/// refused), so the result is never larger than the file. `Err` says why.
+fn gather(t: &TensorRef, storage: &[u8]) -> std::result::Result<Vec<u8>, String> {
+    let es = t.dtype.size();
+    let elems = storage.len() / es;
+    if t.stride.len() != t.size.len() {
+        return Err(format!(
+            "size {:?} and stride {:?} differ in length",
+            t.size, t.stride
+        ));
+    }
+    let numel = t.size.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    let numel = match numel {
+        Some(n) if n <= elems => n,
+        _ => {
+            return Err(format!(
+                "a view of size {:?} has more elements than storage {} ({elems} elements of {} bytes); \
+                 expanded or overlapping views are not supported",
+                t.size,
+                t.key,
+                es
+            ))
+        }
+    };
+    if numel == 0 {
+        return Ok(Vec::new());
+    }
+    // The view's last element: offset + Σ (size − 1)·stride.
+    let last = t
+        .size
+        .iter()
+        .zip(&t.stride)
+        .try_fold(t.offset, |a, (&n, &s)| {
+            a.checked_add((n - 1).checked_mul(s)?)
+        });
+    if last.is_none_or(|l| l >= elems) {
+        return Err(format!(
+            "view (offset {}, size {:?}, stride {:?}) past the end of storage {} ({elems} elements)",
+            t.offset, t.size, t.stride, t.key
+        ));
+    }
+    let mut data = Vec::with_capacity(numel * es);
+    let mut idx = vec![0usize; t.size.len()];
+    for _ in 0..numel {
+        let e = t.offset + idx.iter().zip(&t.stride).map(|(i, s)| i * s).sum::<usize>();
+        data.extend_from_slice(&storage[e * es..(e + 1) * es]);
+        for d in (0..idx.len()).rev() {
+            idx[d] += 1;
+            if idx[d] < t.size[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    Ok(data)
+}
+
 /// Reads every tensor of a `torch.save` checkpoint whose key path (nested
 /// dict keys joined by '.', e.g. `model_state_dict.model.layers.0.…`) is
 /// accepted by `want`, as row-major [`OwnedTensor`]s (strided views are
 /// gathered).
 ///
 /// Errors: not a zip archive, no `data.pkl`, an unsupported pickle opcode or
-/// storage type, a storage too short for its view — each naming the file.
+/// storage type, a view past the end of its storage or with more elements
+/// than it (an expanded view) — each naming the file (and the tensor).
 pub fn read_tensors(path: &Path, want: impl Fn(&str) -> bool) -> Result<Vec<OwnedTensor>> {
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     read_tensors_from(file, path, want)
@@ -417,27 +482,7 @@ pub fn read_tensors_from(
     let mut out = Vec::new();
     for (name, t) in refs.into_iter().filter(|(n, _)| want(n)) {
         let storage = read(&format!("{root}data/{}", t.key))?;
-        let es = t.dtype.size();
-        let numel: usize = t.size.iter().product();
-        let mut data = Vec::with_capacity(numel * es);
-        let mut idx = vec![0usize; t.size.len()];
-        for _ in 0..numel {
-            let e = t.offset + idx.iter().zip(&t.stride).map(|(i, s)| i * s).sum::<usize>();
-            let bytes = storage.get(e * es..(e + 1) * es).ok_or_else(|| {
-                bad(
-                    path,
-                    format!("tensor `{name}`: view past the end of storage {}", t.key),
-                )
-            })?;
-            data.extend_from_slice(bytes);
-            for d in (0..idx.len()).rev() {
-                idx[d] += 1;
-                if idx[d] < t.size[d] {
-                    break;
-                }
-                idx[d] = 0;
-            }
-        }
+        let data = gather(&t, &storage).map_err(|m| bad(path, format!("tensor `{name}`: {m}")))?;
         out.push(OwnedTensor {
             name,
             dtype: t.dtype,
