@@ -654,7 +654,8 @@ fn count_steps(evs: &[Ev]) -> usize {
 
 /// Summarizes a trace (see the module doc for the definitions).
 ///
-/// Errors: a JSON value that is not a trace, or complete events without times.
+/// Errors: a JSON value that is not a trace, complete events without times,
+/// or fetch `bytes` that add up past `u64::MAX`.
 pub fn summarize(trace: &Value) -> Result<Summary> {
     let evs = parse_events(trace)?;
     let mut s = Summary {
@@ -694,36 +695,56 @@ pub fn summarize(trace: &Value) -> Result<Summary> {
         0.0
     };
     s.compute_wait_ms = length(&wait) / 1e3;
-    s.h2d_bytes = evs
-        .iter()
-        .filter(|e| is_fetch(e))
-        .filter_map(|e| e.bytes)
-        .sum();
+    s.h2d_bytes = fetch_bytes(evs.iter().filter(|e| is_fetch(e)))?;
     s.h2d_gb_per_s = if s.h2d_total_ms > 0.0 {
         s.h2d_bytes as f64 / (s.h2d_total_ms * 1e6)
     } else {
         0.0
     };
-    let layers: std::collections::BTreeSet<u64> = evs.iter().filter_map(|e| e.layer).collect();
-    for l in layers {
-        let f = iv(&|e: &Ev| is_fetch(e) && e.layer == Some(l));
-        let w =
-            iv(&|e: &Ev| e.track == Some(Track::Compute) && e.name == "wait" && e.layer == Some(l));
+    // Each layer's spans, gathered in one pass (not one pass per layer).
+    let mut by_layer: BTreeMap<u64, Vec<&Ev>> = BTreeMap::new();
+    for e in &evs {
+        if let Some(l) = e.layer {
+            by_layer.entry(l).or_default().push(e);
+        }
+    }
+    for (l, es) in by_layer {
+        let spans = |f: &dyn Fn(&Ev) -> bool| {
+            union(
+                es.iter()
+                    .filter(|e| f(e))
+                    .map(|e| (e.ts, e.ts + e.dur))
+                    .collect(),
+            )
+        };
+        let f = spans(&is_fetch);
+        let w = spans(&|e: &Ev| e.track == Some(Track::Compute) && e.name == "wait");
         s.layers.insert(
             l,
             LayerStats {
                 h2d_ms: length(&f) / 1e3,
                 hidden_ms: intersect_len(&f, &busy) / 1e3,
-                bytes: evs
-                    .iter()
-                    .filter(|e| is_fetch(e) && e.layer == Some(l))
-                    .filter_map(|e| e.bytes)
-                    .sum(),
+                bytes: fetch_bytes(es.iter().copied().filter(|e| is_fetch(e)))?,
                 wait_ms: length(&w) / 1e3,
             },
         );
     }
     Ok(s)
+}
+
+/// The sum of the `bytes` args of `fetches`.
+///
+/// Errors: a sum past `u64::MAX` ([`Error::Input`]).
+fn fetch_bytes<'a>(fetches: impl Iterator<Item = &'a Ev>) -> Result<u64> {
+    fetches
+        .filter_map(|e| e.bytes)
+        .try_fold(0u64, u64::checked_add)
+        .ok_or_else(|| {
+            Error::Input(format!(
+                "trace: the `bytes` args of the fetch spans add up to more than {} (u64::MAX)",
+                u64::MAX
+            ))
+        })
 }
 
 /// A trace file's text as JSON, in every form the Trace Event Format
