@@ -674,18 +674,13 @@ pub fn summarize(trace: &Value) -> Result<Summary> {
             0.0
         };
     }
-    let iv = |f: &dyn Fn(&Ev) -> bool| {
-        union(
-            evs.iter()
-                .filter(|e| f(e))
-                .map(|e| (e.ts, e.ts + e.dur))
-                .collect(),
-        )
-    };
     let is_fetch = |e: &Ev| e.track == Some(Track::Copy) && e.name == "fetch";
-    let fetch = iv(&is_fetch);
-    let busy = iv(&|e: &Ev| e.track == Some(Track::Compute) && e.name != "wait");
-    let wait = iv(&|e: &Ev| e.track == Some(Track::Compute) && e.name == "wait");
+    let is_wait = |e: &Ev| e.track == Some(Track::Compute) && e.name == "wait";
+    let fetch = spans(&evs, &is_fetch);
+    let busy = spans(&evs, &|e: &Ev| {
+        e.track == Some(Track::Compute) && e.name != "wait"
+    });
+    let wait = spans(&evs, &is_wait);
     s.h2d_total_ms = length(&fetch) / 1e3;
     s.h2d_hidden_ms = intersect_len(&fetch, &busy) / 1e3;
     s.h2d_exposed_ms = s.h2d_total_ms - s.h2d_hidden_ms;
@@ -709,16 +704,8 @@ pub fn summarize(trace: &Value) -> Result<Summary> {
         }
     }
     for (l, es) in by_layer {
-        let spans = |f: &dyn Fn(&Ev) -> bool| {
-            union(
-                es.iter()
-                    .filter(|e| f(e))
-                    .map(|e| (e.ts, e.ts + e.dur))
-                    .collect(),
-            )
-        };
-        let f = spans(&is_fetch);
-        let w = spans(&|e: &Ev| e.track == Some(Track::Compute) && e.name == "wait");
+        let f = spans(es.iter().copied(), &is_fetch);
+        let w = spans(es.iter().copied(), &is_wait);
         s.layers.insert(
             l,
             LayerStats {
@@ -730,6 +717,16 @@ pub fn summarize(trace: &Value) -> Result<Summary> {
         );
     }
     Ok(s)
+}
+
+/// The union of the spans of `evs` that `keep` accepts.
+fn spans<'a>(evs: impl IntoIterator<Item = &'a Ev>, keep: &dyn Fn(&Ev) -> bool) -> Vec<(f64, f64)> {
+    union(
+        evs.into_iter()
+            .filter(|e| keep(e))
+            .map(|e| (e.ts, e.ts + e.dur))
+            .collect(),
+    )
 }
 
 /// The sum of the `bytes` args of `fetches`.
