@@ -54,7 +54,8 @@ impl Tokenizer {
     ///
     /// # Errors
     /// [`Error::Tokenizer`] naming `path`, as in [`Tokenizer::from_file`];
-    /// for a post-processor that cannot encode, naming its key.
+    /// for a post-processor or decoder the crate would panic on, naming its
+    /// key.
     pub fn from_bytes(bytes: &[u8], path: PathBuf) -> Result<Tokenizer> {
         let err = |msg: String| Error::Tokenizer {
             path: path.clone(),
@@ -182,12 +183,11 @@ fn check_decoder(d: &serde_json::Value, at: &str) -> std::result::Result<(), Str
 /// by member.
 fn check_post_processor(pp: &serde_json::Value, at: &str) -> std::result::Result<(), String> {
     use serde_json::Value;
-    let list = |v: &Value, k: &str| {
+    fn list<'a>(v: &'a Value, k: &str) -> &'a [Value] {
         v.get(k)
             .and_then(Value::as_array)
-            .cloned()
-            .unwrap_or_default()
-    };
+            .map_or(&[], Vec::as_slice)
+    }
     match pp.get("type").and_then(Value::as_str) {
         Some("Sequence") => {
             for (i, p) in list(pp, "processors").iter().enumerate() {

@@ -526,7 +526,7 @@ impl std::ops::Deref for FileBytes {
 }
 
 #[derive(Debug)]
-struct MappedFile {
+struct SafetensorsFile {
     path: PathBuf,
     bytes: FileBytes,
 }
@@ -538,7 +538,7 @@ struct MappedFile {
 #[derive(Debug)]
 pub struct TensorStore {
     origin: PathBuf,
-    files: Vec<MappedFile>,
+    files: Vec<SafetensorsFile>,
     owned: Vec<OwnedTensor>,
     entries: BTreeMap<String, Entry>,
 }
@@ -683,7 +683,7 @@ impl TensorStore {
                 list_with_more(&problems, MAX_LISTED, "\n"),
             ));
         }
-        self.files.push(MappedFile {
+        self.files.push(SafetensorsFile {
             path: path.to_path_buf(),
             bytes,
         });
