@@ -160,7 +160,9 @@ impl SparseConfig {
 
     /// Checks the rules of spec §1 ("Validation"): kernel_size = 2·kernel_stride
     /// (both > 0); kernel_stride divides block_size; block_size divides
-    /// window_size; select_blocks ≥ 1; init_blocks + select_blocks ≤ topk.
+    /// window_size; select_blocks ≥ 1; init_blocks + select_blocks ≤ topk;
+    /// and the budget S·block_size (tokens) fits in usize, so that
+    /// [`SparseConfig::budget_blocks`] and the offload check cannot overflow.
     ///
     /// # Errors
     /// [`Error::Config`] for `path`, field `sparse_config.<key>`, with the numbers.
@@ -170,14 +172,14 @@ impl SparseConfig {
         if self.kernel_stride == 0 {
             return err("kernel_stride", "kernel_stride = 0; must be ≥ 1".into());
         }
-        if self.kernel_size != 2 * self.kernel_stride {
+        if self.kernel_stride.checked_mul(2) != Some(self.kernel_size) {
             return err(
                 "kernel_size",
                 format!(
                     "kernel_size = {} must equal 2·kernel_stride = 2·{} = {}",
                     self.kernel_size,
                     self.kernel_stride,
-                    2 * self.kernel_stride
+                    2 * self.kernel_stride as u128
                 ),
             );
         }
@@ -208,15 +210,29 @@ impl SparseConfig {
                 format!("select_blocks = {}; must be ≥ 1", self.select_blocks),
             );
         }
-        if self.init_blocks + self.select_blocks > self.topk {
+        if self.init_blocks as u128 + self.select_blocks as u128 > self.topk as u128 {
             return err(
                 "topk",
                 format!(
                     "init_blocks + select_blocks = {} + {} = {} exceeds topk = {} (the shortlist must fit in the budget)",
                     self.init_blocks,
                     self.select_blocks,
-                    self.init_blocks + self.select_blocks,
+                    self.init_blocks as u128 + self.select_blocks as u128,
                     self.topk
+                ),
+            );
+        }
+        // S = topk + W blocks of block_size tokens: the slot pool, in tokens.
+        let budget_tokens =
+            (self.topk as u128 + self.window_blocks() as u128) * self.block_size as u128;
+        if budget_tokens > usize::MAX as u128 {
+            return err(
+                "topk",
+                format!(
+                    "the budget (topk + window_size/block_size) · block_size = ({} + {}) · {} = {budget_tokens} tokens does not fit in usize",
+                    self.topk,
+                    self.window_blocks(),
+                    self.block_size
                 ),
             );
         }
@@ -374,6 +390,27 @@ impl<'a> Fields<'a> {
     fn req_f64(&self, key: &str) -> Result<f64> {
         self.opt_f64(key)?
             .ok_or_else(|| self.err(key, "required field is missing"))
+    }
+    /// `v`, the value of `key`, as the f32 the runtime computes with: it
+    /// must be positive and finite, also once rounded to f32 (1e-50 would
+    /// become 0, 1e50 infinity).
+    fn positive_f32(&self, key: &str, v: f64) -> Result<f32> {
+        if !(v > 0.0 && v.is_finite()) {
+            return Err(self.err(key, format!("must be a positive finite number, found {v}")));
+        }
+        let x = v as f32;
+        if !(x > 0.0 && x.is_finite()) {
+            return Err(self.err(
+                key,
+                format!(
+                    "{v:e} is {x} in f32, the precision the runtime computes in \
+                     (positive finite f32 values: {:e} to {:e})",
+                    f32::from_bits(1),
+                    f32::MAX
+                ),
+            ));
+        }
+        Ok(x)
     }
     fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
         match self.raw(key) {
@@ -613,7 +650,8 @@ impl ModelConfig {
     /// line and column, field `<json>`), a missing required key, a wrong type,
     /// zero sizes, H not divisible by Hkv, odd D, `hidden_act` other than silu,
     /// an unknown RoPE type (named), LongRoPE factor lists of length ≠ D/2,
-    /// non-positive factors, token ids ≥ V, every sparse rule of spec §1, and
+    /// non-positive factors, `rms_norm_eps` or a muP scale that is 0 or
+    /// infinite once rounded to f32, token ids ≥ V, every sparse rule of spec §1, and
     /// a feature the runtime does not implement: `sliding_window` below
     /// `max_position_embeddings` (unless `use_sliding_window` is false).
     /// A `model_type` or `architectures` outside [`KNOWN_MODEL_TYPES`] /
@@ -647,12 +685,7 @@ impl ModelConfig {
                 return Err(f.err(k, "must be ≥ 1, found 0"));
             }
         }
-        if !(rms_norm_eps > 0.0 && rms_norm_eps.is_finite()) {
-            return Err(f.err(
-                "rms_norm_eps",
-                format!("must be a positive finite number, found {rms_norm_eps}"),
-            ));
-        }
+        let rms_norm_eps = f.positive_f32("rms_norm_eps", rms_norm_eps)?;
         let num_key_value_heads = f
             .opt_usize("num_key_value_heads")?
             .unwrap_or(num_attention_heads);
@@ -797,23 +830,12 @@ impl ModelConfig {
             let scale_emb = f.opt_f64("scale_emb")?.unwrap_or(1.0);
             let scale_depth = f.opt_f64("scale_depth")?;
             let dim_model_base = f.opt_f64("dim_model_base")?.unwrap_or(hidden_size as f64);
-            for (k, v) in [
-                ("scale_emb", Some(scale_emb)),
-                ("scale_depth", scale_depth),
-                ("dim_model_base", Some(dim_model_base)),
-            ] {
-                if let Some(v) = v {
-                    if !(v > 0.0 && v.is_finite()) {
-                        return Err(
-                            f.err(k, format!("must be a positive finite number, found {v}"))
-                        );
-                    }
-                }
-            }
             Some(Mup {
-                scale_emb: scale_emb as f32,
-                scale_depth: scale_depth.map(|s| s as f32),
-                dim_model_base: dim_model_base as f32,
+                scale_emb: f.positive_f32("scale_emb", scale_emb)?,
+                scale_depth: scale_depth
+                    .map(|v| f.positive_f32("scale_depth", v))
+                    .transpose()?,
+                dim_model_base: f.positive_f32("dim_model_base", dim_model_base)?,
             })
         } else {
             None
@@ -849,7 +871,7 @@ impl ModelConfig {
             num_key_value_heads,
             head_dim,
             intermediate_size,
-            rms_norm_eps: rms_norm_eps as f32,
+            rms_norm_eps,
             vocab_size,
             num_hidden_layers,
             max_position_embeddings,

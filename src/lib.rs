@@ -24,7 +24,9 @@
 //! - [`quality`]: perplexity and the comparison with a saved base run
 //!   (KL divergence, top-1 agreement) behind `sparda perplexity`;
 //! - [`mod@bench`]: the decode benchmark behind `sparda bench`;
-//! - [`trace`]: Chrome/Perfetto traces of copy/compute overlap and their summary.
+//! - [`trace`]: Chrome/Perfetto traces of copy/compute overlap and their summary;
+//! - [`fuzz`]: one entry per parser of untrusted input, shared by the fuzz
+//!   targets (`fuzz/`) and the corpus replay test.
 #![warn(missing_docs)]
 
 pub mod bench;
@@ -33,6 +35,7 @@ pub mod config;
 pub mod cpu;
 pub mod cuda;
 pub mod error;
+pub mod fuzz;
 pub mod generate;
 pub mod interrupt;
 pub mod kv;

@@ -39,10 +39,38 @@ impl Tokenizer {
             path.to_path_buf()
         };
         let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| Error::Tokenizer {
+        Self::from_bytes(&bytes, path)
+    }
+
+    /// Loads a `tokenizer.json` from its contents `bytes`; `path` names the
+    /// file in this tokenizer's errors.
+    ///
+    /// The JSON is checked before the tokenizers crate reads it, and the
+    /// post-processor and decoder after: tokenizers 0.22 panics, instead of
+    /// returning an error, on malformed JSON inside the `decoder` value,
+    /// while encoding with a post-processor its own builder would have
+    /// refused (a template naming a special token it does not define, or
+    /// `$B`), and while decoding with a `Strip` decoder whose `stop` is not 0.
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`] naming `path`, as in [`Tokenizer::from_file`];
+    /// for a post-processor or decoder the crate would panic on, naming its
+    /// key.
+    pub fn from_bytes(bytes: &[u8], path: PathBuf) -> Result<Tokenizer> {
+        let err = |msg: String| Error::Tokenizer {
             path: path.clone(),
-            msg: why_not_a_tokenizer(&bytes, &e.to_string()),
-        })?;
+            msg,
+        };
+        let json: serde_json::Value =
+            serde_json::from_slice(bytes).map_err(|e| err(format!("not valid JSON: {e}")))?;
+        let inner = tokenizers::Tokenizer::from_bytes(bytes)
+            .map_err(|e| err(why_not_a_tokenizer(&json, &e.to_string())))?;
+        if let Some(pp) = json.get("post_processor") {
+            check_post_processor(pp, "post_processor").map_err(err)?;
+        }
+        if let Some(d) = json.get("decoder") {
+            check_decoder(d, "decoder").map_err(err)?;
+        }
         Ok(Tokenizer { inner, path })
     }
 
@@ -98,13 +126,13 @@ impl Tokenizer {
     }
 }
 
-/// The reason a `tokenizer.json` was rejected (`crate_msg` is the
-/// tokenizers crate's): not JSON at all, or JSON that is not a Hugging Face
-/// tokenizer (no `model` object), naming the top-level keys it has.
-fn why_not_a_tokenizer(bytes: &[u8], crate_msg: &str) -> String {
-    match serde_json::from_slice::<serde_json::Value>(bytes) {
-        Err(e) => format!("not valid JSON: {e}"),
-        Ok(serde_json::Value::Object(m)) if !m.get("model").is_some_and(|v| v.is_object()) => {
+/// The reason the tokenizers crate rejected `json`, a `tokenizer.json`
+/// (`crate_msg` is the crate's): JSON that is not a Hugging Face tokenizer
+/// (no `model` object), naming the top-level keys it has, or the crate's
+/// reason.
+fn why_not_a_tokenizer(json: &serde_json::Value, crate_msg: &str) -> String {
+    match json {
+        serde_json::Value::Object(m) if !m.get("model").is_some_and(|v| v.is_object()) => {
             let keys: Vec<&str> = m.keys().map(String::as_str).take(10).collect();
             format!(
                 "not a Hugging Face tokenizer.json: it has no `model` object (top-level keys: {}){}",
@@ -112,13 +140,81 @@ fn why_not_a_tokenizer(bytes: &[u8], crate_msg: &str) -> String {
                 if m.len() > 10 { format!(", … and {} more", m.len() - 10) } else { String::new() }
             )
         }
-        Ok(serde_json::Value::Object(_)) => {
+        serde_json::Value::Object(_) => {
             format!("not a Hugging Face tokenizer.json: {crate_msg}")
         }
-        Ok(_) => {
-            "not a Hugging Face tokenizer.json: the top level is not a JSON object".to_string()
-        }
+        _ => "not a Hugging Face tokenizer.json: the top level is not a JSON object".to_string(),
     }
+}
+
+/// Checks decoder `d` (JSON at key path `at`): tokenizers 0.22's `Strip`
+/// decoder panics (a reversed slice range, or an index below 0) when it
+/// decodes a short token made only of its `content` character and `stop`
+/// is not 0, so only `stop` = 0 (what Llama-2 and Mistral tokenizers use)
+/// is accepted. `Sequence` decoders are checked member by member.
+fn check_decoder(d: &serde_json::Value, at: &str) -> std::result::Result<(), String> {
+    use serde_json::Value;
+    match d.get("type").and_then(Value::as_str) {
+        Some("Sequence") => {
+            let members = d.get("decoders").and_then(Value::as_array);
+            for (i, m) in members.into_iter().flatten().enumerate() {
+                check_decoder(m, &format!("{at}.decoders[{i}]"))?;
+            }
+        }
+        Some("Strip") => {
+            let stop = d.get("stop").and_then(Value::as_u64).unwrap_or(0);
+            if stop != 0 {
+                return Err(format!(
+                    "{at}: a Strip decoder with stop = {stop} is not supported \
+                     (tokenizers 0.22 panics decoding a token made only of its `content` character; stop must be 0)"
+                ));
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Checks post-processor `pp` (JSON at key path `at`) as the tokenizers
+/// crate's TemplateProcessing builder does, which its JSON reader skips:
+/// the `single` template (the one encoding uses) may name only special
+/// tokens of `special_tokens` and only the first sequence (`$A`);
+/// otherwise encoding panics. `Sequence` post-processors are checked member
+/// by member.
+fn check_post_processor(pp: &serde_json::Value, at: &str) -> std::result::Result<(), String> {
+    use serde_json::Value;
+    fn list<'a>(v: &'a Value, k: &str) -> &'a [Value] {
+        v.get(k)
+            .and_then(Value::as_array)
+            .map_or(&[], Vec::as_slice)
+    }
+    match pp.get("type").and_then(Value::as_str) {
+        Some("Sequence") => {
+            for (i, p) in list(pp, "processors").iter().enumerate() {
+                check_post_processor(p, &format!("{at}.processors[{i}]"))?;
+            }
+        }
+        Some("TemplateProcessing") => {
+            let specials = pp.get("special_tokens").and_then(Value::as_object);
+            for (i, piece) in list(pp, "single").iter().enumerate() {
+                let id = |kind: &str| piece.get(kind)?.get("id")?.as_str();
+                if let Some(tok) = id("SpecialToken") {
+                    if !specials.is_some_and(|m| m.contains_key(tok)) {
+                        return Err(format!(
+                            "{at}.single[{i}]: special token `{tok}` is not in {at}.special_tokens"
+                        ));
+                    }
+                }
+                if id("Sequence") == Some("B") {
+                    return Err(format!(
+                        "{at}.single[{i}]: the single-sequence template uses the second sequence $B"
+                    ));
+                }
+            }
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 /// Streaming detokenizer: feed generated ids one at a time with

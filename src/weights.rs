@@ -444,6 +444,49 @@ fn header_tensor(
     })
 }
 
+/// Parses the text of shard index `index` (`model.safetensors.index.json`):
+/// its `weight_map` object, tensor name → shard file name, grouped as shard
+/// file → the tensor names it must hold.
+///
+/// # Errors
+/// [`Error::Checkpoint`] naming `index`: malformed JSON, no `weight_map`
+/// object, a value that is not a string, or a file that is not a plain file
+/// name (a path, `..`, `.`, empty), naming the tensor.
+pub(crate) fn parse_shard_index(
+    index: &Path,
+    text: &str,
+) -> Result<BTreeMap<String, BTreeSet<String>>> {
+    let v: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| Error::checkpoint(index, format!("malformed shard index: {e}")))?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| Error::checkpoint(index, "shard index has no `weight_map` object"))?;
+    let mut by_file: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (name, file) in map {
+        let file = file.as_str().ok_or_else(|| {
+            Error::checkpoint(
+                index,
+                format!("weight_map[{name}]: expected a file name, found {file}"),
+            )
+        })?;
+        // A path, `..`, `.` or the empty name would leave the checkpoint
+        // directory or name the directory itself.
+        let plain = Path::new(file).file_name() == Some(std::ffi::OsStr::new(file));
+        if !plain || file.contains('\\') {
+            return Err(Error::checkpoint(
+                index,
+                format!("weight_map[{name}]: file `{file}` must be a plain file name"),
+            ));
+        }
+        by_file
+            .entry(file.to_string())
+            .or_default()
+            .insert(name.clone());
+    }
+    Ok(by_file)
+}
+
 /// Where a tensor's bytes live.
 #[derive(Debug, Clone)]
 enum Loc {
@@ -464,10 +507,28 @@ struct Entry {
     loc: Loc,
 }
 
+/// The whole contents of one safetensors file: memory-mapped from disk, or
+/// held in memory ([`TensorStore::from_safetensors_bytes`]).
 #[derive(Debug)]
-struct MappedFile {
+enum FileBytes {
+    Mapped(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for FileBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            FileBytes::Mapped(m) => m,
+            FileBytes::Owned(v) => v,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct SafetensorsFile {
     path: PathBuf,
-    map: Mmap,
+    bytes: FileBytes,
 }
 
 /// Named tensors, memory-mapped from safetensors files or held in memory.
@@ -477,7 +538,7 @@ struct MappedFile {
 #[derive(Debug)]
 pub struct TensorStore {
     origin: PathBuf,
-    files: Vec<MappedFile>,
+    files: Vec<SafetensorsFile>,
     owned: Vec<OwnedTensor>,
     entries: BTreeMap<String, Entry>,
 }
@@ -534,35 +595,24 @@ impl TensorStore {
 
     fn open_index(dir: &Path, index: &Path) -> Result<TensorStore> {
         let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
-        let v: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| Error::checkpoint(index, format!("malformed shard index: {e}")))?;
-        let map = v
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| Error::checkpoint(index, "shard index has no `weight_map` object"))?;
-        let mut by_file: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-        for (name, file) in map {
-            let file = file.as_str().ok_or_else(|| {
-                Error::checkpoint(
-                    index,
-                    format!("weight_map[{name}]: expected a file name, found {file}"),
-                )
-            })?;
-            if file.contains('/') || file.contains('\\') || file == ".." {
-                return Err(Error::checkpoint(
-                    index,
-                    format!("weight_map[{name}]: file `{file}` must be a plain file name"),
-                ));
-            }
-            by_file
-                .entry(file.to_string())
-                .or_default()
-                .insert(name.clone());
-        }
+        let by_file = parse_shard_index(index, &text)?;
         let mut store = TensorStore::empty(dir);
         for (file, names) in &by_file {
             store.add_file(&dir.join(file), Some(names))?;
         }
+        Ok(store)
+    }
+
+    /// A store over one safetensors file held in memory: `bytes` is the
+    /// whole file, `path` only names it in errors. The same checks as
+    /// [`TensorStore::open`] on a file with these contents.
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] naming `path` for a malformed header or an
+    /// unsupported dtype.
+    pub(crate) fn from_safetensors_bytes(path: &Path, bytes: Vec<u8>) -> Result<TensorStore> {
+        let mut store = TensorStore::empty(path);
+        store.add_bytes(path, FileBytes::Owned(bytes), None)?;
         Ok(store)
     }
 
@@ -573,7 +623,18 @@ impl TensorStore {
         // SAFETY: the map is read-only; the checkpoint files are not expected to
         // change while the runtime runs (as with every mmap-based loader).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        let header = parse_header(path, &map)?;
+        self.add_bytes(path, FileBytes::Mapped(map), listed)
+    }
+
+    /// Registers the tensors of safetensors file `path`, whose contents are
+    /// `bytes`. With `listed`, every listed name must be in the file.
+    fn add_bytes(
+        &mut self,
+        path: &Path,
+        bytes: FileBytes,
+        listed: Option<&BTreeSet<String>>,
+    ) -> Result<()> {
+        let header = parse_header(path, &bytes)?;
         let file_idx = self.files.len();
         let mut problems = header.problems;
         for h in header.tensors {
@@ -622,9 +683,9 @@ impl TensorStore {
                 list_with_more(&problems, MAX_LISTED, "\n"),
             ));
         }
-        self.files.push(MappedFile {
+        self.files.push(SafetensorsFile {
             path: path.to_path_buf(),
-            map,
+            bytes,
         });
         Ok(())
     }
@@ -662,7 +723,7 @@ impl TensorStore {
     pub fn get(&self, name: &str) -> Option<TensorView<'_>> {
         let (key, e) = self.entries.get_key_value(name)?;
         let data: &[u8] = match &e.loc {
-            Loc::File { file, start, end } => &self.files[*file].map[*start..*end],
+            Loc::File { file, start, end } => &self.files[*file].bytes[*start..*end],
             Loc::Owned(i) => &self.owned[*i].data,
         };
         Some(TensorView {
@@ -929,9 +990,19 @@ pub fn layer_tensors(cfg: &ModelConfig, eviction_heads: bool) -> Vec<LayerTensor
 /// `mlp_bias`), eviction heads when `eviction_heads`, final norm, and
 /// `lm_head.weight` unless `tie_word_embeddings`.
 pub fn expected_tensors(cfg: &ModelConfig, eviction_heads: bool) -> Vec<(String, Vec<usize>)> {
+    expected_tensors_of_layers(cfg, eviction_heads, cfg.num_hidden_layers)
+}
+
+/// [`expected_tensors`] with the per-layer tensors of the first `layers`
+/// layers only.
+fn expected_tensors_of_layers(
+    cfg: &ModelConfig,
+    eviction_heads: bool,
+    layers: usize,
+) -> Vec<(String, Vec<usize>)> {
     let mut out = vec![(names::embed(), vec![cfg.vocab_size, cfg.hidden_size])];
     let per_layer = layer_tensors(cfg, eviction_heads);
-    for l in 0..cfg.num_hidden_layers {
+    for l in 0..layers {
         for &t in &per_layer {
             out.push((names::layer(l, t), layer_tensor_shape(cfg, t)));
         }
@@ -1004,7 +1075,9 @@ impl Checkpoint {
     /// and then every layer needs them; the store must hold every one of
     /// [`expected_tensors`] with those shapes — every missing and mis-shaped
     /// tensor is listed in one error (the first [`MAX_LISTED`] lines, then
-    /// "… and N more"). A tensor the runtime reads under another config (a
+    /// "… and N more"); layers of `num_hidden_layers` past the last layer
+    /// the store holds a tensor of are one line naming both counts. A tensor
+    /// the runtime reads under another config (a
     /// bias when `attention_bias` is false, a layer past
     /// `num_hidden_layers`, …) is an error too, since ignoring it would give
     /// wrong output. Any other extra tensor (`rotary_emb.inv_freq`,
@@ -1105,19 +1178,19 @@ fn is_runtime_tensor(name: &str) -> bool {
     if name == names::embed() || name == names::final_norm() || name == names::lm_head() {
         return true;
     }
-    let Some(rest) = name.strip_prefix("model.layers.") else {
+    let Some((_, suffix)) = split_layer_name(name) else {
         return false;
     };
-    let Some((idx, suffix)) = rest.split_once('.') else {
-        return false;
-    };
-    if idx.parse::<usize>().is_err() {
-        return false;
-    }
     LayerTensor::ALL
         .iter()
         .filter(|t| !matches!(t, LayerTensor::QFutureProj | LayerTensor::QCurrProj))
         .any(|t| t.suffix() == suffix)
+}
+
+/// `model.layers.{i}.<suffix>` → (i, suffix).
+fn split_layer_name(name: &str) -> Option<(usize, &str)> {
+    let (idx, suffix) = name.strip_prefix("model.layers.")?.split_once('.')?;
+    Some((idx.parse().ok()?, suffix))
 }
 
 /// What validation found out about a store that matches its config.
@@ -1131,7 +1204,35 @@ struct Validated {
 fn validate(cfg: &ModelConfig, store: &TensorStore, path: &Path) -> Result<Validated> {
     let a0 = names::layer(0, LayerTensor::EvictA);
     let eviction_heads = store.contains(&a0);
-    let expected = expected_tensors(cfg, eviction_heads);
+    let mut hints = Vec::new();
+    // Layers past the last one the store has a tensor of are one problem
+    // line, not one per tensor: a config.json with a wrong (even huge)
+    // num_hidden_layers must not list, or build the names of, every tensor
+    // of every missing layer.
+    let held = store
+        .names()
+        .iter()
+        .filter_map(|n| split_layer_name(n))
+        .map(|(i, _)| i.saturating_add(1))
+        .max()
+        .unwrap_or(0);
+    let layers = cfg.num_hidden_layers.min(held);
+    if cfg.num_hidden_layers > held {
+        hints.push(if held == 0 {
+            format!(
+                "num_hidden_layers = {}, but the weights hold no layer tensor (model.layers.N.…)",
+                cfg.num_hidden_layers
+            )
+        } else {
+            format!(
+                "num_hidden_layers = {}, but the weights hold tensors of layers 0 … {} only: layers {held} … {} are missing",
+                cfg.num_hidden_layers,
+                held - 1,
+                cfg.num_hidden_layers - 1
+            )
+        });
+    }
+    let expected = expected_tensors_of_layers(cfg, eviction_heads, layers);
     let expected_names: BTreeSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
     let mut missing = Vec::new();
     let mut misshaped = Vec::new();
@@ -1172,9 +1273,8 @@ fn validate(cfg: &ModelConfig, store: &TensorStore, path: &Path) -> Result<Valid
             dtype.name()
         ));
     }
-    let mut hints = Vec::new();
     if eviction_heads {
-        let lacking: Vec<usize> = (1..cfg.num_hidden_layers)
+        let lacking: Vec<usize> = (1..layers)
             .filter(|&l| !store.contains(&names::layer(l, LayerTensor::EvictA)))
             .collect();
         if !lacking.is_empty() {
@@ -1183,7 +1283,7 @@ fn validate(cfg: &ModelConfig, store: &TensorStore, path: &Path) -> Result<Valid
             ));
         }
     } else {
-        let having: Vec<usize> = (1..cfg.num_hidden_layers)
+        let having: Vec<usize> = (1..layers)
             .filter(|&l| store.contains(&names::layer(l, LayerTensor::EvictA)))
             .collect();
         if !having.is_empty() {

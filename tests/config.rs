@@ -802,3 +802,83 @@ fn unseen_model_type_and_architecture_load_with_a_warning() {
     );
     assert_eq!(parse(&v).unwrap(), parse(&llama()).unwrap());
 }
+
+/// A positive value that is 0 or infinite once rounded to f32 (the
+/// precision the runtime computes in) is refused, naming the key and both
+/// values; the smallest positive f32 is still accepted. (Found by fuzzing:
+/// `rms_norm_eps` 1e-75 was accepted and ran as 0.)
+#[test]
+fn positive_values_must_survive_rounding_to_f32() {
+    let (f, m) = config_err(parse(&with(llama(), "rms_norm_eps", json!(1e-75))));
+    assert_eq!(f, "rms_norm_eps");
+    assert_eq!(
+        m,
+        "test/config.json: field `rms_norm_eps`: 1e-75 is 0 in f32, the precision the runtime computes in (positive finite f32 values: 1e-45 to 3.4028235e38)"
+    );
+    for (key, v, in_f32) in [
+        ("scale_emb", 1e50, "inf"),
+        ("scale_depth", 1e-60, "0"),
+        ("dim_model_base", 1e300, "inf"),
+    ] {
+        let (f, m) = config_err(parse(&with(minicpm(), key, json!(v))));
+        assert_eq!(f, key);
+        assert!(m.contains(&format!(" is {in_f32} in f32")), "{m}");
+    }
+    let c = parse(&with(llama(), "rms_norm_eps", json!(1e-45))).unwrap();
+    assert_eq!(c.rms_norm_eps, f32::from_bits(1));
+    c.validate(Path::new(P)).unwrap();
+}
+
+/// JSON numbers are read correctly rounded, so a config written and read
+/// back equals the one read. (Found by fuzzing: a llama3
+/// `high_freq_factor` of 4.4444444444444444e23 came back one ulp larger.)
+#[test]
+fn float_fields_read_back_exactly() {
+    let v = with(
+        llama(),
+        "rope_scaling",
+        json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.4444444444444444e23, "original_max_position_embeddings": 8192}),
+    );
+    let c = parse(&v).unwrap();
+    let RopeScaling::Llama3 {
+        high_freq_factor, ..
+    } = c.rope_scaling
+    else {
+        panic!("{:?}", c.rope_scaling)
+    };
+    assert_eq!(
+        high_freq_factor.to_bits(),
+        4.4444444444444444e23f64.to_bits()
+    );
+    c.validate(Path::new(P)).unwrap();
+    let text = c.to_json_value().to_string();
+    assert!(text.contains("4.4444444444444444e+23"), "{text}");
+}
+
+/// Sparse settings whose arithmetic would overflow are refused with the
+/// numbers instead of overflowing. (Found by fuzzing: kernel_stride
+/// 11111111111111111116 overflowed 2·kernel_stride.)
+#[test]
+fn sparse_settings_that_overflow_are_refused() {
+    let (f, m) = sparse_err(json!({"kernel_stride": 11111111111111111116u64}));
+    assert_eq!(f, "sparse_config.kernel_size");
+    assert!(
+        m.ends_with("kernel_size = 32 must equal 2·kernel_stride = 2·11111111111111111116 = 22222222222222222232"),
+        "{m}"
+    );
+    let (f, m) = sparse_err(json!({"init_blocks": u64::MAX, "select_blocks": 2, "topk": 10}));
+    assert_eq!(f, "sparse_config.topk");
+    assert!(
+        m.contains("= 18446744073709551615 + 2 = 18446744073709551617 exceeds topk = 10"),
+        "{m}"
+    );
+    let (f, m) = sparse_err(json!({"topk": u64::MAX / 64}));
+    assert_eq!(f, "sparse_config.topk");
+    assert!(
+        m.ends_with(
+            "(288230376151711743 + 16) · 64 = 18446744073709552576 tokens does not fit in usize"
+        ),
+        "{m}"
+    );
+}

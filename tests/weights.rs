@@ -208,6 +208,38 @@ fn missing_index_shard_is_io_error_naming_it() {
     }
 }
 
+/// A shard the index names must be a plain file name in the checkpoint
+/// directory: a path, `..`, `.` and the empty name are refused naming the
+/// index, the tensor and the name. (Found by fuzzing: the empty name was
+/// accepted and opened the directory itself.)
+#[test]
+fn index_shard_names_must_be_plain_file_names() {
+    let dir = TmpDir::new("weights-shard-names");
+    let v = small_config(false, false, false);
+    write_config(dir.path(), &v);
+    let ts = tensors_for(&cfg_of(&v), false);
+    for bad in [
+        "",
+        ".",
+        "..",
+        "../model.safetensors",
+        "sub/model.safetensors",
+        "a\\b",
+        "shard/",
+    ] {
+        let mut map = write_sharded(dir.path(), &ts, 5);
+        map.insert(names::final_norm(), json!(bad));
+        write_index(dir.path(), &map);
+        let msg = checkpoint_msg(Checkpoint::open(dir.path()));
+        assert!(
+            msg.ends_with(&format!(
+                "model.safetensors.index.json: weight_map[model.norm.weight]: file `{bad}` must be a plain file name"
+            )),
+            "{msg}"
+        );
+    }
+}
+
 #[test]
 fn index_pointing_at_wrong_shard_is_error() {
     let dir = TmpDir::new("weights-wrong-shard");
@@ -424,6 +456,45 @@ fn many_mismatches_list_ten_lines_and_a_count() {
     );
     assert_eq!(msg.matches("mis-shaped: ").count(), 10, "{msg}");
     assert!(msg.ends_with(&format!("\n… and {} more", n - 10)), "{msg}");
+}
+
+/// A config.json naming more layers than the weights hold gets one line with
+/// both counts, not a line per tensor of every missing layer. (Found by
+/// fuzzing: num_hidden_layers = 278238685388 built names for every missing
+/// tensor, without end.)
+#[test]
+fn layers_past_the_weights_are_one_line() {
+    let cfg = cfg_of(&small_config(false, false, false));
+    let mut huge = small_config(false, false, false);
+    huge["num_hidden_layers"] = json!(278238685388u64);
+    let msg = checkpoint_msg(Checkpoint::from_parts(
+        cfg_of(&huge),
+        TensorStore::from_tensors(tensors_for(&cfg, false)),
+    ));
+    assert!(msg.contains("(1 problem lines)"), "{msg}");
+    assert!(
+        msg.ends_with(
+            "num_hidden_layers = 278238685388, but the weights hold tensors of layers 0 … 1 only: \
+             layers 2 … 278238685387 are missing"
+        ),
+        "{msg}"
+    );
+    let msg = checkpoint_msg(Checkpoint::from_parts(
+        cfg_of(&huge),
+        TensorStore::from_tensors(Vec::new()),
+    ));
+    assert!(
+        msg.contains(
+            "num_hidden_layers = 278238685388, but the weights hold no layer tensor (model.layers.N.…)"
+        ),
+        "{msg}"
+    );
+    // and the lm_head hint, then embedding, final norm and lm_head missing
+    assert!(msg.contains("(5 problem lines)"), "{msg}");
+    assert!(
+        msg.contains("missing: model.norm.weight (expected shape [8])"),
+        "{msg}"
+    );
 }
 
 fn logits_of(ck: &Checkpoint) -> Vec<f32> {

@@ -654,7 +654,8 @@ fn count_steps(evs: &[Ev]) -> usize {
 
 /// Summarizes a trace (see the module doc for the definitions).
 ///
-/// Errors: a JSON value that is not a trace, or complete events without times.
+/// Errors: a JSON value that is not a trace, complete events without times,
+/// or fetch `bytes` that add up past `u64::MAX`.
 pub fn summarize(trace: &Value) -> Result<Summary> {
     let evs = parse_events(trace)?;
     let mut s = Summary {
@@ -673,18 +674,13 @@ pub fn summarize(trace: &Value) -> Result<Summary> {
             0.0
         };
     }
-    let iv = |f: &dyn Fn(&Ev) -> bool| {
-        union(
-            evs.iter()
-                .filter(|e| f(e))
-                .map(|e| (e.ts, e.ts + e.dur))
-                .collect(),
-        )
-    };
     let is_fetch = |e: &Ev| e.track == Some(Track::Copy) && e.name == "fetch";
-    let fetch = iv(&is_fetch);
-    let busy = iv(&|e: &Ev| e.track == Some(Track::Compute) && e.name != "wait");
-    let wait = iv(&|e: &Ev| e.track == Some(Track::Compute) && e.name == "wait");
+    let is_wait = |e: &Ev| e.track == Some(Track::Compute) && e.name == "wait";
+    let fetch = spans(&evs, &is_fetch);
+    let busy = spans(&evs, &|e: &Ev| {
+        e.track == Some(Track::Compute) && e.name != "wait"
+    });
+    let wait = spans(&evs, &is_wait);
     s.h2d_total_ms = length(&fetch) / 1e3;
     s.h2d_hidden_ms = intersect_len(&fetch, &busy) / 1e3;
     s.h2d_exposed_ms = s.h2d_total_ms - s.h2d_hidden_ms;
@@ -694,36 +690,58 @@ pub fn summarize(trace: &Value) -> Result<Summary> {
         0.0
     };
     s.compute_wait_ms = length(&wait) / 1e3;
-    s.h2d_bytes = evs
-        .iter()
-        .filter(|e| is_fetch(e))
-        .filter_map(|e| e.bytes)
-        .sum();
+    s.h2d_bytes = fetch_bytes(evs.iter().filter(|e| is_fetch(e)))?;
     s.h2d_gb_per_s = if s.h2d_total_ms > 0.0 {
         s.h2d_bytes as f64 / (s.h2d_total_ms * 1e6)
     } else {
         0.0
     };
-    let layers: std::collections::BTreeSet<u64> = evs.iter().filter_map(|e| e.layer).collect();
-    for l in layers {
-        let f = iv(&|e: &Ev| is_fetch(e) && e.layer == Some(l));
-        let w =
-            iv(&|e: &Ev| e.track == Some(Track::Compute) && e.name == "wait" && e.layer == Some(l));
+    // Each layer's spans, gathered in one pass (not one pass per layer).
+    let mut by_layer: BTreeMap<u64, Vec<&Ev>> = BTreeMap::new();
+    for e in &evs {
+        if let Some(l) = e.layer {
+            by_layer.entry(l).or_default().push(e);
+        }
+    }
+    for (l, es) in by_layer {
+        let f = spans(es.iter().copied(), &is_fetch);
+        let w = spans(es.iter().copied(), &is_wait);
         s.layers.insert(
             l,
             LayerStats {
                 h2d_ms: length(&f) / 1e3,
                 hidden_ms: intersect_len(&f, &busy) / 1e3,
-                bytes: evs
-                    .iter()
-                    .filter(|e| is_fetch(e) && e.layer == Some(l))
-                    .filter_map(|e| e.bytes)
-                    .sum(),
+                bytes: fetch_bytes(es.iter().copied().filter(|e| is_fetch(e)))?,
                 wait_ms: length(&w) / 1e3,
             },
         );
     }
     Ok(s)
+}
+
+/// The union of the spans of `evs` that `keep` accepts.
+fn spans<'a>(evs: impl IntoIterator<Item = &'a Ev>, keep: &dyn Fn(&Ev) -> bool) -> Vec<(f64, f64)> {
+    union(
+        evs.into_iter()
+            .filter(|e| keep(e))
+            .map(|e| (e.ts, e.ts + e.dur))
+            .collect(),
+    )
+}
+
+/// The sum of the `bytes` args of `fetches`.
+///
+/// Errors: a sum past `u64::MAX` ([`Error::Input`]).
+fn fetch_bytes<'a>(fetches: impl Iterator<Item = &'a Ev>) -> Result<u64> {
+    fetches
+        .filter_map(|e| e.bytes)
+        .try_fold(0u64, u64::checked_add)
+        .ok_or_else(|| {
+            Error::Input(format!(
+                "trace: the `bytes` args of the fetch spans add up to more than {} (u64::MAX)",
+                u64::MAX
+            ))
+        })
 }
 
 /// A trace file's text as JSON, in every form the Trace Event Format
@@ -767,8 +785,16 @@ pub fn parse_trace_text(text: &str) -> std::result::Result<Value, String> {
 /// ([`Error::Input`] naming the file).
 pub fn summarize_file(path: &Path) -> Result<Summary> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    let v =
-        parse_trace_text(&text).map_err(|e| Error::Input(format!("{}: {e}", path.display())))?;
+    summarize_text(&text, path)
+}
+
+/// Parses ([`parse_trace_text`]) and summarizes the text of a trace file;
+/// `path` only names the file in errors.
+///
+/// Errors: [`Error::Input`] naming the file when the text is not a trace
+/// JSON or holds no complete span.
+pub fn summarize_text(text: &str, path: &Path) -> Result<Summary> {
+    let v = parse_trace_text(text).map_err(|e| Error::Input(format!("{}: {e}", path.display())))?;
     let in_file = |m: String| Error::Input(format!("{}: {m}", path.display()));
     let s = summarize(&v).map_err(|e| match e {
         Error::Input(m) => in_file(m),
