@@ -811,14 +811,18 @@ fn main() {
         Cmd::Forecast(ForecastCmd::Eval(a)) => commands::forecast::cmd_eval(a),
         Cmd::Forecast(ForecastCmd::Import(a)) => commands::forecast::cmd_import(a),
         Cmd::Trace(TraceCmd::Summarize { file, json }) => {
-            sparda::trace::summarize_file(&file).map(|s| {
-                if json {
-                    println!(
-                        "{}",
-                        serde_json::to_string_pretty(&s).expect("summary serializes")
-                    );
+            sparda::trace::summarize_file(&file).and_then(|s| {
+                let text = if json {
+                    serde_json::to_string_pretty(&s).expect("summary serializes") + "\n"
                 } else {
-                    print!("{}", s.to_text());
+                    s.to_text()
+                };
+                // a reader that closed the pipe (`| head`) ends the output quietly
+                use std::io::Write;
+                let mut out = std::io::stdout().lock();
+                match out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+                    Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+                    r => r.map_err(|e| Error::io("<stdout>", e)),
                 }
             })
         }
