@@ -346,6 +346,15 @@ enum SelectionArg {
     Infllmv2,
 }
 
+impl From<SelectionArg> for sparda::model::SelectionRule {
+    fn from(s: SelectionArg) -> Self {
+        match s {
+            SelectionArg::Nosa => sparda::model::SelectionRule::Nosa,
+            SelectionArg::Infllmv2 => sparda::model::SelectionRule::InfLlmV2,
+        }
+    }
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum PrefillArg {
     /// Dense prefill, sparse decode (NOSA_F).

@@ -1,7 +1,7 @@
 //! `sparda bench`: the decode benchmark (runtime.md §5).
 
 use crate::*;
-use sparda::model::{PrefillMode, SelectionRule};
+use sparda::model::PrefillMode;
 use sparda::{Error, Result};
 
 pub(crate) fn cmd_bench(a: BenchArgs) -> Result<()> {
@@ -33,10 +33,7 @@ pub(crate) fn cmd_bench(a: BenchArgs) -> Result<()> {
             .iter()
             .map(|x| matches!(x, AttentionArg::Sparse))
             .collect(),
-        selection: a.selection.map(|s| match s {
-            SelectionArg::Nosa => SelectionRule::Nosa,
-            SelectionArg::Infllmv2 => SelectionRule::InfLlmV2,
-        }),
+        selection: a.selection.map(Into::into),
         budget_blocks: a.budget_blocks,
         select_blocks: a.select_blocks,
         batches: a.batch,

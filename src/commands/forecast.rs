@@ -6,7 +6,6 @@
 
 use crate::{
     ForecastCollectArgs, ForecastEvalArgs, ForecastFitArgs, ForecastImportArgs, ForecastModelArgs,
-    SelectionArg,
 };
 use sparda::config::{ModelConfig, Rope};
 use sparda::cpu::{
@@ -14,7 +13,7 @@ use sparda::cpu::{
 };
 use sparda::model::forecast::ForecastWeights;
 use sparda::model::select::{self, Budget};
-use sparda::model::{AttentionOverrides, PrefillMode, SelectionRule};
+use sparda::model::{AttentionOverrides, PrefillMode};
 use sparda::tokenizer::Tokenizer;
 use sparda::weights::names::{self, LayerTensor};
 use sparda::weights::{Checkpoint, DType, OwnedTensor};
@@ -50,10 +49,7 @@ fn open_model(a: &ForecastModelArgs) -> Result<(Checkpoint, Tokenizer, CpuModel)
     let opts = EngineOptions {
         attention: AttentionOverrides {
             sparse: Some(true),
-            selection: a.selection.map(|s| match s {
-                SelectionArg::Nosa => SelectionRule::Nosa,
-                SelectionArg::Infllmv2 => SelectionRule::InfLlmV2,
-            }),
+            selection: a.selection.map(Into::into),
             budget_blocks: a.budget_blocks,
             select_blocks: a.select_blocks,
         },

@@ -7,7 +7,7 @@ use crate::*;
 use sparda::config::ModelConfig;
 use sparda::cpu::{CpuModel, EngineOptions};
 use sparda::model::forecast::ForecastWeights;
-use sparda::model::{AttentionOverrides, AttentionPlan, PrefillMode, SelectionRule};
+use sparda::model::{AttentionOverrides, AttentionPlan, PrefillMode};
 use sparda::pipeline::GpuModel;
 use sparda::tokenizer::Tokenizer;
 use sparda::weights::Checkpoint;
@@ -215,10 +215,7 @@ fn engine_options(a: &ModeArgs) -> EngineOptions {
     EngineOptions {
         attention: AttentionOverrides {
             sparse: a.attention.map(|x| matches!(x, AttentionArg::Sparse)),
-            selection: a.selection.map(|s| match s {
-                SelectionArg::Nosa => SelectionRule::Nosa,
-                SelectionArg::Infllmv2 => SelectionRule::InfLlmV2,
-            }),
+            selection: a.selection.map(Into::into),
             budget_blocks: a.budget_blocks,
             select_blocks: a.select_blocks,
         },

@@ -5,7 +5,7 @@ use super::fixture_tokenizer;
 use crate::*;
 use sparda::cpu::{CpuModel, EngineOptions};
 use sparda::generate::{self};
-use sparda::model::{AttentionOverrides, PrefillMode, SelectionRule};
+use sparda::model::{AttentionOverrides, PrefillMode};
 use sparda::pipeline::GpuModel;
 use sparda::tokenizer::Tokenizer;
 use sparda::{Error, Result};
@@ -79,10 +79,7 @@ pub(crate) fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
     let opts = EngineOptions {
         attention: AttentionOverrides {
             sparse: Some(true),
-            selection: a.selection.map(|s| match s {
-                SelectionArg::Nosa => SelectionRule::Nosa,
-                SelectionArg::Infllmv2 => SelectionRule::InfLlmV2,
-            }),
+            selection: a.selection.map(Into::into),
             budget_blocks: a.budget_blocks,
             select_blocks: None,
         },
