@@ -339,12 +339,53 @@ fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header> {
             Err(p) => problems.push(p),
         }
     }
+    if problems.is_empty() {
+        problems.extend(layout_problems(&tensors, data_len));
+    }
     tensors.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(Header {
         data_start,
         tensors,
         problems,
     })
+}
+
+/// The format's layout rule: the tensors' byte ranges tile the data section
+/// exactly — no two overlap (one tensor's bytes would alias another's), no
+/// bytes between them, none after the last (the safetensors library refuses
+/// such files too). One line per break, naming the tensors and offsets.
+fn layout_problems(tensors: &[HeaderTensor], data_len: usize) -> Vec<String> {
+    let mut by_offset: Vec<&HeaderTensor> = tensors.iter().collect();
+    by_offset.sort_by_key(|t| (t.begin, t.end));
+    let mut problems = Vec::new();
+    let mut covered = 0usize;
+    let mut last: Option<&HeaderTensor> = None;
+    for t in by_offset {
+        if t.begin > covered {
+            problems.push(format!(
+                "data bytes [{covered}, {}) belong to no tensor (a gap before tensor {})",
+                t.begin, t.name
+            ));
+        } else if t.begin < covered {
+            if let Some(p) = last {
+                problems.push(format!(
+                    "tensors {} [{}, {}] and {} [{}, {}] overlap",
+                    p.name, p.begin, p.end, t.name, t.begin, t.end
+                ));
+            }
+        }
+        if t.end >= covered {
+            covered = t.end;
+            last = Some(t);
+        }
+    }
+    if covered < data_len {
+        problems.push(format!(
+            "the data section has {} bytes after the last tensor's end at {covered} (of {data_len})",
+            data_len - covered
+        ));
+    }
+    problems
 }
 
 fn json_kind(v: &serde_json::Value) -> &'static str {

@@ -793,6 +793,24 @@ fn malformed_headers_name_the_file_key_and_rule() {
         )
     );
 
+    // The tensors must tile the data section: a gap, an overlap and
+    // trailing bytes are each named with their offsets.
+    let h = r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}}"#;
+    std::fs::write(&file, raw_safetensors(h, &[0u8; 16])).unwrap();
+    assert_eq!(
+        store_msg(dir.path()),
+        format!(
+            "{f}: data bytes [4, 8) belong to no tensor (a gap before tensor b)\n\
+             the data section has 4 bytes after the last tensor's end at 12 (of 16)"
+        )
+    );
+    let h = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#;
+    std::fs::write(&file, raw_safetensors(h, &[0u8; 8])).unwrap();
+    assert_eq!(
+        store_msg(dir.path()),
+        format!("{f}: tensors a [0, 8] and b [4, 8] overlap")
+    );
+
     // A header length past the end of the file (what an LFS pointer used to
     // be reported as) gives both numbers.
     let mut bytes = 1000u64.to_le_bytes().to_vec();
