@@ -481,8 +481,8 @@ pub fn host_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// Median of a non-empty list.
-fn median(v: &[f64]) -> f64 {
+/// Median of a non-empty list (the upper one of an even count).
+pub(crate) fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     s[s.len() / 2]

@@ -19,7 +19,7 @@
 //! counts as tied, where the one that takes the fewest SMs is chosen (the
 //! copy engines take none).
 
-use crate::bench::{open_model, time_step_ms};
+use crate::bench::{median, open_model, time_step_ms};
 use crate::cpu::EngineOptions;
 use crate::cuda::Gpu;
 use crate::kv::fetch_table::{FetchChoice, FetchEntry, FetchMode, FetchTable, FORMAT};
@@ -83,13 +83,6 @@ fn sms(c: FetchChoice) -> usize {
         FetchChoice::Sm { ctas } => ctas,
         FetchChoice::Dma => 0,
     }
-}
-
-/// Median of a non-empty list.
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    s[s.len() / 2]
 }
 
 /// The choice for one (mode, B) from its cells (every context, every
@@ -398,24 +391,7 @@ fn nvidia_smi_link() -> (String, Option<String>) {
 /// The sweep as a text table: one row per (mode, context, B), one column
 /// per configuration (median step ms ± spread), the choice marked `*`.
 pub fn sweep_table(t: &FetchTable) -> String {
-    let cells: Vec<SweepCell> = t.sweep["cells"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|c| {
-                    Some(SweepCell {
-                        mode: serde_json::from_value(c["mode"].clone()).ok()?,
-                        context: c["context"].as_u64()? as usize,
-                        batch: c["batch"].as_u64()? as usize,
-                        config: c["config"].as_str()?.to_string(),
-                        step_ms: c["step_ms"].as_f64()?,
-                        spread_ms: c["spread_ms"].as_f64()?,
-                        rounds_ms: Vec::new(),
-                    })
-                })
-                .collect()
-        })
-        .unwrap_or_default();
+    let cells = cells_of(t, "the table").unwrap_or_default();
     let configs: Vec<String> = t.sweep["configs"]
         .as_array()
         .map(|a| {

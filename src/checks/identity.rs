@@ -55,26 +55,13 @@ pub struct MemorySample {
     pub host_rss_bytes: usize,
 }
 
-/// VmRSS of /proc/self/status, bytes (0 when it cannot be read).
-fn host_rss_bytes() -> usize {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<usize>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
-}
-
 /// A [`MemorySample`] now.
 fn sample_memory(model: &GpuModel, step: usize) -> Result<MemorySample> {
     let (free, total) = model.gpu().mem_info()?;
     Ok(MemorySample {
         step,
         gpu_used_bytes: total - free,
-        host_rss_bytes: host_rss_bytes(),
+        host_rss_bytes: crate::bench::host_rss_bytes().map_or(0, |b| b as usize),
     })
 }
 
