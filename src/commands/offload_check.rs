@@ -29,6 +29,55 @@ fn open_checked(a: &OffloadCheckArgs) -> Result<sparda::weights::Checkpoint> {
     Ok(ckpt)
 }
 
+/// FNV-1a over the prompts' token ids (each prompt's length first).
+fn token_hash(prompts: &[Vec<u32>]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in prompts {
+        for x in std::iter::once(p.len() as u32).chain(p.iter().copied()) {
+            for b in x.to_le_bytes() {
+                h ^= b as u64;
+                h = h.wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+    }
+    h
+}
+
+/// Reads a resident run written by `--save-resident`.
+///
+/// Errors: [`Error::Input`] naming the file when it cannot be parsed or
+/// when its key (binary, GPU, model, prompts, settings) differs from this
+/// run's, with both values of each differing field.
+fn load_resident(
+    path: &std::path::Path,
+    key: &serde_json::Value,
+) -> Result<sparda::checks::identity::Run> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let rec: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+        Error::Input(format!(
+            "{}: not a resident run record: {e}",
+            path.display()
+        ))
+    })?;
+    let got = &rec["key"];
+    let differ: Vec<String> = key
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, v)| &got[k.as_str()] != *v)
+        .map(|(k, v)| format!("{k}: recorded {} vs now {v}", got[k.as_str()]))
+        .collect();
+    if !differ.is_empty() {
+        return Err(Error::Input(format!(
+            "{}: the resident run was recorded with other settings ({})",
+            path.display(),
+            differ.join("; ")
+        )));
+    }
+    serde_json::from_value(rec["run"].clone())
+        .map_err(|e| Error::Input(format!("{}: field run: {e}", path.display())))
+}
+
 pub(crate) fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
     sparda::cuda::require()?;
     let ckpt = open_checked(&a)?;
@@ -140,13 +189,58 @@ pub(crate) fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
     if let Some(f) = &forecast {
         model.set_forecast(Some(f), false)?;
     }
+    // what a recorded resident run must share with this one to stand in
+    // for it: the same binary, GPU, model, prompts and settings
+    let key = serde_json::json!({
+        "commit": sparda::bench::git_commit(),
+        "gpu": gpu.info().name,
+        "model": a.model,
+        "prompt_file": a.prompt_file,
+        "prompt_tokens": prompts.iter().map(Vec::len).collect::<Vec<_>>(),
+        "prompt_hash": format!("{:016x}", token_hash(&prompts)),
+        "new_tokens": a.new_tokens,
+        "forecast": a.forecast,
+        "mode": format!("{:?}", model.plan.mode),
+        "budget_blocks": model.plan.budget.attended,
+        "dense_len": a.dense_len,
+        "sample_memory_every": a.sample_memory_every,
+    });
+    if let Some(path) = &a.save_resident {
+        let r = sparda::checks::identity::run(
+            &mut model,
+            &prompts,
+            a.new_tokens,
+            None,
+            a.sample_memory_every,
+        )?;
+        eprintln!(
+            "offload-check: GPU-resident sparse, {} tokens in {:.0} ms; recorded in {}",
+            r.tokens.len(),
+            r.decode_ms,
+            path.display()
+        );
+        let rec = serde_json::json!({
+            "what": "offload-check resident run (read back with --resident)",
+            "key": key,
+            "date_utc": sparda::checks::kernels::utc_now_iso(),
+            "run": r,
+        });
+        return sparda::report::write_atomic(path, &rec);
+    }
+    let base = a
+        .resident
+        .as_deref()
+        .map(|path| load_resident(path, &key))
+        .transpose()?;
     let (mut ok, mut v) = sparda::checks::identity::offload_identity(
         &mut model,
         &prompts,
         a.new_tokens,
         &modes,
         a.sample_memory_every,
+        base,
     )?;
+    v["resident_from"] = serde_json::json!(a.resident);
     v["forecast"] = serde_json::json!(a.forecast);
     if let (Some(f), true) = (&forecast, a.cpu_check_steps > 0) {
         // the CPU reference opens the model again (the GPU run dropped its copy)
@@ -181,4 +275,49 @@ pub(crate) fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
     std::fs::write(&a.json, serde_json::to_string_pretty(&v).expect("json"))
         .map_err(|e| Error::io(&a.json, e))?;
     check_outcome("offload-check", "identity", ok, &a.json)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(dir: &std::path::Path, key: serde_json::Value) -> PathBuf {
+        let run = sparda::checks::identity::Run {
+            tokens: vec![5, 7, 9],
+            logit_hashes: vec![1, 2, 3],
+            decode_ms: 12.5,
+            stats: None,
+            memory: vec![],
+        };
+        let p = dir.join("resident.json");
+        let rec = serde_json::json!({"key": key, "run": run});
+        std::fs::write(&p, rec.to_string()).unwrap();
+        p
+    }
+
+    #[test]
+    fn resident_record_round_trips_and_refuses_other_settings() {
+        let dir = std::env::temp_dir().join(format!("sparda-resident-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = serde_json::json!({"model": "synth:nosa-8b", "new_tokens": 20000});
+        let p = record(&dir, key.clone());
+        let run = load_resident(&p, &key).unwrap();
+        assert_eq!(run.tokens, vec![5, 7, 9]);
+        assert_eq!(run.logit_hashes, vec![1, 2, 3]);
+        let other = serde_json::json!({"model": "synth:nosa-8b", "new_tokens": 2000});
+        let e = load_resident(&p, &other).unwrap_err().to_string();
+        assert!(e.contains("new_tokens: recorded 20000 vs now 2000"), "{e}");
+        std::fs::write(&p, "{").unwrap();
+        let e = load_resident(&p, &key).unwrap_err().to_string();
+        assert!(e.contains("not a resident run record"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn token_hash_separates_prompt_boundaries() {
+        let a = token_hash(&[vec![1, 2], vec![3]]);
+        let b = token_hash(&[vec![1], vec![2, 3]]);
+        assert_ne!(a, b);
+        assert_eq!(a, token_hash(&[vec![1, 2], vec![3]]));
+    }
 }
