@@ -302,7 +302,7 @@ struct OffloadCheckArgs {
     /// Sample GPU memory in use and the process's resident memory every N
     /// decode steps of each run (long runs: GPU memory must stay flat); the
     /// report also spells out every sequence's token at steps 2,000, 8,000
-    /// and 20,000 where the run reaches them.
+    /// and 20,000 where the run reaches them, and at its last step.
     #[arg(long, default_value_t = 1000)]
     sample_memory_every: usize,
     /// Run only the GPU-resident reference and record it (tokens, logit

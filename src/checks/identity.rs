@@ -202,11 +202,15 @@ pub fn offload_identity(
         None => run(model, prompts, new_tokens, None, sample_every)?,
     };
     let nb = prompts.len().max(1);
-    // the steps whose tokens the report spells out (long runs: 2K, 8K, 20K)
-    let checkpoints: Vec<usize> = [2_000usize, 8_000, 20_000]
+    // the steps whose tokens the report spells out (long runs: 2K, 8K, 20K,
+    // and the last step: a run of 20,000 tokens ends at step 19,999)
+    let mut checkpoints: Vec<usize> = [2_000usize, 8_000, 20_000]
         .into_iter()
         .filter(|&s| s < new_tokens)
         .collect();
+    if new_tokens > 0 && checkpoints.last() != Some(&(new_tokens - 1)) {
+        checkpoints.push(new_tokens - 1);
+    }
     eprintln!(
         "offload-check: GPU-resident sparse, {} tokens in {:.0} ms",
         base.tokens.len(),
