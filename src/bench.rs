@@ -344,8 +344,11 @@ pub fn default_texts_dir(root: &Path) -> PathBuf {
 /// The positions a case decodes past its context: warm-up and timed steps,
 /// the extra steps of the mode comparison, the host-issue step, fetch
 /// timing and tracing, and a margin of 3 (the sequences' capacity is
-/// context + this + 1).
+/// context + this + 1); 1 in a prefill-only run (`steps` 0).
 pub fn positions_after_context(spec: &BenchSpec, compare_modes: bool) -> usize {
+    if spec.steps == 0 {
+        return 1; // prefill only: the first token's position
+    }
     spec.warmup
         + spec.steps
         + if compare_modes { 2 * spec.steps + 8 } else { 0 }
@@ -370,6 +373,9 @@ pub fn cap_context(asked: usize, after: usize, max_position: usize) -> Option<us
         Some(room)
     }
 }
+
+/// Tokens of the untimed prefill that opens each prefill-only case.
+const PREFILL_WARMUP_TOKENS: usize = 2048;
 
 /// One text's tokens, for prompts.
 struct Book {
@@ -545,7 +551,9 @@ struct StepTimes {
 
 /// The report's `what`: which comparison `spec` runs (runtime.md §5).
 fn bench_what(spec: &BenchSpec) -> String {
-    let mut w = if !spec.equivalent_batches.is_empty() {
+    let mut w = if spec.steps == 0 {
+        "sparda bench --steps 0: prefill only — tokens/s and time to first token of a real prefill, one sequence at a time (offloaded KV: its spill to host memory included)".to_string()
+    } else if !spec.equivalent_batches.is_empty() {
         "sparda bench: every mode side by side under the equivalent-batch protocol (runtime.md §5)"
             .to_string()
     } else if spec.forecast.is_some() {
@@ -629,15 +637,28 @@ fn run_case(
         v["skipped"] = json!(reason);
         return Ok(v);
     }
+    let prefill_only = spec.steps == 0;
+    if prefill_only {
+        // untimed: the first prefill of a case pays for workspace growth
+        // and first launches
+        let mut seq = model.new_sequence(cap)?;
+        let toks = source.tokens(batch, batch + 1, context.min(PREFILL_WARMUP_TOKENS));
+        model.prefill(&mut seq, &toks, |_, _| {})?;
+        drop(seq);
+        model.release_buffers();
+    }
     let t_fill = std::time::Instant::now();
     // One sequence at a time: with offload only one full cache exists at once.
     let mut seqs = Vec::with_capacity(batch);
     let mut first = Vec::with_capacity(batch);
+    // per sequence: (prefill ms incl. the offload spill, time to first token ms)
+    let mut per_seq: Vec<(f64, f64)> = Vec::with_capacity(batch);
     for b in 0..batch {
         crate::interrupt::check(cell)?;
         let mut seq = model.new_sequence(cap)?;
         let sq = &mut seq;
         let toks = source.tokens(b, batch, context + 1);
+        let t_seq = std::time::Instant::now();
         match spec.prefill {
             BenchPrefill::Synthetic => {
                 model.fill_synthetic(sq, context, spec.seed.wrapping_add(b as u64))?
@@ -652,11 +673,45 @@ fn run_case(
         if offload.is_some() {
             model.offload_sequence(sq, cap)?;
         }
+        if prefill_only {
+            gpu.synchronize()?;
+            let prefill_ms = t_seq.elapsed().as_secs_f64() * 1e3;
+            model.argmax()?; // the first token reaches the host
+            per_seq.push((prefill_ms, t_seq.elapsed().as_secs_f64() * 1e3));
+        }
         first.push(toks[context]);
         seqs.push(seq);
     }
     gpu.synchronize()?;
     let fill_s = t_fill.elapsed().as_secs_f64();
+    if prefill_only {
+        let (free_after, _) = gpu.mem_info()?;
+        let prefill_ms: Vec<f64> = per_seq.iter().map(|p| p.0).collect();
+        let ttft_ms: Vec<f64> = per_seq.iter().map(|p| p.1).collect();
+        let total_ms: f64 = prefill_ms.iter().sum();
+        let tokens_per_s = (batch * context) as f64 / (total_ms / 1e3);
+        eprintln!(
+            "  {:>6} {} B={batch:<3} L={context:<6} prefill {:.1} ms/sequence (median), {:.0} tokens/s; time to first token median {:.1} ms, max {:.1}",
+            if sparse { "sparse" } else { "dense" },
+            kv_name(&offload),
+            median(&prefill_ms),
+            tokens_per_s,
+            median(&ttft_ms),
+            ttft_ms.iter().copied().fold(0.0, f64::max)
+        );
+        let mut v = base;
+        v["prefill_s"] = json!(fill_s);
+        v["prefill_ms_per_sequence"] = json!(prefill_ms);
+        v["prefill_tokens_per_s"] = json!(tokens_per_s);
+        v["ttft_ms_per_sequence"] = json!(ttft_ms);
+        v["ttft_ms_median"] = json!(median(&ttft_ms));
+        v["gpu_mem_used_bytes"] = json!(total - free_after);
+        v["host_rss_bytes"] = json!(host_rss_bytes());
+        drop(seqs);
+        model.release_buffers();
+        gpu.synchronize()?;
+        return Ok(v);
+    }
     // Warm-up: build (eager), capture, … (excluded).
     model.decode(&mut seqs, &first)?;
     for _ in 1..spec.warmup {
@@ -838,10 +893,32 @@ fn run_case(
 /// ([`Error::Input`]); checkpoint errors. A case that does not fit in
 /// device memory is skipped and recorded, not an error.
 pub fn run(spec: &BenchSpec) -> Result<Value> {
-    if spec.steps == 0 || spec.warmup == 0 || spec.batches.is_empty() || spec.contexts.is_empty() {
+    if spec.warmup == 0 || spec.batches.is_empty() || spec.contexts.is_empty() {
         return Err(Error::Input(
-            "bench: need ≥ 1 timed step, ≥ 1 warm-up step, a batch and a context".into(),
+            "bench: need ≥ 1 warm-up step, a batch and a context".into(),
         ));
+    }
+    if spec.steps == 0 {
+        // prefill only (as llama-bench -n 0): what it would not measure is refused
+        let refuse = |what: &str| {
+            Err(Error::Input(format!(
+                "bench --steps 0 (prefill only): {what} measures decode steps; drop it or give --steps ≥ 1"
+            )))
+        };
+        if spec.prefill == BenchPrefill::Synthetic {
+            return Err(Error::Input(
+                "bench --steps 0 (prefill only) needs a real prefill: give --prefill dense or --prefill sparse".into(),
+            ));
+        }
+        if !spec.equivalent_batches.is_empty() {
+            return refuse("--equivalent-batch");
+        }
+        if spec.forecast.is_some() {
+            return refuse("--forecast");
+        }
+        if spec.trace_steps > 0 {
+            return refuse("--trace");
+        }
     }
     if spec.equivalent_batches.contains(&0) {
         return Err(Error::Input("--equivalent-batch: give sizes ≥ 1".into()));
@@ -979,7 +1056,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
     ceiling_batches.sort_unstable();
     ceiling_batches.dedup();
     let mut ceilings = Vec::new();
-    if spec.ceiling_reps > 0 {
+    if spec.ceiling_reps > 0 && spec.steps > 0 {
         for &b in &ceiling_batches {
             let c = model.gemm_ceiling(b, spec.ceiling_reps)?;
             eprintln!(
@@ -1268,6 +1345,16 @@ pub fn table(report: &Value) -> String {
         if let Some(r) = c["skipped"].as_str() {
             s.push_str(&format!(
                 "{att:<9}  {kv:<12}  {b:<3}  {l:<6}  skipped: {r}\n"
+            ));
+            continue;
+        }
+        if let Some(tps) = c["prefill_tokens_per_s"]
+            .as_f64()
+            .filter(|_| c["step_ms_mean"].is_null())
+        {
+            s.push_str(&format!(
+                "{att:<9}  {kv:<12}  {b:<3}  {l:<6}  prefill only: {tps:.0} tokens/s, time to first token {:.1} ms (median)\n",
+                c["ttft_ms_median"].as_f64().unwrap_or(f64::NAN)
             ));
             continue;
         }
@@ -1576,5 +1663,41 @@ mod tests {
         assert!(bench_what(&s).contains("forecast selection with and without prefetch"));
         s.equivalent_batches = vec![128];
         assert!(bench_what(&s).contains("equivalent-batch protocol"));
+    }
+
+    #[test]
+    fn prefill_only_needs_a_real_prefill_and_refuses_decode_options() {
+        let mut s = tiny_spec();
+        s.steps = 0;
+        let e = run(&s).unwrap_err().to_string();
+        assert!(e.contains("needs a real prefill"), "{e}");
+        s.prefill = BenchPrefill::Real(PrefillMode::Dense);
+        s.equivalent_batches = vec![32];
+        let e = run(&s).unwrap_err().to_string();
+        assert!(
+            e.contains("--equivalent-batch measures decode steps"),
+            "{e}"
+        );
+        s.equivalent_batches.clear();
+        s.forecast = Some("synth:1".into());
+        let e = run(&s).unwrap_err().to_string();
+        assert!(e.contains("--forecast measures decode steps"), "{e}");
+        s.forecast = None;
+        // a prefill-only case reserves the first token's position only
+        assert_eq!(positions_after_context(&s, true), 1);
+        assert!(bench_what(&s).contains("prefill only"));
+        s.steps = 64;
+        assert_eq!(positions_after_context(&s, false), 1 + 64 + 2 + 3);
+    }
+
+    #[test]
+    fn table_prints_prefill_only_rows() {
+        let r = json!({"cases": [{"attention": "sparse", "kv": "gpu", "batch": 1, "context": 32768,
+            "prefill_tokens_per_s": 20480.4, "ttft_ms_median": 1600.04}]});
+        let t = table(&r);
+        assert!(
+            t.contains("prefill only: 20480 tokens/s, time to first token 1600.0 ms"),
+            "{t}"
+        );
     }
 }

@@ -687,7 +687,9 @@ struct BenchArgs {
     /// Context lengths L: tokens per sequence before decoding (e.g. 4K,32K).
     #[arg(long, value_delimiter = ',', num_args = 1.., default_value = "4K")]
     context: Vec<String>,
-    /// Timed decode steps per case (≥ 64 per runtime.md §5).
+    /// Timed decode steps per case (≥ 64 per runtime.md §5); 0 benchmarks
+    /// the prefill alone (tokens/s and time to first token of each
+    /// sequence; needs --prefill dense or sparse), as `llama-bench -n 0`.
     #[arg(long, default_value_t = 64)]
     steps: usize,
     /// Untimed warm-up decode steps per case (build, graph capture).

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The prefill benchmark on the GPU machine: prefill tokens/s and time to
+# first token of synthetic NOSA-8B (book prompts), dense and sparse prefill,
+# KV on the GPU and offloaded (the spill to pinned host memory included),
+# B = 1 and 4, beside the transformers SDPA baseline of the same shape.
+# One phase per device call (each < 10 minutes):
+#   scripts/device/prefill.sh short-sparse OUT   4K, 16K, 32K, sparse prefill
+#   scripts/device/prefill.sh short-dense  OUT   the same, dense prefill (NOSA_F)
+#   scripts/device/prefill.sh long-sparse  OUT   64K, 128K (runs as 127K: 128K and the first
+#                                                token's position exceed max_position_embeddings)
+#   scripts/device/prefill.sh long-dense   OUT   the same, dense prefill
+#   scripts/device/prefill.sh baseline     OUT   transformers SDPA prefill at 4K … 128K
+# Env: SPARDA (default .device/bin/sparda), SPARDA_COMMIT, BATCH (default 1,4),
+#      PREFILL_ATTENTION (extra `--prefill-attention` value when the binary has it).
+set -uo pipefail
+phase=${1:?phase: short-sparse|short-dense|long-sparse|long-dense|baseline}; out=${2:?out dir}; mkdir -p "$out"
+SPARDA=${SPARDA:-.device/bin/sparda}
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+tok=${TOKENIZER:-.device/bin/tokenizer.json}
+texts=.device/texts; ls $texts/*.txt >/dev/null 2>&1 || texts=data/texts
+batch=${BATCH:-1,4}
+extra=()
+[[ -n "${PREFILL_ATTENTION:-}" ]] && extra=(--prefill-attention "$PREFILL_ATTENTION")
+bench() { # name, context list
+  "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" --steps 0 \
+    --attention sparse --kv gpu,offload --batch "$batch" --context "$2" "${extra[@]}" \
+    --prefill "$3" --json "$out/prefill_$1_$3.json" 2>&1 | grep -v "^\s*$" | tail -12
+}
+case "$phase" in
+short-sparse) bench short 4K,16K,32K sparse ;;
+short-dense) bench short 4K,16K,32K dense ;;
+long-sparse) bench long 64K,128K sparse ;;
+long-dense) bench long 64K,128K dense ;;
+baseline)
+  python3 benches/baselines/transformers_prefill.py --context 4K,16K,32K,64K,128K \
+    --batch "$batch" --json "$out/transformers_sdpa_prefill.json" ;;
+*) echo "unknown phase $phase"; exit 2 ;;
+esac
