@@ -1102,10 +1102,14 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
             ),
             Source::Random(..) => "random ids".to_string(),
         },
-        "protocol": format!(
-            "per case: {} warm-up decode steps excluded (the first builds the device-resident step and runs it eagerly, the second captures the CUDA graph), then {} timed greedy steps fed on the device; CUDA events around each step; tokens/s = B·steps / timed wall time; decode only (prefill excluded)",
-            spec.warmup, spec.steps
-        ),
+        "protocol": if spec.steps == 0 {
+            format!("per case: one untimed prefill of {PREFILL_WARMUP_TOKENS} tokens (workspaces, first launches), then each of the B sequences prefilled in turn, timed on the host around the prefill and its synchronisation (offloaded KV: the spill to pinned host memory included); time to first token adds the argmax and its copy to the host; prefill tokens/s = B·L / the sum of the sequences' prefill times")
+        } else {
+            format!(
+                "per case: {} warm-up decode steps excluded (the first builds the device-resident step and runs it eagerly, the second captures the CUDA graph), then {} timed greedy steps fed on the device; CUDA events around each step; tokens/s = B·steps / timed wall time; decode only (prefill excluded)",
+                spec.warmup, spec.steps
+            )
+        },
     });
     let ceiling_at = |b: usize| ceilings.iter().find(|c| c.batch == b);
     let min_ctx = *spec.contexts.iter().min().expect("non-empty");
