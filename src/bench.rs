@@ -620,6 +620,13 @@ fn run_case(
         "kv_bytes": kv_bytes,
         "prompt_origin": source.origins_json(batch),
     });
+    if spec.steps == 0 {
+        base["prefill_only"] = json!(true);
+        base["prefill_mode"] = json!(match spec.prefill {
+            BenchPrefill::Real(PrefillMode::Dense) => "dense",
+            _ => "as the attention mode says",
+        });
+    }
     if offload.is_some() {
         base["offload_layer0"] = json!(offload.is_some_and(|o| o.offload_layer0));
         base["host_pinned_bytes"] = json!(footprint.host_pinned_bytes);

@@ -322,6 +322,12 @@ pub struct Row {
     pub roofline: Option<Roofline>,
     /// step_ms_p50 / roofline step_ms.
     pub measured_over_roofline: Option<f64>,
+    /// Prefill tokens/s (B · L over the sequences' prefill times): set on
+    /// the rows of a prefill benchmark (`sparda bench --steps 0`, the
+    /// transformers prefill baseline), which have no decode figures.
+    pub prefill_tokens_per_s: Option<f64>,
+    /// Median time to first token of a prefill row, ms.
+    pub ttft_ms_p50: Option<f64>,
     /// Why the cell did not run.
     pub skipped: Option<String>,
     /// Commit of the binary that measured it.
@@ -450,9 +456,36 @@ pub fn row_from_case(report: &Value, c: &Value, source: &str) -> Row {
         host_mem_bytes: None,
         roofline: None,
         measured_over_roofline: None,
+        prefill_tokens_per_s: None,
+        ttft_ms_p50: None,
         skipped: s(&c["skipped"]),
         commit: s(&report["commit"]),
     };
+    if c["prefill_only"] == true
+        || (c["prefill_tokens_per_s"].is_number() && c["step_ms_median"].is_null())
+    {
+        // a prefill-only case (bench --steps 0)
+        let dense = c["prefill_mode"].as_str() == Some("dense");
+        let kv = if c["kv"].as_str().is_some_and(|k| k.starts_with("offload")) {
+            "KV offloaded"
+        } else {
+            "KV on GPU"
+        };
+        row.mode = match (c["attention"].as_str(), dense) {
+            (Some("dense"), _) => format!("dense prefill, {kv}"),
+            (_, true) => format!("dense prefill (sparse decode), {kv}"),
+            _ => format!("sparse prefill, {kv}"),
+        };
+        if let Some(a) = c["prefill_attention"].as_str() {
+            row.mode.push_str(&format!(", {a} attention"));
+        }
+        if row.skipped.is_none() {
+            row.prefill_tokens_per_s = f(&c["prefill_tokens_per_s"]);
+            row.ttft_ms_p50 = f(&c["ttft_ms_median"]);
+            row.gpu_mem_bytes = f(&c["gpu_mem_used_bytes"]);
+        }
+        return row;
+    }
     if row.skipped.is_some() {
         return row;
     }
@@ -498,7 +531,8 @@ pub fn row_from_case(report: &Value, c: &Value, source: &str) -> Row {
 /// Rows of a baseline JSON (benches/baselines/*.py): `{"baseline": NAME,
 /// "rows": [{"mode", "batch", "context", "tokens_per_s", "step_ms_median",
 /// "step_ms_p99", "gpu_mem_used_bytes", "host_mem_bytes",
-/// "equivalent_batch"?, "skipped"?}]}`.
+/// "equivalent_batch"?, "skipped"?}]}`; a prefill baseline's rows carry
+/// `prefill_tokens_per_s` and `ttft_ms_median` instead of the decode figures.
 ///
 /// Errors: [`Error::Input`] naming the file and the row index of a row
 /// without `mode`, `batch` or `context`.
@@ -528,6 +562,8 @@ pub fn rows_from_baseline(v: &Value, source: &str) -> Result<Vec<Row>> {
             host_mem_bytes: f(&r["host_mem_bytes"]),
             roofline: None,
             measured_over_roofline: None,
+            prefill_tokens_per_s: f(&r["prefill_tokens_per_s"]),
+            ttft_ms_p50: f(&r["ttft_ms_median"]),
             skipped: s(&r["skipped"]),
             commit: None,
         });
@@ -765,11 +801,56 @@ pub fn markdown(l: &Loaded) -> String {
         ));
     }
     out.push('\n');
-    out.push_str(TABLE_HEADER);
-    for r in &l.rows {
-        out.push_str(&table_row(r));
+    let (prefill, decode): (Vec<&Row>, Vec<&Row>) = l.rows.iter().partition(|r| is_prefill_row(r));
+    if !decode.is_empty() {
+        out.push_str(TABLE_HEADER);
+        for r in decode {
+            out.push_str(&table_row(r));
+        }
+    }
+    if !prefill.is_empty() {
+        if !out.ends_with("\n\n") {
+            out.push('\n');
+        }
+        out.push_str("Prefill (one sequence at a time; time to first token = the prefill and the first token's argmax):\n\n");
+        out.push_str(PREFILL_TABLE_HEADER);
+        for r in prefill {
+            out.push_str(&prefill_table_row(r));
+        }
     }
     out
+}
+
+/// Whether a row measures prefill (no decode figures): a `bench --steps 0`
+/// case or a prefill baseline's row (skipped ones by their mode name).
+pub fn is_prefill_row(r: &Row) -> bool {
+    r.prefill_tokens_per_s.is_some()
+        || r.ttft_ms_p50.is_some()
+        || (r.tokens_per_s.is_none() && r.mode.contains("prefill"))
+}
+
+/// The header of the prefill table.
+pub const PREFILL_TABLE_HEADER: &str = "| L | mode | B | prefill tokens/s | time to first token p50 ms | GPU GiB |\n| --- | --- | --- | --- | --- | --- |\n";
+
+/// One prefill table row ([`PREFILL_TABLE_HEADER`]'s columns).
+pub fn prefill_table_row(r: &Row) -> String {
+    let l = context_label(r.context);
+    if let Some(why) = &r.skipped {
+        return format!(
+            "| {l} | {} | {} | skipped: {} | | |\n",
+            r.mode,
+            r.batch,
+            why.replace('|', "/").replace('\n', " ")
+        );
+    }
+    format!(
+        "| {l} | {} | {} | {} | {} | {} |\n",
+        r.mode,
+        r.batch,
+        opt(r.prefill_tokens_per_s, 0),
+        opt(r.ttft_ms_p50, 1),
+        gib(r.gpu_mem_bytes),
+    )
 }
 
 /// The merged JSON of a report: what it is, the runs (GPU, driver, commit,
@@ -799,11 +880,42 @@ pub fn merged_json(l: &Loaded) -> Value {
 /// Errors: no row to plot ([`Error::Input`]); drawing or writing fails
 /// ([`Error::Input`] naming the file).
 pub fn write_chart(rows: &[Row], path: &Path) -> Result<()> {
+    chart(
+        rows,
+        path,
+        |r| r.tokens_per_s,
+        "decode tokens/s against context",
+    )
+}
+
+/// As [`write_chart`] for the prefill rows ([`is_prefill_row`]): prefill
+/// tokens/s against prompt length, one line per mode and batch size.
+///
+/// Errors: as [`write_chart`].
+pub fn write_prefill_chart(rows: &[Row], path: &Path) -> Result<()> {
+    let named: Vec<Row> = rows
+        .iter()
+        .filter(|r| is_prefill_row(r))
+        .map(|r| Row {
+            mode: format!("{}, B = {}", r.mode, r.batch),
+            ..r.clone()
+        })
+        .collect();
+    chart(
+        &named,
+        path,
+        |r| r.prefill_tokens_per_s,
+        "prefill tokens/s against prompt length",
+    )
+}
+
+/// One line per mode of `value` against context (K tokens), as an SVG file.
+fn chart(rows: &[Row], path: &Path, value: fn(&Row) -> Option<f64>, caption: &str) -> Result<()> {
     use plotters::prelude::*;
     let pts: Vec<(&Row, f64)> = rows
         .iter()
         .filter(|r| r.skipped.is_none())
-        .filter_map(|r| r.tokens_per_s.map(|t| (r, t)))
+        .filter_map(|r| value(r).map(|t| (r, t)))
         .collect();
     if pts.is_empty() {
         return Err(Error::Input(format!(
@@ -843,7 +955,7 @@ pub fn write_chart(rows: &[Row], path: &Path) -> Result<()> {
     let root = SVGBackend::new(path, (960, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let mut chart = ChartBuilder::on(&root)
-        .caption("decode tokens/s against context", ("sans-serif", 22))
+        .caption(caption, ("sans-serif", 22))
         .margin(16)
         .x_label_area_size(44)
         .y_label_area_size(64)
@@ -911,8 +1023,10 @@ pub fn replace_between_markers(text: &str, section: &str, what: &str) -> Result<
     Ok(out)
 }
 
-/// Writes `PREFIX.json` ([`merged_json`]), `PREFIX.md` ([`markdown`]) and
-/// `PREFIX.svg` ([`write_chart`]); returns the markdown.
+/// Writes `PREFIX.json` ([`merged_json`]), `PREFIX.md` ([`markdown`]),
+/// `PREFIX.svg` ([`write_chart`]; when decode rows were measured, or when
+/// nothing was) and `PREFIX.prefill.svg` ([`write_prefill_chart`]; when
+/// prefill rows were measured); returns the markdown.
 ///
 /// Errors: as [`write_chart`]; [`Error::Io`] naming a file.
 pub fn write_report(l: &Loaded, prefix: &Path) -> Result<String> {
@@ -928,6 +1042,19 @@ pub fn write_report(l: &Loaded, prefix: &Path) -> Result<String> {
     let md = markdown(l);
     let mdp = with(".md");
     std::fs::write(&mdp, &md).map_err(|e| Error::io(&mdp, e))?;
-    write_chart(&l.rows, &with(".svg"))?;
+    let decode = l
+        .rows
+        .iter()
+        .any(|r| r.skipped.is_none() && r.tokens_per_s.is_some());
+    let prefill = l
+        .rows
+        .iter()
+        .any(|r| r.skipped.is_none() && r.prefill_tokens_per_s.is_some());
+    if decode || !prefill {
+        write_chart(&l.rows, &with(".svg"))?;
+    }
+    if prefill {
+        write_prefill_chart(&l.rows, &with(".prefill.svg"))?;
+    }
     Ok(md)
 }

@@ -343,3 +343,100 @@ fn readme_section_is_replaced_between_the_markers() {
         .to_string();
     assert!(e.contains("README.md") && e.contains("BEGIN"), "{e}");
 }
+
+#[test]
+fn prefill_cases_and_a_prefill_baseline_make_their_own_table() {
+    let d = tmp_dir("prefill");
+    let bench = d.join("prefill_bench.json");
+    let report = json!({
+        "what": "sparda bench --steps 0: prefill only", "gpu": "NVIDIA H200", "commit": "abc1234",
+        "date_utc": "2026-12-01T05:00:00Z", "model": "synth:nosa-8b",
+        "cases": [
+            {"attention": "sparse", "kv": "gpu", "batch": 1, "context": 32768,
+             "prefill_mode": "as the attention mode says", "prefill_tokens_per_s": 20480.0,
+             "ttft_ms_median": 1600.25, "gpu_mem_used_bytes": 32.0 * 1073741824.0},
+            {"attention": "sparse", "kv": "offload-sm16", "batch": 4, "context": 32768,
+             "prefill_mode": "dense", "prefill_tokens_per_s": 9000.0, "ttft_ms_median": 3640.0},
+            {"attention": "sparse", "kv": "gpu", "batch": 4, "context": 131072,
+             "prefill_only": true, "prefill_mode": "dense", "skipped": "needs 300 GiB"}
+        ]
+    });
+    std::fs::write(&bench, report.to_string()).unwrap();
+    let base = d.join("transformers_prefill.json");
+    std::fs::write(
+        &base,
+        json!({"baseline": "transformers-sdpa-prefill", "what": "SDPA", "torch": "2.9", "transformers": "4.57",
+               "gpu": "NVIDIA H200",
+               "rows": [{"mode": "transformers SDPA prefill", "batch": 1, "context": 32768,
+                         "prefill_tokens_per_s": 12550.0, "ttft_ms_median": 2611.0}]})
+        .to_string(),
+    )
+    .unwrap();
+    let l = load_inputs(&[bench, base]).unwrap();
+    assert_eq!(l.rows.len(), 4);
+    assert!(l.rows.iter().all(is_prefill_row));
+    let modes: Vec<&str> = l.rows.iter().map(|r| r.mode.as_str()).collect();
+    assert!(modes.contains(&"sparse prefill, KV on GPU"), "{modes:?}");
+    assert!(
+        modes.contains(&"dense prefill (sparse decode), KV offloaded"),
+        "{modes:?}"
+    );
+    let md = markdown(&l);
+    assert!(
+        !md.contains(TABLE_HEADER),
+        "no decode rows, no decode table:\n{md}"
+    );
+    assert!(md.contains(PREFILL_TABLE_HEADER), "{md}");
+    assert!(
+        md.contains("| 32K | sparse prefill, KV on GPU | 1 | 20480 | 1600.2 | 32.0 |"),
+        "{md}"
+    );
+    assert!(
+        md.contains("| 32K | transformers SDPA prefill | 1 | 12550 | 2611.0 | – |"),
+        "{md}"
+    );
+    assert!(
+        md.contains(
+            "| 128K | dense prefill (sparse decode), KV on GPU | 4 | skipped: needs 300 GiB | | |"
+        ),
+        "{md}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_prefill_only_report_writes_its_prefill_chart() {
+    let d = tmp_dir("prefill_chart");
+    let bench = d.join("p.json");
+    std::fs::write(
+        &bench,
+        json!({"commit": "abc1234", "cases": [
+            {"attention": "sparse", "kv": "gpu", "batch": 1, "context": 4096, "prefill_only": true,
+             "prefill_tokens_per_s": 15000.0, "ttft_ms_median": 270.0},
+            {"attention": "sparse", "kv": "gpu", "batch": 1, "context": 32768, "prefill_only": true,
+             "prefill_tokens_per_s": 9000.0, "ttft_ms_median": 3600.0}]})
+        .to_string(),
+    )
+    .unwrap();
+    let l = load_inputs(&[bench]).unwrap();
+    let prefix = d.join("out/prefill_report");
+    let md = write_report(&l, &prefix).unwrap();
+    assert!(
+        md.contains("| 4K | sparse prefill, KV on GPU | 1 | 15000 | 270.0 |"),
+        "{md}"
+    );
+    let svg = std::fs::read_to_string(d.join("out/prefill_report.prefill.svg")).unwrap();
+    assert!(
+        svg.contains("prefill tokens/s against prompt length"),
+        "chart caption"
+    );
+    assert!(
+        svg.contains("sparse prefill, KV on GPU, B = 1"),
+        "legend names mode and batch"
+    );
+    assert!(
+        !d.join("out/prefill_report.svg").exists(),
+        "no decode chart without decode rows"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
