@@ -10,6 +10,8 @@
 #                                                token's position exceed max_position_embeddings)
 #   scripts/device/prefill.sh long-dense   OUT   the same, dense prefill
 #   scripts/device/prefill.sh baseline     OUT   transformers SDPA prefill at 4K … 128K
+# Then, here: sparda report OUT/prefill_*.json OUT/transformers_sdpa_prefill.json \
+#   --out benches/results/prefill_nosa8b_h200_<date>_<commit>   (a table and PREFIX.prefill.svg)
 # Env: SPARDA (default .device/bin/sparda), SPARDA_COMMIT, BATCH (default 1,4),
 #      PREFILL_ATTENTION (extra `--prefill-attention` value when the binary has it).
 set -uo pipefail
