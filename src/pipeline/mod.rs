@@ -204,28 +204,12 @@ pub enum PrefillAttention {
 }
 
 impl PrefillAttention {
-    /// The CLI spelling: `rowwise` or `tensor-core`.
+    /// The CLI spelling (`--prefill-attention`), also in JSON reports:
+    /// `rowwise` or `tensor-core`.
     pub fn name(self) -> &'static str {
         match self {
             PrefillAttention::Rowwise => "rowwise",
             PrefillAttention::TensorCore => "tensor-core",
-        }
-    }
-}
-
-impl std::str::FromStr for PrefillAttention {
-    type Err = Error;
-
-    /// `rowwise` or `tensor-core` (also `tensor_core`, `tc`).
-    ///
-    /// Errors: [`Error::Input`] naming the value and the choices.
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "rowwise" => Ok(PrefillAttention::Rowwise),
-            "tensor-core" | "tensor_core" | "tc" => Ok(PrefillAttention::TensorCore),
-            _ => Err(Error::Input(format!(
-                "prefill attention {s:?}: give rowwise or tensor-core"
-            ))),
         }
     }
 }
