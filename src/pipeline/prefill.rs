@@ -12,7 +12,9 @@ impl GpuModel {
     ///
     /// Dense or sparse as the CPU reference decides (spec §6): sparse iff the
     /// plan is sparse, the whole prompt (T + n tokens) reaches dense_len, and
-    /// the prefill mode is not `Dense`.
+    /// the prefill mode is not `Dense`. Dense chunks attend with the kernel
+    /// [`GpuModel::set_prefill_attention`] chose (the tensor-core kernel
+    /// takes chunks of [`PREFILL_CHUNK`] rows at any context).
     ///
     /// Synchronises once at the end and checks the device error record (see
     /// [`GpuModel::check_device_errors`]).
