@@ -76,6 +76,9 @@ pub struct BenchSpec {
     pub warmup: usize,
     /// How sequences are filled.
     pub prefill: BenchPrefill,
+    /// The kernel of dense prefill rows of a real prefill
+    /// ([`GpuModel::set_prefill_attention`]).
+    pub prefill_attention: crate::pipeline::PrefillAttention,
     /// tokenizer.json for book-text prompts (else random ids).
     pub tokenizer: Option<PathBuf>,
     /// Directory of `.txt` books (data/texts).
@@ -1005,6 +1008,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
     };
     crate::memory::check_weights(&gpu, &ckpt.config, ckpt.eviction_heads)?;
     let mut model = GpuModel::new(gpu.clone(), &ckpt, opts(spec.sparse[0]))?;
+    model.set_prefill_attention(spec.prefill_attention)?;
     let cfg = ckpt.config.clone();
     drop(ckpt);
     let load_s = t.elapsed().as_secs_f64();
@@ -1100,6 +1104,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
             BenchPrefill::Synthetic => "synthetic: random bf16 K/V N(0,1) per layer; c, Kc, p computed from them on the GPU; the model is not run (runtime.md §5)".to_string(),
             BenchPrefill::Real(m) => format!("real ({m:?})"),
         },
+        "prefill_attention": spec.prefill_attention.name(),
         "prompt_tokens": match &source {
             Source::Books(b) => format!(
                 "book text ({}: {}), sequence b on text b mod {}, sequences sharing a text at different offsets (`prompt_origin` per case)",
@@ -1639,6 +1644,7 @@ mod tests {
             steps: 1,
             warmup: 1,
             prefill: BenchPrefill::Synthetic,
+            prefill_attention: Default::default(),
             tokenizer: None,
             texts: PathBuf::from("data/texts"),
             seed: 0,

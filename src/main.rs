@@ -373,6 +373,24 @@ enum PrefillArg {
     Sparse,
 }
 
+/// `--prefill-attention`: the kernel of dense prefill rows (CUDA backend).
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum PrefillAttentionArg {
+    /// The decode attention kernel per query row, split-K (the default).
+    Rowwise,
+    /// Tiles of rows against tiles of keys on the tensor cores (head dim 64, 80 or 128).
+    TensorCore,
+}
+
+impl From<PrefillAttentionArg> for sparda::pipeline::PrefillAttention {
+    fn from(a: PrefillAttentionArg) -> Self {
+        match a {
+            PrefillAttentionArg::Rowwise => sparda::pipeline::PrefillAttention::Rowwise,
+            PrefillAttentionArg::TensorCore => sparda::pipeline::PrefillAttention::TensorCore,
+        }
+    }
+}
+
 /// The model and the mode it runs in: the flags `generate` and
 /// `perplexity` share (runtime.md §6).
 #[derive(Args)]
@@ -398,6 +416,10 @@ struct ModeArgs {
     /// Prefill attention.
     #[arg(long, value_enum)]
     prefill: Option<PrefillArg>,
+    /// Kernel of dense prefill rows (CUDA backend): rowwise (split-K, the
+    /// default) or tensor-core (tiled, head dim 64, 80 or 128).
+    #[arg(long, value_enum, default_value_t = PrefillAttentionArg::Rowwise)]
+    prefill_attention: PrefillAttentionArg,
     /// Attended blocks S per (sequence, KV head) (sets topk = S − window blocks).
     #[arg(long, allow_negative_numbers = true)]
     budget_blocks: Option<usize>,
@@ -698,6 +720,9 @@ struct BenchArgs {
     /// How sequences are filled before decoding.
     #[arg(long, value_enum, default_value_t = BenchPrefillArg::Synthetic)]
     prefill: BenchPrefillArg,
+    /// Kernel of dense prefill rows of a real prefill (--prefill dense|sparse).
+    #[arg(long, value_enum, default_value_t = PrefillAttentionArg::Rowwise)]
+    prefill_attention: PrefillAttentionArg,
     /// tokenizer.json for prompts from the books in --texts (default: the
     /// checkpoint's, or the fixture's for synth: models; without one, random ids).
     #[arg(long)]

@@ -113,6 +113,53 @@ fn offloaded_kv_on_the_cpu_backend_is_refused() {
 }
 
 #[test]
+fn prefill_attention_flag_takes_two_kernels_and_needs_cuda_for_tensor_cores() {
+    // generate and perplexity (the mode flags) and bench list both values.
+    for cmd in ["generate", "perplexity", "bench"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_sparda"))
+            .args([cmd, "--help"])
+            .output()
+            .expect("runs the binary");
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            help.contains("--prefill-attention") && help.contains("tensor-core"),
+            "{cmd}: {help}"
+        );
+    }
+    let mut a = TINY.to_vec();
+    a.extend(["cpu", "--prefill-attention", "tensor-core"]);
+    let (ok, err, took) = sparda_within(&a, FAST);
+    assert!(
+        !ok && err.contains("--prefill-attention tensor-core needs the CUDA backend"),
+        "{err}"
+    );
+    assert!(took < FAST, "took {took:?}");
+    let mut a = TINY.to_vec();
+    a.extend(["cpu", "--prefill-attention", "tiled"]);
+    let (ok, err) = sparda(&a);
+    assert!(
+        !ok && err.contains("rowwise") && err.contains("tensor-core"),
+        "{err}"
+    );
+    // The default (rowwise) is accepted on the CPU backend: only the check
+    // of the flag runs here, the run itself is another test's business.
+    let mut a = NOSA_8B.to_vec();
+    a.extend([
+        "--backend",
+        "cpu",
+        "--prefill-attention",
+        "rowwise",
+        "--kv",
+        "offload",
+    ]);
+    let (ok, err, _) = sparda_within(&a, FAST);
+    assert!(
+        !ok && err.contains("--kv offload needs the CUDA backend"),
+        "{err}"
+    );
+}
+
+#[test]
 fn output_paths_in_missing_directories_fail_before_the_run() {
     let mut a = TINY.to_vec();
     a.extend(["cpu", "--json", "/nonexistent-dir-sparda/out.json"]);

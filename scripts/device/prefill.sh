@@ -4,6 +4,14 @@
 # KV on the GPU and offloaded (the spill to pinned host memory included),
 # B = 1 and 4, beside the transformers SDPA baseline of the same shape.
 # One phase per device call (each < 10 minutes):
+#   scripts/device/prefill.sh check        OUT   the tensor-core prefill attention (--prefill-attention
+#                                                tensor-core): gpu-check's kernel cases
+#                                                (attention_dense_prefill among them) and gpu-check-e2e
+#                                                (its *-tc-prefill cases; SmolLM2 real text too when
+#                                                MODEL names the fixture directory)
+#   scripts/device/prefill.sh perf         OUT   generate on MODEL (default synth:nosa-8b) with a dense
+#                                                prefill of CONTEXT book tokens (default 16384), rowwise
+#                                                then tensor-core: prefill ms and the generated text
 #   scripts/device/prefill.sh short-sparse OUT   4K, 16K, 32K, sparse prefill
 #   scripts/device/prefill.sh short-dense  OUT   the same, dense prefill (NOSA_F)
 #   scripts/device/prefill.sh long-sparse  OUT   64K, 128K (runs as 127K: 128K and the first
@@ -15,7 +23,7 @@
 # Env: SPARDA (default .device/bin/sparda), SPARDA_COMMIT, BATCH (default 1,4),
 #      PREFILL_ATTENTION (extra `--prefill-attention` value when the binary has it).
 set -uo pipefail
-phase=${1:?phase: short-sparse|short-dense|long-sparse|long-dense|baseline}; out=${2:?out dir}; mkdir -p "$out"
+phase=${1:?phase: check|perf|short-sparse|short-dense|long-sparse|long-dense|baseline}; out=${2:?out dir}; mkdir -p "$out"
 SPARDA=${SPARDA:-.device/bin/sparda}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 tok=${TOKENIZER:-.device/bin/tokenizer.json}
@@ -29,6 +37,17 @@ bench() { # name, context list
     --prefill "$3" --json "$out/prefill_$1_$3.json" 2>&1 | grep -v "^\s*$" | tail -12
 }
 case "$phase" in
+check)
+  SPARDA_CHECK_ONLY=kernels "$SPARDA" gpu-check --json "$out/gpu_check_kernels.json" 2>&1 | tail -16
+  "$SPARDA" gpu-check-e2e ${MODEL:+--model "$MODEL"} --json "$out/gpu_check_e2e.json" --steps 48 2>&1 | tail -16
+  ;;
+perf)
+  for pa in rowwise tensor-core; do
+    "$SPARDA" generate --model "${MODEL:-synth:nosa-8b}" --tokenizer "$tok" --prompt-file data/texts/hamlet.txt \
+      --prompt-tokens "${CONTEXT:-16384}" --max-new-tokens 32 --backend cuda --prefill dense \
+      --prefill-attention "$pa" --json "$out/generate_${pa}.json" 2>&1 | tail -3
+  done
+  ;;
 short-sparse) bench short 4K,16K,32K sparse ;;
 short-dense) bench short 4K,16K,32K dense ;;
 long-sparse) bench long 64K,128K sparse ;;

@@ -56,9 +56,11 @@
 //! Cases: the tiny synthetic model built in memory (dense; NOSA sparse with
 //! GPU selection and with the host fallback; NOSA with dense prefill; NOSA
 //! with a dense_len that a sequence crosses mid-batch; InfLLM-V2; dense with
-//! dynamic NTK RoPE, prompts below, across and past its original maximum), and, when
+//! dynamic NTK RoPE, prompts below, across and past its original maximum;
+//! dense and NOSA with dense prefill on the tensor-core prefill kernel), and, when
 //! a model directory is given (the SmolLM2 fixture), real text through it:
-//! dense (≥ 256 positions) and InfLLM-V2 past a small budget. Each case
+//! dense (≥ 256 positions; also with the tensor-core prefill kernel) and
+//! InfLLM-V2 past a small budget. Each case
 //! grows one sequence's cache during decode (it starts with room for its
 //! prompt only).
 
@@ -66,7 +68,7 @@ use super::kernels::{rel_l2, utc_now_iso};
 use crate::cpu::{Bf16Points, CpuModel, EngineOptions};
 use crate::cuda::Gpu;
 use crate::model::{AttentionOverrides, PrefillMode, SelectionRule};
-use crate::pipeline::{GpuModel, GpuSequence, SelectionPath};
+use crate::pipeline::{GpuModel, GpuSequence, PrefillAttention, SelectionPath};
 use crate::quality::agreement::{
     compare_full, judge, AgreementSummary, PositionAgreement, RuleOutcome, KL_RATIO, TOP1_SLACK_PP,
     TOP_N,
@@ -119,6 +121,8 @@ struct CaseSpec<'a> {
     path: SelectionPath,
     inputs: Inputs<'a>,
     min_steps: usize,
+    /// The kernel of dense prefill rows on the GPU.
+    prefill_attention: PrefillAttention,
 }
 
 /// Per-case outcome (one entry of the JSON report).
@@ -130,6 +134,8 @@ pub struct E2eCase {
     pub attention: String,
     /// Selection path of the GPU engine.
     pub selection_path: SelectionPath,
+    /// The kernel of the GPU's dense prefill rows.
+    pub prefill_attention: PrefillAttention,
     /// Where the tokens come from: "random prompts, reference greedy
     /// tokens" or "real text".
     pub tokens: String,
@@ -504,6 +510,7 @@ fn run_case(gpu: &Arc<Gpu>, spec: &CaseSpec<'_>, steps: usize) -> E2eCase {
         name: spec.name.to_string(),
         attention: String::new(),
         selection_path: spec.path,
+        prefill_attention: spec.prefill_attention,
         tokens,
         prompt_lens,
         steps,
@@ -655,6 +662,7 @@ fn run_case_inner(
     let t = Instant::now();
     let mut model =
         GpuModel::new(gpu.clone(), spec.ckpt, spec.opts)?.with_selection_path(spec.path);
+    model.set_prefill_attention(spec.prefill_attention)?;
     model.set_record_selections(true);
     let mut seqs: Vec<GpuSequence> = prompts
         .iter()
@@ -933,6 +941,7 @@ pub fn gpu_check_e2e(
                 seed: 11,
             },
             min_steps: 0,
+            prefill_attention: PrefillAttention::Rowwise,
         },
         CaseSpec {
             name: "tiny-nosa-sparse",
@@ -944,6 +953,7 @@ pub fn gpu_check_e2e(
                 seed: 12,
             },
             min_steps: 0,
+            prefill_attention: PrefillAttention::Rowwise,
         },
         CaseSpec {
             name: "tiny-nosa-sparse-host-selection",
@@ -955,6 +965,7 @@ pub fn gpu_check_e2e(
                 seed: 13,
             },
             min_steps: 0,
+            prefill_attention: PrefillAttention::Rowwise,
         },
         CaseSpec {
             name: "tiny-nosa-dense-prefill",
@@ -966,6 +977,7 @@ pub fn gpu_check_e2e(
                 seed: 14,
             },
             min_steps: 0,
+            prefill_attention: PrefillAttention::Rowwise,
         },
         CaseSpec {
             name: "tiny-nosa-dense-len-400",
@@ -977,6 +989,7 @@ pub fn gpu_check_e2e(
                 seed: 15,
             },
             min_steps: 0,
+            prefill_attention: PrefillAttention::Rowwise,
         },
         CaseSpec {
             name: "tiny-dense-dynamic-ntk",
@@ -988,6 +1001,7 @@ pub fn gpu_check_e2e(
                 seed: 18,
             },
             min_steps: 0,
+            prefill_attention: PrefillAttention::Rowwise,
         },
         CaseSpec {
             name: "tiny-infllmv2",
@@ -999,6 +1013,34 @@ pub fn gpu_check_e2e(
                 seed: 16,
             },
             min_steps: 0,
+            prefill_attention: PrefillAttention::Rowwise,
+        },
+        // Dense prefill on the tensor cores (kernels/attn_prefill.cu): a
+        // 700-token prompt crosses a 512-row chunk, so its second chunk
+        // starts at T0 = 512; then sparse decode after a dense prefill.
+        CaseSpec {
+            name: "tiny-dense-tc-prefill",
+            ckpt: &tiny,
+            opts: opts(ov(Some(false), None), PrefillMode::Auto),
+            path: SelectionPath::Gpu,
+            inputs: Inputs::Random {
+                prompt_lens: vec![5, 77, 700],
+                seed: 19,
+            },
+            min_steps: 0,
+            prefill_attention: PrefillAttention::TensorCore,
+        },
+        CaseSpec {
+            name: "tiny-nosa-dense-tc-prefill",
+            ckpt: &tiny,
+            opts: opts(ov(None, None), PrefillMode::Dense),
+            path: SelectionPath::Gpu,
+            inputs: Inputs::Random {
+                prompt_lens: vec![64, 600],
+                seed: 20,
+            },
+            min_steps: 0,
+            prefill_attention: PrefillAttention::TensorCore,
         },
     ];
     if let (Some(f), Some(ids)) = (&fixture, &text_ids) {
@@ -1015,6 +1057,21 @@ pub fn gpu_check_e2e(
                 spans: vec![(0, 40), (2_000, 300)],
             },
             min_steps: FIXTURE_STEPS,
+            prefill_attention: PrefillAttention::Rowwise,
+        });
+        // The same on the tensor-core prefill kernel, with a prompt of two
+        // chunks (the second at T0 = 512).
+        specs.push(CaseSpec {
+            name: "fixture-dense-text-tc-prefill",
+            ckpt: f,
+            opts: opts(ov(None, None), PrefillMode::Auto),
+            path: SelectionPath::Gpu,
+            inputs: Inputs::Text {
+                ids,
+                spans: vec![(0, 40), (6_000, 700)],
+            },
+            min_steps: FIXTURE_STEPS,
+            prefill_attention: PrefillAttention::TensorCore,
         });
         specs.push(CaseSpec {
             name: "fixture-infllmv2-text",
@@ -1034,6 +1091,7 @@ pub fn gpu_check_e2e(
                 spans: vec![(4_000, 1_600), (12_000, 1_600)],
             },
             min_steps: FIXTURE_STEPS,
+            prefill_attention: PrefillAttention::Rowwise,
         });
     }
     let mut cases = Vec::new();

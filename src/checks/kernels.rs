@@ -689,6 +689,94 @@ fn check_dense_attention(c: &mut Checker<'_>) {
     }
 }
 
+/// The query chunks of the prefill attention cases: per sequence of a
+/// batch (T0, n), n query rows at positions T0 … T0 + n − 1 over a cache of
+/// T0 + n tokens. Chunks from 0 and from T0 > 0; lengths below one window
+/// (32) and one block (64), at and just past 16-token boundaries (48/49,
+/// 64/65), a row-tile boundary of the kernel (n·G past 64) and a few
+/// thousand tokens (the long ones run at one shape per head dim).
+const PREFILL_BATCHES: [&[(usize, usize)]; 5] = [
+    &[(0, 17)],
+    &[(0, 5), (0, 31), (0, 48), (0, 49), (0, 63), (0, 64), (0, 65)],
+    &[(100, 37), (32, 16), (32, 17), (1000, 1), (7, 200)],
+    &[(0, 3000)],
+    &[(2500, 512), (4095, 1)],
+];
+
+/// Dense causal prefill on the tensor cores ([`ops::attention_dense_prefill`])
+/// against [`crate::cpu::dense_attention`], at G ∈ {3, 8, 16} × D ∈ {64,
+/// 80, 128} over [`PREFILL_BATCHES`] (the two long batches at (G, D) =
+/// (16, 128), (8, 64) and (3, 80) only).
+fn check_prefill_attention(c: &mut Checker<'_>) {
+    let budget = Budget::new(&SparseConfig::default());
+    for &g in &[3usize, 8, 16] {
+        for &d in &[64usize, 80, 128] {
+            let long_shape = matches!((g, d), (16, 128) | (8, 64) | (3, 80));
+            for (bi, chunks) in PREFILL_BATCHES.iter().enumerate() {
+                if bi >= 3 && !long_shape {
+                    continue;
+                }
+                let hk = 2usize;
+                let hq = g * hk;
+                c.record(
+                    "attention_dense_prefill",
+                    json!({"G": g, "H": hq, "Hkv": hk, "D": d, "chunks_t0_n": chunks}),
+                    |gpu, inp| {
+                        let seqs: Vec<SeqData> = chunks
+                            .iter()
+                            .map(|&(t0, n)| make_seq(gpu, inp, &budget, t0 + n, hk, d))
+                            .collect::<Result<_>>()?;
+                        let rows: usize = chunks.iter().map(|&(_, n)| n).sum();
+                        let (qb, qf) = inp.bf16(rows * hq * d, 1.5);
+                        let q = gpu.upload(&qb)?;
+                        let views: Vec<SeqKv<'_>> = seqs
+                            .iter()
+                            .zip(chunks.iter())
+                            .map(|(s, &(t0, n))| SeqKv {
+                                k: s.k.as_view(),
+                                v: s.v.as_view(),
+                                c: None,
+                                len: t0 + n,
+                            })
+                            .collect();
+                        let batch = KvBatch::new(gpu, &views, hk, d)?;
+                        let counts: Vec<usize> = chunks.iter().map(|&(_, n)| n).collect();
+                        let mut out = poison_bf16(gpu, rows * hq * d)?;
+                        let scale = 1.0 / (d as f32).sqrt();
+                        ops::attention_dense_prefill(
+                            gpu,
+                            &q,
+                            hq * d,
+                            hq,
+                            &batch,
+                            &counts,
+                            scale,
+                            &mut out,
+                            hq * d,
+                        )?;
+                        let mut want = vec![0.0f32; rows * hq * d];
+                        let mut r0 = 0;
+                        for (s, &(t0, n)) in seqs.iter().zip(chunks.iter()) {
+                            let span = r0 * hq * d..(r0 + n) * hq * d;
+                            crate::cpu::dense_attention(
+                                &s.kv,
+                                &qf[span.clone()],
+                                t0,
+                                n,
+                                hq,
+                                d,
+                                &mut want[span],
+                            );
+                            r0 += n;
+                        }
+                        Ok((to_f32(&gpu.download(&out)?), want))
+                    },
+                );
+            }
+        }
+    }
+}
+
 /// A sparse case: the CPU reference selects blocks and attends; the GPU
 /// attends over the CPU's selection (the selection kernels are later work).
 fn sparse_case(
@@ -873,6 +961,7 @@ pub fn gpu_check(out_json: &Path) -> Result<bool> {
         check_eviction(&mut c);
         check_qkv_append(&mut c);
         check_dense_attention(&mut c);
+        check_prefill_attention(&mut c);
         check_sparse_attention(&mut c);
     }
     if group("select") {

@@ -51,6 +51,11 @@ pub(crate) fn check_mode_flags(a: &ModeArgs, backend: Backend, cmd: &str) -> Res
             "--kv offload needs the CUDA backend (--backend cuda)".into(),
         ));
     }
+    if a.prefill_attention != PrefillAttentionArg::Rowwise && backend != Backend::Cuda {
+        return Err(Error::Input(
+            "--prefill-attention tensor-core needs the CUDA backend (--backend cuda)".into(),
+        ));
+    }
     if a.prefetch == OnOff::Off && (a.kv != KvArg::Offload || a.forecast.is_none()) {
         return Err(Error::Input(
             "--prefetch off applies to forecast mode with offloaded KV (--forecast … --kv offload)"
@@ -227,13 +232,15 @@ fn engine_options(a: &ModeArgs) -> EngineOptions {
 }
 
 /// Builds the model of `ckpt` on `backend` in the mode the flags say:
-/// attention overrides and prefill mode; on the GPU offloaded KV (one
+/// attention overrides and prefill mode; on the GPU the prefill attention
+/// kernel, offloaded KV (one
 /// --fetch engine, as [`check_mode_flags`] made sure), forecast selection
 /// with --prefetch, and GPU trace spans when `trace`; on the CPU forecast
 /// selection.
 ///
 /// Errors: overrides the checkpoint cannot honour; forecast selection on a
-/// model that runs dense; bf16 weights that do not fit in the GPU's free
+/// model that runs dense; `--prefill-attention tensor-core` for a head dim
+/// without a tensor-core kernel; bf16 weights that do not fit in the GPU's free
 /// memory ([`sparda::memory::check_weights`], before the upload); device
 /// errors.
 pub(crate) fn build_engine(
@@ -250,6 +257,7 @@ pub(crate) fn build_engine(
         sparda::memory::check_weights(&gpu, &ckpt.config, ckpt.eviction_heads)?;
         let t = std::time::Instant::now();
         let mut m = GpuModel::new(gpu, ckpt, opts)?;
+        m.set_prefill_attention(a.prefill_attention.into())?;
         if a.kv == KvArg::Offload {
             m.set_offload(a.offload.options().first().copied())?;
         }
@@ -293,6 +301,10 @@ pub(crate) fn plan_json(
         "dense_len": plan.sparse.dense_len,
         "forecast": forecast,
         "backend": engine.backend_name(),
+        "prefill_attention": match engine {
+            Engine::Cpu(_) => None,
+            Engine::Cuda(m) => Some(m.prefill_attention().name()),
+        },
         "kv": match (backend, a.kv) {
             (Backend::Cpu, _) => "host (CPU reference)".to_string(),
             (_, KvArg::Gpu) => "gpu".to_string(),

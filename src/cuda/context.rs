@@ -47,6 +47,10 @@ pub struct KernelSource {
 /// `kernels/common.cuh`: bf16 conversions and reductions, prepended to every source.
 pub const COMMON_PRELUDE: &str = include_str!("../../kernels/common.cuh");
 
+/// `kernels/mma.cuh`: the tensor-core helpers (cp.async, ldmatrix,
+/// mma.sync m16n8k16 bf16) of the attention kernels, a prelude of each.
+pub const MMA_PRELUDE: &str = include_str!("../../kernels/mma.cuh");
+
 /// Every kernel source of the backend (one concern per file).
 pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
@@ -82,8 +86,14 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
         file: "attn_decode.cu",
         text: include_str!("../../kernels/attn_decode.cu"),
-        preludes: &[],
+        preludes: &[MMA_PRELUDE],
         functions: &["attn_partial"],
+    },
+    KernelSource {
+        file: "attn_prefill.cu",
+        text: include_str!("../../kernels/attn_prefill.cu"),
+        preludes: &[MMA_PRELUDE],
+        functions: &["attn_prefill_d64", "attn_prefill_d80", "attn_prefill_d128"],
     },
     KernelSource {
         file: "attn_combine.cu",
@@ -506,6 +516,19 @@ impl Gpu {
             .cuda(&format!(
                 "cuFuncSetAttribute(attn_partial, {bytes} bytes of dynamic shared memory)"
             ))?;
+        }
+        // The prefill attention kernels too (double-buffered K/V tiles at D = 128).
+        for (name, d) in super::ops::PREFILL_ATTN_FUNCTIONS {
+            if let Some(f) = functions.get(name) {
+                let bytes = super::ops::prefill_smem_bytes(d);
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+                .cuda(&format!(
+                    "cuFuncSetAttribute({name}, {bytes} bytes of dynamic shared memory)"
+                ))?;
+            }
         }
         // Every kernel of this backend prefers the largest shared-memory carveout:
         // the attention kernel needs it, and one carveout for all of them spares the

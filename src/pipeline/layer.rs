@@ -207,10 +207,32 @@ impl GpuModel {
         };
         let cs = gpu.stream();
         let sp = self.tspan_next(cs, open, "attention", l)?;
-        if self.on(StepPart::Attention) {
+        if let Some((tiles, ntiles)) = geo.prefill_tiles {
+            // Dense prefill rows on the tensor cores: the output directly.
+            if self.on(StepPart::Attention) {
+                ops::launch_attn_prefill(
+                    gpu,
+                    &ops::PrefillAttnArgs {
+                        q: args.q,
+                        q_stride: args.q_stride,
+                        kptr: args.kptr,
+                        vptr: args.vptr,
+                        lens: args.lens,
+                        tiles,
+                        ntiles,
+                        out: args.out,
+                        out_stride: args.out_stride,
+                        heads: hq,
+                        kv_heads: hk,
+                        head_dim: dh,
+                        scale: args.scale,
+                    },
+                )?;
+            }
+        } else if self.on(StepPart::Attention) {
             ops::launch_attn_partial(gpu, &args)?;
         }
-        if !fused && self.on(StepPart::Combine) {
+        if geo.prefill_tiles.is_none() && !fused && self.on(StepPart::Combine) {
             ops::launch_attn_combine(
                 gpu,
                 part_o,

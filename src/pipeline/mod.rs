@@ -186,6 +186,34 @@ impl DecodeMode {
     }
 }
 
+/// How the dense rows of a prefill call attend (`--prefill-attention`,
+/// spec §6). Both compute dense causal attention without bias (spec §5)
+/// from the same bf16 queries and KV cache into the same bf16 output; only
+/// the kernel and its summation order differ. Sparse prefill rows always
+/// take the rowwise path.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub enum PrefillAttention {
+    /// The decode attention kernel once per query row, split-K with
+    /// `attn_combine` (kernels/attn_decode.cu; the default).
+    #[default]
+    Rowwise,
+    /// Tiles of (row, query head) pairs against tiles of keys on the tensor
+    /// cores with an online softmax, no split-K (kernels/attn_prefill.cu):
+    /// head dims 64, 80 and 128 ([`ops::PREFILL_ATTN_FUNCTIONS`]).
+    TensorCore,
+}
+
+impl PrefillAttention {
+    /// The CLI spelling (`--prefill-attention`), also in JSON reports:
+    /// `rowwise` or `tensor-core`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PrefillAttention::Rowwise => "rowwise",
+            PrefillAttention::TensorCore => "tensor-core",
+        }
+    }
+}
+
 /// The pieces of a decode step, for [`GpuModel::profile_step`]: each is
 /// every launch of that kind in one step (per-layer pieces over all layers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -302,6 +330,8 @@ pub struct GpuModel {
     /// The attention in force (as [`crate::cpu::CpuModel::plan`]).
     pub plan: AttentionPlan,
     pub(crate) prefill_mode: PrefillMode,
+    /// The attention kernel of dense prefill rows ([`GpuModel::set_prefill_attention`]).
+    pub(crate) prefill_attention: PrefillAttention,
     pub(crate) rope: Rope,
     pub(crate) rope_tables: Option<RopeTables>,
     pub(crate) embed: CudaSlice<Bf16>,
@@ -548,6 +578,7 @@ impl GpuModel {
             trace_fetches: std::cell::RefCell::new(Vec::new()),
             device_errors: DeviceErrors::new(g)?,
             prefill_mode: opts.prefill,
+            prefill_attention: PrefillAttention::Rowwise,
             plan,
             config: cfg,
             gpu,
@@ -595,6 +626,27 @@ impl GpuModel {
         self.step = None;
         self.last = LastLogits::None;
         Ok(())
+    }
+
+    /// Sets the attention kernel of dense prefill rows (default
+    /// [`PrefillAttention::Rowwise`]); sparse prefill rows and decode steps
+    /// are not affected. Takes effect at the next prefill call.
+    ///
+    /// Errors: [`Error::Input`] naming the head dim when
+    /// [`PrefillAttention::TensorCore`] is asked for a model whose head dim
+    /// has no tensor-core kernel (only D = 64, 80, 128 have one); the
+    /// setting is then left as it was.
+    pub fn set_prefill_attention(&mut self, a: PrefillAttention) -> Result<()> {
+        if a == PrefillAttention::TensorCore {
+            ops::prefill_attn_function("--prefill-attention tensor-core", self.config.head_dim)?;
+        }
+        self.prefill_attention = a;
+        Ok(())
+    }
+
+    /// The attention kernel of dense prefill rows.
+    pub fn prefill_attention(&self) -> PrefillAttention {
+        self.prefill_attention
     }
 
     /// Sets how decode steps run (default: `$SPARDA_DECODE`, else

@@ -12,7 +12,9 @@ impl GpuModel {
     ///
     /// Dense or sparse as the CPU reference decides (spec §6): sparse iff the
     /// plan is sparse, the whole prompt (T + n tokens) reaches dense_len, and
-    /// the prefill mode is not `Dense`.
+    /// the prefill mode is not `Dense`. Dense chunks attend with the kernel
+    /// [`GpuModel::set_prefill_attention`] chose (the tensor-core kernel
+    /// takes chunks of [`PREFILL_CHUNK`] rows at any context).
     ///
     /// Synchronises once at the end and checks the device error record (see
     /// [`GpuModel::check_device_errors`]).
@@ -98,8 +100,13 @@ impl GpuModel {
 
     /// Rows per prefill chunk so the attention partials of a context of up
     /// to `t_len` tokens stay within [`PARTIALS_BUDGET_BYTES`] (counted at
-    /// the finest split, one per [`ops::ATTN_TILE`] tokens).
+    /// the finest split, one per [`ops::ATTN_TILE`] tokens); dense chunks on
+    /// the tensor cores ([`PrefillAttention::TensorCore`]) have no partials
+    /// and take [`PREFILL_CHUNK`] rows at any context.
     pub(crate) fn prefill_rows(&self, t_len: usize, sparse: bool) -> usize {
+        if !sparse && self.prefill_attention == PrefillAttention::TensorCore {
+            return PREFILL_CHUNK;
+        }
         let c = &self.config;
         let nsplit = if sparse {
             self.plan.budget.attended
@@ -312,11 +319,24 @@ impl GpuModel {
         } else {
             ops::attn_dense_split(n, hb, max_pos)
         };
+        // Dense calls on the tensor cores when asked (sparse calls, dense
+        // rows among them included, keep the split-K kernel): work items
+        // over the call's rows, uploaded once for every layer.
+        let tc_tiles = if !any_sparse && self.prefill_attention == PrefillAttention::TensorCore {
+            let rr: Vec<(usize, usize)> = rows.iter().map(|r| (r.seq, r.pos)).collect();
+            let t = ops::prefill_tiles(&rr, hq / hk)?;
+            Some((self.gpu.upload(&t)?, t.len() / 3))
+        } else {
+            None
+        };
         let attn_geo = AttnGeometry {
             sparse: any_sparse,
             span,
             nsplit,
             s_max,
+            prefill_tiles: tc_tiles
+                .as_ref()
+                .map(|(t, count)| (dptr(&self.gpu, t), *count)),
         };
         // Query-aware scoring workspace (GPU selection): every row of a sparse
         // call is scored (dense rows' lists are overwritten afterwards), so
@@ -350,7 +370,12 @@ impl GpuModel {
         let table = self.pointer_tables(seqs, rows);
         let mut ws = self.ws.take().expect("workspace allocated above");
         let r = (|| -> Result<Option<()>> {
-            let part = n * hq * nsplit;
+            // (no split-K partials on the tensor-core path)
+            let part = if tc_tiles.is_some() {
+                0
+            } else {
+                n * hq * nsplit
+            };
             // SAFETY (each `alloc` below): written by a kernel or copy before it is read.
             if ws.part_o.len() < part * dh {
                 ws.part_o = unsafe { s.alloc(part * dh) }.cuda("allocating attention partials")?;

@@ -290,6 +290,7 @@ impl GpuModel {
                 span,
                 nsplit,
                 s_max,
+                prefill_tiles: None,
             }
         } else {
             let (span, nsplit) = ops::attn_dense_split(n, hb, key.cap);
@@ -298,6 +299,7 @@ impl GpuModel {
                 span,
                 nsplit,
                 s_max: 1,
+                prefill_tiles: None,
             }
         };
         let mc = budget.windows(key.cap);

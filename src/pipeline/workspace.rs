@@ -82,6 +82,11 @@ pub(crate) struct AttnGeometry {
     pub(crate) nsplit: usize,
     /// Block-list width (sparse).
     pub(crate) s_max: usize,
+    /// Dense prefill on the tensor cores ([`super::PrefillAttention::TensorCore`]):
+    /// the device address of the call's i32 work items
+    /// ([`crate::cuda::ops::prefill_tiles`]) and their count; the split
+    /// fields are then unused (no partials). `None`: the split-K kernel.
+    pub(crate) prefill_tiles: Option<(u64, usize)>,
 }
 
 /// Geometry of GPU selection: query-aware scoring over up to `mc` windows

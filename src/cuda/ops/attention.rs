@@ -1,7 +1,9 @@
 //! Attention wrappers (kernels/attn_decode.cu, spec §5): the split-K
 //! tensor-core kernel `attn_partial` over dense rows or listed blocks, its
 //! `attn_combine`, the launch geometry (splits, head blocks, shared memory),
-//! and the typed decode entry points the GPU checks call.
+//! and the typed decode entry points the GPU checks call; the dense causal
+//! prefill kernel on the tensor cores (kernels/attn_prefill.cu, spec §6),
+//! its work items and its typed entry point.
 
 use super::expect_len;
 use crate::cuda::context::{dptr, dptr_mut, grid, i32_dim, CudaResultExt};
@@ -35,6 +37,9 @@ pub struct KvBatch<'a> {
     cptr: Option<CudaSlice<u64>>,
     lens: CudaSlice<i32>,
     host_lens: Vec<usize>,
+    /// Device addresses of each sequence's K and V (per-row tables of the prefill kernel).
+    host_k: Vec<u64>,
+    host_v: Vec<u64>,
     kv_heads: usize,
     head_dim: usize,
     _borrow: std::marker::PhantomData<&'a ()>,
@@ -102,6 +107,8 @@ impl<'a> KvBatch<'a> {
             },
             lens: gpu.upload(&lens)?,
             host_lens: seqs.iter().map(|s| s.len).collect(),
+            host_k: kp,
+            host_v: vp,
             kv_heads,
             head_dim,
             _borrow: std::marker::PhantomData,
@@ -767,6 +774,274 @@ where
     launch_attention(gpu, args, out, out_stride)
 }
 
+// ---- dense causal prefill on the tensor cores (kernels/attn_prefill.cu) ----
+
+/// (row, query head) pairs per thread block of the prefill attention kernel
+/// (`PF_BM` in kernels/attn_prefill.cu): the M dimension of its tiles.
+pub const PREFILL_TILE_M: usize = 64;
+/// Keys per shared-memory tile of the prefill attention kernel (`PF_BN`).
+pub const PREFILL_TILE_N: usize = 64;
+/// Threads per block of the prefill attention kernel (`PF_THREADS`).
+const PREFILL_THREADS: u32 = 128;
+/// The prefill attention kernels and the head dim each is compiled for
+/// (kernels/attn_prefill.cu); other head dims take the rowwise path.
+pub const PREFILL_ATTN_FUNCTIONS: [(&str, usize); 3] = [
+    ("attn_prefill_d64", 64),
+    ("attn_prefill_d80", 80),
+    ("attn_prefill_d128", 128),
+];
+
+/// Dynamic shared memory of the prefill attention kernel at head dim `d`,
+/// bytes: two stages of K and V tiles of [`PREFILL_TILE_N`] rows of d + 8
+/// bf16 (69,632 at d = 128).
+pub const fn prefill_smem_bytes(d: usize) -> usize {
+    4 * PREFILL_TILE_N * (d + 8) * 2
+}
+
+/// The prefill attention kernel for head dim `d`.
+///
+/// Errors: [`Error::Input`] naming `d` and the supported head dims when
+/// there is none (64, 80, 128).
+pub fn prefill_attn_function(op: &str, d: usize) -> Result<&'static str> {
+    PREFILL_ATTN_FUNCTIONS
+        .iter()
+        .find(|(_, dd)| *dd == d)
+        .map(|(f, _)| *f)
+        .ok_or_else(|| {
+            Error::Input(format!(
+                "{op}: head dim {d} has no tensor-core prefill attention kernel (D = 64, 80 or 128); use the rowwise prefill attention"
+            ))
+        })
+}
+
+/// The work items of one prefill attention launch, from the call's query
+/// rows `rows` = (sequence, position) in row order and the GQA group G =
+/// H / Hkv: i32 triples (first row r0 of a run, rows in the run, first
+/// flattened entry m0), one per thread block (and KV head). A run is a
+/// maximal range of consecutive rows of one sequence at consecutive
+/// positions; its (row, query head) pairs are flattened as m = i·G + g and
+/// cut into tiles of [`PREFILL_TILE_M`]. Tiles come longest context first
+/// (descending last position, ties in row order), so the blocks with the
+/// most keys start in the first wave.
+///
+/// Errors: [`Error::Input`] for no rows, G = 0, or counts past i32.
+pub fn prefill_tiles(rows: &[(usize, usize)], group: usize) -> Result<Vec<i32>> {
+    if rows.is_empty() || group == 0 {
+        return Err(Error::Input(format!(
+            "prefill tiles: {} rows, GQA group {group} (need ≥ 1 of each)",
+            rows.len()
+        )));
+    }
+    // (last position, r0, nrows, m0) per tile.
+    let mut tiles: Vec<(usize, usize, usize, usize)> = Vec::new();
+    let mut r0 = 0;
+    while r0 < rows.len() {
+        let (seq, pos0) = rows[r0];
+        let mut n = 1;
+        while r0 + n < rows.len() && rows[r0 + n] == (seq, pos0 + n) {
+            n += 1;
+        }
+        let entries = n * group;
+        for m0 in (0..entries).step_by(PREFILL_TILE_M) {
+            let last = (m0 + PREFILL_TILE_M).min(entries) - 1;
+            tiles.push((pos0 + last / group, r0, n, m0));
+        }
+        r0 += n;
+    }
+    tiles.sort_by_key(|t| std::cmp::Reverse(t.0));
+    let mut out = Vec::with_capacity(3 * tiles.len());
+    for (_, r0, n, m0) in tiles {
+        out.push(i32_dim(r0, "prefill tile row")?);
+        out.push(i32_dim(n, "prefill run rows")?);
+        out.push(i32_dim(m0, "prefill tile entry")?);
+    }
+    Ok(out)
+}
+
+/// Device addresses and geometry of one prefill attention launch (the
+/// argument list of kernels/attn_prefill.cu).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PrefillAttnArgs {
+    /// bf16 queries, row r's H·D values at r·`q_stride`.
+    pub q: u64,
+    pub q_stride: usize,
+    /// u64 [rows] tables of each row's K and V cache (bf16 [cap, Hkv, D]).
+    pub kptr: u64,
+    pub vptr: u64,
+    /// i32 [rows]: position + 1 of each row.
+    pub lens: u64,
+    /// i32 [ntiles, 3] work items ([`prefill_tiles`]).
+    pub tiles: u64,
+    pub ntiles: usize,
+    /// bf16 output, row r's H·D values at r·`out_stride`.
+    pub out: u64,
+    pub out_stride: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+}
+
+/// Enqueues the dense causal prefill attention kernel: every row's output
+/// written directly (no partials, no combine).
+///
+/// Errors: [`Error::Input`] for a head dim without a kernel
+/// ([`prefill_attn_function`]), H not a multiple of Hkv, an odd stride or
+/// dimensions past i32; [`Error::Cuda`] on a launch failure.
+pub(crate) fn launch_attn_prefill(gpu: &Gpu, a: &PrefillAttnArgs) -> Result<()> {
+    const OP: &str = "attn_prefill";
+    let name = prefill_attn_function(OP, a.head_dim)?;
+    if a.kv_heads == 0
+        || !a.heads.is_multiple_of(a.kv_heads)
+        || !a.q_stride.is_multiple_of(2)
+        || !a.out_stride.is_multiple_of(2)
+    {
+        return Err(Error::Input(format!(
+            "{OP}: H {} / Hkv {} / q stride {} / out stride {} (need H a multiple of Hkv, even strides)",
+            a.heads, a.kv_heads, a.q_stride, a.out_stride
+        )));
+    }
+    if a.ntiles == 0 {
+        return Ok(());
+    }
+    let (qs, os, h_, hk) = (
+        i32_dim(a.q_stride, "q_stride")?,
+        i32_dim(a.out_stride, "out_stride")?,
+        i32_dim(a.heads, "H")?,
+        i32_dim(a.kv_heads, "Hkv")?,
+    );
+    let f = gpu.function(name)?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            grid(a.ntiles, "prefill tiles")?,
+            grid(a.kv_heads, "KV heads")?,
+            1,
+        ),
+        block_dim: (PREFILL_THREADS, 1, 1),
+        shared_mem_bytes: prefill_smem_bytes(a.head_dim) as u32,
+    };
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(&a.q)
+        .arg(&qs)
+        .arg(&a.kptr)
+        .arg(&a.vptr)
+        .arg(&a.lens)
+        .arg(&a.tiles)
+        .arg(&a.out)
+        .arg(&os)
+        .arg(&h_)
+        .arg(&hk)
+        .arg(&a.scale);
+    // SAFETY: argument list matches kernels/attn_prefill.cu; the callers size the
+    // tables (one entry per row), the tiles (built by prefill_tiles over those rows)
+    // and q/out (rows at their strides).
+    unsafe { b.launch(cfg) }.cuda(OP).map(drop)
+}
+
+/// Dense causal prefill attention without bias (spec §5 "Dense", §6) on
+/// the tensor cores: sequence b of `kv` contributes its last `rows[b]`
+/// tokens as query rows (positions lens\[b\] − rows\[b\] … lens\[b\] − 1;
+/// a chunk starting at T0 = lens\[b\] − rows\[b\] > 0 attends to the earlier
+/// tokens too), the rows of all sequences back to back in sequence order.
+/// Row at position t, query head g attends to keys 0 … t of KV head
+/// g / G: softmax(q·k·scale)·V with bf16 operands, P rounded to bf16, f32
+/// accumulation and online softmax (kernels/attn_prefill.cu); each K/V
+/// tile is read once for all G query heads of the rows it serves.
+///
+/// - `q`: bf16, query row i's H·D values at i·`q_stride` (post-RoPE; even stride);
+/// - `out`: bf16, row i's H·D outputs at i·`out_stride` (even stride);
+/// - `scale`: 1/√D normally.
+///
+/// Errors: [`Error::Input`] when `rows` does not have one count per
+/// sequence, a count is 0 or past its sequence's length, H is not a
+/// multiple of Hkv, D has no prefill kernel (64, 80, 128), or q/out are too
+/// short; [`Error::Cuda`] on a copy or launch failure.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_dense_prefill<Q, O>(
+    gpu: &Gpu,
+    q: &Q,
+    q_stride: usize,
+    heads: usize,
+    kv: &KvBatch<'_>,
+    rows: &[usize],
+    scale: f32,
+    out: &mut O,
+    out_stride: usize,
+) -> Result<()>
+where
+    Q: DevicePtr<Bf16>,
+    O: DevicePtrMut<Bf16>,
+{
+    const OP: &str = "attention_dense_prefill";
+    let (d, hk) = (kv.head_dim, kv.kv_heads);
+    prefill_attn_function(OP, d)?;
+    if rows.len() != kv.batch() {
+        return Err(Error::Input(format!(
+            "{OP}: {} row counts for {} sequences",
+            rows.len(),
+            kv.batch()
+        )));
+    }
+    if heads == 0 || !heads.is_multiple_of(hk) {
+        return Err(Error::Input(format!(
+            "{OP}: {heads} query heads is not a multiple of {hk} KV heads"
+        )));
+    }
+    let mut per_row: Vec<(usize, usize)> = Vec::new();
+    let (mut kp, mut vp, mut lens) = (Vec::new(), Vec::new(), Vec::new());
+    for (b, (&n, &len)) in rows.iter().zip(kv.lens()).enumerate() {
+        if n == 0 || n > len {
+            return Err(Error::Input(format!(
+                "{OP}: sequence {b} has {len} tokens; its query rows must be 1 … {len}, got {n}"
+            )));
+        }
+        for t in len - n..len {
+            per_row.push((b, t));
+            kp.push(kv.host_k[b]);
+            vp.push(kv.host_v[b]);
+            lens.push(i32_dim(t + 1, "position")?);
+        }
+    }
+    let nrows = per_row.len();
+    let row = heads * d;
+    if q_stride < row || out_stride < row {
+        return Err(Error::Input(format!(
+            "{OP}: q stride {q_stride} / out stride {out_stride} below H·D = {row}"
+        )));
+    }
+    let (need_q, need_o) = ((nrows - 1) * q_stride + row, (nrows - 1) * out_stride + row);
+    if q.len() < need_q || out.len() < need_o {
+        return Err(Error::Input(format!(
+            "{OP}: q has {} and out {} elements; {nrows} rows need {need_q} and {need_o}",
+            q.len(),
+            out.len()
+        )));
+    }
+    let tiles = prefill_tiles(&per_row, heads / hk)?;
+    let (kp, vp, lens_d, tiles_d) = (
+        gpu.upload(&kp)?,
+        gpu.upload(&vp)?,
+        gpu.upload(&lens)?,
+        gpu.upload(&tiles)?,
+    );
+    let args = PrefillAttnArgs {
+        q: dptr(gpu, q),
+        q_stride,
+        kptr: dptr(gpu, &kp),
+        vptr: dptr(gpu, &vp),
+        lens: dptr(gpu, &lens_d),
+        tiles: dptr(gpu, &tiles_d),
+        ntiles: tiles.len() / 3,
+        out: dptr_mut(gpu, out),
+        out_stride,
+        heads,
+        kv_heads: hk,
+        head_dim: d,
+        scale,
+    };
+    launch_attn_prefill(gpu, &args)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -808,5 +1083,80 @@ mod tests {
         assert!(check_attn_head_dim("t", 80).is_ok());
         assert!(check_attn_head_dim("t", 72).is_err());
         assert!(check_attn_head_dim("t", 256).is_err());
+    }
+
+    /// Expands tiles into the (row, query head) entries they cover.
+    fn covered(tiles: &[i32], group: usize) -> Vec<(usize, usize)> {
+        let mut v = Vec::new();
+        for t in tiles.chunks(3) {
+            let (r0, n, m0) = (t[0] as usize, t[1] as usize, t[2] as usize);
+            for m in m0..(m0 + PREFILL_TILE_M).min(n * group) {
+                v.push((r0 + m / group, m % group));
+            }
+        }
+        v.sort_unstable();
+        v
+    }
+
+    #[test]
+    fn prefill_tiles_cover_every_row_and_head_once() {
+        // One chunk at T0 = 100 (the engine's case) and a batch of three
+        // sequences, one split in two runs by another sequence's rows.
+        let chunk: Vec<(usize, usize)> = (0..37).map(|i| (0, 100 + i)).collect();
+        let mut mixed: Vec<(usize, usize)> = (0..5).map(|i| (0, i)).collect();
+        mixed.extend((0..70).map(|i| (1, 3000 + i)));
+        mixed.extend((5..9).map(|i| (0, i)));
+        mixed.push((2, 0));
+        for rows in [chunk, mixed] {
+            for g in [1usize, 3, 8, 16] {
+                let tiles = prefill_tiles(&rows, g).unwrap();
+                assert_eq!(tiles.len() % 3, 0);
+                let want: Vec<(usize, usize)> = (0..rows.len())
+                    .flat_map(|r| (0..g).map(move |h| (r, h)))
+                    .collect();
+                assert_eq!(covered(&tiles, g), want, "G {g}");
+                // Every tile stays inside one run of consecutive positions.
+                for t in tiles.chunks(3) {
+                    let (r0, n) = (t[0] as usize, t[1] as usize);
+                    for i in 1..n {
+                        assert_eq!(rows[r0 + i], (rows[r0].0, rows[r0].1 + i));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn prefill_tiles_come_longest_context_first() {
+        // 512 rows at T0 = 0, G = 3: 24 tiles, descending last position.
+        let rows: Vec<(usize, usize)> = (0..512).map(|i| (0, i)).collect();
+        let tiles = prefill_tiles(&rows, 3).unwrap();
+        assert_eq!(tiles.len() / 3, (512 * 3usize).div_ceil(PREFILL_TILE_M));
+        let last: Vec<usize> = tiles
+            .chunks(3)
+            .map(|t| {
+                let end = (t[2] as usize + PREFILL_TILE_M).min(t[1] as usize * 3);
+                (end - 1) / 3
+            })
+            .collect();
+        assert_eq!(last[0], 511);
+        assert!(last.windows(2).all(|w| w[0] >= w[1]), "{last:?}");
+        // A single row with G = 16: one tile of 16 entries.
+        assert_eq!(prefill_tiles(&[(0, 7)], 16).unwrap(), vec![0, 1, 0]);
+        assert!(prefill_tiles(&[], 3).is_err());
+        assert!(prefill_tiles(&[(0, 1)], 0).is_err());
+    }
+
+    #[test]
+    fn prefill_kernels_cover_the_tested_head_dims() {
+        for d in [64usize, 80, 128] {
+            let f = prefill_attn_function("t", d).unwrap();
+            assert_eq!(f, format!("attn_prefill_d{d}"));
+            // two blocks per SM fit the H200's 227 KiB of shared memory
+            assert!(2 * prefill_smem_bytes(d) <= 227 * 1024);
+        }
+        assert_eq!(prefill_smem_bytes(128), 69_632);
+        let e = prefill_attn_function("t", 96).unwrap_err().to_string();
+        assert!(e.contains("head dim 96"), "{e}");
     }
 }

@@ -1,0 +1,59 @@
+// Tensor-core helpers shared by the attention kernels (attn_decode.cu, attn_prefill.cu):
+// prepended after common.cuh by src/cuda/context.rs (listed as a prelude of each source that
+// uses them), not a compilation unit of its own. Warp-level mma.sync m16n8k16 bf16 -> f32,
+// ldmatrix and cp.async through inline PTX, so no CUDA header is needed (sm_80 and later).
+
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16-byte asynchronous copy global -> shared; zero-fills the destination when !ok.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(ok ? 16 : 0)
+                 : "memory");
+}
+
+// 4-byte asynchronous copy global -> shared; zero-fills the destination when !ok.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(ok ? 4 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// Four 8x8 bf16 matrices from shared memory (row addresses from lanes 8i .. 8i+7 for
+// matrix i); r[i] holds matrix i in the mma fragment layout (row lane/4, cols 2*(lane%4)+{0,1}).
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p))
+                 : "memory");
+}
+
+// As ldsm_x4, transposed: r[i] holds rows 2*(lane%4)+{0,1}, column lane/4 of matrix i.
+__device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p))
+                 : "memory");
+}
+
+// c += A (16x16 bf16, row-major fragment) * B (16x8 bf16, column fragment), f32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two f32 values (exactly representable in bf16) as a bf16x2 register, lo in the low half.
+__device__ __forceinline__ u32 pack_bf2(float lo, float hi) { return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16); }
