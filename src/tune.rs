@@ -13,11 +13,22 @@
 //! step). A configuration's figure is the median over rounds of each
 //! round's median step time; its spread is max − min of the round medians.
 //!
+//! Split configurations (`split:N:P`, [`crate::kv::split`]): after those
+//! rounds, at each (mode, B) the SM kernel's CTA count N is the one that
+//! measured fastest in that cell (ties: fewer CTAs) at the first context
+//! where the (mode, B) fitted, and kept for its other contexts (so every
+//! context of a batch size measures the same split configurations and the
+//! choice below can compare them); then one split per copy-engine share P
+//! of [`TuneSpec::split_pcts`] (fixed ratios, 25/50/75 % by default, not
+//! derived from the measured rates) is measured the same way, in rounds of
+//! their own.
+//!
 //! Choice per (mode, B): over the contexts measured, each configuration's
 //! geometric-mean ratio to the fastest configuration of that context; the
 //! lowest wins, and any configuration within the winner's relative spread
-//! counts as tied, where the one that takes the fewest SMs is chosen (the
-//! copy engines take none).
+//! counts as tied, where the one that takes the fewest SMs is chosen: SM
+//! time is counted as CTAs × the share of the misses they fetch (N for
+//! `sm:N`, N·(100 − P)/100 for `split:N:P`, none for the copy engines).
 
 use crate::bench::{median, open_model, time_step_ms};
 use crate::cpu::EngineOptions;
@@ -53,7 +64,14 @@ pub struct TuneSpec {
     pub warmup: usize,
     /// Seed of the synthetic KV and forecast weights.
     pub seed: u64,
+    /// Copy-engine shares P (%, 1 … 99) of the split configurations
+    /// measured at each (mode, B) beside `configs` (see the module doc);
+    /// empty: no split configuration.
+    pub split_pcts: Vec<usize>,
 }
+
+/// The default copy-engine shares of the split configurations swept, %.
+pub const DEFAULT_SPLIT_PCTS: [usize; 3] = [25, 50, 75];
 
 /// The default CTA counts swept: 2 … 32.
 pub const DEFAULT_CTAS: [usize; 8] = [2, 4, 6, 8, 12, 16, 24, 32];
@@ -67,7 +85,7 @@ pub struct SweepCell {
     pub context: usize,
     /// Batch size.
     pub batch: usize,
-    /// `sm:N` or `dma`.
+    /// `sm:N`, `dma` or `split:N:P` ([`FetchChoice::label`]).
     pub config: String,
     /// Median over rounds of the round's median step time, ms.
     pub step_ms: f64,
@@ -77,12 +95,28 @@ pub struct SweepCell {
     pub rounds_ms: Vec<f64>,
 }
 
-/// SMs a configuration takes from compute (the copy engines take none).
+/// SM time a configuration takes from compute, in CTA·% of the misses:
+/// CTAs × the share of the misses they fetch (the copy engines take none).
 fn sms(c: FetchChoice) -> usize {
     match c {
-        FetchChoice::Sm { ctas } => ctas,
+        FetchChoice::Sm { ctas } => ctas * 100,
         FetchChoice::Dma => 0,
+        FetchChoice::Split { ctas, ce_pct } => ctas * 100usize.saturating_sub(ce_pct),
     }
+}
+
+/// The CTA count of the split configurations of one cell: the SM
+/// configuration with the lowest step time among `measured` (label, step
+/// ms), fewer CTAs on a tie; `None` without an SM configuration.
+pub fn split_ctas(measured: &[(FetchChoice, f64)]) -> Option<usize> {
+    measured
+        .iter()
+        .filter_map(|&(c, ms)| match c {
+            FetchChoice::Sm { ctas } => Some((ctas, ms)),
+            _ => None,
+        })
+        .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)))
+        .map(|(ctas, _)| ctas)
 }
 
 /// The choice for one (mode, B) from its cells (every context, every
@@ -167,6 +201,10 @@ pub fn run(spec: &TuneSpec) -> Result<FetchTable> {
     drop(ckpt);
     let fw = ForecastWeights::from_arg(&format!("synth:{}", spec.seed), &cfg)?;
     let mut cells: Vec<SweepCell> = Vec::new();
+    // every configuration measured (the splits' CTA counts vary by cell)
+    let mut configs: Vec<FetchChoice> = spec.configs.clone();
+    // per (mode, B): the CTA count of its splits, from its first context
+    let mut split_ctas_of: Vec<((FetchMode, usize), usize)> = Vec::new();
     let mut skipped: Vec<serde_json::Value> = Vec::new();
     let total = spec.modes.len() * spec.contexts.len() * spec.batches.len();
     let mut done = 0;
@@ -181,7 +219,8 @@ pub fn run(spec: &TuneSpec) -> Result<FetchTable> {
                 model.set_forecast(None, false)?;
                 model.set_offload(Some(off))?;
                 model.set_forecast((mode == FetchMode::Prefetch).then_some(&fw), true)?;
-                let cap = l + spec.repeats * spec.configs.len() * (spec.warmup + spec.steps) + 8;
+                let runs = spec.configs.len() + spec.split_pcts.len();
+                let cap = l + spec.repeats * runs * (spec.warmup + spec.steps) + 8;
                 if let Err(e) =
                     model.check_memory(b, cap, Some(off), false, "lower --batch or --context")
                 {
@@ -200,27 +239,37 @@ pub fn run(spec: &TuneSpec) -> Result<FetchTable> {
                     model.offload_sequence(&mut s, cap)?;
                     seqs.push(s);
                 }
-                let first = vec![1u32; b];
-                let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); spec.configs.len()];
-                for r in 0..spec.repeats {
-                    for k in 0..spec.configs.len() {
-                        let i = (k + r) % spec.configs.len();
-                        crate::interrupt::check(|| format!("tune-ctas ({mode:?}, L {l}, B {b})"))?;
-                        model.set_offload(Some(OffloadOptions {
-                            fetch: spec.configs[i].engine(),
-                            offload_layer0: false,
-                        }))?;
-                        model.decode(&mut seqs, &first)?;
-                        for _ in 2..spec.warmup {
-                            model.decode_greedy(&mut seqs)?;
+                let mut measured = measure(&mut model, &mut seqs, &spec.configs, spec, |r| {
+                    format!("tune-ctas ({mode:?}, L {l}, B {b}, round {r})")
+                })?;
+                if !spec.split_pcts.is_empty() {
+                    let at: Vec<(FetchChoice, f64)> =
+                        measured.iter().map(|(c, r)| (*c, median(r))).collect();
+                    let ctas = match split_ctas_of.iter().find(|(k, _)| *k == (mode, b)) {
+                        Some(&(_, n)) => Some(n),
+                        None => split_ctas(&at),
+                    };
+                    if let Some(ctas) = ctas {
+                        if !split_ctas_of.iter().any(|(k, _)| *k == (mode, b)) {
+                            split_ctas_of.push(((mode, b), ctas));
                         }
-                        let ms = median(&time_step_ms(&mut model, &mut seqs, spec.steps)?);
-                        rounds[i].push(ms);
+                        let splits: Vec<FetchChoice> = spec
+                            .split_pcts
+                            .iter()
+                            .map(|&ce_pct| FetchChoice::Split { ctas, ce_pct })
+                            .collect();
+                        for &c in &splits {
+                            if !configs.contains(&c) {
+                                configs.push(c);
+                            }
+                        }
+                        measured.extend(measure(&mut model, &mut seqs, &splits, spec, |r| {
+                            format!("tune-ctas ({mode:?}, L {l}, B {b}, splits, round {r})")
+                        })?);
                     }
                 }
                 let mut line = Vec::new();
-                for (i, &c) in spec.configs.iter().enumerate() {
-                    let r = &rounds[i];
+                for (c, r) in &measured {
                     let hi = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                     let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
                     let cell = SweepCell {
@@ -243,7 +292,7 @@ pub fn run(spec: &TuneSpec) -> Result<FetchTable> {
     }
     model.set_forecast(None, false)?;
     model.set_offload(None)?;
-    let (sync, prefetch) = entries_of(&cells, &spec.configs)?;
+    let (sync, prefetch) = entries_of(&cells, &configs)?;
     let (pcie, driver) = nvidia_smi_link();
     Ok(FetchTable {
         format: FORMAT,
@@ -254,14 +303,52 @@ pub fn run(spec: &TuneSpec) -> Result<FetchTable> {
         date_utc: crate::checks::kernels::utc_now_iso(),
         commit: std::env::var("SPARDA_COMMIT").ok().or_else(crate::bench::git_commit),
         protocol: format!(
-            "sparda tune-ctas on {}: synthetic KV (runtime.md §5), NOSA selection; prefetch mode with random forecast projections (synth:{}); contexts {:?}; per configuration and round {} warm-up + {} timed decode steps (CUDA events), {} rounds in rotated order; figure = median of round medians, spread = max - min",
-            spec.model, spec.seed, spec.contexts, spec.warmup, spec.steps, spec.repeats
+            "sparda tune-ctas on {}: synthetic KV (runtime.md §5), NOSA selection; prefetch mode with random forecast projections (synth:{}); contexts {:?}; per configuration and round {} warm-up + {} timed decode steps (CUDA events), {} rounds in rotated order; figure = median of round medians, spread = max - min{}",
+            spec.model, spec.seed, spec.contexts, spec.warmup, spec.steps, spec.repeats,
+            if spec.split_pcts.is_empty() {
+                String::new()
+            } else {
+                format!("; splits with {:?} % through the copy engines at each (mode, B)'s fastest SM CTA count (first context), in rounds of their own", spec.split_pcts)
+            }
         ),
         sync,
         prefetch,
         sweep: json!({"cells": cells, "skipped": skipped,
-            "configs": spec.configs.iter().map(|c| c.label()).collect::<Vec<_>>()}),
+            "configs": configs.iter().map(|c| c.label()).collect::<Vec<_>>()}),
     })
+}
+
+/// Times `configs` on the filled batch `seqs`: `spec.repeats` rounds, each
+/// over every configuration in an order rotated by the round (set, warm up,
+/// time `spec.steps` steps). Returns per configuration its round medians,
+/// ms, in the order of `configs`. `what` names the round for an interrupt.
+///
+/// Errors: a failing decode step; an interrupt.
+fn measure(
+    model: &mut GpuModel,
+    seqs: &mut [crate::pipeline::GpuSequence],
+    configs: &[FetchChoice],
+    spec: &TuneSpec,
+    what: impl Fn(usize) -> String,
+) -> Result<Vec<(FetchChoice, Vec<f64>)>> {
+    let first = vec![1u32; seqs.len()];
+    let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
+    for r in 0..spec.repeats {
+        for k in 0..configs.len() {
+            let i = (k + r) % configs.len();
+            crate::interrupt::check(|| what(r))?;
+            model.set_offload(Some(OffloadOptions {
+                fetch: configs[i].engine(),
+                offload_layer0: false,
+            }))?;
+            model.decode(seqs, &first)?;
+            for _ in 2..spec.warmup {
+                model.decode_greedy(seqs)?;
+            }
+            rounds[i].push(median(&time_step_ms(model, seqs, spec.steps)?));
+        }
+    }
+    Ok(configs.iter().copied().zip(rounds).collect())
 }
 
 /// The table's entries from sweep cells: per mode and measured batch size,
