@@ -476,10 +476,13 @@ fn nvidia_smi_link() -> (String, Option<String>) {
 }
 
 /// The sweep as a text table: one row per (mode, context, B), one column
-/// per configuration (median step ms ± spread), the choice marked `*`.
+/// per configuration (median step ms ± spread), the choice marked `*`. The
+/// split configurations, whose CTA count varies by batch size, share one
+/// column per copy-engine share P (`split:N:P`), each cell naming its N
+/// (`13.70±0.04 N8`).
 pub fn sweep_table(t: &FetchTable) -> String {
     let cells = cells_of(t, "the table").unwrap_or_default();
-    let configs: Vec<String> = t.sweep["configs"]
+    let labels: Vec<String> = t.sweep["configs"]
         .as_array()
         .map(|a| {
             a.iter()
@@ -487,9 +490,28 @@ pub fn sweep_table(t: &FetchTable) -> String {
                 .collect()
         })
         .unwrap_or_default();
+    // a column: a label, or every split of one share
+    #[derive(PartialEq)]
+    enum Col {
+        One(String),
+        Split(usize),
+    }
+    let mut cols: Vec<Col> = Vec::new();
+    for l in &labels {
+        let col = match FetchChoice::parse_label(l) {
+            Ok(FetchChoice::Split { ce_pct, .. }) => Col::Split(ce_pct),
+            _ => Col::One(l.clone()),
+        };
+        if !cols.contains(&col) {
+            cols.push(col);
+        }
+    }
     let mut out = format!("{:<9} {:>7} {:>4}", "mode", "context", "B");
-    for c in &configs {
-        out += &format!(" {c:>14}");
+    for c in &cols {
+        out += &match c {
+            Col::One(l) => format!(" {l:>14}"),
+            Col::Split(p) => format!(" {:>18}", format!("split:N:{p}")),
+        };
     }
     out.push('\n');
     let mut keys: Vec<(FetchMode, usize, usize)> =
@@ -503,21 +525,35 @@ pub fn sweep_table(t: &FetchTable) -> String {
             l,
             b
         );
-        for c in &configs {
-            let cell = cells
-                .iter()
-                .find(|x| x.mode == mode && x.context == l && x.batch == b && &x.config == c);
-            out += &match cell {
-                Some(x) => format!(
-                    " {:>14}",
-                    format!(
-                        "{}{:.2}±{:.2}",
-                        if *c == chosen { "*" } else { "" },
-                        x.step_ms,
-                        x.spread_ms / 2.0
-                    )
-                ),
-                None => format!(" {:>14}", "-"),
+        let here = |x: &&SweepCell| x.mode == mode && x.context == l && x.batch == b;
+        let text = |x: &SweepCell| {
+            format!(
+                "{}{:.2}±{:.2}",
+                if x.config == chosen { "*" } else { "" },
+                x.step_ms,
+                x.spread_ms / 2.0
+            )
+        };
+        for c in &cols {
+            out += &match c {
+                Col::One(label) => match cells.iter().filter(here).find(|x| &x.config == label) {
+                    Some(x) => format!(" {:>14}", text(x)),
+                    None => format!(" {:>14}", "-"),
+                },
+                Col::Split(p) => {
+                    let cell = cells.iter().filter(here).find_map(|x| {
+                        match FetchChoice::parse_label(&x.config) {
+                            Ok(FetchChoice::Split { ctas, ce_pct }) if ce_pct == *p => {
+                                Some((x, ctas))
+                            }
+                            _ => None,
+                        }
+                    });
+                    match cell {
+                        Some((x, ctas)) => format!(" {:>18}", format!("{} N{ctas}", text(x))),
+                        None => format!(" {:>18}", "-"),
+                    }
+                }
             };
         }
         out.push('\n');
@@ -648,5 +684,88 @@ mod tests {
             Some((FetchChoice::Sm { ctas: 8 }, 20.0))
         );
         assert_eq!(choose(&[], &configs), None);
+    }
+
+    #[test]
+    fn splits_take_the_fastest_cta_count_and_count_only_their_sm_share() {
+        let sm = |ctas| FetchChoice::Sm { ctas };
+        assert_eq!(
+            split_ctas(&[(sm(4), 12.0), (sm(8), 10.0), (FetchChoice::Dma, 9.0)]),
+            Some(8)
+        );
+        // a tie goes to fewer CTAs; no SM configuration, no split
+        assert_eq!(split_ctas(&[(sm(16), 10.0), (sm(8), 10.0)]), Some(8));
+        assert_eq!(split_ctas(&[(FetchChoice::Dma, 9.0)]), None);
+        let split = |ce_pct| FetchChoice::Split { ctas: 8, ce_pct };
+        assert!(sms(split(75)) < sms(split(25)) && sms(split(25)) < sms(sm(8)));
+        assert_eq!(sms(FetchChoice::Dma), 0);
+        // the fastest split wins; a split tied with sm:8 wins on SM time
+        let configs = [sm(4), sm(8), FetchChoice::Dma, split(25), split(50)];
+        let cells = [
+            cell(32768, "sm:4", 10.5, 0.0),
+            cell(32768, "sm:8", 10.0, 0.0),
+            cell(32768, "dma", 14.0, 0.0),
+            cell(32768, "split:8:25", 9.5, 0.0),
+            cell(32768, "split:8:50", 9.8, 0.0),
+        ];
+        let refs: Vec<&SweepCell> = cells.iter().collect();
+        assert_eq!(choose(&refs, &configs), Some((split(25), 9.5)));
+        let cells = [
+            cell(32768, "sm:8", 10.0, 0.2),
+            cell(32768, "split:8:50", 10.1, 0.0),
+        ];
+        let refs: Vec<&SweepCell> = cells.iter().collect();
+        assert_eq!(choose(&refs, &configs), Some((split(50), 10.1)));
+    }
+
+    #[test]
+    fn the_sweep_table_gives_splits_one_column_per_share() {
+        let at = |b, cfg: &str, ms| SweepCell {
+            batch: b,
+            ..cell(32768, cfg, ms, 0.0)
+        };
+        let cells = vec![
+            at(8, "sm:4", 10.0),
+            at(8, "sm:8", 11.0),
+            at(8, "split:4:50", 9.0),
+            at(16, "sm:4", 21.0),
+            at(16, "sm:8", 20.0),
+            at(16, "split:8:50", 22.0),
+        ];
+        let labels = ["sm:4", "sm:8", "split:4:50", "split:8:50"];
+        let configs: Vec<FetchChoice> = labels
+            .iter()
+            .map(|l| FetchChoice::parse_label(l).unwrap())
+            .collect();
+        let (sync, prefetch) = entries_of(&cells, &configs).unwrap();
+        let t = FetchTable {
+            format: FORMAT,
+            gpu: "NVIDIA H200".into(),
+            sm_count: 132,
+            pcie: "Gen5 x16".into(),
+            driver: "580".into(),
+            date_utc: "2026-12-01T00:00:00Z".into(),
+            commit: None,
+            protocol: "p".into(),
+            sync,
+            prefetch,
+            sweep: json!({"cells": cells, "skipped": [], "configs": labels}),
+        };
+        // the table reads back through its JSON with the split entry
+        let t = FetchTable::parse(&serde_json::to_string(&t).unwrap(), "t").unwrap();
+        assert_eq!(
+            t.choose(FetchMode::Sync, 8),
+            FetchChoice::Split {
+                ctas: 4,
+                ce_pct: 50
+            }
+        );
+        assert_eq!(t.choose(FetchMode::Sync, 16), FetchChoice::Sm { ctas: 8 });
+        let text = sweep_table(&t);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert_eq!(lines[0].matches("split:N:50").count(), 1, "{text}");
+        assert!(lines[1].contains("*9.00±0.00 N4"), "{text}");
+        assert!(lines[2].contains("22.00±0.00 N8") && lines[2].contains("*20.00"), "{text}");
     }
 }

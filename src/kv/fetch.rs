@@ -442,3 +442,60 @@ impl GpuModel {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fetch_values_parse_print_and_refuse_unknown_ones_by_name() {
+        assert_eq!(FetchEngine::parse("auto").unwrap(), FetchEngine::Auto);
+        assert_eq!(
+            FetchEngine::parse("sm").unwrap(),
+            FetchEngine::Sm { ctas: 16 }
+        );
+        for e in [
+            FetchEngine::Auto,
+            FetchEngine::Dma,
+            FetchEngine::Sm { ctas: 8 },
+            FetchEngine::Split {
+                ctas: 8,
+                ce_pct: 50,
+            },
+        ] {
+            assert_eq!(FetchEngine::parse(&e.label()).unwrap(), e);
+            e.validate().unwrap();
+        }
+        assert_eq!(
+            FetchEngine::Split {
+                ctas: 4,
+                ce_pct: 75
+            }
+            .label(),
+            "split:4:75"
+        );
+        assert_eq!(
+            FetchEngine::Split {
+                ctas: 4,
+                ce_pct: 75
+            }
+            .name(),
+            "split"
+        );
+        for v in ["warp", "split:8:100", "split:0:50", "sm:", "split::"] {
+            let e = FetchEngine::parse(v).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("`{v}`")) && e.ends_with(FETCH_FORMS),
+                "{v}: {e}"
+            );
+        }
+        let e = FetchEngine::Split {
+            ctas: 8,
+            ce_pct: 0,
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("split:8:0") && e.contains("1 … 99"), "{e}");
+    }
+}

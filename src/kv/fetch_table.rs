@@ -496,6 +496,126 @@ mod tests {
     }
 
     #[test]
+    fn labels_round_trip_and_bad_ones_name_the_value_and_the_ranges() {
+        for c in [
+            FetchChoice::Dma,
+            FetchChoice::Sm { ctas: 1 },
+            FetchChoice::Sm { ctas: 1024 },
+            FetchChoice::Split {
+                ctas: 8,
+                ce_pct: 50,
+            },
+            FetchChoice::Split {
+                ctas: 1,
+                ce_pct: 1,
+            },
+            FetchChoice::Split {
+                ctas: 1024,
+                ce_pct: 99,
+            },
+        ] {
+            assert_eq!(FetchChoice::parse_label(&c.label()).unwrap(), c);
+            assert_eq!(c.engine().label(), c.label());
+            assert_eq!(FetchEngine::parse(&c.label()).unwrap(), c.engine());
+            c.validate().unwrap();
+        }
+        assert_eq!(
+            FetchChoice::Split {
+                ctas: 16,
+                ce_pct: 25
+            }
+            .label(),
+            "split:16:25"
+        );
+        for (label, why) in [
+            ("split:0:50", "CTA count `0` is not 1 … 1024"),
+            ("split:1025:50", "CTA count `1025`"),
+            ("split:8:0", "copy-engine share `0` is not 1 … 99"),
+            ("split:8:100", "copy-engine share `100`"),
+            ("split:8:-5", "copy-engine share `-5`"),
+            ("split:8", "needs both N and P"),
+            ("split:x:50", "CTA count `x`"),
+            ("sm:0", "CTA count `0`"),
+            ("ce", ""),
+            ("sm", ""),
+        ] {
+            let e = FetchChoice::parse_label(label).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("`{label}`")) && e.contains(why) && e.contains(LABEL_FORMS),
+                "{label}: {e}"
+            );
+        }
+        for c in [
+            FetchChoice::Split {
+                ctas: 8,
+                ce_pct: 0,
+            },
+            FetchChoice::Split {
+                ctas: 8,
+                ce_pct: 100,
+            },
+            FetchChoice::Split {
+                ctas: 0,
+                ce_pct: 50,
+            },
+        ] {
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains(&c.label()), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_table_may_choose_a_split_and_reads_it_back() {
+        let mut t = table("NVIDIA H200");
+        let split = FetchChoice::Split {
+            ctas: 8,
+            ce_pct: 50,
+        };
+        t.prefetch.push(FetchEntry {
+            batch: 32,
+            choice: split,
+            step_ms: 2.0,
+        });
+        let text = serde_json::to_string(&t).unwrap();
+        assert!(
+            text.contains(r#""engine":"split","ctas":8,"ce_pct":50"#),
+            "{text}"
+        );
+        let t = FetchTable::parse(&text, "test").unwrap();
+        assert_eq!(t.choose(FetchMode::Prefetch, 8), FetchChoice::Sm { ctas: 2 });
+        assert_eq!(t.choose(FetchMode::Prefetch, 32), split);
+        assert_eq!(
+            auto_engine(Some(&t), "NVIDIA H200", FetchMode::Prefetch, 64),
+            FetchEngine::Split {
+                ctas: 8,
+                ce_pct: 50
+            }
+        );
+        // out-of-range splits in a table are refused with the batch and value
+        for (bad, why) in [
+            (r#""ce_pct":50"#, r#""ce_pct":100"#),
+            (r#""ctas":8,"ce_pct""#, r#""ctas":0,"ce_pct""#),
+        ] {
+            let e = FetchTable::parse(&text.replace(bad, why), "f.json")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("f.json") && e.contains("\"prefetch\" batch 32"),
+                "{e}"
+            );
+        }
+        let e = FetchTable::parse(&text.replace(r#""ce_pct":50"#, r#""ce_pct":100"#), "f")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("copy-engine share 100 % (give 1 … 99)"), "{e}");
+        // an unknown engine is refused with its name
+        let e = FetchTable::parse(&text.replace(r#""engine":"dma""#, r#""engine":"warp""#), "f")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("warp"), "{e}");
+    }
+
+    #[test]
     fn table_file_names_are_slugs_of_the_gpu_name() {
         assert_eq!(table_file_name("NVIDIA H200"), "fetch_nvidia_h200.json");
         assert_eq!(

@@ -154,6 +154,88 @@ mod tests {
         }
     }
 
+    /// The SM kernel's share as its copies: the first `sm[k]` pairs of each
+    /// list at the kernel's addresses (kernels/kv_offload.cu kv_fetch_sm).
+    fn kernel_copies(
+        fetch: &[i32],
+        sm: &[i32],
+        s: usize,
+        hkv: usize,
+        rows: &[crate::cuda::ops::offload::DmaRow],
+        chunk: usize,
+    ) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        for (rh, &n) in sm.iter().enumerate() {
+            let (r, h) = (rh / hkv, rh % hkv);
+            for i in 0..n as usize {
+                let (slot, block) = (fetch[(rh * s + i) * 2], fetch[(rh * s + i) * 2 + 1]);
+                out.push((
+                    rows[r].host + (block as usize * hkv * chunk + h * chunk) as u64,
+                    rows[r].pool + ((h * s + slot as usize) * chunk) as u64,
+                ));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_two_shares_copy_every_chunk_once_to_the_slots_of_the_whole_fetch() {
+        use crate::cuda::ops::offload::{dma_copies, DmaRow};
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(11);
+        let (bs, d) = (64usize, 128usize);
+        let chunk = 2 * bs * d * 2;
+        for _ in 0..300 {
+            let (rows_n, hkv, s) = (
+                rng.random_range(1..5usize),
+                rng.random_range(1..4usize),
+                rng.random_range(1..12usize),
+            );
+            let rows: Vec<DmaRow> = (0..rows_n)
+                .map(|r| DmaRow {
+                    host: (r as u64 + 1) << 40,
+                    pool: (r as u64 + 1) << 32,
+                })
+                .collect();
+            let mut fetch = Vec::new();
+            let mut nfetch = Vec::new();
+            for _ in 0..rows_n * hkv {
+                let n = rng.random_range(0..=s);
+                let mut slots: Vec<usize> = (0..s).collect();
+                slots.sort_by_key(|_| rng.random::<u32>());
+                for i in 0..s {
+                    if i < n {
+                        fetch.extend([slots[i] as i32, (3 * i + 1) as i32]);
+                    } else {
+                        fetch.extend([-7, -7]);
+                    }
+                }
+                nfetch.push(n as i32);
+            }
+            let whole = dma_copies(&fetch, &nfetch, None, s, hkv, &rows, bs, d).unwrap();
+            let pct = rng.random_range(1..=99usize);
+            let plan = split_misses(&nfetch, s, pct).unwrap();
+            let ce = dma_copies(&fetch, &nfetch, Some(&plan.sm), s, hkv, &rows, bs, d).unwrap();
+            let sm = kernel_copies(&fetch, &plan.sm, s, hkv, &rows, chunk);
+            assert_eq!((sm.len(), ce.len()), (plan.sm_chunks, plan.ce_chunks));
+            let mut both: Vec<(u64, u64)> = sm.into_iter().chain(ce).collect();
+            let mut all = whole.clone();
+            both.sort_unstable();
+            all.sort_unstable();
+            assert_eq!(both, all, "each chunk once, to the same slot");
+            // no destination written twice
+            let mut dst: Vec<u64> = all.iter().map(|c| c.1).collect();
+            dst.sort_unstable();
+            dst.dedup();
+            assert_eq!(dst.len(), whole.len());
+        }
+        // a count from the split outside 0 … nfetch is refused
+        let rows = [DmaRow { host: 1 << 40, pool: 1 << 32 }];
+        let e = dma_copies(&[0, 1, 1, 2], &[2], Some(&[3]), 2, 1, &rows, bs, d)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("SM count 3 is outside 0 … 2"), "{e}");
+    }
+
     #[test]
     fn bad_shares_and_counts_are_refused_with_their_values() {
         for pct in [0, 100, 250] {
