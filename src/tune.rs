@@ -541,14 +541,15 @@ pub fn sweep_table(t: &FetchTable) -> String {
                     None => format!(" {:>14}", "-"),
                 },
                 Col::Split(p) => {
-                    let cell = cells.iter().filter(here).find_map(|x| {
-                        match FetchChoice::parse_label(&x.config) {
-                            Ok(FetchChoice::Split { ctas, ce_pct }) if ce_pct == *p => {
-                                Some((x, ctas))
+                    let cell =
+                        cells.iter().filter(here).find_map(|x| {
+                            match FetchChoice::parse_label(&x.config) {
+                                Ok(FetchChoice::Split { ctas, ce_pct }) if ce_pct == *p => {
+                                    Some((x, ctas))
+                                }
+                                _ => None,
                             }
-                            _ => None,
-                        }
-                    });
+                        });
                     match cell {
                         Some((x, ctas)) => format!(" {:>18}", format!("{} N{ctas}", text(x))),
                         None => format!(" {:>18}", "-"),
@@ -766,6 +767,9 @@ mod tests {
         assert_eq!(lines.len(), 3, "{text}");
         assert_eq!(lines[0].matches("split:N:50").count(), 1, "{text}");
         assert!(lines[1].contains("*9.00±0.00 N4"), "{text}");
-        assert!(lines[2].contains("22.00±0.00 N8") && lines[2].contains("*20.00"), "{text}");
+        assert!(
+            lines[2].contains("22.00±0.00 N8") && lines[2].contains("*20.00"),
+            "{text}"
+        );
     }
 }

@@ -339,7 +339,18 @@ impl GpuModel {
             join: &side.join[l],
         };
         let mut counts = side.sm_counts.slice_mut(l * n * hk..(l + 1) * n * hk);
-        fetch_split(gpu, &streams, &args, &fl, &nf, &rows, &mut counts, ctas, ce_pct).map(drop)
+        fetch_split(
+            gpu,
+            &streams,
+            &args,
+            &fl,
+            &nf,
+            &rows,
+            &mut counts,
+            ctas,
+            ce_pct,
+        )
+        .map(drop)
     }
 
     /// Prefetch of layer `l` (forecast mode, runtime.md §2): records
@@ -489,13 +500,10 @@ mod tests {
                 "{v}: {e}"
             );
         }
-        let e = FetchEngine::Split {
-            ctas: 8,
-            ce_pct: 0,
-        }
-        .validate()
-        .unwrap_err()
-        .to_string();
+        let e = FetchEngine::Split { ctas: 8, ce_pct: 0 }
+            .validate()
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("split:8:0") && e.contains("1 … 99"), "{e}");
     }
 }

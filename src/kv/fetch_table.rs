@@ -111,11 +111,7 @@ impl FetchChoice {
             let ctas = ctas(n)?;
             let ce_pct = match p.parse::<usize>() {
                 Ok(p) if crate::kv::split::check_ce_pct(p, "").is_ok() => p,
-                _ => {
-                    return Err(bad(format!(
-                        "copy-engine share `{p}` is not 1 … 99; "
-                    )))
-                }
+                _ => return Err(bad(format!("copy-engine share `{p}` is not 1 … 99; "))),
             };
             return Ok(FetchChoice::Split { ctas, ce_pct });
         }
@@ -505,10 +501,7 @@ mod tests {
                 ctas: 8,
                 ce_pct: 50,
             },
-            FetchChoice::Split {
-                ctas: 1,
-                ce_pct: 1,
-            },
+            FetchChoice::Split { ctas: 1, ce_pct: 1 },
             FetchChoice::Split {
                 ctas: 1024,
                 ce_pct: 99,
@@ -546,10 +539,7 @@ mod tests {
             );
         }
         for c in [
-            FetchChoice::Split {
-                ctas: 8,
-                ce_pct: 0,
-            },
+            FetchChoice::Split { ctas: 8, ce_pct: 0 },
             FetchChoice::Split {
                 ctas: 8,
                 ce_pct: 100,
@@ -582,7 +572,10 @@ mod tests {
             "{text}"
         );
         let t = FetchTable::parse(&text, "test").unwrap();
-        assert_eq!(t.choose(FetchMode::Prefetch, 8), FetchChoice::Sm { ctas: 2 });
+        assert_eq!(
+            t.choose(FetchMode::Prefetch, 8),
+            FetchChoice::Sm { ctas: 2 }
+        );
         assert_eq!(t.choose(FetchMode::Prefetch, 32), split);
         assert_eq!(
             auto_engine(Some(&t), "NVIDIA H200", FetchMode::Prefetch, 64),
@@ -609,9 +602,12 @@ mod tests {
             .to_string();
         assert!(e.contains("copy-engine share 100 % (give 1 … 99)"), "{e}");
         // an unknown engine is refused with its name
-        let e = FetchTable::parse(&text.replace(r#""engine":"dma""#, r#""engine":"warp""#), "f")
-            .unwrap_err()
-            .to_string();
+        let e = FetchTable::parse(
+            &text.replace(r#""engine":"dma""#, r#""engine":"warp""#),
+            "f",
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("warp"), "{e}");
     }
 

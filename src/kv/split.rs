@@ -202,9 +202,9 @@ mod tests {
                 let n = rng.random_range(0..=s);
                 let mut slots: Vec<usize> = (0..s).collect();
                 slots.sort_by_key(|_| rng.random::<u32>());
-                for i in 0..s {
+                for (i, &slot) in slots.iter().enumerate() {
                     if i < n {
-                        fetch.extend([slots[i] as i32, (3 * i + 1) as i32]);
+                        fetch.extend([slot as i32, (3 * i + 1) as i32]);
                     } else {
                         fetch.extend([-7, -7]);
                     }
@@ -229,7 +229,10 @@ mod tests {
             assert_eq!(dst.len(), whole.len());
         }
         // a count from the split outside 0 … nfetch is refused
-        let rows = [DmaRow { host: 1 << 40, pool: 1 << 32 }];
+        let rows = [DmaRow {
+            host: 1 << 40,
+            pool: 1 << 32,
+        }];
         let e = dma_copies(&[0, 1, 1, 2], &[2], Some(&[3]), 2, 1, &rows, bs, d)
             .unwrap_err()
             .to_string();
@@ -240,7 +243,10 @@ mod tests {
     fn bad_shares_and_counts_are_refused_with_their_values() {
         for pct in [0, 100, 250] {
             let e = split_misses(&[1], 4, pct).unwrap_err().to_string();
-            assert!(e.contains(&format!("{pct} %")) && e.contains("1 … 99"), "{e}");
+            assert!(
+                e.contains(&format!("{pct} %")) && e.contains("1 … 99"),
+                "{e}"
+            );
         }
         let e = split_misses(&[2, 9], 8, 50).unwrap_err().to_string();
         assert!(e.contains("nfetch 9 > 8 slots at (row, head) 1"), "{e}");

@@ -377,9 +377,7 @@ pub fn dma_copies(
     const OP: &str = "fetch_dma";
     check_geometry(OP, block_size, head_dim)?;
     let nrh = rows.len() * kv_heads;
-    if nfetch.len() != nrh
-        || fetch.len() != nrh * slots * 2
-        || from.is_some_and(|f| f.len() != nrh)
+    if nfetch.len() != nrh || fetch.len() != nrh * slots * 2 || from.is_some_and(|f| f.len() != nrh)
     {
         return Err(Error::Input(format!(
             "{OP}: nfetch has {} entries, fetch {} and the split's counts {}, expected {nrh}, {} and {nrh} ({} rows × {kv_heads} heads × {slots} slots)",
@@ -464,7 +462,12 @@ pub fn fetch_dma(
 /// One `cuMemcpyBatchAsync` on `stream` of `copies` (source, destination),
 /// `chunk` bytes each (see [`fetch_dma`] for the attributes). Returns the
 /// bytes enqueued; no call for no copies.
-fn memcpy_batch(gpu: &Gpu, stream: &CudaStream, copies: &[(u64, u64)], chunk: usize) -> Result<usize> {
+fn memcpy_batch(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    copies: &[(u64, u64)],
+    chunk: usize,
+) -> Result<usize> {
     let total = copies.len();
     if total == 0 {
         return Ok(0);
@@ -617,7 +620,9 @@ pub fn fetch_split<C: DevicePtrMut<i32>>(
         kv_fetch_sm(gpu, s.fetch, &args, ctas)?;
     }
     if plan.ce_chunks > 0 {
-        s.fetch.wait(s.join).cuda("cuStreamWaitEvent (split join)")?;
+        s.fetch
+            .wait(s.join)
+            .cuda("cuStreamWaitEvent (split join)")?;
     }
     Ok(plan)
 }
