@@ -301,6 +301,12 @@ impl GpuModel {
         let gpu = &*self.gpu;
         let hk = self.config.num_key_value_heads;
         let s_slots = off.slots;
+        // Made before the downloads below: they synchronise the compute
+        // stream, so the zeroing of the new counts buffer (enqueued there)
+        // is done before the copy stream writes to it in prefetch mode.
+        if off.split.is_none() {
+            off.split = Some(SplitSide::new(gpu, off.offloaded.len(), n * hk)?);
+        }
         let nf = gpu.download(&off.nfetch.slice(l * n * hk..(l + 1) * n * hk))?;
         if nf.iter().all(|&x| x <= 0) {
             return Ok(());
@@ -326,9 +332,6 @@ impl GpuModel {
             block_size: self.plan.budget.block_size,
             head_dim: self.config.head_dim,
         };
-        if off.split.is_none() {
-            off.split = Some(SplitSide::new(gpu, off.offloaded.len(), n * hk)?);
-        }
         let Some(side) = off.split.as_mut() else {
             return Err(Error::Input("split fetch: no side stream".into()));
         };
