@@ -244,13 +244,17 @@ pub fn cell_key(
     }
 }
 
-/// Name of a KV placement in reports: `gpu`, `offload-sm16`, `offload-dma`.
+/// Name of a KV placement in reports: `gpu`, `offload-sm16`, `offload-dma`,
+/// `offload-split8-50` (8 CTAs, 50 % through the copy engines), `offload-auto`.
 pub fn kv_name(kv: &Option<OffloadOptions>) -> String {
     match kv {
         None => "gpu".into(),
         Some(o) => match o.fetch {
             crate::pipeline::FetchEngine::Sm { ctas } => format!("offload-sm{ctas}"),
             crate::pipeline::FetchEngine::Dma => "offload-dma".into(),
+            crate::pipeline::FetchEngine::Split { ctas, ce_pct } => {
+                format!("offload-split{ctas}-{ce_pct}")
+            }
             crate::pipeline::FetchEngine::Auto => "offload-auto".into(),
         },
     }
@@ -1519,6 +1523,14 @@ mod tests {
             ..o
         };
         assert_eq!(kv_name(&Some(o)), "offload-dma");
+        let o = OffloadOptions {
+            fetch: FetchEngine::Split {
+                ctas: 8,
+                ce_pct: 50,
+            },
+            ..o
+        };
+        assert_eq!(kv_name(&Some(o)), "offload-split8-50");
     }
 
     #[test]

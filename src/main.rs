@@ -554,15 +554,54 @@ enum KvArg {
     Offload,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+/// One `--fetch` value (runtime.md §4): `auto`, `sm`, `sm:N`, `dma` or
+/// `split:N:P` ([`sparda::pipeline::FetchEngine::parse`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum FetchArg {
     /// Per batch size and schedule from the GPU's fetch table (`sparda
     /// tune-ctas`; built in for the H200), else SparDA's rule (SM kernel, 16 or 32 CTAs).
     Auto,
-    /// Persistent UVA copy kernel on --prefetch-ctas CTAs.
-    Sm,
+    /// Persistent UVA copy kernel on N CTAs (`sm:N`), or on --prefetch-ctas
+    /// (default 16) CTAs (`sm`).
+    Sm(Option<usize>),
     /// The copy engines (cuMemcpyBatchAsync).
     Dma,
+    /// Each layer's misses split: P % through the copy engines, the rest
+    /// through the SM kernel on N CTAs, at once (`split:N:P`).
+    Split {
+        /// N.
+        ctas: usize,
+        /// P.
+        ce_pct: usize,
+    },
+}
+
+impl FetchArg {
+    /// The value as given (`sm` stays `sm`).
+    fn label(self) -> String {
+        match self {
+            FetchArg::Auto => "auto".into(),
+            FetchArg::Sm(None) => "sm".into(),
+            FetchArg::Sm(Some(n)) => format!("sm:{n}"),
+            FetchArg::Dma => "dma".into(),
+            FetchArg::Split { ctas, ce_pct } => format!("split:{ctas}:{ce_pct}"),
+        }
+    }
+}
+
+/// clap's parser of a `--fetch` value; the error names the value, the
+/// accepted forms and their ranges.
+fn parse_fetch_arg(value: &str) -> std::result::Result<FetchArg, String> {
+    use sparda::pipeline::FetchEngine;
+    if value == "sm" {
+        return Ok(FetchArg::Sm(None));
+    }
+    match FetchEngine::parse(value).map_err(|e| e.to_string())? {
+        FetchEngine::Auto => Ok(FetchArg::Auto),
+        FetchEngine::Sm { ctas } => Ok(FetchArg::Sm(Some(ctas))),
+        FetchEngine::Dma => Ok(FetchArg::Dma),
+        FetchEngine::Split { ctas, ce_pct } => Ok(FetchArg::Split { ctas, ce_pct }),
+    }
 }
 
 /// `generate --help`'s and `perplexity --help`'s text for `--fetch` (they
@@ -575,10 +614,14 @@ const GENERATE_FETCH_HELP: &str =
 #[derive(Args, Clone)]
 struct OffloadArgs {
     /// Fetch engines of offloaded KV, each run in turn (comma-separated or
-    /// repeated; generate and perplexity take one).
-    #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "auto")]
+    /// repeated; generate and perplexity take one): auto (the GPU's fetch
+    /// table, else SparDA's rule), sm (SM copy kernel, --prefetch-ctas or 16
+    /// CTAs), sm:N (N CTAs), dma (copy engines), split:N:P (P = 1…99 % of
+    /// each layer's misses through the copy engines, the rest through the SM
+    /// kernel on N = 1…1024 CTAs, at once).
+    #[arg(long, value_parser = parse_fetch_arg, value_delimiter = ',', num_args = 1.., default_value = "auto")]
     fetch: Vec<FetchArg>,
-    /// CTAs of the SM fetch kernel (default: from the fetch table with --fetch auto, 16 with --fetch sm).
+    /// CTAs of the SM fetch kernel (default: from the fetch table with --fetch auto, 16 with --fetch sm; sm:N and split:N:P give their own).
     #[arg(long, allow_negative_numbers = true)]
     prefetch_ctas: Option<usize>,
     /// Offload layer 0 too (default: it stays on the GPU, for every mode compared).
@@ -607,11 +650,15 @@ impl OffloadArgs {
         self.fetch
             .iter()
             .map(|f| OffloadOptions {
-                fetch: match (f, self.prefetch_ctas) {
+                fetch: match (*f, self.prefetch_ctas) {
                     (FetchArg::Auto, None) => FetchEngine::Auto,
-                    (FetchArg::Auto | FetchArg::Sm, Some(ctas)) => FetchEngine::Sm { ctas },
-                    (FetchArg::Sm, None) => FetchEngine::Sm { ctas: 16 },
+                    (FetchArg::Auto | FetchArg::Sm(None), Some(ctas)) => FetchEngine::Sm { ctas },
+                    (FetchArg::Sm(None), None) => FetchEngine::Sm {
+                        ctas: sparda::cuda::ops::offload::DEFAULT_FETCH_CTAS,
+                    },
+                    (FetchArg::Sm(Some(ctas)), _) => FetchEngine::Sm { ctas },
                     (FetchArg::Dma, _) => FetchEngine::Dma,
+                    (FetchArg::Split { ctas, ce_pct }, _) => FetchEngine::Split { ctas, ce_pct },
                 },
                 offload_layer0: self.offload_layer0,
             })
@@ -647,9 +694,16 @@ struct TuneCtasArgs {
     /// CTA counts of the SM kernel (default 2,4,6,8,12,16,24,32; --quick: 4,8,16,32).
     #[arg(long, value_delimiter = ',', num_args = 1.., allow_negative_numbers = true)]
     ctas: Option<Vec<usize>>,
-    /// Leave the copy engines out of the sweep.
+    /// Leave the copy engines out of the sweep (the splits too: they use them).
     #[arg(long)]
     no_dma: bool,
+    /// Copy-engine shares, %, of the split configurations measured at each
+    /// (mode, B) at its fastest SM CTA count (default 25,50,75; --quick: 50).
+    #[arg(long, value_delimiter = ',', num_args = 1.., allow_negative_numbers = true)]
+    split_pct: Option<Vec<usize>>,
+    /// Leave the split configurations out of the sweep.
+    #[arg(long)]
+    no_split: bool,
     /// Schedules to measure.
     #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "sync,prefetch")]
     mode: Vec<TuneModeArg>,

@@ -13,11 +13,22 @@
 //! step). A configuration's figure is the median over rounds of each
 //! round's median step time; its spread is max − min of the round medians.
 //!
+//! Split configurations (`split:N:P`, [`crate::kv::split`]): after those
+//! rounds, at each (mode, B) the SM kernel's CTA count N is the one that
+//! measured fastest in that cell (ties: fewer CTAs) at the first context
+//! where the (mode, B) fitted, and kept for its other contexts (so every
+//! context of a batch size measures the same split configurations and the
+//! choice below can compare them); then one split per copy-engine share P
+//! of [`TuneSpec::split_pcts`] (fixed ratios, 25/50/75 % by default, not
+//! derived from the measured rates) is measured the same way, in rounds of
+//! their own.
+//!
 //! Choice per (mode, B): over the contexts measured, each configuration's
 //! geometric-mean ratio to the fastest configuration of that context; the
 //! lowest wins, and any configuration within the winner's relative spread
-//! counts as tied, where the one that takes the fewest SMs is chosen (the
-//! copy engines take none).
+//! counts as tied, where the one that takes the fewest SMs is chosen: SM
+//! time is counted as CTAs × the share of the misses they fetch (N for
+//! `sm:N`, N·(100 − P)/100 for `split:N:P`, none for the copy engines).
 
 use crate::bench::{median, open_model, time_step_ms};
 use crate::cpu::EngineOptions;
@@ -53,7 +64,14 @@ pub struct TuneSpec {
     pub warmup: usize,
     /// Seed of the synthetic KV and forecast weights.
     pub seed: u64,
+    /// Copy-engine shares P (%, 1 … 99) of the split configurations
+    /// measured at each (mode, B) beside `configs` (see the module doc);
+    /// empty: no split configuration.
+    pub split_pcts: Vec<usize>,
 }
+
+/// The default copy-engine shares of the split configurations swept, %.
+pub const DEFAULT_SPLIT_PCTS: [usize; 3] = [25, 50, 75];
 
 /// The default CTA counts swept: 2 … 32.
 pub const DEFAULT_CTAS: [usize; 8] = [2, 4, 6, 8, 12, 16, 24, 32];
@@ -67,7 +85,7 @@ pub struct SweepCell {
     pub context: usize,
     /// Batch size.
     pub batch: usize,
-    /// `sm:N` or `dma`.
+    /// `sm:N`, `dma` or `split:N:P` ([`FetchChoice::label`]).
     pub config: String,
     /// Median over rounds of the round's median step time, ms.
     pub step_ms: f64,
@@ -77,12 +95,28 @@ pub struct SweepCell {
     pub rounds_ms: Vec<f64>,
 }
 
-/// SMs a configuration takes from compute (the copy engines take none).
+/// SM time a configuration takes from compute, in CTA·% of the misses:
+/// CTAs × the share of the misses they fetch (the copy engines take none).
 fn sms(c: FetchChoice) -> usize {
     match c {
-        FetchChoice::Sm { ctas } => ctas,
+        FetchChoice::Sm { ctas } => ctas * 100,
         FetchChoice::Dma => 0,
+        FetchChoice::Split { ctas, ce_pct } => ctas * 100usize.saturating_sub(ce_pct),
     }
+}
+
+/// The CTA count of the split configurations of one cell: the SM
+/// configuration with the lowest step time among `measured` (label, step
+/// ms), fewer CTAs on a tie; `None` without an SM configuration.
+pub fn split_ctas(measured: &[(FetchChoice, f64)]) -> Option<usize> {
+    measured
+        .iter()
+        .filter_map(|&(c, ms)| match c {
+            FetchChoice::Sm { ctas } => Some((ctas, ms)),
+            _ => None,
+        })
+        .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)))
+        .map(|(ctas, _)| ctas)
 }
 
 /// The choice for one (mode, B) from its cells (every context, every
@@ -167,6 +201,10 @@ pub fn run(spec: &TuneSpec) -> Result<FetchTable> {
     drop(ckpt);
     let fw = ForecastWeights::from_arg(&format!("synth:{}", spec.seed), &cfg)?;
     let mut cells: Vec<SweepCell> = Vec::new();
+    // every configuration measured (the splits' CTA counts vary by cell)
+    let mut configs: Vec<FetchChoice> = spec.configs.clone();
+    // per (mode, B): the CTA count of its splits, from its first context
+    let mut split_ctas_of: Vec<((FetchMode, usize), usize)> = Vec::new();
     let mut skipped: Vec<serde_json::Value> = Vec::new();
     let total = spec.modes.len() * spec.contexts.len() * spec.batches.len();
     let mut done = 0;
@@ -181,7 +219,8 @@ pub fn run(spec: &TuneSpec) -> Result<FetchTable> {
                 model.set_forecast(None, false)?;
                 model.set_offload(Some(off))?;
                 model.set_forecast((mode == FetchMode::Prefetch).then_some(&fw), true)?;
-                let cap = l + spec.repeats * spec.configs.len() * (spec.warmup + spec.steps) + 8;
+                let runs = spec.configs.len() + spec.split_pcts.len();
+                let cap = l + spec.repeats * runs * (spec.warmup + spec.steps) + 8;
                 if let Err(e) =
                     model.check_memory(b, cap, Some(off), false, "lower --batch or --context")
                 {
@@ -200,27 +239,37 @@ pub fn run(spec: &TuneSpec) -> Result<FetchTable> {
                     model.offload_sequence(&mut s, cap)?;
                     seqs.push(s);
                 }
-                let first = vec![1u32; b];
-                let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); spec.configs.len()];
-                for r in 0..spec.repeats {
-                    for k in 0..spec.configs.len() {
-                        let i = (k + r) % spec.configs.len();
-                        crate::interrupt::check(|| format!("tune-ctas ({mode:?}, L {l}, B {b})"))?;
-                        model.set_offload(Some(OffloadOptions {
-                            fetch: spec.configs[i].engine(),
-                            offload_layer0: false,
-                        }))?;
-                        model.decode(&mut seqs, &first)?;
-                        for _ in 2..spec.warmup {
-                            model.decode_greedy(&mut seqs)?;
+                let mut measured = measure(&mut model, &mut seqs, &spec.configs, spec, |r| {
+                    format!("tune-ctas ({mode:?}, L {l}, B {b}, round {r})")
+                })?;
+                if !spec.split_pcts.is_empty() {
+                    let at: Vec<(FetchChoice, f64)> =
+                        measured.iter().map(|(c, r)| (*c, median(r))).collect();
+                    let ctas = match split_ctas_of.iter().find(|(k, _)| *k == (mode, b)) {
+                        Some(&(_, n)) => Some(n),
+                        None => split_ctas(&at),
+                    };
+                    if let Some(ctas) = ctas {
+                        if !split_ctas_of.iter().any(|(k, _)| *k == (mode, b)) {
+                            split_ctas_of.push(((mode, b), ctas));
                         }
-                        let ms = median(&time_step_ms(&mut model, &mut seqs, spec.steps)?);
-                        rounds[i].push(ms);
+                        let splits: Vec<FetchChoice> = spec
+                            .split_pcts
+                            .iter()
+                            .map(|&ce_pct| FetchChoice::Split { ctas, ce_pct })
+                            .collect();
+                        for &c in &splits {
+                            if !configs.contains(&c) {
+                                configs.push(c);
+                            }
+                        }
+                        measured.extend(measure(&mut model, &mut seqs, &splits, spec, |r| {
+                            format!("tune-ctas ({mode:?}, L {l}, B {b}, splits, round {r})")
+                        })?);
                     }
                 }
                 let mut line = Vec::new();
-                for (i, &c) in spec.configs.iter().enumerate() {
-                    let r = &rounds[i];
+                for (c, r) in &measured {
                     let hi = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                     let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
                     let cell = SweepCell {
@@ -243,7 +292,7 @@ pub fn run(spec: &TuneSpec) -> Result<FetchTable> {
     }
     model.set_forecast(None, false)?;
     model.set_offload(None)?;
-    let (sync, prefetch) = entries_of(&cells, &spec.configs)?;
+    let (sync, prefetch) = entries_of(&cells, &configs)?;
     let (pcie, driver) = nvidia_smi_link();
     Ok(FetchTable {
         format: FORMAT,
@@ -254,14 +303,52 @@ pub fn run(spec: &TuneSpec) -> Result<FetchTable> {
         date_utc: crate::checks::kernels::utc_now_iso(),
         commit: std::env::var("SPARDA_COMMIT").ok().or_else(crate::bench::git_commit),
         protocol: format!(
-            "sparda tune-ctas on {}: synthetic KV (runtime.md §5), NOSA selection; prefetch mode with random forecast projections (synth:{}); contexts {:?}; per configuration and round {} warm-up + {} timed decode steps (CUDA events), {} rounds in rotated order; figure = median of round medians, spread = max - min",
-            spec.model, spec.seed, spec.contexts, spec.warmup, spec.steps, spec.repeats
+            "sparda tune-ctas on {}: synthetic KV (runtime.md §5), NOSA selection; prefetch mode with random forecast projections (synth:{}); contexts {:?}; per configuration and round {} warm-up + {} timed decode steps (CUDA events), {} rounds in rotated order; figure = median of round medians, spread = max - min{}",
+            spec.model, spec.seed, spec.contexts, spec.warmup, spec.steps, spec.repeats,
+            if spec.split_pcts.is_empty() {
+                String::new()
+            } else {
+                format!("; splits with {:?} % through the copy engines at each (mode, B)'s fastest SM CTA count (first context), in rounds of their own", spec.split_pcts)
+            }
         ),
         sync,
         prefetch,
         sweep: json!({"cells": cells, "skipped": skipped,
-            "configs": spec.configs.iter().map(|c| c.label()).collect::<Vec<_>>()}),
+            "configs": configs.iter().map(|c| c.label()).collect::<Vec<_>>()}),
     })
+}
+
+/// Times `configs` on the filled batch `seqs`: `spec.repeats` rounds, each
+/// over every configuration in an order rotated by the round (set, warm up,
+/// time `spec.steps` steps). Returns per configuration its round medians,
+/// ms, in the order of `configs`. `what` names the round for an interrupt.
+///
+/// Errors: a failing decode step; an interrupt.
+fn measure(
+    model: &mut GpuModel,
+    seqs: &mut [crate::pipeline::GpuSequence],
+    configs: &[FetchChoice],
+    spec: &TuneSpec,
+    what: impl Fn(usize) -> String,
+) -> Result<Vec<(FetchChoice, Vec<f64>)>> {
+    let first = vec![1u32; seqs.len()];
+    let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
+    for r in 0..spec.repeats {
+        for k in 0..configs.len() {
+            let i = (k + r) % configs.len();
+            crate::interrupt::check(|| what(r))?;
+            model.set_offload(Some(OffloadOptions {
+                fetch: configs[i].engine(),
+                offload_layer0: false,
+            }))?;
+            model.decode(seqs, &first)?;
+            for _ in 2..spec.warmup {
+                model.decode_greedy(seqs)?;
+            }
+            rounds[i].push(median(&time_step_ms(model, seqs, spec.steps)?));
+        }
+    }
+    Ok(configs.iter().copied().zip(rounds).collect())
 }
 
 /// The table's entries from sweep cells: per mode and measured batch size,
@@ -389,10 +476,13 @@ fn nvidia_smi_link() -> (String, Option<String>) {
 }
 
 /// The sweep as a text table: one row per (mode, context, B), one column
-/// per configuration (median step ms ± spread), the choice marked `*`.
+/// per configuration (median step ms ± spread), the choice marked `*`. The
+/// split configurations, whose CTA count varies by batch size, share one
+/// column per copy-engine share P (`split:N:P`), each cell naming its N
+/// (`13.70±0.04 N8`).
 pub fn sweep_table(t: &FetchTable) -> String {
     let cells = cells_of(t, "the table").unwrap_or_default();
-    let configs: Vec<String> = t.sweep["configs"]
+    let labels: Vec<String> = t.sweep["configs"]
         .as_array()
         .map(|a| {
             a.iter()
@@ -400,9 +490,28 @@ pub fn sweep_table(t: &FetchTable) -> String {
                 .collect()
         })
         .unwrap_or_default();
+    // a column: a label, or every split of one share
+    #[derive(PartialEq)]
+    enum Col {
+        One(String),
+        Split(usize),
+    }
+    let mut cols: Vec<Col> = Vec::new();
+    for l in &labels {
+        let col = match FetchChoice::parse_label(l) {
+            Ok(FetchChoice::Split { ce_pct, .. }) => Col::Split(ce_pct),
+            _ => Col::One(l.clone()),
+        };
+        if !cols.contains(&col) {
+            cols.push(col);
+        }
+    }
     let mut out = format!("{:<9} {:>7} {:>4}", "mode", "context", "B");
-    for c in &configs {
-        out += &format!(" {c:>14}");
+    for c in &cols {
+        out += &match c {
+            Col::One(l) => format!(" {l:>14}"),
+            Col::Split(p) => format!(" {:>18}", format!("split:N:{p}")),
+        };
     }
     out.push('\n');
     let mut keys: Vec<(FetchMode, usize, usize)> =
@@ -416,21 +525,36 @@ pub fn sweep_table(t: &FetchTable) -> String {
             l,
             b
         );
-        for c in &configs {
-            let cell = cells
-                .iter()
-                .find(|x| x.mode == mode && x.context == l && x.batch == b && &x.config == c);
-            out += &match cell {
-                Some(x) => format!(
-                    " {:>14}",
-                    format!(
-                        "{}{:.2}±{:.2}",
-                        if *c == chosen { "*" } else { "" },
-                        x.step_ms,
-                        x.spread_ms / 2.0
-                    )
-                ),
-                None => format!(" {:>14}", "-"),
+        let here = |x: &&SweepCell| x.mode == mode && x.context == l && x.batch == b;
+        let text = |x: &SweepCell| {
+            format!(
+                "{}{:.2}±{:.2}",
+                if x.config == chosen { "*" } else { "" },
+                x.step_ms,
+                x.spread_ms / 2.0
+            )
+        };
+        for c in &cols {
+            out += &match c {
+                Col::One(label) => match cells.iter().filter(here).find(|x| &x.config == label) {
+                    Some(x) => format!(" {:>14}", text(x)),
+                    None => format!(" {:>14}", "-"),
+                },
+                Col::Split(p) => {
+                    let cell =
+                        cells.iter().filter(here).find_map(|x| {
+                            match FetchChoice::parse_label(&x.config) {
+                                Ok(FetchChoice::Split { ctas, ce_pct }) if ce_pct == *p => {
+                                    Some((x, ctas))
+                                }
+                                _ => None,
+                            }
+                        });
+                    match cell {
+                        Some((x, ctas)) => format!(" {:>18}", format!("{} N{ctas}", text(x))),
+                        None => format!(" {:>18}", "-"),
+                    }
+                }
             };
         }
         out.push('\n');
@@ -561,5 +685,91 @@ mod tests {
             Some((FetchChoice::Sm { ctas: 8 }, 20.0))
         );
         assert_eq!(choose(&[], &configs), None);
+    }
+
+    #[test]
+    fn splits_take_the_fastest_cta_count_and_count_only_their_sm_share() {
+        let sm = |ctas| FetchChoice::Sm { ctas };
+        assert_eq!(
+            split_ctas(&[(sm(4), 12.0), (sm(8), 10.0), (FetchChoice::Dma, 9.0)]),
+            Some(8)
+        );
+        // a tie goes to fewer CTAs; no SM configuration, no split
+        assert_eq!(split_ctas(&[(sm(16), 10.0), (sm(8), 10.0)]), Some(8));
+        assert_eq!(split_ctas(&[(FetchChoice::Dma, 9.0)]), None);
+        let split = |ce_pct| FetchChoice::Split { ctas: 8, ce_pct };
+        assert!(sms(split(75)) < sms(split(25)) && sms(split(25)) < sms(sm(8)));
+        assert_eq!(sms(FetchChoice::Dma), 0);
+        // the fastest split wins; a split tied with sm:8 wins on SM time
+        let configs = [sm(4), sm(8), FetchChoice::Dma, split(25), split(50)];
+        let cells = [
+            cell(32768, "sm:4", 10.5, 0.0),
+            cell(32768, "sm:8", 10.0, 0.0),
+            cell(32768, "dma", 14.0, 0.0),
+            cell(32768, "split:8:25", 9.5, 0.0),
+            cell(32768, "split:8:50", 9.8, 0.0),
+        ];
+        let refs: Vec<&SweepCell> = cells.iter().collect();
+        assert_eq!(choose(&refs, &configs), Some((split(25), 9.5)));
+        let cells = [
+            cell(32768, "sm:8", 10.0, 0.2),
+            cell(32768, "split:8:50", 10.1, 0.0),
+        ];
+        let refs: Vec<&SweepCell> = cells.iter().collect();
+        assert_eq!(choose(&refs, &configs), Some((split(50), 10.1)));
+    }
+
+    #[test]
+    fn the_sweep_table_gives_splits_one_column_per_share() {
+        let at = |b, cfg: &str, ms| SweepCell {
+            batch: b,
+            ..cell(32768, cfg, ms, 0.0)
+        };
+        let cells = vec![
+            at(8, "sm:4", 10.0),
+            at(8, "sm:8", 11.0),
+            at(8, "split:4:50", 9.0),
+            at(16, "sm:4", 21.0),
+            at(16, "sm:8", 20.0),
+            at(16, "split:8:50", 22.0),
+        ];
+        let labels = ["sm:4", "sm:8", "split:4:50", "split:8:50"];
+        let configs: Vec<FetchChoice> = labels
+            .iter()
+            .map(|l| FetchChoice::parse_label(l).unwrap())
+            .collect();
+        let (sync, prefetch) = entries_of(&cells, &configs).unwrap();
+        let t = FetchTable {
+            format: FORMAT,
+            gpu: "NVIDIA H200".into(),
+            sm_count: 132,
+            pcie: "Gen5 x16".into(),
+            driver: "580".into(),
+            date_utc: "2026-12-01T00:00:00Z".into(),
+            commit: None,
+            protocol: "p".into(),
+            sync,
+            prefetch,
+            sweep: json!({"cells": cells, "skipped": [], "configs": labels}),
+        };
+        // the table reads back through its JSON with the split entry
+        let t = FetchTable::parse(&serde_json::to_string(&t).unwrap(), "t").unwrap();
+        assert_eq!(
+            t.choose(FetchMode::Sync, 8),
+            FetchChoice::Split {
+                ctas: 4,
+                ce_pct: 50
+            }
+        );
+        assert_eq!(t.choose(FetchMode::Sync, 16), FetchChoice::Sm { ctas: 8 });
+        let text = sweep_table(&t);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert_eq!(lines[0].matches("split:N:50").count(), 1, "{text}");
+        assert!(lines[1].contains("*9.00±0.00 N4"), "{text}");
+        assert!(
+            lines[2].contains("22.00±0.00 N8") && lines[2].contains("*20.00"),
+            "{text}"
+        );
     }
 }

@@ -220,6 +220,32 @@ fn offloaded_kv_on_the_cpu_backend_fails_before_the_model_is_built() {
 }
 
 #[test]
+fn bad_fetch_values_are_refused_with_the_value_and_the_ranges() {
+    for (v, why) in [
+        ("split:0:50", "CTA count `0` is not 1 … 1024"),
+        ("split:8:100", "copy-engine share `100` is not 1 … 99"),
+        ("split:8:0", "copy-engine share `0` is not 1 … 99"),
+        ("warp", "split:N:P"),
+    ] {
+        let mut a = TINY.to_vec();
+        a.extend(["cuda", "--kv", "offload", "--fetch", v]);
+        let (ok, err) = sparda(&a);
+        assert!(
+            !ok && err.contains(&format!("`{v}`")) && err.contains(why),
+            "{v}: {err}"
+        );
+    }
+    // a valid split is one engine; two are refused naming both
+    let mut a = NOSA_8B.to_vec();
+    a.extend(["--kv", "offload", "--fetch", "split:8:50,sm:4"]);
+    let (ok, err, _) = sparda_within(&a, FAST);
+    assert!(
+        !ok && err.contains("give one --fetch engine (got --fetch split:8:50,sm:4)"),
+        "{err}"
+    );
+}
+
+#[test]
 fn more_than_one_fetch_engine_for_generate_fails_before_the_model_is_built() {
     let mut a = NOSA_8B.to_vec();
     a.extend(["--kv", "offload", "--backend", "cpu", "--fetch", "sm,dma"]);

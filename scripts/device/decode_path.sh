@@ -23,12 +23,12 @@ case "$phase" in
 check)
   $bin gpu-check --json "$out/gpu_check.json" 2>&1 | tail -8
   $bin gpu-check-e2e --json "$out/gpu_check_e2e.json" --steps 48 2>&1 | tail -10
-  oc --prompt-tokens 1000 --new-tokens 2048 --fetch sm,dma --json "$out/offload_tiny.json" 2>&1 | tail -4
-  oc --prompt-tokens 900 --new-tokens 1024 --batch 8 --fetch sm,dma --json "$out/offload_tiny_batch8.json" 2>&1 | tail -4
-  oc --prompt-tokens 1000 --new-tokens 1024 --batch 4 --forecast synth:1 --fetch sm --prefetch on,off \
+  oc --prompt-tokens 1000 --new-tokens 2048 --fetch sm,dma,split:8:50 --json "$out/offload_tiny.json" 2>&1 | tail -4
+  oc --prompt-tokens 900 --new-tokens 1024 --batch 8 --fetch sm,dma,split:8:50 --json "$out/offload_tiny_batch8.json" 2>&1 | tail -4
+  oc --prompt-tokens 1000 --new-tokens 1024 --batch 4 --forecast synth:1 --fetch sm,split:8:50 --prefetch on,off \
     --copy-delay-us 30 --cpu-check-steps 200 --json "$out/forecast_tiny_batch4.json" 2>&1 | tail -8
   # dense_len 300 inside the batch: prompts 400, 339, 278, 217 tokens (two rows cross during decode)
-  oc --prompt-tokens 400 --new-tokens 512 --batch 4 --dense-len 300 --fetch sm,dma \
+  oc --prompt-tokens 400 --new-tokens 512 --batch 4 --dense-len 300 --fetch sm,dma,split:8:50 \
     --json "$out/offload_tiny_dense_len_batch4.json" 2>&1 | tail -4
   oc --prompt-tokens 400 --new-tokens 512 --batch 4 --dense-len 300 --forecast synth:1 --fetch sm \
     --prefetch on,off --copy-delay-us 30 --cpu-check-steps 160 \

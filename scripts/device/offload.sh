@@ -11,7 +11,7 @@
 #   scripts/device/offload.sh traces OUT   the two example traces (sync vs prefetch), summaries, overhead
 #   scripts/device/offload.sh priority OUT copy stream priority high vs default under prefetch
 #   scripts/device/offload.sh eb OUT       all modes under the equivalent-batch protocol
-#   scripts/device/offload.sh dmaprefetch OUT  copy engines vs SM kernel with prefetch
+#   scripts/device/offload.sh dmaprefetch OUT  copy engines vs SM kernel vs a split of both with prefetch
 #   scripts/device/offload.sh b1 OUT       GPU-resident B=1 L=4K step vs the split-K cap (SPARDA_ATTN_MAX_SPLITS)
 #   scripts/device/offload.sh ctas OUT     SM fetch kernel under prefetch: 16 vs 8 persistent CTAs vs 264
 #                                          short CTAs behind a high-priority compute stream (BATCH, CONTEXT)
@@ -26,12 +26,12 @@ case "$phase" in
 check)
   $bin gpu-check --json "$out/gpu_check.json" 2>&1 | tail -25 || true
   $bin offload-check --model synth:tiny:5 --tokenizer "$tok" --prompt-file "$book" \
-    --prompt-tokens 1000 --new-tokens 2048 --fetch sm,dma --json "$out/offload_tiny.json" 2>&1 | tail -6 || true
+    --prompt-tokens 1000 --new-tokens 2048 --fetch sm,dma,split:8:50 --json "$out/offload_tiny.json" 2>&1 | tail -6 || true
   $bin offload-check --model synth:tiny:6 --tokenizer "$tok" --prompt-file "$book" \
     --prompt-tokens 40 --new-tokens 1024 --fetch sm --offload-layer0 --json "$out/offload_tiny_short.json" 2>&1 | tail -4 || true
   if [ -d /tmp/smol ]; then
     $bin offload-check --model /tmp/smol --prompt-file "$book" --prompt-tokens 6000 --new-tokens 2048 \
-      --selection infllmv2 --budget-blocks 64 --fetch sm,dma --json "$out/offload_smollm2.json" 2>&1 | tail -6 || true
+      --selection infllmv2 --budget-blocks 64 --fetch sm,dma,split:8:50 --json "$out/offload_smollm2.json" 2>&1 | tail -6 || true
   fi
   ;;
 long)
@@ -39,7 +39,7 @@ long)
     --prompt-tokens 6000 --new-tokens 8192 --fetch sm --json "$out/offload_nosa8b_8k.json" 2>&1 | tail -6 || true
   ;;
 bench)
-  $bin bench --model synth:nosa-8b --attention sparse --kv gpu,offload --fetch sm,dma --prefetch-ctas 16 \
+  $bin bench --model synth:nosa-8b --attention sparse --kv gpu,offload --fetch sm,dma,split:8:50 --prefetch-ctas 16 \
     --batch "${BATCH:-16,64}" --context "${CONTEXT:-32K}" --steps "${STEPS:-32}" --fetch-timing-steps 8 \
     --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" --json "$out/bench_offload.json" 2>&1 | tail -30 || true
   ;;
@@ -47,7 +47,7 @@ forecast)
   # forecast mode: prefetch on/off/stress token- and logits-identical to resident forecast decode;
   # GPU forecast selections vs the CPU reference (tiny)
   $bin offload-check --model synth:tiny:5 --tokenizer "$tok" --prompt-file "$book" --prompt-tokens 1000 \
-    --new-tokens 2048 --forecast synth:1 --fetch sm,dma --prefetch on,off --copy-delay-us 30 \
+    --new-tokens 2048 --forecast synth:1 --fetch sm,dma,split:8:50 --prefetch on,off --copy-delay-us 30 \
     --cpu-check-steps 300 --json "$out/forecast_tiny.json" 2>&1 | tail -12 || true
   $bin offload-check --model synth:nosa-8b --tokenizer "$tok" --prompt-file "$book" --prompt-tokens 6000 \
     --new-tokens 2048 --forecast synth:1 --fetch sm --prefetch on,off --copy-delay-us 20 \
@@ -63,7 +63,7 @@ batch)
   # offloaded decode of a batch of different-length sequences (roll-overs and
   # write-backs at different steps) against GPU-resident decode, bit for bit
   $bin offload-check --model synth:tiny:7 --tokenizer "$tok" --prompt-file "$book" --prompt-tokens 900 \
-    --batch 8 --new-tokens 1024 --fetch sm,dma --json "$out/offload_tiny_batch8.json" 2>&1 | tail -4 || true
+    --batch 8 --new-tokens 1024 --fetch sm,dma,split:8:50 --json "$out/offload_tiny_batch8.json" 2>&1 | tail -4 || true
   $bin offload-check --model synth:tiny:8 --tokenizer "$tok" --prompt-file "$book" --prompt-tokens 900 \
     --batch 4 --new-tokens 1024 --fetch sm --forecast synth:3 --prefetch on,off --copy-delay-us 30 \
     --json "$out/forecast_tiny_batch4.json" 2>&1 | tail -5 || true
@@ -105,7 +105,7 @@ eb)
   ;;
 dmaprefetch)
   # copy engines vs SM kernel as the fetch engine under prefetch
-  $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch sm,dma --forecast synth:1 \
+  $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch sm,dma,split:8:50 --forecast synth:1 \
     --prefetch on --batch 32 --context 64K --steps 16 --fetch-timing-steps 4 --ceiling-reps 0 \
     --profile-reps 0 --tokenizer "$tok" --json "$out/bench_dma_prefetch.json" 2>&1 | tail -12 || true
   ;;

@@ -6,7 +6,9 @@
 # Each call must carry the table of the previous part as OUT_DIR/fetch_nvidia_h200.json
 # (copy it into an ignored path such as .device/tune/ between calls). Then commit it as
 # tuning/fetch_nvidia_h200.json (built into the binary).
-# Env: SPARDA (binary, default .device/bin/sparda), SPARDA_COMMIT.
+# Each cell also measures the split configurations (split:N:25/50/75 at the cell's fastest CTA count):
+# 12 configurations instead of 9; TUNE_FLAGS="--no-split" (or "--split-pct 50") shortens a part.
+# Env: SPARDA (binary, default .device/bin/sparda), SPARDA_COMMIT, TUNE_FLAGS (extra tune-ctas flags).
 set -uo pipefail
 part=${1:?part}; out=${2:?out dir}; mkdir -p "$out"
 SPARDA=${SPARDA:-.device/bin/sparda}
@@ -17,5 +19,6 @@ case "$part" in
 3) batches=64,128 ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac
-"$SPARDA" tune-ctas --batch "$batches" --context 32K,64K --append \
+# shellcheck disable=SC2086 # TUNE_FLAGS is a list of flags
+"$SPARDA" tune-ctas --batch "$batches" --context 32K,64K --append ${TUNE_FLAGS:-} \
   --out "$out/fetch_nvidia_h200.json" 2>&1 | tee "$out/tune_part$part.log"

@@ -8,9 +8,10 @@
 //!   two, ring roll-over, selections that fill the pool, tiny and large
 //!   pools, negative entries inside nsel and garbage past it, stale blocks in
 //!   the map — plus a multi-step decode whose slot maps stay on the GPU;
-//! - `kv_fetch_sm` at 8 / 16 / 32 CTAs and `fetch_dma` (copy engines): the
-//!   whole slot pool after the fetch against a host copy of the expected
-//!   chunks, D ∈ {64, 80, 128}, hkv ∈ {1, 2, 8};
+//! - `kv_fetch_sm` at 8 / 16 / 32 CTAs, `fetch_dma` (copy engines) and
+//!   `fetch_split` (both at once, 16 CTAs, 1 / 25 / 50 / 75 / 99 % through
+//!   the copy engines): the whole slot pool after the fetch against a host
+//!   copy of the expected chunks, D ∈ {64, 80, 128}, hkv ∈ {1, 2, 8};
 //! - `kv_store_blocks`: write-back (ring wrap, rows with nothing to write)
 //!   and spill ranges, the whole host store bitwise;
 //! - `fetch bandwidth`: GB/s of `kv_fetch_sm` at 8 / 16 / 32 CTAs and of
@@ -828,6 +829,11 @@ fn check_fetch(gpu: &Gpu, rng: &mut SmallRng, out: &mut Vec<CaseResult>) {
                 Ok(x)
             })();
             push(out, gpu, "fetch_dma", shape, r);
+            for &ce_pct in &[1usize, 25, 50, 75, 99] {
+                let shape = json!({"D": d, "Hkv": hkv, "B": B, "S": s, "rows": rows, "host_blocks": nblocks, "chunks": chunks, "ctas": 16, "ce_pct": ce_pct});
+                let r = split_case(gpu, &st, 16, ce_pct);
+                push(out, gpu, "fetch_split", shape, r);
+            }
         }
     }
     // No chunk at all: both paths are no-ops.
@@ -856,6 +862,46 @@ fn check_fetch(gpu: &Gpu, rng: &mut SmallRng, out: &mut Vec<CaseResult>) {
         Ok(x)
     })();
     push(out, gpu, "kv_fetch_sm + fetch_dma (empty)", shape, r);
+}
+
+/// The split fetch of one setup ([`offload::fetch_split`]): the copy
+/// engines' share on a side stream, the SM kernel's on the GPU's stream,
+/// joined; the whole pool against the expected one, and the plan's counts
+/// against [`kv::split::split_misses`].
+fn split_case(gpu: &Gpu, st: &FetchSetup, ctas: usize, ce_pct: usize) -> Result<Exact> {
+    use crate::cuda::context::CudaResultExt;
+    let dev = FetchDev::new(gpu, st)?;
+    gpu.synchronize()?;
+    let side = gpu.context().new_stream().cuda("cuStreamCreate (split)")?;
+    let ev = || gpu.context().new_event(None).cuda("cuEventCreate (split)");
+    let (fork, join) = (ev()?, ev()?);
+    let mut counts = gpu.zeros::<i32>(st.rows * st.hkv)?;
+    let streams = offload::SplitStreams {
+        fetch: gpu.stream(),
+        ce: &side,
+        fork: &fork,
+        join: &join,
+    };
+    let rows = dev.dma_rows(gpu, st);
+    let args = dev.args(gpu, st);
+    let plan = offload::fetch_split(
+        gpu,
+        &streams,
+        &args,
+        &st.fetch,
+        &st.nfetch,
+        &rows,
+        &mut counts,
+        ctas,
+        ce_pct,
+    )?;
+    // the GPU's stream waited for the side stream: one download sees both
+    let got = gpu.download(&dev.pool)?;
+    let mut x = Exact::new();
+    compare_pool(st, &got, &mut x);
+    let want = kv::split::split_misses(&st.nfetch, st.s, ce_pct)?;
+    x.unit(plan == want, || format!("plan {plan:?}, want {want:?}"));
+    Ok(x)
 }
 
 // ---------------------------------------------------------------------------

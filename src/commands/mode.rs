@@ -35,12 +35,7 @@ pub(crate) fn check_mode_flags(a: &ModeArgs, backend: Backend, cmd: &str) -> Res
         ));
     }
     if a.kv == KvArg::Offload && a.offload.fetch.len() != 1 {
-        let given: Vec<String> = a
-            .offload
-            .fetch
-            .iter()
-            .filter_map(|f| f.to_possible_value().map(|v| v.get_name().to_string()))
-            .collect();
+        let given: Vec<String> = a.offload.fetch.iter().map(|f| f.label()).collect();
         return Err(Error::Input(format!(
             "{cmd}: give one --fetch engine (got --fetch {})",
             given.join(",")

@@ -45,6 +45,15 @@ pub(crate) fn cmd_tune_ctas(a: TuneCtasArgs) -> Result<()> {
     if !a.no_dma {
         configs.push(FetchChoice::Dma);
     }
+    let split_pcts = match (&a.split_pct, quick) {
+        _ if a.no_split || a.no_dma => Vec::new(),
+        (Some(p), _) => p.clone(),
+        (None, true) => vec![50],
+        (None, false) => sparda::tune::DEFAULT_SPLIT_PCTS.to_vec(),
+    };
+    for &p in &split_pcts {
+        sparda::kv::split::check_ce_pct(p, &format!("--split-pct {p}"))?;
+    }
     let modes: Vec<FetchMode> = a
         .mode
         .iter()
@@ -63,6 +72,7 @@ pub(crate) fn cmd_tune_ctas(a: TuneCtasArgs) -> Result<()> {
         steps: a.steps.unwrap_or(if quick { 12 } else { 16 }),
         warmup: a.warmup,
         seed: 1,
+        split_pcts,
     };
     if let Some(p) = &a.out {
         super::mode::check_output_dirs([p])?;
@@ -97,16 +107,13 @@ pub(crate) fn cmd_tune_ctas(a: TuneCtasArgs) -> Result<()> {
 /// The choices per batch size and mode, beside SparDA's rule.
 fn choices(t: &FetchTable) -> String {
     let mut s = format!(
-        "{:>5}  {:<10} {:<10} {:<10}\n",
+        "{:>5}  {:<12} {:<12} {:<10}\n",
         "B", "sync", "prefetch", "SparDA rule"
     );
     for e in &t.sync {
-        let rule = match sparda::pipeline::fetch_rule(&t.gpu, e.batch) {
-            sparda::pipeline::FetchEngine::Sm { ctas } => format!("sm:{ctas}"),
-            other => other.name().to_string(),
-        };
+        let rule = sparda::pipeline::fetch_rule(&t.gpu, e.batch).label();
         s += &format!(
-            "{:>5}  {:<10} {:<10} {:<10}\n",
+            "{:>5}  {:<12} {:<12} {:<10}\n",
             e.batch,
             e.choice.label(),
             t.choose(FetchMode::Prefetch, e.batch).label(),

@@ -1,8 +1,9 @@
 //! Fetching a layer's misses from pinned host memory into their slots
-//! (runtime.md §1 step 5, §4): the persistent UVA copy kernel `kv_fetch_sm`
-//! or the copy engines (`cuMemcpyBatchAsync`), synchronously in the layer or
-//! as a prefetch on the copy stream (forecast mode), with optional event
-//! timing and the offload counters.
+//! (runtime.md §1 step 5, §4): the persistent UVA copy kernel `kv_fetch_sm`,
+//! the copy engines (`cuMemcpyBatchAsync`), or both at once on a split of
+//! the misses ([`crate::kv::split`]), synchronously in the layer or as a
+//! prefetch on the copy stream (forecast mode), with optional event timing
+//! and the offload counters.
 
 use super::offload::*;
 use crate::cuda::context::{dptr, grid, i32_dim, CudaResultExt};
@@ -24,6 +25,19 @@ pub enum FetchEngine {
     /// the misses (32 KiB chunks at D = 128). The host reads each layer's
     /// fetch lists first, so this engine synchronises once per layer.
     Dma,
+    /// Both at once on a split of each layer's misses
+    /// ([`crate::kv::split`]): `ce_pct` % of the layer's (block, head)
+    /// chunks (rounded, per layer and step) through one `cuMemcpyBatchAsync`
+    /// on a side stream, the rest through the SM kernel on `ctas` CTAs on
+    /// the fetch stream, which then waits for the copy engines
+    /// (`--fetch split:CTAS:PCT`). Reads the fetch lists on the host like
+    /// [`FetchEngine::Dma`]: one synchronisation per layer.
+    Split {
+        /// CTAs of the SM kernel's share (1 … 1024).
+        ctas: usize,
+        /// The copy engines' share of each layer's misses, % (1 … 99).
+        ce_pct: usize,
+    },
     /// Chosen per batch size and schedule from the GPU's fetch table
     /// ([`crate::kv::fetch_table`]), else by [`fetch_rule`] (the default).
     Auto,
@@ -60,13 +74,72 @@ pub fn fetch_rule(gpu_name: &str, batch: usize) -> FetchEngine {
     FetchEngine::Sm { ctas }
 }
 
+/// The `--fetch` values [`FetchEngine::parse`] accepts, for help and errors.
+pub const FETCH_FORMS: &str = "`auto`, `sm` (16 CTAs, or --prefetch-ctas), `sm:N`, `dma` or `split:N:P` (N = 1 … 1024 SM-kernel CTAs, P = 1 … 99 % of each layer's misses through the copy engines)";
+
 impl FetchEngine {
-    /// Name used in reports: `sm` or `dma`.
+    /// Name used in reports: `sm`, `dma`, `split` or `auto`
+    /// ([`FetchEngine::label`] adds the numbers).
     pub fn name(&self) -> &'static str {
         match self {
             FetchEngine::Sm { .. } => "sm",
             FetchEngine::Dma => "dma",
+            FetchEngine::Split { .. } => "split",
             FetchEngine::Auto => "auto",
+        }
+    }
+
+    /// The `--fetch` spelling of this engine: `sm:N`, `dma`, `split:N:P`
+    /// or `auto` ([`FetchEngine::parse`] reads it back; the fetch table's
+    /// labels are the same).
+    pub fn label(&self) -> String {
+        match *self {
+            FetchEngine::Sm { ctas } => format!("sm:{ctas}"),
+            FetchEngine::Dma => "dma".into(),
+            FetchEngine::Split { ctas, ce_pct } => format!("split:{ctas}:{ce_pct}"),
+            FetchEngine::Auto => "auto".into(),
+        }
+    }
+
+    /// Reads a `--fetch` value: `auto`, `sm` (the SM kernel on
+    /// [`DEFAULT_FETCH_CTAS`](crate::cuda::ops::offload::DEFAULT_FETCH_CTAS)
+    /// CTAs), or a fetch table label — `sm:N`, `dma`, `split:N:P`
+    /// ([`FetchChoice::parse_label`](crate::kv::fetch_table::FetchChoice::parse_label)).
+    ///
+    /// Errors: [`Error::Input`] naming the value and the accepted forms
+    /// and ranges ([`FETCH_FORMS`]).
+    pub fn parse(value: &str) -> Result<FetchEngine> {
+        match value {
+            "auto" => Ok(FetchEngine::Auto),
+            "sm" => Ok(FetchEngine::Sm {
+                ctas: crate::cuda::ops::offload::DEFAULT_FETCH_CTAS,
+            }),
+            _ => crate::kv::fetch_table::FetchChoice::parse_label(value)
+                .map(|c| c.engine())
+                .map_err(|e| match e {
+                    Error::Input(m) if m.ends_with(crate::kv::fetch_table::LABEL_FORMS) => {
+                        Error::Input(format!(
+                            "{}{FETCH_FORMS}",
+                            m.trim_end_matches(crate::kv::fetch_table::LABEL_FORMS)
+                        ))
+                    }
+                    e => e,
+                }),
+        }
+    }
+
+    /// Checks the ranges of an engine built in code (what
+    /// [`FetchEngine::parse`] checks for a value): CTAs 1 … 1024, a split's
+    /// copy-engine share 1 … 99 %.
+    ///
+    /// Errors: [`Error::Input`] naming the engine and the value.
+    pub fn validate(&self) -> Result<()> {
+        match *self {
+            FetchEngine::Sm { ctas } => crate::kv::fetch_table::FetchChoice::Sm { ctas }.validate(),
+            FetchEngine::Split { ctas, ce_pct } => {
+                crate::kv::fetch_table::FetchChoice::Split { ctas, ce_pct }.validate()
+            }
+            FetchEngine::Dma | FetchEngine::Auto => Ok(()),
         }
     }
 }
@@ -148,6 +221,9 @@ impl GpuModel {
                 unsafe { b.launch(cfg) }.cuda("kv_fetch_sm")?;
             }
             FetchEngine::Dma => self.fetch_dma_layer(off, l, n, stream)?,
+            FetchEngine::Split { ctas, ce_pct } => {
+                self.fetch_split_layer(off, l, n, stream, ctas, ce_pct)?
+            }
             FetchEngine::Auto => {
                 return Err(Error::Input(
                     "fetch engine left unresolved (fetch_rule never returns Auto)".into(),
@@ -200,6 +276,82 @@ impl GpuModel {
             &rows,
             self.plan.budget.block_size,
             self.config.head_dim,
+        )
+        .map(drop)
+    }
+
+    /// The split fetch of layer `l` ([`FetchEngine::Split`]): waits for the
+    /// layer's fetch lists (one host synchronisation of the compute stream,
+    /// as the copy engines alone do), then enqueues the copy engines' share
+    /// on the step's split side stream and the SM kernel's share on
+    /// `stream`, which afterwards waits for the side stream — so the
+    /// attention of the layer, which follows `stream` (synchronous fetch)
+    /// or its `fetched(l)` event (prefetch on the copy stream), waits for
+    /// both ([`crate::cuda::ops::offload::fetch_split`] explains the order).
+    pub(crate) fn fetch_split_layer(
+        &self,
+        off: &mut StepOffload,
+        l: usize,
+        n: usize,
+        stream: &Arc<CudaStream>,
+        ctas: usize,
+        ce_pct: usize,
+    ) -> Result<()> {
+        use crate::cuda::ops::offload::{fetch_split, DmaRow, FetchArgs, SplitStreams};
+        let gpu = &*self.gpu;
+        let hk = self.config.num_key_value_heads;
+        let s_slots = off.slots;
+        // Made before the downloads below: they synchronise the compute
+        // stream, so the zeroing of the new counts buffer (enqueued there)
+        // is done before the copy stream writes to it in prefetch mode.
+        if off.split.is_none() {
+            off.split = Some(SplitSide::new(gpu, off.offloaded.len(), n * hk)?);
+        }
+        let nf = gpu.download(&off.nfetch.slice(l * n * hk..(l + 1) * n * hk))?;
+        if nf.iter().all(|&x| x <= 0) {
+            return Ok(());
+        }
+        let base = l * n * hk * s_slots * 2;
+        let fl = gpu.download(&off.fetch.slice(base..base + n * hk * s_slots * 2))?;
+        let tabs = &off.tabs_host[l * 3 * n..(l + 1) * 3 * n];
+        let rows: Vec<DmaRow> = (0..n)
+            .map(|r| DmaRow {
+                host: tabs[2 * n + r],
+                pool: tabs[r],
+            })
+            .collect();
+        let tab = dptr(gpu, &off.tabs) + (l * 3 * n * 8) as u64;
+        let args = FetchArgs {
+            fetch: dptr(gpu, &off.fetch) + (base * 4) as u64,
+            nfetch: dptr(gpu, &off.nfetch) + ((l * n * hk) * 4) as u64,
+            slots: s_slots,
+            rows: n,
+            kv_heads: hk,
+            host_tab: tab + (2 * n * 8) as u64,
+            pool_tab: tab,
+            block_size: self.plan.budget.block_size,
+            head_dim: self.config.head_dim,
+        };
+        let Some(side) = off.split.as_mut() else {
+            return Err(Error::Input("split fetch: no side stream".into()));
+        };
+        let streams = SplitStreams {
+            fetch: stream,
+            ce: &side.stream,
+            fork: &side.fork[l],
+            join: &side.join[l],
+        };
+        let mut counts = side.sm_counts.slice_mut(l * n * hk..(l + 1) * n * hk);
+        fetch_split(
+            gpu,
+            &streams,
+            &args,
+            &fl,
+            &nf,
+            &rows,
+            &mut counts,
+            ctas,
+            ce_pct,
         )
         .map(drop)
     }
@@ -302,5 +454,59 @@ impl GpuModel {
         self.fetched_at_timing = 0;
         self.offload_steps = 0;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fetch_values_parse_print_and_refuse_unknown_ones_by_name() {
+        assert_eq!(FetchEngine::parse("auto").unwrap(), FetchEngine::Auto);
+        assert_eq!(
+            FetchEngine::parse("sm").unwrap(),
+            FetchEngine::Sm { ctas: 16 }
+        );
+        for e in [
+            FetchEngine::Auto,
+            FetchEngine::Dma,
+            FetchEngine::Sm { ctas: 8 },
+            FetchEngine::Split {
+                ctas: 8,
+                ce_pct: 50,
+            },
+        ] {
+            assert_eq!(FetchEngine::parse(&e.label()).unwrap(), e);
+            e.validate().unwrap();
+        }
+        assert_eq!(
+            FetchEngine::Split {
+                ctas: 4,
+                ce_pct: 75
+            }
+            .label(),
+            "split:4:75"
+        );
+        assert_eq!(
+            FetchEngine::Split {
+                ctas: 4,
+                ce_pct: 75
+            }
+            .name(),
+            "split"
+        );
+        for v in ["warp", "split:8:100", "split:0:50", "sm:", "split::"] {
+            let e = FetchEngine::parse(v).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("`{v}`")) && e.ends_with(FETCH_FORMS),
+                "{v}: {e}"
+            );
+        }
+        let e = FetchEngine::Split { ctas: 8, ce_pct: 0 }
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("split:8:0") && e.contains("1 … 99"), "{e}");
     }
 }

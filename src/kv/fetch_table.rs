@@ -45,7 +45,10 @@ pub enum FetchMode {
     Prefetch,
 }
 
-/// One fetch configuration as a table stores it.
+/// One fetch configuration as a table stores it (JSON: `{"engine": "sm",
+/// "ctas": N}`, `{"engine": "dma"}` or `{"engine": "split", "ctas": N,
+/// "ce_pct": P}`); its label ([`FetchChoice::label`]) is `sm:N`, `dma` or
+/// `split:N:P`, the spelling of `--fetch` and of a sweep's cells.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "engine", rename_all = "lowercase")]
 pub enum FetchChoice {
@@ -56,7 +59,20 @@ pub enum FetchChoice {
     },
     /// The copy engines.
     Dma,
+    /// Each layer's misses split ([`crate::kv::split`]): `ce_pct` % through
+    /// the copy engines, the rest through the SM kernel on `ctas` CTAs, at
+    /// once.
+    Split {
+        /// CTAs of the SM kernel's share (1 … 1024).
+        ctas: usize,
+        /// The copy engines' share of each layer's misses, % (1 … 99).
+        ce_pct: usize,
+    },
 }
+
+/// What a fetch configuration label may be, for error messages.
+pub const LABEL_FORMS: &str =
+    "`dma`, `sm:N` (N = 1 … 1024 CTAs) or `split:N:P` (N = 1 … 1024 CTAs, P = 1 … 99 % through the copy engines)";
 
 impl FetchChoice {
     /// The engine this choice runs.
@@ -64,30 +80,83 @@ impl FetchChoice {
         match self {
             FetchChoice::Sm { ctas } => FetchEngine::Sm { ctas },
             FetchChoice::Dma => FetchEngine::Dma,
+            FetchChoice::Split { ctas, ce_pct } => FetchEngine::Split { ctas, ce_pct },
         }
     }
 
-    /// Reads a [`FetchChoice::label`] back.
+    /// Reads a [`FetchChoice::label`] back: `dma`, `sm:N` or `split:N:P`.
     ///
-    /// Errors: [`Error::Input`] naming the label unless it is `dma` or
-    /// `sm:N` with 1 ≤ N ≤ 1024.
+    /// Errors: [`Error::Input`] naming the label and the allowed forms and
+    /// ranges ([`LABEL_FORMS`]: 1 ≤ N ≤ 1024, 1 ≤ P ≤ 99).
     pub fn parse_label(label: &str) -> Result<FetchChoice> {
+        let bad = |why: String| {
+            Error::Input(format!(
+                "fetch configuration `{label}`: {why}give {LABEL_FORMS}"
+            ))
+        };
+        let ctas = |t: &str| match t.parse::<usize>() {
+            Ok(n) if (1..=1024).contains(&n) => Ok(n),
+            _ => Err(bad(format!("CTA count `{t}` is not 1 … 1024; "))),
+        };
         if label == "dma" {
             return Ok(FetchChoice::Dma);
         }
-        match label.strip_prefix("sm:").map(str::parse::<usize>) {
-            Some(Ok(ctas)) if (1..=1024).contains(&ctas) => Ok(FetchChoice::Sm { ctas }),
-            _ => Err(Error::Input(format!(
-                "fetch configuration `{label}`: give `dma` or `sm:N` with 1 ≤ N ≤ 1024"
-            ))),
+        if let Some(n) = label.strip_prefix("sm:") {
+            return Ok(FetchChoice::Sm { ctas: ctas(n)? });
         }
+        if let Some(rest) = label.strip_prefix("split:") {
+            let Some((n, p)) = rest.split_once(':') else {
+                return Err(bad("a split needs both N and P; ".into()));
+            };
+            let ctas = ctas(n)?;
+            let ce_pct = match p.parse::<usize>() {
+                Ok(p) if crate::kv::split::check_ce_pct(p, "").is_ok() => p,
+                _ => return Err(bad(format!("copy-engine share `{p}` is not 1 … 99; "))),
+            };
+            return Ok(FetchChoice::Split { ctas, ce_pct });
+        }
+        Err(bad(String::new()))
     }
 
-    /// `sm:N` or `dma`.
+    /// `sm:N`, `dma` or `split:N:P`.
     pub fn label(self) -> String {
         match self {
             FetchChoice::Sm { ctas } => format!("sm:{ctas}"),
             FetchChoice::Dma => "dma".into(),
+            FetchChoice::Split { ctas, ce_pct } => format!("split:{ctas}:{ce_pct}"),
+        }
+    }
+
+    /// Checks the ranges a deserialised choice may hold (what
+    /// [`FetchChoice::parse_label`] checks for a label).
+    ///
+    /// Errors: [`Error::Input`] naming the configuration, the value and its
+    /// range.
+    pub fn validate(self) -> Result<()> {
+        match self.range_problem() {
+            Some(why) => Err(Error::Input(format!(
+                "fetch configuration `{}`: {why}",
+                self.label()
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// What is out of range in this choice, if anything.
+    fn range_problem(self) -> Option<String> {
+        match self {
+            FetchChoice::Sm { ctas } | FetchChoice::Split { ctas, .. }
+                if ctas == 0 || ctas > 1024 =>
+            {
+                Some(format!("{ctas} CTAs (give 1 … 1024)"))
+            }
+            FetchChoice::Split { ce_pct, .. }
+                if !(crate::kv::split::MIN_CE_PCT..=crate::kv::split::MAX_CE_PCT)
+                    .contains(&ce_pct) =>
+            {
+                Some(format!("copy-engine share {ce_pct} % (give 1 … 99)"))
+            }
+            _ => None,
         }
     }
 }
@@ -147,8 +216,8 @@ impl FetchTable {
     /// Parses a table's JSON text; `origin` names it in errors.
     ///
     /// Errors: [`Error::Input`] for malformed JSON, another format
-    /// version, an empty mode, batches not strictly ascending, or a CTA
-    /// count outside 1 … 1024.
+    /// version, an empty mode, batches not strictly ascending, a CTA
+    /// count outside 1 … 1024 or a split's copy-engine share outside 1 … 99.
     pub fn parse(text: &str, origin: &str) -> Result<FetchTable> {
         let t: FetchTable = serde_json::from_str(text)
             .map_err(|e| Error::Input(format!("fetch table {origin}: {e}")))?;
@@ -173,13 +242,11 @@ impl FetchTable {
                 }
             }
             for e in entries.iter() {
-                if let FetchChoice::Sm { ctas } = e.choice {
-                    if ctas == 0 || ctas > 1024 {
-                        return Err(Error::Input(format!(
-                            "fetch table {origin}: \"{name}\" batch {}: {ctas} CTAs (give 1 … 1024)",
-                            e.batch
-                        )));
-                    }
+                if let Some(why) = e.choice.range_problem() {
+                    return Err(Error::Input(format!(
+                        "fetch table {origin}: \"{name}\" batch {}: {why}",
+                        e.batch
+                    )));
                 }
             }
         }
@@ -422,6 +489,126 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("no \"prefetch\" entries"), "{e}");
+    }
+
+    #[test]
+    fn labels_round_trip_and_bad_ones_name_the_value_and_the_ranges() {
+        for c in [
+            FetchChoice::Dma,
+            FetchChoice::Sm { ctas: 1 },
+            FetchChoice::Sm { ctas: 1024 },
+            FetchChoice::Split {
+                ctas: 8,
+                ce_pct: 50,
+            },
+            FetchChoice::Split { ctas: 1, ce_pct: 1 },
+            FetchChoice::Split {
+                ctas: 1024,
+                ce_pct: 99,
+            },
+        ] {
+            assert_eq!(FetchChoice::parse_label(&c.label()).unwrap(), c);
+            assert_eq!(c.engine().label(), c.label());
+            assert_eq!(FetchEngine::parse(&c.label()).unwrap(), c.engine());
+            c.validate().unwrap();
+        }
+        assert_eq!(
+            FetchChoice::Split {
+                ctas: 16,
+                ce_pct: 25
+            }
+            .label(),
+            "split:16:25"
+        );
+        for (label, why) in [
+            ("split:0:50", "CTA count `0` is not 1 … 1024"),
+            ("split:1025:50", "CTA count `1025`"),
+            ("split:8:0", "copy-engine share `0` is not 1 … 99"),
+            ("split:8:100", "copy-engine share `100`"),
+            ("split:8:-5", "copy-engine share `-5`"),
+            ("split:8", "needs both N and P"),
+            ("split:x:50", "CTA count `x`"),
+            ("sm:0", "CTA count `0`"),
+            ("ce", ""),
+            ("sm", ""),
+        ] {
+            let e = FetchChoice::parse_label(label).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("`{label}`")) && e.contains(why) && e.contains(LABEL_FORMS),
+                "{label}: {e}"
+            );
+        }
+        for c in [
+            FetchChoice::Split { ctas: 8, ce_pct: 0 },
+            FetchChoice::Split {
+                ctas: 8,
+                ce_pct: 100,
+            },
+            FetchChoice::Split {
+                ctas: 0,
+                ce_pct: 50,
+            },
+        ] {
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains(&c.label()), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_table_may_choose_a_split_and_reads_it_back() {
+        let mut t = table("NVIDIA H200");
+        let split = FetchChoice::Split {
+            ctas: 8,
+            ce_pct: 50,
+        };
+        t.prefetch.push(FetchEntry {
+            batch: 32,
+            choice: split,
+            step_ms: 2.0,
+        });
+        let text = serde_json::to_string(&t).unwrap();
+        assert!(
+            text.contains(r#""engine":"split","ctas":8,"ce_pct":50"#),
+            "{text}"
+        );
+        let t = FetchTable::parse(&text, "test").unwrap();
+        assert_eq!(
+            t.choose(FetchMode::Prefetch, 8),
+            FetchChoice::Sm { ctas: 2 }
+        );
+        assert_eq!(t.choose(FetchMode::Prefetch, 32), split);
+        assert_eq!(
+            auto_engine(Some(&t), "NVIDIA H200", FetchMode::Prefetch, 64),
+            FetchEngine::Split {
+                ctas: 8,
+                ce_pct: 50
+            }
+        );
+        // out-of-range splits in a table are refused with the batch and value
+        for (bad, why) in [
+            (r#""ce_pct":50"#, r#""ce_pct":100"#),
+            (r#""ctas":8,"ce_pct""#, r#""ctas":0,"ce_pct""#),
+        ] {
+            let e = FetchTable::parse(&text.replace(bad, why), "f.json")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("f.json") && e.contains("\"prefetch\" batch 32"),
+                "{e}"
+            );
+        }
+        let e = FetchTable::parse(&text.replace(r#""ce_pct":50"#, r#""ce_pct":100"#), "f")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("copy-engine share 100 % (give 1 … 99)"), "{e}");
+        // an unknown engine is refused with its name
+        let e = FetchTable::parse(
+            &text.replace(r#""engine":"dma""#, r#""engine":"warp""#),
+            "f",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("warp"), "{e}");
     }
 
     #[test]

@@ -15,8 +15,9 @@
 //! - [`offload`]: offloaded sequences and batches (settings, counters,
 //!   moving a prefilled sequence to host memory);
 //! - [`slot_pool`]: the per-layer slot pools and their set difference;
-//! - [`fetch`]: the fetch engines (SM copy kernel, copy engines), sync or
-//!   prefetched on the copy stream;
+//! - [`fetch`]: the fetch engines (SM copy kernel, copy engines, or a
+//!   split between them), sync or prefetched on the copy stream;
+//! - [`split`]: how a split fetch divides a layer's misses;
 //! - [`write_back`]: completed blocks back to host memory, and the spill
 //!   of a prefill for offload.
 
@@ -26,6 +27,7 @@ pub mod host_store;
 pub mod offload;
 pub mod resident;
 pub mod slot_pool;
+pub mod split;
 pub mod write_back;
 
 use crate::config::ModelConfig;

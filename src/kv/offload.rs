@@ -217,6 +217,40 @@ pub(crate) struct StepOffload {
     pub(crate) copy_stream: Arc<CudaStream>,
     pub(crate) ready: Vec<CudaEvent>,
     pub(crate) fetched: Vec<CudaEvent>,
+    /// The split fetch's side stream, events and counts, made the first
+    /// time a layer of this step is fetched by [`FetchEngine::Split`].
+    pub(crate) split: Option<SplitSide>,
+}
+
+/// What the split fetch ([`FetchEngine::Split`]) adds to a step: the side
+/// stream the copy engines' share runs on, per layer the fork / join events
+/// that order it against the fetch stream, and per layer the SM kernel's
+/// counts (one region per layer, so that a layer's upload never overwrites
+/// counts an earlier layer's kernel has yet to read).
+pub(crate) struct SplitSide {
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) fork: Vec<CudaEvent>,
+    pub(crate) join: Vec<CudaEvent>,
+    /// i32 [L, n, Hkv].
+    pub(crate) sm_counts: CudaSlice<i32>,
+}
+
+impl SplitSide {
+    /// A side stream, 2·`layers` events and `layers`·`lists` counts.
+    ///
+    /// Errors: [`Error::Cuda`] when a stream, an event or the buffer
+    /// cannot be made.
+    pub(crate) fn new(gpu: &Gpu, layers: usize, lists: usize) -> Result<SplitSide> {
+        Ok(SplitSide {
+            stream: gpu
+                .context()
+                .new_stream()
+                .cuda("cuStreamCreate (split fetch)")?,
+            fork: sync_events(gpu, layers, "cuEventCreate (split fork)")?,
+            join: sync_events(gpu, layers, "cuEventCreate (split join)")?,
+            sm_counts: gpu.zeros((layers * lists).max(1))?,
+        })
+    }
 }
 
 impl Drop for StepOffload {
@@ -298,8 +332,9 @@ impl GpuModel {
     /// from now on ([`GpuModel::offload_sequence`]).
     ///
     /// Errors: [`Error::Input`] unless the plan is sparse with GPU
-    /// selection (offload keeps only the selected blocks on the GPU), or an
-    /// SM fetch with 0 or more than 1024 CTAs; [`Error::Config`] for a dense
+    /// selection (offload keeps only the selected blocks on the GPU), an
+    /// SM fetch with 0 or more than 1024 CTAs, or a split fetch with such a
+    /// CTA count or a copy-engine share outside 1 … 99 %; [`Error::Config`] for a dense
     /// phase that does not fit the slot pool (dense_len > S·block_size,
     /// spec §1; dense rows then attend to every block through the pool).
     pub fn set_offload(&mut self, opts: Option<OffloadOptions>) -> Result<()> {
@@ -327,12 +362,14 @@ impl GpuModel {
                     b.kernel_size, b.block_size, RING_BLOCKS
                 )));
             }
-            if let FetchEngine::Sm { ctas } = o.fetch {
-                if ctas == 0 || ctas > 1024 {
+            match o.fetch {
+                FetchEngine::Sm { ctas } if ctas == 0 || ctas > 1024 => {
                     return Err(Error::Input(format!(
                         "--prefetch-ctas {ctas}: give 1 … 1024 CTAs"
                     )));
                 }
+                FetchEngine::Split { .. } => o.fetch.validate()?,
+                _ => {}
             }
         }
         if opts.is_some_and(|o| o.fetch == FetchEngine::Auto) && self.fetch_table.is_none() {

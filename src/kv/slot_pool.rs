@@ -75,6 +75,7 @@ impl GpuModel {
             copy_stream: copy_stream(gpu)?,
             ready: sync_events(gpu, nl, "cuEventCreate (ready)")?,
             fetched: sync_events(gpu, nl, "cuEventCreate (fetched)")?,
+            split: None,
         })
     }
 

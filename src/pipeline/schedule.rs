@@ -179,8 +179,12 @@ impl GpuModel {
                         if offloaded && prefetch {
                             // The SM kernel's prefetch puts only events on the compute
                             // stream, so the diff span stays open into the wait; the
-                            // copy engines' reads the fetch lists back on it first.
-                            if matches!(self.fetch_engine(n), FetchEngine::Dma) {
+                            // copy engines' (alone or in a split) reads the fetch lists
+                            // back on it first.
+                            if matches!(
+                                self.fetch_engine(n),
+                                FetchEngine::Dma | FetchEngine::Split { .. }
+                            ) {
                                 self.tspan_end(&cs, sp)?;
                                 sp = SpanId::NONE;
                             }

@@ -1,13 +1,15 @@
 //! Typed wrappers of the offloaded-KV kernels (kernels/kv_offload.cu):
-//! `slot_diff`, `kv_fetch_sm`, `kv_store_blocks`, and the copy-engine
-//! fetch through `cuMemcpyBatchAsync` (runtime.md §1, §4).
+//! `slot_diff`, `kv_fetch_sm`, `kv_store_blocks`, the copy-engine fetch
+//! through `cuMemcpyBatchAsync`, and the split fetch that runs both on
+//! shares of one layer's misses (runtime.md §1, §4).
 
-use crate::cuda::context::{grid, i32_dim, CudaResultExt};
+use crate::cuda::context::{dptr_mut, grid, i32_dim, CudaResultExt};
 use crate::cuda::device_error::ErrorSink;
 use crate::cuda::Gpu;
 use crate::{Error, Result};
 use cudarc::driver::sys;
-use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
 
 /// Threads per block of `slot_diff` (`SD_THREADS` in kernels/kv_offload.cu).
 const SLOT_DIFF_THREADS: u32 = 128;
@@ -350,6 +352,80 @@ pub struct DmaRow {
     pub pool: u64,
 }
 
+/// The copies of a copy-engine fetch, host side: per (row, head) list k
+/// the pairs from `from[k]` (all pairs with `from = None`) to `nfetch[k]`,
+/// each one (source, destination) of one 2·B·D·2-byte chunk: source
+/// `rows[r].host + block·Hkv·chunk + h·chunk` (block-major host store),
+/// destination `rows[r].pool + (h·S + slot)·chunk` (slot pool), in list
+/// order. The arguments are those of [`fetch_dma`].
+///
+/// Errors: [`Error::Input`] for B or D unusable by the copy kernels, a
+/// shape mismatch (`fetch`, `nfetch`, `from` against rows × Hkv × S), a
+/// count above S, a `from` outside 0 ≤ from ≤ nfetch, or a bad pair
+/// (negative slot or block, slot ≥ S).
+#[allow(clippy::too_many_arguments)]
+pub fn dma_copies(
+    fetch: &[i32],
+    nfetch: &[i32],
+    from: Option<&[i32]>,
+    slots: usize,
+    kv_heads: usize,
+    rows: &[DmaRow],
+    block_size: usize,
+    head_dim: usize,
+) -> Result<Vec<(u64, u64)>> {
+    const OP: &str = "fetch_dma";
+    check_geometry(OP, block_size, head_dim)?;
+    let nrh = rows.len() * kv_heads;
+    if nfetch.len() != nrh || fetch.len() != nrh * slots * 2 || from.is_some_and(|f| f.len() != nrh)
+    {
+        return Err(Error::Input(format!(
+            "{OP}: nfetch has {} entries, fetch {} and the split's counts {}, expected {nrh}, {} and {nrh} ({} rows × {kv_heads} heads × {slots} slots)",
+            nfetch.len(),
+            fetch.len(),
+            from.map_or(nrh, <[i32]>::len),
+            nrh * slots * 2,
+            rows.len()
+        )));
+    }
+    let chunk = 2 * block_size * head_dim * 2;
+    let block_bytes = kv_heads * chunk;
+    let mut copies = Vec::new();
+    for (rh, &n) in nfetch.iter().enumerate() {
+        let n = n.max(0) as usize;
+        if n > slots {
+            return Err(Error::Input(format!(
+                "{OP}: nfetch {n} > {slots} slots at (row, head) {rh}"
+            )));
+        }
+        let first = match from.map(|f| f[rh]) {
+            None => 0,
+            Some(f) if f >= 0 && f as usize <= n => f as usize,
+            Some(f) => {
+                return Err(Error::Input(format!(
+                    "{OP}: the split's SM count {f} is outside 0 … {n} at (row, head) {rh}"
+                )))
+            }
+        };
+        let (r, h) = (rh / kv_heads, rh % kv_heads);
+        let row = rows[r];
+        let pairs = &fetch[(rh * slots + first) * 2..(rh * slots + n) * 2];
+        for p in pairs.chunks_exact(2) {
+            let (slot, block) = (p[0], p[1]);
+            if slot < 0 || slot as usize >= slots || block < 0 {
+                return Err(Error::Input(format!(
+                    "{OP}: bad fetch pair (slot {slot}, block {block}) at (row {r}, head {h}) with {slots} slots"
+                )));
+            }
+            copies.push((
+                row.host + (block as usize * block_bytes + h * chunk) as u64,
+                row.pool + ((h * slots + slot as usize) * chunk) as u64,
+            ));
+        }
+    }
+    Ok(copies)
+}
+
 /// The copy-engine fetch: one `cuMemcpyBatchAsync` on `stream` over every
 /// (block, head) chunk of the fetch lists (one 2·B·D·2-byte chunk each, host
 /// → slot), with one attribute set: source access in stream order, prefer
@@ -377,48 +453,27 @@ pub fn fetch_dma(
     block_size: usize,
     head_dim: usize,
 ) -> Result<usize> {
-    const OP: &str = "fetch_dma";
-    check_geometry(OP, block_size, head_dim)?;
-    let nrh = rows.len() * kv_heads;
-    if nfetch.len() != nrh || fetch.len() != nrh * slots * 2 {
-        return Err(Error::Input(format!(
-            "{OP}: nfetch has {} entries and fetch {}, expected {nrh} and {} ({} rows × {kv_heads} heads × {slots} slots)",
-            nfetch.len(),
-            fetch.len(),
-            nrh * slots * 2,
-            rows.len()
-        )));
-    }
-    let tile = block_size * head_dim * 2;
-    let chunk = 2 * tile;
-    let block_bytes = kv_heads * chunk;
-    let total: usize = nfetch.iter().map(|&n| n.max(0) as usize).sum();
+    let copies = dma_copies(
+        fetch, nfetch, None, slots, kv_heads, rows, block_size, head_dim,
+    )?;
+    memcpy_batch(gpu, stream, &copies, 2 * block_size * head_dim * 2)
+}
+
+/// One `cuMemcpyBatchAsync` on `stream` of `copies` (source, destination),
+/// `chunk` bytes each (see [`fetch_dma`] for the attributes). Returns the
+/// bytes enqueued; no call for no copies.
+fn memcpy_batch(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    copies: &[(u64, u64)],
+    chunk: usize,
+) -> Result<usize> {
+    let total = copies.len();
     if total == 0 {
         return Ok(0);
     }
-    let mut dsts: Vec<sys::CUdeviceptr> = Vec::with_capacity(total);
-    let mut srcs: Vec<sys::CUdeviceptr> = Vec::with_capacity(total);
-    for (rh, &n) in nfetch.iter().enumerate() {
-        let n = n.max(0) as usize;
-        if n > slots {
-            return Err(Error::Input(format!(
-                "{OP}: nfetch {n} > {slots} slots at (row, head) {rh}"
-            )));
-        }
-        let (r, h) = (rh / kv_heads, rh % kv_heads);
-        let row = rows[r];
-        let pairs = &fetch[rh * slots * 2..rh * slots * 2 + n * 2];
-        for p in pairs.chunks_exact(2) {
-            let (slot, block) = (p[0], p[1]);
-            if slot < 0 || slot as usize >= slots || block < 0 {
-                return Err(Error::Input(format!(
-                    "{OP}: bad fetch pair (slot {slot}, block {block}) at (row {r}, head {h}) with {slots} slots"
-                )));
-            }
-            srcs.push(row.host + (block as usize * block_bytes + h * chunk) as u64);
-            dsts.push(row.pool + (((h * slots + slot as usize) * 2) * tile) as u64);
-        }
-    }
+    let mut srcs: Vec<sys::CUdeviceptr> = copies.iter().map(|c| c.0).collect();
+    let mut dsts: Vec<sys::CUdeviceptr> = copies.iter().map(|c| c.1).collect();
     let mut sizes = vec![chunk; total];
     let mut attrs = sys::CUmemcpyAttributes {
         srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
@@ -438,9 +493,9 @@ pub fn fetch_dma(
         .cuda("binding the CUDA context")?;
     // SAFETY: dsts/srcs/sizes hold `total` entries each, read during the call;
     // every source lies inside a row's host store and every destination inside
-    // its pool (slot < slots checked; block range is the caller's contract, as
-    // for the kernel); one attribute set applying from copy 0; a live stream
-    // of this context.
+    // its pool (slot < slots checked by dma_copies; block range is the caller's
+    // contract, as for the kernel); one attribute set applying from copy 0; a
+    // live stream of this context.
     let r = unsafe {
         sys::cuMemcpyBatchAsync_v2(
             dsts.as_mut_ptr(),
@@ -459,4 +514,115 @@ pub fn fetch_dma(
         )));
     }
     Ok(total * chunk)
+}
+
+/// Where a split fetch's two halves run and meet ([`fetch_split`]).
+pub struct SplitStreams<'a> {
+    /// The stream the fetch belongs to (the compute stream for the
+    /// synchronous fetch, the copy stream for prefetch): the SM kernel's
+    /// share runs here, and everything enqueued here afterwards sees both
+    /// halves done.
+    pub fetch: &'a Arc<CudaStream>,
+    /// The side stream the copy engines' share is enqueued on.
+    pub ce: &'a Arc<CudaStream>,
+    /// Recorded on `fetch` before the copies; `ce` waits for it.
+    pub fork: &'a CudaEvent,
+    /// Recorded on `ce` after the copies; `fetch` waits for it.
+    pub join: &'a CudaEvent,
+}
+
+/// The split fetch (runtime.md §4, [`crate::kv::split`]): one layer's
+/// misses, `ce_pct` % (1 … 99) through the copy engines and the rest
+/// through `kv_fetch_sm` on `ctas` CTAs, at the same time.
+///
+/// - `a`: the device lists and tables, as for [`kv_fetch_sm`];
+/// - `fetch`, `nfetch`: the same lists downloaded to the host (i32
+///   \[rows\]\[Hkv\]\[S\]\[2\] and \[rows\]\[Hkv\]);
+/// - `rows`: the host and pool bases per row, as for [`fetch_dma`];
+/// - `sm_counts`: a device buffer of ≥ rows·Hkv i32 that the SM kernel's
+///   per-list counts are copied to (stream-ordered on `s.fetch`; it must
+///   stay untouched until the kernel has run — give each layer its own).
+///
+/// Ordering (why the attention of the layer waits for both halves): the
+/// copy engines' share waits on `s.fork`, recorded on `s.fetch` after
+/// everything the fetch must follow (the set difference that freed the
+/// slots, and in prefetch mode the copy stream's wait for it); the SM
+/// kernel's share runs on `s.fetch` in order; then `s.fetch` waits on
+/// `s.join`, recorded after the copies. So whatever the caller enqueues on
+/// `s.fetch` next — the attention in the synchronous mode, the `fetched(l)`
+/// event that the compute stream waits for before the attention in
+/// prefetch mode — follows both halves. The two halves write disjoint slots
+/// (each pair is in one half only), so they need no order between them.
+///
+/// Returns the plan applied (counts per engine); nothing is enqueued when
+/// the layer has no misses, and only one engine runs when its share rounds
+/// to every pair.
+///
+/// Errors: [`Error::Input`] for a share outside 1 … 99, a bad list or
+/// shape ([`dma_copies`]), `sm_counts` shorter than rows·Hkv, or the
+/// kernel's argument checks; [`Error::Cuda`] on an event, copy or launch
+/// failure.
+#[allow(clippy::too_many_arguments)]
+pub fn fetch_split<C: DevicePtrMut<i32>>(
+    gpu: &Gpu,
+    s: &SplitStreams<'_>,
+    a: &FetchArgs,
+    fetch: &[i32],
+    nfetch: &[i32],
+    rows: &[DmaRow],
+    sm_counts: &mut C,
+    ctas: usize,
+    ce_pct: usize,
+) -> Result<crate::kv::split::SplitPlan> {
+    const OP: &str = "fetch_split";
+    let plan = crate::kv::split::split_misses(nfetch, a.slots, ce_pct)?;
+    if rows.len() != a.rows {
+        return Err(Error::Input(format!(
+            "{OP}: {} row addresses for {} rows",
+            rows.len(),
+            a.rows
+        )));
+    }
+    if plan.total() == 0 {
+        return Ok(plan);
+    }
+    if plan.ce_chunks > 0 {
+        let copies = dma_copies(
+            fetch,
+            nfetch,
+            Some(&plan.sm),
+            a.slots,
+            a.kv_heads,
+            rows,
+            a.block_size,
+            a.head_dim,
+        )?;
+        s.fork.record(s.fetch).cuda("cuEventRecord (split fork)")?;
+        s.ce.wait(s.fork).cuda("cuStreamWaitEvent (split fork)")?;
+        memcpy_batch(gpu, s.ce, &copies, 2 * a.block_size * a.head_dim * 2)?;
+        s.join.record(s.ce).cuda("cuEventRecord (split join)")?;
+    }
+    if plan.sm_chunks > 0 {
+        if sm_counts.len() < plan.sm.len() {
+            return Err(Error::Input(format!(
+                "{OP}: {} SM counts fit a buffer of {}",
+                plan.sm.len(),
+                sm_counts.len()
+            )));
+        }
+        s.fetch
+            .memcpy_htod(&plan.sm, sm_counts)
+            .cuda("host→device copy of the split's SM counts")?;
+        let args = FetchArgs {
+            nfetch: dptr_mut(gpu, sm_counts),
+            ..*a
+        };
+        kv_fetch_sm(gpu, s.fetch, &args, ctas)?;
+    }
+    if plan.ce_chunks > 0 {
+        s.fetch
+            .wait(s.join)
+            .cuda("cuStreamWaitEvent (split join)")?;
+    }
+    Ok(plan)
 }
