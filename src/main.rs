@@ -125,6 +125,34 @@ enum ForecastCmd {
 }
 
 /// The model flags of `sparda forecast collect|eval`.
+/// The selection flags every command that runs sparse attention takes
+/// (spec §1 sparse_config overrides).
+#[derive(Args, Clone, Copy)]
+struct SelectionArgs {
+    /// Selection rule for sparse attention (a dense checkpoint gets a default sparse_config).
+    #[arg(long, value_enum)]
+    selection: Option<SelectionArg>,
+    /// Attended blocks S per (sequence, KV head) (sets topk = S − window blocks).
+    #[arg(long, allow_negative_numbers = true)]
+    budget_blocks: Option<usize>,
+    /// Query-aware shortlist parameter select_blocks.
+    #[arg(long, allow_negative_numbers = true)]
+    select_blocks: Option<usize>,
+}
+
+impl SelectionArgs {
+    /// The engine's attention overrides with these flags; `sparse` forces
+    /// sparse (true) or dense (false) attention, None keeps the checkpoint's.
+    fn overrides(&self, sparse: Option<bool>) -> sparda::model::AttentionOverrides {
+        sparda::model::AttentionOverrides {
+            sparse,
+            selection: self.selection.map(Into::into),
+            budget_blocks: self.budget_blocks,
+            select_blocks: self.select_blocks,
+        }
+    }
+}
+
 #[derive(Args)]
 struct ForecastModelArgs {
     /// Checkpoint directory (config.json, *.safetensors, tokenizer.json) or `synth:PRESET[:SEED]`.
@@ -133,15 +161,8 @@ struct ForecastModelArgs {
     /// tokenizer.json (default: the model directory's; the fixture's for synth:).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
-    /// Selection rule (a dense checkpoint gets a default sparse_config).
-    #[arg(long, value_enum)]
-    selection: Option<SelectionArg>,
-    /// Attended blocks S per (sequence, KV head) (sets topk = S − window blocks).
-    #[arg(long)]
-    budget_blocks: Option<usize>,
-    /// Query-aware shortlist parameter select_blocks.
-    #[arg(long)]
-    select_blocks: Option<usize>,
+    #[command(flatten)]
+    sel: SelectionArgs,
 }
 
 #[derive(Args)]
@@ -269,12 +290,8 @@ struct OffloadCheckArgs {
     /// roll-over steps).
     #[arg(long, default_value_t = 1)]
     batch: usize,
-    /// Selection rule (a dense checkpoint gets a default sparse_config).
-    #[arg(long, value_enum)]
-    selection: Option<SelectionArg>,
-    /// Attended blocks S per (sequence, KV head).
-    #[arg(long)]
-    budget_blocks: Option<usize>,
+    #[command(flatten)]
+    sel: SelectionArgs,
     /// Override the model's sparse_config.dense_len (tokens; spec §1: a
     /// sequence shorter than this attends densely). With --batch, sequences
     /// on both sides of it make steps that mix dense and sparse rows.
@@ -410,9 +427,8 @@ struct ModeArgs {
     /// Force dense or sparse attention (default: as the checkpoint says).
     #[arg(long, value_enum)]
     attention: Option<AttentionArg>,
-    /// Selection rule for sparse attention.
-    #[arg(long, value_enum)]
-    selection: Option<SelectionArg>,
+    #[command(flatten)]
+    sel: SelectionArgs,
     /// Prefill attention.
     #[arg(long, value_enum)]
     prefill: Option<PrefillArg>,
@@ -420,12 +436,6 @@ struct ModeArgs {
     /// default) or tensor-core (tiled, head dim 64, 80 or 128).
     #[arg(long, value_enum, default_value_t = PrefillAttentionArg::Rowwise)]
     prefill_attention: PrefillAttentionArg,
-    /// Attended blocks S per (sequence, KV head) (sets topk = S − window blocks).
-    #[arg(long, allow_negative_numbers = true)]
-    budget_blocks: Option<usize>,
-    /// Query-aware shortlist parameter select_blocks.
-    #[arg(long, allow_negative_numbers = true)]
-    select_blocks: Option<usize>,
     /// SparDA forecast weights (.safetensors, or a SparDA trainer .pt, with
     /// `model.layers.{l}.self_attn.q_future_proj.weight`, keys matched by suffix,
     /// and layer 0's `q_curr_proj`), or `synth[:SEED]` for random ones: sparse decode
@@ -748,15 +758,8 @@ struct BenchArgs {
     /// Attention modes, each run in turn (comma-separated or repeated).
     #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "dense")]
     attention: Vec<AttentionArg>,
-    /// Selection rule for sparse attention.
-    #[arg(long, value_enum)]
-    selection: Option<SelectionArg>,
-    /// Attended blocks S per (sequence, KV head).
-    #[arg(long)]
-    budget_blocks: Option<usize>,
-    /// Query-aware shortlist parameter select_blocks.
-    #[arg(long)]
-    select_blocks: Option<usize>,
+    #[command(flatten)]
+    sel: SelectionArgs,
     /// Batch sizes B (comma-separated or repeated).
     #[arg(long, value_delimiter = ',', num_args = 1.., default_value = "1")]
     batch: Vec<usize>,

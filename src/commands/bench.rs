@@ -33,9 +33,9 @@ pub(crate) fn cmd_bench(a: BenchArgs) -> Result<()> {
             .iter()
             .map(|x| matches!(x, AttentionArg::Sparse))
             .collect(),
-        selection: a.selection.map(Into::into),
-        budget_blocks: a.budget_blocks,
-        select_blocks: a.select_blocks,
+        selection: a.sel.selection.map(Into::into),
+        budget_blocks: a.sel.budget_blocks,
+        select_blocks: a.sel.select_blocks,
         batches: a.batch,
         contexts,
         steps: a.steps,

@@ -13,7 +13,7 @@ use sparda::cpu::{
 };
 use sparda::model::forecast::ForecastWeights;
 use sparda::model::select::{self, Budget};
-use sparda::model::{AttentionOverrides, PrefillMode};
+use sparda::model::PrefillMode;
 use sparda::tokenizer::Tokenizer;
 use sparda::weights::names::{self, LayerTensor};
 use sparda::weights::{Checkpoint, DType, OwnedTensor};
@@ -47,12 +47,7 @@ fn open_model(a: &ForecastModelArgs) -> Result<(Checkpoint, Tokenizer, CpuModel)
     });
     let tokenizer = Tokenizer::from_file(&tok_path)?;
     let opts = EngineOptions {
-        attention: AttentionOverrides {
-            sparse: Some(true),
-            selection: a.selection.map(Into::into),
-            budget_blocks: a.budget_blocks,
-            select_blocks: a.select_blocks,
-        },
+        attention: a.sel.overrides(Some(true)),
         prefill: PrefillMode::Auto,
     };
     let model = CpuModel::new(&ckpt, opts)?;

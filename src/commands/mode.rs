@@ -7,7 +7,7 @@ use crate::*;
 use sparda::config::ModelConfig;
 use sparda::cpu::{CpuModel, EngineOptions};
 use sparda::model::forecast::ForecastWeights;
-use sparda::model::{AttentionOverrides, AttentionPlan, PrefillMode};
+use sparda::model::{AttentionPlan, PrefillMode};
 use sparda::pipeline::GpuModel;
 use sparda::tokenizer::Tokenizer;
 use sparda::weights::Checkpoint;
@@ -213,12 +213,9 @@ impl Engine {
 /// The engine options of the mode flags.
 fn engine_options(a: &ModeArgs) -> EngineOptions {
     EngineOptions {
-        attention: AttentionOverrides {
-            sparse: a.attention.map(|x| matches!(x, AttentionArg::Sparse)),
-            selection: a.selection.map(Into::into),
-            budget_blocks: a.budget_blocks,
-            select_blocks: a.select_blocks,
-        },
+        attention: a
+            .sel
+            .overrides(a.attention.map(|x| matches!(x, AttentionArg::Sparse))),
         prefill: match a.prefill {
             Some(PrefillArg::Dense) => PrefillMode::Dense,
             _ => PrefillMode::Auto,

@@ -5,7 +5,7 @@ use super::fixture_tokenizer;
 use crate::*;
 use sparda::cpu::{CpuModel, EngineOptions};
 use sparda::generate::{self};
-use sparda::model::{AttentionOverrides, PrefillMode};
+use sparda::model::PrefillMode;
 use sparda::pipeline::GpuModel;
 use sparda::tokenizer::Tokenizer;
 use sparda::{Error, Result};
@@ -126,12 +126,7 @@ pub(crate) fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
         ckpt.config.max_position_embeddings,
     )?;
     let opts = EngineOptions {
-        attention: AttentionOverrides {
-            sparse: Some(true),
-            selection: a.selection.map(Into::into),
-            budget_blocks: a.budget_blocks,
-            select_blocks: None,
-        },
+        attention: a.sel.overrides(Some(true)),
         prefill: PrefillMode::Auto,
     };
     let gpu = std::sync::Arc::new(sparda::cuda::Gpu::new(0)?);
