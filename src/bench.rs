@@ -381,6 +381,9 @@ pub fn cap_context(asked: usize, after: usize, max_position: usize) -> Option<us
     }
 }
 
+/// Spans of the host-cost measurement before a case's traced steps.
+const TRACE_HOST_COST_SPANS: usize = 2000;
+
 /// Tokens of the untimed prefill that opens each prefill-only case.
 const PREFILL_WARMUP_TOKENS: usize = 2048;
 
@@ -848,6 +851,10 @@ fn run_case(
         model.decode(&mut seqs, &first)?;
         let plain = time_steps(model, &mut seqs, spec.trace_steps)?;
         model.set_trace(true)?;
+        // what one span costs the host, alone on an idle stream: an offloaded
+        // step issues eagerly, so per-span host time adds to a step the host
+        // already issues close to the GPU's pace
+        let host_cost = model.trace_host_cost(TRACE_HOST_COST_SPANS)?;
         // events for the warm-up and timed traced steps, made before timing
         model.reserve_trace(spec.trace_steps + 1)?;
         let _span = tracing::info_span!(target: "sparda::bench", "traced steps",
@@ -868,9 +875,16 @@ fn run_case(
             tm,
             100.0 * (tm / pm - 1.0)
         );
+        if let Some(c) = host_cost {
+            eprintln!(
+                "    trace host cost: {:.2} µs per span (cuEventRecord {:.2} µs host, {:.2} µs GPU; capture query {:.2} µs); host issues a step in {:.3} ms untraced, {:.3} traced",
+                c.span_us, c.record_us, c.record_gpu_us, c.capture_query_us, plain.host_ms_per_step, traced.host_ms_per_step
+            );
+        }
         v["trace"] = json!({"steps": spec.trace_steps, "untraced_step_ms": pm, "traced_step_ms": tm,
             "untraced_host_ms_per_step": plain.host_ms_per_step, "traced_host_ms_per_step": traced.host_ms_per_step,
             "overhead_pct": 100.0 * (tm / pm - 1.0), "gpu_spans": spans,
+            "host_cost_per_span": host_cost,
             "note": "both eager (no CUDA graph), same batch, consecutive steps; a traced step also copies its fetch counts on the device (read after the timed steps)"});
     }
     if spec.profile_reps > 0 && offload.is_none() {

@@ -1112,3 +1112,32 @@ fn many_layers_are_summarized_in_one_pass() {
         s.layers[&15_999]
     );
 }
+
+/// `GpuTimeline::host_cost` keeps the spans recorded before it and drops its
+/// own. Needs a GPU (ignored by default; `--ignored` on the GPU machine).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on the GPU machine"]
+fn gpu_host_cost_keeps_earlier_spans_and_drops_its_own() {
+    use sparda::trace::timeline::{GpuTimeline, SpanMeta};
+    let _g = lock();
+    let gpu = sparda::cuda::Gpu::new(0).unwrap_or_else(|e| panic!("Gpu::new: {e}"));
+    let dir = common::TmpDir::new("trace-host-cost");
+    let (dispatch, _session) = trace::subscriber(Some(&dir.path().join("t.json"))).unwrap();
+    tracing::dispatcher::with_default(&dispatch, || {
+        let mut tl = GpuTimeline::new(&gpu, trace::is_recording()).unwrap();
+        let s = gpu.stream().clone();
+        let id = tl
+            .begin(&s, Track::Compute, "kept", SpanMeta::default())
+            .unwrap();
+        tl.end(&s, id).unwrap();
+        let c = tl.host_cost(&s, 500).unwrap().expect("enabled");
+        assert_eq!(c.spans, 500);
+        for x in [c.span_us, c.record_us, c.record_gpu_us, c.capture_query_us] {
+            assert!(x.is_finite() && x > 0.0, "{c:?}");
+        }
+        let spans = tl.collect().unwrap();
+        let names: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, vec!["kept"], "{names:?}");
+        println!("trace host cost: {c:?}");
+    });
+}

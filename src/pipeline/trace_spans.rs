@@ -66,6 +66,19 @@ impl GpuModel {
         self.timeline.borrow_mut().reserve(spans)
     }
 
+    /// The host cost of a GPU span on the compute stream, measured over
+    /// `n` spans ([`GpuTimeline::host_cost`]); `None` when not tracing.
+    ///
+    /// Errors: CUDA failures while recording or timing events.
+    pub fn trace_host_cost(
+        &mut self,
+        n: usize,
+    ) -> Result<Option<crate::trace::timeline::SpanHostCost>> {
+        self.gpu.synchronize()?;
+        let stream = self.gpu.stream().clone();
+        self.timeline.borrow_mut().host_cost(&stream, n)
+    }
+
     /// Whether GPU spans are being recorded.
     pub fn trace_on(&self) -> bool {
         self.timeline.borrow().is_enabled()

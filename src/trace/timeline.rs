@@ -58,6 +58,25 @@ pub struct SpanMeta {
     pub blocks: Option<u32>,
 }
 
+/// Host cost of tracing, measured by [`GpuTimeline::host_cost`]
+/// (microseconds of host wall time per call).
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct SpanHostCost {
+    /// Spans (and bare records, and capture queries) measured.
+    pub spans: usize,
+    /// One span begun and ended (two event records, the capture checks and
+    /// the bookkeeping), µs.
+    pub span_us: f64,
+    /// One bare `cuEventRecord`, µs.
+    pub record_us: f64,
+    /// GPU time per bare record on the idle stream (first to last of the
+    /// `spans` records, by two more events), µs: an upper bound when the
+    /// host issues them slower than the GPU retires them.
+    pub record_gpu_us: f64,
+    /// One capture-status query (`cuStreamIsCapturing`), µs.
+    pub capture_query_us: f64,
+}
+
 impl SpanMeta {
     /// Meta of layer `layer` at decode step `step`.
     pub fn at(layer: u32, step: u32) -> Self {
@@ -382,6 +401,62 @@ impl GpuTimeline {
         let out = out?;
         ended?;
         Ok(out)
+    }
+
+    /// Measures the host cost of tracing on `stream` (idle, nothing else
+    /// enqueued meanwhile): `n` spans begun and ended back to back (two
+    /// `cuEventRecord`s and the capture checks each), then `n` bare
+    /// `cuEventRecord`s of one event (also timed on the GPU), then `n`
+    /// capture-status queries; microseconds per call of each, host wall time. The measuring spans
+    /// are timed and dropped (not submitted). `None` when disabled.
+    ///
+    /// Errors: [`Error::Cuda`] when an event cannot be recorded or timed.
+    pub fn host_cost(&mut self, stream: &CudaStream, n: usize) -> Result<Option<SpanHostCost>> {
+        if self.rec.is_none() || n == 0 {
+            return Ok(None);
+        }
+        // spans already ended stay in the trace: time them first
+        let kept = self.collect()?;
+        self.reserve(n)?; // no cuEventCreate inside the timed loop
+        let t = std::time::Instant::now();
+        for _ in 0..n {
+            let id = self.begin(stream, Track::Compute, "host-cost", SpanMeta::default())?;
+            self.end(stream, id)?;
+        }
+        let span_us = t.elapsed().as_secs_f64() * 1e6 / n as f64;
+        drop(self.collect()?); // the measuring spans
+        let r = self.rec.as_deref_mut().expect("checked above");
+        r.done = kept;
+        let (first, ev, last) = (r.take_event()?, r.take_event()?, r.take_event()?);
+        first
+            .record(stream)
+            .cuda("cuEventRecord (trace host cost)")?;
+        let t = std::time::Instant::now();
+        for _ in 0..n {
+            ev.record(stream).cuda("cuEventRecord (trace host cost)")?;
+        }
+        let record_us = t.elapsed().as_secs_f64() * 1e6 / n as f64;
+        last.record(stream)
+            .cuda("cuEventRecord (trace host cost)")?;
+        last.synchronize()
+            .cuda("cuEventSynchronize (trace host cost)")?;
+        let gpu_ms = first
+            .elapsed_ms(&last)
+            .cuda("cuEventElapsedTime (trace host cost)")?;
+        let record_gpu_us = f64::from(gpu_ms) * 1e3 / n as f64;
+        r.pool.extend([first, ev, last]);
+        let t = std::time::Instant::now();
+        for _ in 0..n {
+            capturing(stream)?;
+        }
+        let capture_query_us = t.elapsed().as_secs_f64() * 1e6 / n as f64;
+        Ok(Some(SpanHostCost {
+            spans: n,
+            span_us,
+            record_us,
+            record_gpu_us,
+            capture_query_us,
+        }))
     }
 
     /// Drops every span that was begun but not ended (after a failed
