@@ -121,7 +121,7 @@ struct CaseSpec<'a> {
     path: SelectionPath,
     inputs: Inputs<'a>,
     min_steps: usize,
-    /// The kernel of dense prefill rows on the GPU.
+    /// The kernel of prefill rows (dense and sparse) on the GPU.
     prefill_attention: PrefillAttention,
 }
 
@@ -134,7 +134,7 @@ pub struct E2eCase {
     pub attention: String,
     /// Selection path of the GPU engine.
     pub selection_path: SelectionPath,
-    /// The kernel of the GPU's dense prefill rows.
+    /// The kernel of the GPU's prefill rows (dense and sparse).
     pub prefill_attention: PrefillAttention,
     /// Where the tokens come from: "random prompts, reference greedy
     /// tokens" or "real text".
