@@ -1004,7 +1004,14 @@ fn check_sparse_prefill_attention(c: &mut Checker<'_>) {
     }
     // InfLLM-V2 (no bias), under and past the budget.
     for &(g, d) in &[(16usize, 128usize), (3, 64), (8, 80)] {
-        sparse_prefill_case(c, small, AttentionMode::InfLlmV2, g, d, &[(0, 49), (32, 17)]);
+        sparse_prefill_case(
+            c,
+            small,
+            AttentionMode::InfLlmV2,
+            g,
+            d,
+            &[(0, 49), (32, 17)],
+        );
         sparse_prefill_case(c, small, AttentionMode::InfLlmV2, g, d, &[(500, 300)]);
     }
     // Other block sizes: 32 (a key tile holds one block and masks the rest)

@@ -1161,9 +1161,7 @@ pub fn prefill_union_capacity(
         cap = cap.max(blocks.min(count.saturating_mul(s_max)));
     }
     let ntiles = tiles.len() / 3;
-    let entries = ntiles
-        .saturating_mul(kv_heads)
-        .saturating_mul(cap);
+    let entries = ntiles.saturating_mul(kv_heads).saturating_mul(cap);
     let bytes = entries.saturating_mul(PREFILL_UNION_ENTRY_BYTES);
     if bytes > PREFILL_UNION_MAX_BYTES || cap > i32::MAX as usize || entries > i32::MAX as usize {
         return Err(Error::Limit(format!(
@@ -1533,5 +1531,99 @@ mod tests {
         assert_eq!(prefill_smem_bytes(128), 69_632);
         let e = prefill_attn_function("t", 96).unwrap_err().to_string();
         assert!(e.contains("head dim 96"), "{e}");
+    }
+    #[test]
+    fn sparse_prefill_kernels_and_shared_memory() {
+        for d in [64usize, 80, 128] {
+            let f = prefill_sparse_attn_function("t", d).unwrap();
+            assert_eq!(f, format!("attn_prefill_sparse_d{d}"));
+            // two blocks per SM fit the H200's 227 KiB of shared memory
+            assert!(2 * prefill_sparse_smem_bytes(d) <= 227 * 1024);
+        }
+        assert_eq!(prefill_sparse_smem_bytes(128), 70_144);
+        let e = prefill_sparse_attn_function("t", 96)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("head dim 96") && e.contains("rowwise"), "{e}");
+    }
+
+    #[test]
+    fn tile_rows_match_the_entries_a_tile_covers() {
+        let rows: Vec<(usize, usize)> = (0..100).map(|i| (0, 300 + i)).collect();
+        for g in [1usize, 3, 8, 16] {
+            let tiles = prefill_tiles(&rows, g).unwrap();
+            for t in tiles.chunks(3) {
+                let (first, count) = prefill_tile_rows([t[0], t[1], t[2]], g);
+                let want: std::collections::BTreeSet<usize> =
+                    covered(t, g).into_iter().map(|(r, _)| r).collect();
+                assert_eq!(want.len(), count, "G {g}");
+                assert_eq!(*want.iter().next().unwrap(), first);
+                assert!(count <= PREFILL_TILE_M);
+            }
+        }
+        // G = 3, a tile starting mid-row: entries 63 … 126 are rows 21 … 42.
+        assert_eq!(prefill_tile_rows([5, 100, 63], 3), (26, 22));
+    }
+
+    #[test]
+    fn union_capacity_bounds_every_tiles_union() {
+        // 512 rows from T0 = 4000 at G = 3, S = 2 lists of random distinct
+        // blocks at or below each row's current block (64-token blocks).
+        let (g, hk, s_max, bs) = (3usize, 2usize, 2usize, 64usize);
+        let rows: Vec<(usize, usize)> = (0..512).map(|i| (0, 4000 + i)).collect();
+        let tiles = prefill_tiles(&rows, g).unwrap();
+        let cap = prefill_union_capacity(&rows, &tiles, g, hk, s_max, bs).unwrap();
+        // 22 rows × 2 blocks < 71 blocks of the last row (position 4511) …
+        assert_eq!(cap, 22 * 2);
+        // … and 71 blocks < 22 rows × 6.
+        assert_eq!(
+            prefill_union_capacity(&rows, &tiles, g, hk, 6, bs).unwrap(),
+            71
+        );
+        let mut x = 12_345u64;
+        let mut next = |m: usize| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % m as u64) as usize
+        };
+        let lists: Vec<Vec<usize>> = rows
+            .iter()
+            .map(|&(_, t)| {
+                let mut l: Vec<usize> = (0..s_max).map(|_| next(t / bs + 1)).collect();
+                l.sort_unstable();
+                l.dedup();
+                l
+            })
+            .collect();
+        for t in tiles.chunks(3) {
+            let (first, count) = prefill_tile_rows([t[0], t[1], t[2]], g);
+            let union: std::collections::BTreeSet<usize> = lists[first..first + count]
+                .iter()
+                .flatten()
+                .copied()
+                .collect();
+            assert!(union.len() <= cap);
+        }
+        // Short contexts: the blocks bound it (a 20-token prompt has one).
+        let rows: Vec<(usize, usize)> = (0..20).map(|i| (0, i)).collect();
+        let tiles = prefill_tiles(&rows, 16).unwrap();
+        assert_eq!(
+            prefill_union_capacity(&rows, &tiles, 16, hk, 64, bs).unwrap(),
+            1
+        );
+        // Errors: bad inputs, tiles past the rows, a union past the byte limit.
+        assert!(prefill_union_capacity(&rows, &tiles, 16, hk, 0, bs).is_err());
+        assert!(prefill_union_capacity(&rows, &tiles, 16, hk, 64, 0).is_err());
+        assert!(prefill_union_capacity(&rows[..3], &tiles, 16, hk, 64, bs).is_err());
+        let far: Vec<(usize, usize)> = (0..512).map(|i| (0, (1usize << 40) + i)).collect();
+        let tiles = prefill_tiles(&far, 1).unwrap();
+        let e = prefill_union_capacity(&far, &tiles, 1, 64, 1 << 20, bs)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("8 tiles × 64 KV heads") && e.contains("bytes"),
+            "{e}"
+        );
     }
 }
