@@ -76,7 +76,7 @@ pub struct BenchSpec {
     pub warmup: usize,
     /// How sequences are filled.
     pub prefill: BenchPrefill,
-    /// The kernel of dense prefill rows of a real prefill
+    /// The kernel of the prefill rows (dense and sparse) of a real prefill
     /// ([`GpuModel::set_prefill_attention`]).
     pub prefill_attention: crate::pipeline::PrefillAttention,
     /// tokenizer.json for book-text prompts (else random ids).

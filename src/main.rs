@@ -390,12 +390,13 @@ enum PrefillArg {
     Sparse,
 }
 
-/// `--prefill-attention`: the kernel of dense prefill rows (CUDA backend).
+/// `--prefill-attention`: the kernel of prefill rows, dense and sparse (CUDA backend).
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum PrefillAttentionArg {
     /// The decode attention kernel per query row, split-K (the default).
     Rowwise,
-    /// Tiles of rows against tiles of keys on the tensor cores (head dim 64, 80 or 128).
+    /// Tiles of rows against tiles of keys on the tensor cores (head dim 64, 80 or 128);
+    /// sparse prefill over each tile's union of selected blocks.
     TensorCore,
 }
 
@@ -432,8 +433,8 @@ struct ModeArgs {
     /// Prefill attention.
     #[arg(long, value_enum)]
     prefill: Option<PrefillArg>,
-    /// Kernel of dense prefill rows (CUDA backend): rowwise (split-K, the
-    /// default) or tensor-core (tiled, head dim 64, 80 or 128).
+    /// Kernel of prefill rows, dense and sparse (CUDA backend): rowwise
+    /// (split-K, the default) or tensor-core (tiled, head dim 64, 80 or 128).
     #[arg(long, value_enum, default_value_t = PrefillAttentionArg::Rowwise)]
     prefill_attention: PrefillAttentionArg,
     /// SparDA forecast weights (.safetensors, or a SparDA trainer .pt, with
@@ -777,7 +778,7 @@ struct BenchArgs {
     /// How sequences are filled before decoding.
     #[arg(long, value_enum, default_value_t = BenchPrefillArg::Synthetic)]
     prefill: BenchPrefillArg,
-    /// Kernel of dense prefill rows of a real prefill (--prefill dense|sparse).
+    /// Kernel of the prefill rows of a real prefill (--prefill dense|sparse).
     #[arg(long, value_enum, default_value_t = PrefillAttentionArg::Rowwise)]
     prefill_attention: PrefillAttentionArg,
     /// tokenizer.json for prompts from the books in --texts (default: the

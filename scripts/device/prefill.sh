@@ -5,10 +5,12 @@
 # B = 1 and 4, beside the transformers SDPA baseline of the same shape.
 # One phase per device call (each < 10 minutes):
 #   scripts/device/prefill.sh check        OUT   the tensor-core prefill attention (--prefill-attention
-#                                                tensor-core): gpu-check's kernel cases
-#                                                (attention_dense_prefill among them) and gpu-check-e2e
-#                                                (its *-tc-prefill cases; SmolLM2 real text too when
-#                                                MODEL names the fixture directory)
+#                                                tensor-core), dense and sparse: gpu-check's kernel cases
+#                                                (attention_dense_prefill and attention_sparse_prefill
+#                                                among them) and gpu-check-e2e (its *-tc-prefill cases,
+#                                                tiny-nosa-sparse-tc-prefill and tiny-infllmv2-tc-prefill
+#                                                included; SmolLM2 real text too when MODEL names the
+#                                                fixture directory)
 #   scripts/device/prefill.sh perf         OUT   generate on MODEL (default synth:nosa-8b) with a dense
 #                                                prefill of CONTEXT book tokens (default 16384), rowwise
 #                                                then tensor-core: prefill ms and the generated text
@@ -38,7 +40,8 @@ bench() { # name, context list
 }
 case "$phase" in
 check)
-  SPARDA_CHECK_ONLY=kernels "$SPARDA" gpu-check --json "$out/gpu_check_kernels.json" 2>&1 | tail -16
+  SPARDA_CHECK_ONLY=kernels "$SPARDA" gpu-check --json "$out/gpu_check_kernels.json" 2>&1 \
+    | grep -E "FAIL|error:|cases|passed, max" | tail -40
   "$SPARDA" gpu-check-e2e ${MODEL:+--model "$MODEL"} --json "$out/gpu_check_e2e.json" --steps 48 2>&1 | tail -16
   ;;
 perf)

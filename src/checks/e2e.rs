@@ -57,10 +57,11 @@
 //! GPU selection and with the host fallback; NOSA with dense prefill; NOSA
 //! with a dense_len that a sequence crosses mid-batch; InfLLM-V2; dense with
 //! dynamic NTK RoPE, prompts below, across and past its original maximum;
-//! dense and NOSA with dense prefill on the tensor-core prefill kernel), and, when
-//! a model directory is given (the SmolLM2 fixture), real text through it:
-//! dense (≥ 256 positions; also with the tensor-core prefill kernel) and
-//! InfLLM-V2 past a small budget. Each case
+//! dense and NOSA with dense prefill on the tensor-core prefill kernel; NOSA
+//! and InfLLM-V2 with sparse prefill on the tensor-core sparse kernel), and,
+//! when a model directory is given (the SmolLM2 fixture), real text through
+//! it: dense (≥ 256 positions; also with the tensor-core prefill kernel) and
+//! InfLLM-V2 past a small budget (also with tensor-core sparse prefill). Each case
 //! grows one sequence's cache during decode (it starts with room for its
 //! prompt only).
 
@@ -121,7 +122,7 @@ struct CaseSpec<'a> {
     path: SelectionPath,
     inputs: Inputs<'a>,
     min_steps: usize,
-    /// The kernel of dense prefill rows on the GPU.
+    /// The kernel of prefill rows (dense and sparse) on the GPU.
     prefill_attention: PrefillAttention,
 }
 
@@ -134,7 +135,7 @@ pub struct E2eCase {
     pub attention: String,
     /// Selection path of the GPU engine.
     pub selection_path: SelectionPath,
-    /// The kernel of the GPU's dense prefill rows.
+    /// The kernel of the GPU's prefill rows (dense and sparse).
     pub prefill_attention: PrefillAttention,
     /// Where the tokens come from: "random prompts, reference greedy
     /// tokens" or "real text".
@@ -1042,6 +1043,34 @@ pub fn gpu_check_e2e(
             min_steps: 0,
             prefill_attention: PrefillAttention::TensorCore,
         },
+        // Sparse prefill on the tensor cores (attn_prefill_sparse_d*): each
+        // tile's union of its rows' block lists, built on the device; the
+        // 700-token prompt's second chunk starts at T0 = 512; a 20-token
+        // prompt has no window yet (forced blocks only).
+        CaseSpec {
+            name: "tiny-nosa-sparse-tc-prefill",
+            ckpt: &tiny,
+            opts: opts(ov(None, None), PrefillMode::Auto),
+            path: SelectionPath::Gpu,
+            inputs: Inputs::Random {
+                prompt_lens: vec![20, 150, 700],
+                seed: 21,
+            },
+            min_steps: 0,
+            prefill_attention: PrefillAttention::TensorCore,
+        },
+        CaseSpec {
+            name: "tiny-infllmv2-tc-prefill",
+            ckpt: &tiny,
+            opts: opts(ov(None, Some(SelectionRule::InfLlmV2)), PrefillMode::Auto),
+            path: SelectionPath::Gpu,
+            inputs: Inputs::Random {
+                prompt_lens: vec![100, 600],
+                seed: 22,
+            },
+            min_steps: 0,
+            prefill_attention: PrefillAttention::TensorCore,
+        },
     ];
     if let (Some(f), Some(ids)) = (&fixture, &text_ids) {
         // Real text: two sequences (a short and a long prompt) dense, two
@@ -1092,6 +1121,28 @@ pub fn gpu_check_e2e(
             },
             min_steps: FIXTURE_STEPS,
             prefill_attention: PrefillAttention::Rowwise,
+        });
+        // The same past the budget with sparse prefill on the tensor cores
+        // (one sequence: its prompt is four chunks, the last at T0 = 1536).
+        specs.push(CaseSpec {
+            name: "fixture-infllmv2-text-tc-prefill",
+            ckpt: f,
+            opts: opts(
+                AttentionOverrides {
+                    selection: Some(SelectionRule::InfLlmV2),
+                    budget_blocks: Some(20),
+                    select_blocks: Some(3),
+                    ..Default::default()
+                },
+                PrefillMode::Auto,
+            ),
+            path: SelectionPath::Gpu,
+            inputs: Inputs::Text {
+                ids,
+                spans: vec![(4_000, 1_600)],
+            },
+            min_steps: FIXTURE_STEPS,
+            prefill_attention: PrefillAttention::TensorCore,
         });
     }
     let mut cases = Vec::new();

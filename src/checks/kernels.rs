@@ -883,6 +883,159 @@ fn check_sparse_attention(c: &mut Checker<'_>) {
     sparse_case(c, small, AttentionMode::InfLlmV2, 8, 128, &[100, 3000]);
 }
 
+/// A sparse prefill case ([`ops::attention_sparse_prefill`]): every query
+/// row of every chunk (T0, n) — rows at positions T0 … T0 + n − 1 over a
+/// cache of T0 + n tokens — selects its own blocks with the CPU reference
+/// ([`crate::cpu::sparse_attention`] per row, spec §4 and §6), and the GPU
+/// attends over those per-row lists; the reference's sparse attention
+/// output of every row is the oracle.
+fn sparse_prefill_case(
+    c: &mut Checker<'_>,
+    sc: SparseConfig,
+    mode: AttentionMode,
+    g: usize,
+    d: usize,
+    chunks: &[(usize, usize)],
+) {
+    let hk = 2usize;
+    let hq = g * hk;
+    let plan = AttentionPlan {
+        mode,
+        sparse: sc,
+        budget: Budget::new(&sc),
+    };
+    let shape = json!({
+        "mode": format!("{mode:?}"), "G": g, "H": hq, "Hkv": hk, "D": d, "chunks_t0_n": chunks,
+        "block_size": sc.block_size, "attended_blocks_S": plan.budget.attended, "shortlist_n": plan.budget.shortlist,
+    });
+    let chunks = chunks.to_vec();
+    c.record("attention_sparse_prefill", shape, move |gpu, inp| {
+        let seqs: Vec<SeqData> = chunks
+            .iter()
+            .map(|&(t0, n)| make_seq(gpu, inp, &plan.budget, t0 + n, hk, d))
+            .collect::<Result<_>>()?;
+        let rows: usize = chunks.iter().map(|&(_, n)| n).sum();
+        let (qb, qf) = inp.bf16(rows * hq * d, 1.5);
+        let row = hq * d;
+        let mut want = vec![0.0f32; rows * row];
+        let (mut lists, mut lens) = (Vec::with_capacity(rows), Vec::with_capacity(rows));
+        let mut r = 0;
+        for (s, &(t0, n)) in seqs.iter().zip(chunks.iter()) {
+            for t in t0..t0 + n {
+                let sel = crate::cpu::sparse_attention(
+                    &plan,
+                    &s.kv,
+                    &qf[r * row..(r + 1) * row],
+                    t,
+                    1,
+                    hq,
+                    &mut want[r * row..(r + 1) * row],
+                );
+                lists.push(sel);
+                lens.push(t + 1);
+                r += 1;
+            }
+        }
+        let q = gpu.upload(&qb)?;
+        let nosa = mode == AttentionMode::Nosa;
+        let views: Vec<SeqKv<'_>> = seqs
+            .iter()
+            .zip(chunks.iter())
+            .map(|(s, &(t0, n))| SeqKv {
+                k: s.k.as_view(),
+                v: s.v.as_view(),
+                c: if nosa { Some(s.c.as_view()) } else { None },
+                len: t0 + n,
+            })
+            .collect();
+        let batch = KvBatch::new(gpu, &views, hk, d)?;
+        let sel = BlockSelection::from_host(gpu, &lists, &lens, sc.block_size)?;
+        let counts: Vec<usize> = chunks.iter().map(|&(_, n)| n).collect();
+        let mut out = poison_bf16(gpu, rows * row)?;
+        let scale = 1.0 / (d as f32).sqrt();
+        ops::attention_sparse_prefill(
+            gpu,
+            &q,
+            row,
+            hq,
+            &batch,
+            &counts,
+            &sel,
+            sc.block_size,
+            scale,
+            &mut out,
+            row,
+        )?;
+        Ok((to_f32(&gpu.download(&out)?), want))
+    });
+}
+
+/// Sparse prefill on the tensor cores against the CPU reference's sparse
+/// attention, at G ∈ {3, 8, 16} × D ∈ {64, 80, 128}, NOSA (with the bias)
+/// and InfLLM-V2 (none), with a small budget (S = 5 blocks = 320 tokens:
+/// W = 2, top-k 3, shortlist 5) so a few hundred tokens exceed it. Chunks
+/// (T0, n): a prompt shorter than one window and one block (20), just past
+/// a 16-token boundary (49) beside a chunk from T0 = 32 just past one
+/// (32 + 17), under the budget (200), and past it (700 from 0; 300 from
+/// T0 = 500, beside a one-row chunk at T0 = 1000), the long ones at a few
+/// shapes; blocks of 32 and 128 tokens once each (key tiles of part of a
+/// block, and several per block).
+fn check_sparse_prefill_attention(c: &mut Checker<'_>) {
+    let small = SparseConfig {
+        window_size: 128,
+        topk: 3,
+        select_blocks: 2,
+        ..SparseConfig::default()
+    };
+    let short: [&[(usize, usize)]; 3] = [&[(0, 20)], &[(0, 49), (32, 17)], &[(0, 200)]];
+    let long: [&[(usize, usize)]; 2] = [&[(0, 700)], &[(500, 300), (1000, 1)]];
+    for &g in &[3usize, 8, 16] {
+        for &d in &[64usize, 80, 128] {
+            for chunks in short {
+                sparse_prefill_case(c, small, AttentionMode::Nosa, g, d, chunks);
+            }
+            let long_shape = matches!((g, d), (16, 128) | (8, 64) | (3, 80));
+            if long_shape {
+                for chunks in long {
+                    sparse_prefill_case(c, small, AttentionMode::Nosa, g, d, chunks);
+                }
+            }
+        }
+    }
+    // InfLLM-V2 (no bias), under and past the budget.
+    for &(g, d) in &[(16usize, 128usize), (3, 64), (8, 80)] {
+        sparse_prefill_case(
+            c,
+            small,
+            AttentionMode::InfLlmV2,
+            g,
+            d,
+            &[(0, 49), (32, 17)],
+        );
+        sparse_prefill_case(c, small, AttentionMode::InfLlmV2, g, d, &[(500, 300)]);
+    }
+    // Other block sizes: 32 (a key tile holds one block and masks the rest)
+    // and 128 (two key tiles per block).
+    for bs in [32usize, 128] {
+        let sc = SparseConfig {
+            block_size: bs,
+            window_size: 2 * bs,
+            ..small
+        };
+        sparse_prefill_case(c, sc, AttentionMode::Nosa, 8, 128, &[(0, 20), (100, 600)]);
+    }
+    // The default budget (S = 64) past it, at NOSA-8B's shape: a 512-row
+    // chunk at T0 = 4608.
+    sparse_prefill_case(
+        c,
+        SparseConfig::default(),
+        AttentionMode::Nosa,
+        16,
+        128,
+        &[(4608, 512)],
+    );
+}
+
 /// Runs every kernel of the CUDA backend against the CPU reference on fresh
 /// random inputs at the shapes of spec/testing.md (GQA G ∈ {3, 8, 16}, D ∈
 /// {64, 80, 128}, batch 1 and > 1 with different lengths, T < 32, T < 64,
@@ -963,6 +1116,7 @@ pub fn gpu_check(out_json: &Path) -> Result<bool> {
         check_dense_attention(&mut c);
         check_prefill_attention(&mut c);
         check_sparse_attention(&mut c);
+        check_sparse_prefill_attention(&mut c);
     }
     if group("select") {
         c.results

@@ -93,7 +93,15 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         file: "attn_prefill.cu",
         text: include_str!("../../kernels/attn_prefill.cu"),
         preludes: &[MMA_PRELUDE],
-        functions: &["attn_prefill_d64", "attn_prefill_d80", "attn_prefill_d128"],
+        functions: &[
+            "attn_prefill_d64",
+            "attn_prefill_d80",
+            "attn_prefill_d128",
+            "attn_prefill_sparse_d64",
+            "attn_prefill_sparse_d80",
+            "attn_prefill_sparse_d128",
+            "prefill_sel_union",
+        ],
     },
     KernelSource {
         file: "attn_combine.cu",

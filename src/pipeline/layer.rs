@@ -208,26 +208,42 @@ impl GpuModel {
         let cs = gpu.stream();
         let sp = self.tspan_next(cs, open, "attention", l)?;
         if let Some((tiles, ntiles)) = geo.prefill_tiles {
-            // Dense prefill rows on the tensor cores: the output directly.
+            // Prefill rows on the tensor cores: the output directly.
             if self.on(StepPart::Attention) {
-                ops::launch_attn_prefill(
-                    gpu,
-                    &ops::PrefillAttnArgs {
-                        q: args.q,
-                        q_stride: args.q_stride,
-                        kptr: args.kptr,
-                        vptr: args.vptr,
-                        lens: args.lens,
-                        tiles,
-                        ntiles,
-                        out: args.out,
-                        out_stride: args.out_stride,
-                        heads: hq,
-                        kv_heads: hk,
-                        head_dim: dh,
-                        scale: args.scale,
-                    },
-                )?;
+                let base = ops::PrefillAttnArgs {
+                    q: args.q,
+                    q_stride: args.q_stride,
+                    kptr: args.kptr,
+                    vptr: args.vptr,
+                    lens: args.lens,
+                    tiles,
+                    ntiles,
+                    out: args.out,
+                    out_stride: args.out_stride,
+                    heads: hq,
+                    kv_heads: hk,
+                    head_dim: dh,
+                    scale: args.scale,
+                };
+                if geo.sparse {
+                    ops::launch_attn_prefill_sparse(
+                        gpu,
+                        &ops::PrefillSparseArgs {
+                            base,
+                            cptr: args.cptr,
+                            sel: args.sel,
+                            nsel: args.nsel,
+                            s_max: geo.s_max,
+                            block_size: budget.block_size,
+                            ublk: dptr(gpu, &ws.union_blk),
+                            umask: dptr(gpu, &ws.union_mask),
+                            un: dptr(gpu, &ws.union_n),
+                            u_max: geo.union_cap,
+                        },
+                    )?;
+                } else {
+                    ops::launch_attn_prefill(gpu, &base)?;
+                }
             }
         } else if self.on(StepPart::Attention) {
             ops::launch_attn_partial(gpu, &args)?;

@@ -186,11 +186,12 @@ impl DecodeMode {
     }
 }
 
-/// How the dense rows of a prefill call attend (`--prefill-attention`,
-/// spec §6). Both compute dense causal attention without bias (spec §5)
-/// from the same bf16 queries and KV cache into the same bf16 output; only
-/// the kernel and its summation order differ. Sparse prefill rows always
-/// take the rowwise path.
+/// How the rows of a prefill call attend (`--prefill-attention`, spec §6).
+/// Both compute the same attention — dense causal without bias, or sparse
+/// over each row's own block selection with the NOSA bias on the scaled
+/// logits (spec §5) — from the same bf16 queries, KV cache and block lists
+/// into the same bf16 output; only the kernel and its summation order
+/// differ. Decode steps are not affected.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub enum PrefillAttention {
     /// The decode attention kernel once per query row, split-K with
@@ -199,7 +200,10 @@ pub enum PrefillAttention {
     Rowwise,
     /// Tiles of (row, query head) pairs against tiles of keys on the tensor
     /// cores with an online softmax, no split-K (kernels/attn_prefill.cu):
-    /// head dims 64, 80 and 128 ([`ops::PREFILL_ATTN_FUNCTIONS`]).
+    /// head dims 64, 80 and 128 ([`ops::PREFILL_ATTN_FUNCTIONS`]). Sparse
+    /// prefill iterates each tile's union of its rows' selected blocks,
+    /// built on the device, masking the blocks a row did not select
+    /// ([`ops::PREFILL_SPARSE_ATTN_FUNCTIONS`]).
     TensorCore,
 }
 
@@ -330,7 +334,7 @@ pub struct GpuModel {
     /// The attention in force (as [`crate::cpu::CpuModel::plan`]).
     pub plan: AttentionPlan,
     pub(crate) prefill_mode: PrefillMode,
-    /// The attention kernel of dense prefill rows ([`GpuModel::set_prefill_attention`]).
+    /// The attention kernel of prefill rows ([`GpuModel::set_prefill_attention`]).
     pub(crate) prefill_attention: PrefillAttention,
     pub(crate) rope: Rope,
     pub(crate) rope_tables: Option<RopeTables>,
@@ -628,9 +632,9 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Sets the attention kernel of dense prefill rows (default
-    /// [`PrefillAttention::Rowwise`]); sparse prefill rows and decode steps
-    /// are not affected. Takes effect at the next prefill call.
+    /// Sets the attention kernel of prefill rows, dense and sparse (default
+    /// [`PrefillAttention::Rowwise`]); decode steps are not affected. Takes
+    /// effect at the next prefill call.
     ///
     /// Errors: [`Error::Input`] naming the head dim when
     /// [`PrefillAttention::TensorCore`] is asked for a model whose head dim
@@ -644,7 +648,7 @@ impl GpuModel {
         Ok(())
     }
 
-    /// The attention kernel of dense prefill rows.
+    /// The attention kernel of prefill rows.
     pub fn prefill_attention(&self) -> PrefillAttention {
         self.prefill_attention
     }

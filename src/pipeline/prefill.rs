@@ -12,9 +12,11 @@ impl GpuModel {
     ///
     /// Dense or sparse as the CPU reference decides (spec §6): sparse iff the
     /// plan is sparse, the whole prompt (T + n tokens) reaches dense_len, and
-    /// the prefill mode is not `Dense`. Dense chunks attend with the kernel
-    /// [`GpuModel::set_prefill_attention`] chose (the tensor-core kernel
-    /// takes chunks of [`PREFILL_CHUNK`] rows at any context).
+    /// the prefill mode is not `Dense`. Chunks attend with the kernel
+    /// [`GpuModel::set_prefill_attention`] chose (the dense tensor-core
+    /// kernel takes chunks of [`PREFILL_CHUNK`] rows at any context; the
+    /// sparse one builds each tile's union of block lists on the device,
+    /// without synchronising).
     ///
     /// Synchronises once at the end and checks the device error record (see
     /// [`GpuModel::check_device_errors`]).
@@ -102,19 +104,34 @@ impl GpuModel {
     /// to `t_len` tokens stay within [`PARTIALS_BUDGET_BYTES`] (counted at
     /// the finest split, one per [`ops::ATTN_TILE`] tokens); dense chunks on
     /// the tensor cores ([`PrefillAttention::TensorCore`]) have no partials
-    /// and take [`PREFILL_CHUNK`] rows at any context.
+    /// and take [`PREFILL_CHUNK`] rows at any context; sparse chunks on the
+    /// tensor cores count their union lists instead of partials (and the
+    /// selection workspace either way).
     pub(crate) fn prefill_rows(&self, t_len: usize, sparse: bool) -> usize {
-        if !sparse && self.prefill_attention == PrefillAttention::TensorCore {
+        let tc = self.prefill_attention == PrefillAttention::TensorCore;
+        if !sparse && tc {
             return PREFILL_CHUNK;
         }
         let c = &self.config;
-        let nsplit = if sparse {
-            self.plan.budget.attended
+        let mut per_row = if sparse && tc {
+            // A tile of 64 (row, head) pairs serves 64 / G rows: about G / 64
+            // union lists per row of min(blocks, 64·S) entries per KV head.
+            let budget = &self.plan.budget;
+            let g = c.num_attention_heads / c.num_key_value_heads.max(1);
+            let cap = budget
+                .blocks(t_len)
+                .min(ops::PREFILL_TILE_M * budget.attended.max(1));
+            (c.num_key_value_heads * ops::PREFILL_UNION_ENTRY_BYTES * cap * g)
+                .div_ceil(ops::PREFILL_TILE_M)
         } else {
-            t_len.div_ceil(ops::ATTN_TILE)
-        }
-        .max(1);
-        let mut per_row = c.num_attention_heads * nsplit * (c.head_dim + 2) * 4;
+            let nsplit = if sparse {
+                self.plan.budget.attended
+            } else {
+                t_len.div_ceil(ops::ATTN_TILE)
+            }
+            .max(1);
+            c.num_attention_heads * nsplit * (c.head_dim + 2) * 4
+        };
         if sparse && self.selection == SelectionPath::Gpu {
             // Query-aware logits, tile statistics and window scores.
             let w_stride = self
@@ -319,15 +336,24 @@ impl GpuModel {
         } else {
             ops::attn_dense_split(n, hb, max_pos)
         };
-        // Dense calls on the tensor cores when asked (sparse calls, dense
-        // rows among them included, keep the split-K kernel): work items
-        // over the call's rows, uploaded once for every layer.
-        let tc_tiles = if !any_sparse && self.prefill_attention == PrefillAttention::TensorCore {
+        // Prefill attention on the tensor cores when asked: dense calls take
+        // the dense kernel, sparse calls whose rows are all sparse the
+        // block-sparse one over each tile's union of block lists (a sparse
+        // call with dense rows among them keeps the split-K kernel). Work
+        // items over the call's rows, uploaded once for every layer.
+        let tc_call = self.prefill_attention == PrefillAttention::TensorCore
+            && (!any_sparse || !any_dense_in_sparse);
+        let (tc_tiles, union_cap) = if tc_call {
             let rr: Vec<(usize, usize)> = rows.iter().map(|r| (r.seq, r.pos)).collect();
             let t = ops::prefill_tiles(&rr, hq / hk)?;
-            Some((self.gpu.upload(&t)?, t.len() / 3))
+            let cap = if any_sparse {
+                ops::prefill_union_capacity(&rr, &t, hq / hk, hk, s_max, budget.block_size)?
+            } else {
+                0
+            };
+            (Some((self.gpu.upload(&t)?, t.len() / 3)), cap)
         } else {
-            None
+            (None, 0)
         };
         let attn_geo = AttnGeometry {
             sparse: any_sparse,
@@ -337,6 +363,7 @@ impl GpuModel {
             prefill_tiles: tc_tiles
                 .as_ref()
                 .map(|(t, count)| (dptr(&self.gpu, t), *count)),
+            union_cap,
         };
         // Query-aware scoring workspace (GPU selection): every row of a sparse
         // call is scored (dense rows' lists are overwritten afterwards), so
@@ -388,6 +415,18 @@ impl GpuModel {
                 ws.attn_count = s
                     .alloc_zeros(counts)
                     .cuda("allocating attention counters")?;
+            }
+            if let (Some((_, ntiles)), true) = (&tc_tiles, union_cap > 0) {
+                let (entries, what) = (ntiles * hk * union_cap, "allocating sparse prefill unions");
+                if ws.union_blk.len() < entries {
+                    ws.union_blk = unsafe { s.alloc(entries) }.cuda(what)?;
+                }
+                if ws.union_mask.len() < entries {
+                    ws.union_mask = unsafe { s.alloc(entries) }.cuda(what)?;
+                }
+                if ws.union_n.len() < ntiles * hk {
+                    ws.union_n = unsafe { s.alloc(ntiles * hk) }.cuda(what)?;
+                }
             }
             if ws.sel.len() < n * hk * s_max {
                 ws.sel = unsafe { s.alloc(n * hk * s_max) }.cuda("allocating block lists")?;

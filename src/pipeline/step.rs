@@ -291,6 +291,7 @@ impl GpuModel {
                 nsplit,
                 s_max,
                 prefill_tiles: None,
+                union_cap: 0,
             }
         } else {
             let (span, nsplit) = ops::attn_dense_split(n, hb, key.cap);
@@ -300,6 +301,7 @@ impl GpuModel {
                 nsplit,
                 s_max: 1,
                 prefill_tiles: None,
+                union_cap: 0,
             }
         };
         let mc = budget.windows(key.cap);

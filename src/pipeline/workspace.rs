@@ -58,6 +58,13 @@ pub(crate) struct Workspace {
     pub(crate) qa_stats: CudaSlice<f32>,
     /// Window scores s, f32 [rows, Hkv, w_stride].
     pub(crate) qa_scores: CudaSlice<f32>,
+    /// Sparse prefill on the tensor cores: each (tile, KV head)'s union of
+    /// its rows' selected blocks, i32 [tiles, Hkv, u_max] ids …
+    pub(crate) union_blk: CudaSlice<i32>,
+    /// … u64 [tiles, Hkv, u_max] masks of the tile rows that selected each …
+    pub(crate) union_mask: CudaSlice<u64>,
+    /// … and i32 [tiles, Hkv] counts (grown by forward calls that need them).
+    pub(crate) union_n: CudaSlice<i32>,
 }
 
 /// Device addresses of the per-row inputs the kernels read.
@@ -82,11 +89,17 @@ pub(crate) struct AttnGeometry {
     pub(crate) nsplit: usize,
     /// Block-list width (sparse).
     pub(crate) s_max: usize,
-    /// Dense prefill on the tensor cores ([`super::PrefillAttention::TensorCore`]):
+    /// Prefill on the tensor cores ([`super::PrefillAttention::TensorCore`]):
     /// the device address of the call's i32 work items
     /// ([`crate::cuda::ops::prefill_tiles`]) and their count; the split
-    /// fields are then unused (no partials). `None`: the split-K kernel.
+    /// fields are then unused (no partials). Dense calls take
+    /// `attn_prefill_d*`; sparse calls (`sparse`) build each tile's union of
+    /// block lists into the workspace and take `attn_prefill_sparse_d*`.
+    /// `None`: the split-K kernel.
     pub(crate) prefill_tiles: Option<(u64, usize)>,
+    /// Union capacity per (tile, KV head) of a sparse call on the tensor
+    /// cores ([`crate::cuda::ops::prefill_union_capacity`]); 0 otherwise.
+    pub(crate) union_cap: usize,
 }
 
 /// Geometry of GPU selection: query-aware scoring over up to `mc` windows
@@ -185,6 +198,9 @@ impl GpuModel {
                 qa_logits: s.alloc(1).cuda(&what)?,
                 qa_stats: s.alloc(1).cuda(&what)?,
                 qa_scores: s.alloc(1).cuda(&what)?,
+                union_blk: s.alloc(1).cuda(&what)?,
+                union_mask: s.alloc(1).cuda(&what)?,
+                union_n: s.alloc(1).cuda(&what)?,
             })
         }
     }
