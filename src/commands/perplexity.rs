@@ -34,6 +34,7 @@ fn same_file(a: &Path, b: &Path) -> bool {
 }
 
 pub(crate) fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
+    let t_start = std::time::Instant::now();
     let backend = resolve_backend(a.mode.backend);
     // Flags, the text, the tokenizer and the base file's header are checked
     // before the model is built (minutes and ~17 GB for synth:nosa-8b).
@@ -77,15 +78,22 @@ pub(crate) fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
         let h = b.header();
         check_text(b.path(), (&h.text, &h.chunking), (&text_id, &plan))?;
     }
+    let text_s = t_start.elapsed().as_secs_f64();
     let forecast = load_forecast(&a.mode, &config)?;
     let ckpt = open_checkpoint(&a.mode)?;
     let model_name = a.mode.model.to_string_lossy().into_owned();
     let model_id = ModelIdentity::of(&model_name, &ckpt);
+    let checkpoint_s = t_start.elapsed().as_secs_f64() - text_s;
     if let Some(b) = &base {
         check_model(b.path(), &b.header().model, &model_id)?;
     }
     let engine = build_engine(&a.mode, backend, &ckpt, forecast.as_ref(), false)?;
     drop(ckpt);
+    let engine_s = t_start.elapsed().as_secs_f64() - text_s - checkpoint_s;
+    eprintln!(
+        "startup {:.1} s: text and tokenizer {text_s:.1} s, checkpoint and fingerprint {checkpoint_s:.1} s, engine {engine_s:.1} s",
+        text_s + checkpoint_s + engine_s
+    );
     if let Engine::Cuda(m) = &engine {
         // one chunk's sequence at a time: refused before it is allocated
         m.check_memory(
@@ -235,6 +243,9 @@ pub(crate) fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
             "ppl": ev.nll.ppl,
             "ppl_ci95": ev.nll.ppl_ci95,
             "timing": {
+                "startup_s": {"text_and_tokenizer": text_s, "checkpoint_and_fingerprint": checkpoint_s,
+                    "engine": engine_s},
+                "wall_s": t_start.elapsed().as_secs_f64(),
                 "prefill_tokens": t.prefill_tokens,
                 "prefill_s": t.prefill_s,
                 "prefill_tokens_per_s": t.prefill_tokens_per_s(),
