@@ -102,6 +102,9 @@ pub struct BenchSpec {
     pub prefetch: Vec<bool>,
     /// With `forecast`: also run the synchronous NOSA selection.
     pub sync: bool,
+    /// Prefetch through the SM copy kernel sizes cuBLAS's GEMMs for the SMs
+    /// its CTAs leave ([`GpuModel::set_reserve_fetch_sms`]).
+    pub reserve_fetch_sms: bool,
     /// Equivalent batch sizes (runtime.md §5): when given, each context
     /// runs every [`EbMode`] at the real batch [`equivalent_batch`] gives
     /// it, instead of the `batches` × attention × kv grid.
@@ -628,6 +631,7 @@ fn run_case(
         "mode": format!("{:?}", model.plan.mode),
         "batch": batch, "context": context,
         "kv_bytes": kv_bytes,
+        "gemm_sm_target": model.gemm_sm_target(batch),
         "prompt_origin": source.origins_json(batch),
     });
     if spec.steps == 0 {
@@ -1026,6 +1030,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
     };
     crate::memory::check_weights(&gpu, &ckpt.config, ckpt.eviction_heads)?;
     let mut model = GpuModel::new(gpu.clone(), &ckpt, opts(spec.sparse[0]))?;
+    model.set_reserve_fetch_sms(spec.reserve_fetch_sms);
     model.set_prefill_attention(spec.prefill_attention)?;
     let cfg = ckpt.config.clone();
     drop(ckpt);
@@ -1681,6 +1686,7 @@ mod tests {
             forecast: None,
             prefetch: vec![],
             sync: true,
+            reserve_fetch_sms: false,
             equivalent_batches: vec![],
             trace_steps: 0,
             resume: None,

@@ -814,6 +814,10 @@ struct BenchArgs {
     /// Prefetch settings of the forecast runs.
     #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "on,off")]
     prefetch: Vec<OnOff>,
+    /// Forecast prefetch through the SM copy kernel: size cuBLAS's GEMMs for
+    /// the SMs its CTAs leave (cublasSetSmCountTarget), instead of all of them.
+    #[arg(long)]
+    reserve_fetch_sms: bool,
     /// With --forecast: also run the synchronous NOSA selection (the baseline).
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     sync: OnOff,

@@ -10,6 +10,8 @@
 #   scripts/device/offload.sh batch OUT    identity with batches of different-length sequences
 #   scripts/device/offload.sh traces OUT   the two example traces (sync vs prefetch), summaries, overhead
 #   scripts/device/offload.sh priority OUT copy stream priority high vs default under prefetch
+#   scripts/device/offload.sh reserve OUT  prefetch with GEMMs sized for all SMs vs for the SMs the copy
+#                                          kernel leaves (--reserve-fetch-sms), sm:4/8/16 (BATCH, CONTEXT)
 #   scripts/device/offload.sh eb OUT       all modes under the equivalent-batch protocol
 #   scripts/device/offload.sh dmaprefetch OUT  copy engines vs SM kernel vs a split of both with prefetch
 #   scripts/device/offload.sh b1 OUT       GPU-resident B=1 L=4K step vs the split-K cap (SPARDA_ATTN_MAX_SPLITS)
@@ -58,6 +60,19 @@ fbench)
     --forecast synth:1 --prefetch on,off --batch "${BATCH:-8,32}" --context "${CONTEXT:-32K}" \
     --steps "${STEPS:-32}" --fetch-timing-steps 8 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
     --json "$out/bench_forecast.json" 2>&1 | tail -30 || true
+  ;;
+reserve)
+  # forecast + prefetch with the GEMMs sized for all SMs vs for the SMs the copy
+  # kernel leaves (--reserve-fetch-sms), alternating, at the cells of the overlap gap
+  for r in 1 2; do
+    for rs in off on; do
+      flag=(); [[ $rs == on ]] && flag=(--reserve-fetch-sms)
+      $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch sm:4,sm:8,sm:16 \
+        --forecast synth:1 --prefetch on --sync off --batch "${BATCH:-8,16}" --context "${CONTEXT:-32K}" \
+        --steps "${STEPS:-32}" --fetch-timing-steps 0 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
+        "${flag[@]}" --json "$out/bench_reserve_fetch_sms_${rs}_$r.json" 2>&1 | grep -E "sparse|skip" || true
+    done
+  done
   ;;
 batch)
   # offloaded decode of a batch of different-length sequences (roll-overs and

@@ -650,6 +650,23 @@ impl Gpu {
         Ok((functions, builds))
     }
 
+    /// Has cuBLAS size its GEMMs for `sms` SMs (`cublasSetSmCountTarget`;
+    /// 0 = all of the device's, the default): for GEMMs that run while
+    /// another kernel holds some SMs (the prefetch copy kernel), so that
+    /// a grid sized for the whole GPU does not spill into a second wave.
+    /// Applies to GEMMs launched after the call.
+    ///
+    /// Errors: [`Error::Cuda`] when cuBLAS refuses the value (it must be
+    /// 0 … the SM count).
+    pub fn set_gemm_sm_target(&self, sms: usize) -> Result<()> {
+        let n = i32::try_from(sms.min(self.info.sm_count.max(0) as usize)).unwrap_or(0);
+        // SAFETY: the handle is live for as long as `self`; the value is
+        // within 0 ..= the SM count.
+        unsafe { cublas_sys::cublasSetSmCountTarget(*self.blas.handle(), n) }
+            .result()
+            .cuda(&format!("cublasSetSmCountTarget({n})"))
+    }
+
     /// What the device is.
     pub fn info(&self) -> &DeviceInfo {
         &self.info

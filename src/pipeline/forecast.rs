@@ -129,6 +129,32 @@ impl GpuModel {
         self.prefetch
     }
 
+    /// Forecast mode with prefetch through the SM copy kernel (alone or in a
+    /// split): while on, each decode step has cuBLAS size its GEMMs for the
+    /// device's SMs less the copy kernel's CTAs (one SM each), so that they
+    /// do not run a second wave on the SMs the copy kernel holds
+    /// (runtime.md §4: SM copies take SMs from the GEMMs they overlap).
+    /// Off by default; other steps keep every SM. Changes timing only.
+    pub fn set_reserve_fetch_sms(&mut self, on: bool) {
+        self.reserve_fetch_sms = on;
+    }
+
+    /// The SMs the step's GEMMs are sized for at batch `n`: `Some(sm_count −
+    /// CTAs)` when [`GpuModel::set_reserve_fetch_sms`] is on and this step
+    /// prefetches through the SM copy kernel, else `None` (all of them).
+    pub(crate) fn gemm_sm_target(&self, n: usize) -> Option<usize> {
+        if !(self.reserve_fetch_sms && self.forecast_on() && self.prefetch_on()) {
+            return None;
+        }
+        self.offload_options()?;
+        let ctas = match self.fetch_engine(n) {
+            FetchEngine::Sm { ctas } | FetchEngine::Split { ctas, .. } => ctas,
+            _ => return None,
+        };
+        let sms = self.gpu.info().sm_count.max(1) as usize;
+        Some(sms.saturating_sub(ctas).max(1))
+    }
+
     /// Injects a delay of `us` µs (a spin kernel) before every fetch on its
     /// stream: the prefetch stress check. 0 = off.
     pub fn set_copy_delay_us(&mut self, us: u32) {

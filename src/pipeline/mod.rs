@@ -389,6 +389,9 @@ pub struct GpuModel {
     pub(crate) prefetch: bool,
     /// Injected delay before each fetch, µs (stress check).
     pub(crate) copy_delay_us: u32,
+    /// Prefetch with the SM copy kernel: size cuBLAS's GEMMs for the SMs
+    /// its CTAs leave ([`GpuModel::set_reserve_fetch_sms`]).
+    pub(crate) reserve_fetch_sms: bool,
     /// GPU spans for `--trace` (disabled: no CUDA calls).
     pub(crate) timeline: std::cell::RefCell<crate::trace::timeline::GpuTimeline>,
     /// Decode steps traced so far (span args).
@@ -576,6 +579,7 @@ impl GpuModel {
             forecast_cols: None,
             prefetch: false,
             copy_delay_us: 0,
+            reserve_fetch_sms: false,
             timeline: std::cell::RefCell::new(crate::trace::timeline::GpuTimeline::new(g, false)?),
             trace_step: std::cell::Cell::new(0),
             fetch_spans: std::cell::RefCell::new(Vec::new()),

@@ -238,7 +238,17 @@ impl GpuModel {
             }
             match &st.graph {
                 Some(g) => g.launch().cuda("cuGraphLaunch (decode step)"),
-                None => self.enqueue_step(&mut st, seqs),
+                None => match self.gemm_sm_target(n) {
+                    // eager (offloaded steps always are): the target applies
+                    // to the GEMMs this step launches, and is undone after
+                    Some(sms) => {
+                        gpu.set_gemm_sm_target(sms)?;
+                        let r = self.enqueue_step(&mut st, seqs);
+                        let reset = gpu.set_gemm_sm_target(0);
+                        r.and(reset)
+                    }
+                    None => self.enqueue_step(&mut st, seqs),
+                },
             }
         })();
         let ok = r.is_ok();
