@@ -881,6 +881,9 @@ fn split_case(gpu: &Gpu, st: &FetchSetup, ctas: usize, ce_pct: usize) -> Result<
         ce: &side,
         fork: &fork,
         join: &join,
+        // the copy engines' share starts 50 µs late: without the join, the
+        // download on the fetch stream below would read the pool too early
+        ce_delay_ns: 50_000,
     };
     let rows = dev.dma_rows(gpu, st);
     let args = dev.args(gpu, st);

@@ -525,10 +525,10 @@ impl Gpu {
                 "cuFuncSetAttribute(attn_partial, {bytes} bytes of dynamic shared memory)"
             ))?;
         }
-        // The prefill attention kernels too (double-buffered K/V tiles at D = 128).
-        for (name, d) in super::ops::PREFILL_ATTN_FUNCTIONS {
+        // The prefill attention kernels too (double-buffered K/V tiles at D = 128;
+        // the sparse ones add the bias tiles): past 48 KiB a launch needs the opt-in.
+        for (name, bytes) in super::ops::prefill_smem_opt_ins() {
             if let Some(f) = functions.get(name) {
-                let bytes = super::ops::prefill_smem_bytes(d);
                 f.set_attribute(
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     bytes as i32,

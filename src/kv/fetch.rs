@@ -340,6 +340,7 @@ impl GpuModel {
             ce: &side.stream,
             fork: &side.fork[l],
             join: &side.join[l],
+            ce_delay_ns: self.copy_delay_us as u64 * 1000,
         };
         let mut counts = side.sm_counts.slice_mut(l * n * hk..(l + 1) * n * hk);
         fetch_split(

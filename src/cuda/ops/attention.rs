@@ -1091,6 +1091,21 @@ pub const fn prefill_sparse_smem_bytes(d: usize) -> usize {
     prefill_smem_bytes(d) + 2 * PREFILL_TILE_N * 4
 }
 
+/// Every prefill attention kernel (dense and sparse) with its dynamic
+/// shared memory in bytes: what `Gpu::new` opts each into (a launch past
+/// 48 KiB fails without `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`).
+pub fn prefill_smem_opt_ins() -> Vec<(&'static str, usize)> {
+    PREFILL_ATTN_FUNCTIONS
+        .iter()
+        .map(|&(n, d)| (n, prefill_smem_bytes(d)))
+        .chain(
+            PREFILL_SPARSE_ATTN_FUNCTIONS
+                .iter()
+                .map(|&(n, d)| (n, prefill_sparse_smem_bytes(d))),
+        )
+        .collect()
+}
+
 /// The sparse prefill attention kernel for head dim `d`.
 ///
 /// Errors: [`Error::Input`] naming `d` and the supported head dims when
@@ -1417,6 +1432,22 @@ where
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn every_prefill_kernel_past_48_kib_gets_the_shared_memory_opt_in() {
+        let opt = prefill_smem_opt_ins();
+        for (n, _) in PREFILL_ATTN_FUNCTIONS
+            .iter()
+            .chain(&PREFILL_SPARSE_ATTN_FUNCTIONS)
+        {
+            assert!(opt.iter().any(|(m, _)| m == n), "{n} has no opt-in");
+        }
+        let get = |n: &str| opt.iter().find(|(m, _)| *m == n).map(|x| x.1);
+        // the sparse kernel at D = 128 needs more than the 48 KiB default
+        assert_eq!(get("attn_prefill_sparse_d128"), Some(70_144));
+        assert_eq!(get("attn_prefill_d128"), Some(69_632));
+        assert!(get("attn_prefill_sparse_d128").unwrap() > 48 * 1024);
+    }
     use super::*;
 
     #[test]

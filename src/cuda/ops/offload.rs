@@ -529,6 +529,10 @@ pub struct SplitStreams<'a> {
     pub fork: &'a CudaEvent,
     /// Recorded on `ce` after the copies; `fetch` waits for it.
     pub join: &'a CudaEvent,
+    /// Stress: a spin of this many ns on `ce` before the copies (0 = none),
+    /// so that a missing wait for the copy engines' share shows as wrong
+    /// bytes in the identity checks.
+    pub ce_delay_ns: u64,
 }
 
 /// The split fetch (runtime.md §4, [`crate::kv::split`]): one layer's
@@ -586,8 +590,12 @@ pub fn fetch_split<C: DevicePtrMut<i32>>(
     if plan.total() == 0 {
         return Ok(plan);
     }
-    if plan.ce_chunks > 0 {
-        let copies = dma_copies(
+    // Everything that can fail is checked, and the SM share's counts are
+    // uploaded, before the copy engines' batch is enqueued: an error never
+    // leaves copies behind that the fetch stream does not wait for, and the
+    // small upload cannot queue behind the batch on a copy engine.
+    let copies = if plan.ce_chunks > 0 {
+        dma_copies(
             fetch,
             nfetch,
             Some(&plan.sm),
@@ -596,12 +604,10 @@ pub fn fetch_split<C: DevicePtrMut<i32>>(
             rows,
             a.block_size,
             a.head_dim,
-        )?;
-        s.fork.record(s.fetch).cuda("cuEventRecord (split fork)")?;
-        s.ce.wait(s.fork).cuda("cuStreamWaitEvent (split fork)")?;
-        memcpy_batch(gpu, s.ce, &copies, 2 * a.block_size * a.head_dim * 2)?;
-        s.join.record(s.ce).cuda("cuEventRecord (split join)")?;
-    }
+        )?
+    } else {
+        Vec::new()
+    };
     if plan.sm_chunks > 0 {
         if sm_counts.len() < plan.sm.len() {
             return Err(Error::Input(format!(
@@ -613,11 +619,36 @@ pub fn fetch_split<C: DevicePtrMut<i32>>(
         s.fetch
             .memcpy_htod(&plan.sm, sm_counts)
             .cuda("host→device copy of the split's SM counts")?;
+    }
+    if plan.ce_chunks > 0 {
+        s.fork.record(s.fetch).cuda("cuEventRecord (split fork)")?;
+        s.ce.wait(s.fork).cuda("cuStreamWaitEvent (split fork)")?;
+        if s.ce_delay_ns > 0 {
+            let f = gpu.function("spin_wait")?;
+            let mut b = s.ce.launch_builder(f);
+            b.arg(&s.ce_delay_ns);
+            let cfg = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argument list matches spin_wait (kernels/forecast.cu).
+            unsafe { b.launch(cfg) }.cuda("spin_wait (split stress)")?;
+        }
+        memcpy_batch(gpu, s.ce, &copies, 2 * a.block_size * a.head_dim * 2)?;
+        s.join.record(s.ce).cuda("cuEventRecord (split join)")?;
+    }
+    if plan.sm_chunks > 0 {
         let args = FetchArgs {
             nfetch: dptr_mut(gpu, sm_counts),
             ..*a
         };
-        kv_fetch_sm(gpu, s.fetch, &args, ctas)?;
+        let r = kv_fetch_sm(gpu, s.fetch, &args, ctas);
+        if r.is_err() && plan.ce_chunks > 0 {
+            // the fetch stream still waits for the copies already enqueued
+            let _ = s.fetch.wait(s.join);
+        }
+        r?;
     }
     if plan.ce_chunks > 0 {
         s.fetch
