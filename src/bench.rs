@@ -664,7 +664,13 @@ fn run_case(
         // and first launches
         let mut seq = model.new_sequence(cap)?;
         let toks = source.tokens(batch, batch + 1, context.min(PREFILL_WARMUP_TOKENS));
+        if offload.is_some() {
+            model.begin_offload(&mut seq, cap)?;
+        }
         model.prefill(&mut seq, &toks, |_, _| {})?;
+        if offload.is_some() {
+            model.offload_sequence(&mut seq, cap)?;
+        }
         drop(seq);
         model.release_buffers();
     }
