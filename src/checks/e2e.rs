@@ -239,6 +239,9 @@ pub struct E2eCase {
     pub cpu_ms: f64,
     /// Wall time of the bf16-emulating CPU reference, ms.
     pub cpu_emulation_ms: f64,
+    /// The CPU references were computed for an earlier case with the same
+    /// model, options and inputs (their times are that case's).
+    pub references_reused: bool,
     /// No error, finite logits, the whole-model rule holds (`bf16_rule`),
     /// every differing set explained, argmax kernel exact. The rel-L2
     /// figures are information.
@@ -493,8 +496,44 @@ fn compare_step(
     d
 }
 
+/// The CPU references of a case's inputs: the f32 reference's runs and the
+/// bf16-emulated reference's logits and block sets on the same tokens,
+/// with the wall time each took (ms).
+struct References {
+    runs: Vec<CpuRun>,
+    emu_logits: Vec<Vec<Vec<f32>>>,
+    emu_sel: Vec<Vec<Vec<Vec<Vec<usize>>>>>,
+    cpu_ms: f64,
+    emu_ms: f64,
+}
+
+/// References already computed, by [`ref_key`]: cases that differ only in
+/// GPU settings (the prefill kernel, the selection path) share them.
+type RefCache = std::collections::HashMap<String, std::rc::Rc<References>>;
+
+/// What the CPU references depend on: the checkpoint (by address: one
+/// object per model in a run), the engine options, the steps and the
+/// inputs (FNV-1a over every prompt and fed token).
+fn ref_key(spec: &CaseSpec<'_>, steps: usize, inputs: &[PromptAndFed]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for (p, f) in inputs {
+        let fed = f.as_deref().unwrap_or(&[]);
+        for x in [p.len() as u32, fed.len() as u32]
+            .iter()
+            .chain(p)
+            .chain(fed)
+        {
+            for b in x.to_le_bytes() {
+                h ^= b as u64;
+                h = h.wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+    }
+    format!("{:p}|{:?}|{steps}|{h:016x}", spec.ckpt, spec.opts)
+}
+
 /// Runs one case; errors become a failed case.
-fn run_case(gpu: &Arc<Gpu>, spec: &CaseSpec<'_>, steps: usize) -> E2eCase {
+fn run_case(gpu: &Arc<Gpu>, spec: &CaseSpec<'_>, steps: usize, refs: &mut RefCache) -> E2eCase {
     let steps = steps.max(spec.min_steps);
     let (tokens, prompt_lens) = match &spec.inputs {
         Inputs::Random { prompt_lens, .. } => (
@@ -555,10 +594,11 @@ fn run_case(gpu: &Arc<Gpu>, spec: &CaseSpec<'_>, steps: usize) -> E2eCase {
         gpu_ms: 0.0,
         cpu_ms: 0.0,
         cpu_emulation_ms: 0.0,
+        references_reused: false,
         pass: false,
         error: None,
     };
-    if let Err(e) = run_case_inner(gpu, spec, steps, &mut out) {
+    if let Err(e) = run_case_inner(gpu, spec, steps, refs, &mut out) {
         out.error = Some(e.to_string());
         out.pass = false;
     }
@@ -602,6 +642,7 @@ fn run_case_inner(
     gpu: &Arc<Gpu>,
     spec: &CaseSpec<'_>,
     steps: usize,
+    refs: &mut RefCache,
     out: &mut E2eCase,
 ) -> Result<()> {
     let cpu = CpuModel::new(spec.ckpt, spec.opts)?;
@@ -609,28 +650,46 @@ fn run_case_inner(
     let vocab = spec.ckpt.config.vocab_size;
     let inputs = case_prompts(&spec.inputs, vocab, steps)?;
     let prompts: Vec<Vec<u32>> = inputs.iter().map(|i| i.0.clone()).collect();
-    let t = Instant::now();
-    let runs = inputs
-        .iter()
-        .map(|(p, f)| cpu_run(&cpu, p, steps, f.as_deref()))
-        .collect::<Result<Vec<_>>>()?;
-    out.cpu_ms = t.elapsed().as_secs_f64() * 1e3;
-    // The reference with bf16 activation emulation on the same tokens.
-    let t = Instant::now();
-    let mut emu = CpuModel::new(spec.ckpt, spec.opts)?;
-    emu.set_bf16_emulation(Some(Bf16Points::ALL));
-    let (emu_logits, emu_sel): (Vec<_>, Vec<_>) = prompts
-        .iter()
-        .zip(&runs)
-        .map(|(p, r)| teacher_forced(&emu, p, &r.tokens))
-        .collect::<Result<Vec<_>>>()?
-        .into_iter()
-        .unzip();
-    out.cpu_emulation_ms = t.elapsed().as_secs_f64() * 1e3;
+    let key = ref_key(spec, steps, &inputs);
+    out.references_reused = refs.contains_key(&key);
+    let r = match refs.get(&key) {
+        Some(r) => r.clone(),
+        None => {
+            let t = Instant::now();
+            let runs = inputs
+                .iter()
+                .map(|(p, f)| cpu_run(&cpu, p, steps, f.as_deref()))
+                .collect::<Result<Vec<_>>>()?;
+            let cpu_ms = t.elapsed().as_secs_f64() * 1e3;
+            // The reference with bf16 activation emulation on the same tokens.
+            let t = Instant::now();
+            let mut emu = CpuModel::new(spec.ckpt, spec.opts)?;
+            emu.set_bf16_emulation(Some(Bf16Points::ALL));
+            let (emu_logits, emu_sel): (Vec<_>, Vec<_>) = prompts
+                .iter()
+                .zip(&runs)
+                .map(|(p, r)| teacher_forced(&emu, p, &r.tokens))
+                .collect::<Result<Vec<_>>>()?
+                .into_iter()
+                .unzip();
+            let r = std::rc::Rc::new(References {
+                runs,
+                emu_logits,
+                emu_sel,
+                cpu_ms,
+                emu_ms: t.elapsed().as_secs_f64() * 1e3,
+            });
+            refs.insert(key, r.clone());
+            r
+        }
+    };
+    let (runs, emu_logits, emu_sel) = (&r.runs, &r.emu_logits, &r.emu_sel);
+    out.cpu_ms = r.cpu_ms;
+    out.cpu_emulation_ms = r.emu_ms;
     // `[sequence][step]`: the emulated reference against the f32 one.
     let emulated: Vec<Vec<PositionAgreement>> = runs
         .iter()
-        .zip(&emu_logits)
+        .zip(emu_logits)
         .map(|(r, e)| {
             r.logits
                 .iter()
@@ -648,7 +707,7 @@ fn run_case_inner(
         .collect();
     out.emulation_rel_l2_per_step = runs
         .iter()
-        .zip(&emu_logits)
+        .zip(emu_logits)
         .map(|(r, e)| {
             r.logits
                 .iter()
@@ -832,12 +891,12 @@ fn run_case_inner(
     out.emulated_vs_f32_same_selection = AgreementSummary::of(&same_emu_pos);
     out.emulated_selection_diff_positions = emu_sel
         .iter()
-        .zip(&runs)
+        .zip(runs)
         .map(|(e, r)| e.iter().zip(&r.selections).filter(|(x, y)| x != y).count())
         .sum();
     out.emulated_selection_diff_sets = emu_sel
         .iter()
-        .zip(&runs)
+        .zip(runs)
         .flat_map(|(e, r)| e.iter().zip(&r.selections))
         .flat_map(|(el, rl)| el.iter().zip(rl))
         .flat_map(|(eh, rh)| eh.iter().zip(rh))
@@ -1073,9 +1132,11 @@ pub fn gpu_check_e2e(
         },
     ];
     if let (Some(f), Some(ids)) = (&fixture, &text_ids) {
-        // Real text: two sequences (a short and a long prompt) dense, two
-        // InfLLM-V2 sequences past their 20-block budget (16 window blocks,
-        // the sink and 3 selected), each fed FIXTURE_STEPS tokens of the text.
+        // Real text: two sequences (a short prompt, and one of two prefill
+        // chunks) dense, two InfLLM-V2 sequences past their 20-block budget
+        // (16 window blocks, the sink and 3 selected), each fed FIXTURE_STEPS
+        // tokens of the text. The tensor-core cases read the same inputs, so
+        // they share the CPU references (computed once).
         specs.push(CaseSpec {
             name: "fixture-dense-text",
             ckpt: f,
@@ -1083,7 +1144,7 @@ pub fn gpu_check_e2e(
             path: SelectionPath::Gpu,
             inputs: Inputs::Text {
                 ids,
-                spans: vec![(0, 40), (2_000, 300)],
+                spans: vec![(0, 40), (6_000, 700)],
             },
             min_steps: FIXTURE_STEPS,
             prefill_attention: PrefillAttention::Rowwise,
@@ -1123,7 +1184,7 @@ pub fn gpu_check_e2e(
             prefill_attention: PrefillAttention::Rowwise,
         });
         // The same past the budget with sparse prefill on the tensor cores
-        // (one sequence: its prompt is four chunks, the last at T0 = 1536).
+        // (each prompt is four chunks, the last at T0 = 1536).
         specs.push(CaseSpec {
             name: "fixture-infllmv2-text-tc-prefill",
             ckpt: f,
@@ -1139,15 +1200,16 @@ pub fn gpu_check_e2e(
             path: SelectionPath::Gpu,
             inputs: Inputs::Text {
                 ids,
-                spans: vec![(4_000, 1_600)],
+                spans: vec![(4_000, 1_600), (12_000, 1_600)],
             },
             min_steps: FIXTURE_STEPS,
             prefill_attention: PrefillAttention::TensorCore,
         });
     }
     let mut cases = Vec::new();
+    let mut refs = RefCache::new();
     for spec in &specs {
-        let c = run_case(&gpu, spec, steps);
+        let c = run_case(&gpu, spec, steps, &mut refs);
         let (g, e) = (
             &c.gpu_vs_f32_same_selection,
             &c.emulated_vs_f32_same_selection,
@@ -1221,6 +1283,60 @@ pub fn gpu_check_e2e(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cases_share_references_only_with_the_same_model_options_and_inputs() {
+        let ckpt = crate::bench::open_model("synth:tiny").unwrap();
+        let other = crate::bench::open_model("synth:tiny").unwrap();
+        let spec = |c, sparse: bool, pa| CaseSpec {
+            name: "x",
+            ckpt: c,
+            opts: EngineOptions {
+                attention: AttentionOverrides {
+                    sparse: Some(sparse),
+                    ..Default::default()
+                },
+                prefill: PrefillMode::Auto,
+            },
+            path: SelectionPath::Gpu,
+            inputs: Inputs::Random {
+                prompt_lens: vec![3],
+                seed: 1,
+            },
+            min_steps: 0,
+            prefill_attention: pa,
+        };
+        let inputs = vec![(vec![5u32, 6, 7], None), (vec![8u32], Some(vec![9u32]))];
+        let a = ref_key(&spec(&ckpt, true, PrefillAttention::Rowwise), 4, &inputs);
+        // the GPU's prefill kernel does not change the CPU references
+        assert_eq!(
+            a,
+            ref_key(&spec(&ckpt, true, PrefillAttention::TensorCore), 4, &inputs)
+        );
+        assert_ne!(
+            a,
+            ref_key(&spec(&ckpt, false, PrefillAttention::Rowwise), 4, &inputs)
+        );
+        assert_ne!(
+            a,
+            ref_key(&spec(&other, true, PrefillAttention::Rowwise), 4, &inputs)
+        );
+        assert_ne!(
+            a,
+            ref_key(&spec(&ckpt, true, PrefillAttention::Rowwise), 5, &inputs)
+        );
+        let fed_other = vec![(vec![5u32, 6, 7], None), (vec![8u32], Some(vec![10u32]))];
+        assert_ne!(
+            a,
+            ref_key(&spec(&ckpt, true, PrefillAttention::Rowwise), 4, &fed_other)
+        );
+        // a token moved across the prompt/fed boundary is another input
+        let moved = vec![(vec![5u32, 6, 7], None), (vec![8u32, 9], None)];
+        assert_ne!(
+            a,
+            ref_key(&spec(&ckpt, true, PrefillAttention::Rowwise), 4, &moved)
+        );
+    }
 
     /// Without CUDA the check is a clear error, never a panic (it must run
     /// on the GPU-less CI machines).
