@@ -360,6 +360,16 @@ pub fn entries_of(
     cells: &[SweepCell],
     configs: &[FetchChoice],
 ) -> Result<(Vec<FetchEntry>, Vec<FetchEntry>)> {
+    for (mode, b, label, missing) in incomplete_configs(cells, configs) {
+        eprintln!(
+            "tune-ctas: {label} at B = {b} ({mode:?}) was not measured at context {} and is left out of that choice (every configuration is compared at every context of its batch size)",
+            missing
+                .iter()
+                .map(|l| l.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     let entries = |mode: FetchMode| -> Vec<FetchEntry> {
         let mut batches: Vec<usize> = cells
             .iter()
@@ -392,6 +402,52 @@ pub fn entries_of(
         (false, true) => Ok((sync.clone(), sync)),
         _ => Ok((sync, prefetch)),
     }
+}
+
+/// The configurations measured at some but not all contexts of a (mode,
+/// batch size) in `cells` — [`choose`] leaves them out — each with the
+/// contexts it misses: (mode, B, label, missing contexts). A merged sweep
+/// whose runs chose different split CTA counts shows up here.
+pub fn incomplete_configs(
+    cells: &[SweepCell],
+    configs: &[FetchChoice],
+) -> Vec<(FetchMode, usize, String, Vec<usize>)> {
+    let mut out = Vec::new();
+    for mode in [FetchMode::Sync, FetchMode::Prefetch] {
+        let mut batches: Vec<usize> = cells
+            .iter()
+            .filter(|c| c.mode == mode)
+            .map(|c| c.batch)
+            .collect();
+        batches.sort_unstable();
+        batches.dedup();
+        for b in batches {
+            let mine: Vec<&SweepCell> = cells
+                .iter()
+                .filter(|c| c.mode == mode && c.batch == b)
+                .collect();
+            let mut contexts: Vec<usize> = mine.iter().map(|c| c.context).collect();
+            contexts.sort_unstable();
+            contexts.dedup();
+            for cfg in configs {
+                let label = cfg.label();
+                let have: Vec<usize> = contexts
+                    .iter()
+                    .copied()
+                    .filter(|&l| mine.iter().any(|c| c.context == l && c.config == label))
+                    .collect();
+                if !have.is_empty() && have.len() < contexts.len() {
+                    let missing = contexts
+                        .iter()
+                        .copied()
+                        .filter(|l| !have.contains(l))
+                        .collect();
+                    out.push((mode, b, label, missing));
+                }
+            }
+        }
+    }
+    out
 }
 
 /// The sweep cells a table records (its `sweep.cells`).
@@ -685,6 +741,39 @@ mod tests {
             Some((FetchChoice::Sm { ctas: 8 }, 20.0))
         );
         assert_eq!(choose(&[], &configs), None);
+    }
+
+    #[test]
+    fn a_configuration_missing_a_context_is_named() {
+        let split = |ctas| FetchChoice::Split { ctas, ce_pct: 50 };
+        let configs = [FetchChoice::Sm { ctas: 8 }, split(8), split(16)];
+        // two merged sweeps: splits at 8 CTAs at 32K, at 16 CTAs at 64K
+        let cells = [
+            cell(32768, "sm:8", 10.0, 0.0),
+            cell(65536, "sm:8", 14.0, 0.0),
+            cell(32768, "split:8:50", 9.0, 0.0),
+            cell(65536, "split:16:50", 13.0, 0.0),
+        ];
+        let inc = incomplete_configs(&cells, &configs);
+        assert_eq!(inc.len(), 2, "{inc:?}");
+        assert!(inc.contains(&(
+            cells[0].mode,
+            cells[0].batch,
+            "split:8:50".into(),
+            vec![65536]
+        )));
+        assert!(inc.contains(&(
+            cells[0].mode,
+            cells[0].batch,
+            "split:16:50".into(),
+            vec![32768]
+        )));
+        // and the choice falls back to the configuration measured everywhere
+        let refs: Vec<&SweepCell> = cells.iter().collect();
+        assert_eq!(
+            choose(&refs, &configs),
+            Some((FetchChoice::Sm { ctas: 8 }, 14.0))
+        );
     }
 
     #[test]
