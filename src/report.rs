@@ -476,7 +476,11 @@ pub fn row_from_case(report: &Value, c: &Value, source: &str) -> Row {
             (_, true) => format!("dense prefill (sparse decode), {kv}"),
             _ => format!("sparse prefill, {kv}"),
         };
-        if let Some(a) = c["prefill_attention"].as_str() {
+        // the kernel is a run-level setting of bench (older cases: per case)
+        if let Some(a) = c["prefill_attention"]
+            .as_str()
+            .or(report["prefill_attention"].as_str())
+        {
             row.mode.push_str(&format!(", {a} attention"));
         }
         if row.skipped.is_none() {

@@ -410,7 +410,7 @@ fn a_prefill_only_report_writes_its_prefill_chart() {
     let bench = d.join("p.json");
     std::fs::write(
         &bench,
-        json!({"commit": "abc1234", "cases": [
+        json!({"commit": "abc1234", "prefill_attention": "tensor-core", "cases": [
             {"attention": "sparse", "kv": "gpu", "batch": 1, "context": 4096, "prefill_only": true,
              "prefill_tokens_per_s": 15000.0, "ttft_ms_median": 270.0},
             {"attention": "sparse", "kv": "gpu", "batch": 1, "context": 32768, "prefill_only": true,
@@ -422,7 +422,9 @@ fn a_prefill_only_report_writes_its_prefill_chart() {
     let prefix = d.join("out/prefill_report");
     let md = write_report(&l, &prefix).unwrap();
     assert!(
-        md.contains("| 4K | sparse prefill, KV on GPU | 1 | 15000 | 270.0 |"),
+        md.contains(
+            "| 4K | sparse prefill, KV on GPU, tensor-core attention | 1 | 15000 | 270.0 |"
+        ),
         "{md}"
     );
     let svg = std::fs::read_to_string(d.join("out/prefill_report.prefill.svg")).unwrap();
@@ -431,7 +433,7 @@ fn a_prefill_only_report_writes_its_prefill_chart() {
         "chart caption"
     );
     assert!(
-        svg.contains("sparse prefill, KV on GPU, B = 1"),
+        svg.contains("sparse prefill, KV on GPU, tensor-core attention, B = 1"),
         "legend names mode and batch"
     );
     assert!(

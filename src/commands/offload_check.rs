@@ -197,6 +197,8 @@ pub(crate) fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
         "forecast": a.forecast,
         "mode": format!("{:?}", model.plan.mode),
         "budget_blocks": model.plan.budget.attended,
+        "select_blocks": model.plan.sparse.select_blocks,
+        "selection": format!("{:?}", model.plan.rule()),
         "dense_len": a.dense_len,
         "sample_memory_every": a.sample_memory_every,
     });

@@ -141,7 +141,8 @@ impl GpuModel {
 
     /// The SMs the step's GEMMs are sized for at batch `n`: `Some(sm_count −
     /// CTAs)` when [`GpuModel::set_reserve_fetch_sms`] is on and this step
-    /// prefetches through the SM copy kernel, else `None` (all of them).
+    /// prefetches through the SM copy kernel on at most half the SMs, else
+    /// `None` (all of them).
     pub(crate) fn gemm_sm_target(&self, n: usize) -> Option<usize> {
         if !(self.reserve_fetch_sms && self.forecast_on() && self.prefetch_on()) {
             return None;
@@ -152,7 +153,8 @@ impl GpuModel {
             _ => return None,
         };
         let sms = self.gpu.info().sm_count.max(1) as usize;
-        Some(sms.saturating_sub(ctas).max(1))
+        // a copy kernel on more than half the SMs leaves the GEMMs alone
+        (2 * ctas <= sms).then(|| sms - ctas)
     }
 
     /// Injects a delay of `us` µs (a spin kernel) before every fetch on its
