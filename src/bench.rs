@@ -1149,7 +1149,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
             Source::Random(..) => "random ids".to_string(),
         },
         "protocol": if spec.steps == 0 {
-            format!("per case: one untimed prefill of {PREFILL_WARMUP_TOKENS} tokens (workspaces, first launches), then each of the B sequences prefilled in turn, timed on the host around the prefill and its synchronisation (offloaded KV: the spill to pinned host memory included); time to first token adds the argmax and its copy to the host; prefill tokens/s = B·L / the sum of the sequences' prefill times")
+            format!("per case: one untimed prefill of {PREFILL_WARMUP_TOKENS} tokens (workspaces, first launches), then each of the B sequences prefilled in turn, timed on the host around the prefill and its synchronisation (the sequence's KV, and with offloaded KV its pinned host store, allocated before the clock starts; the spill to pinned host memory included); time to first token adds the argmax and its copy to the host; prefill tokens/s = B·L / the sum of the sequences' prefill times")
         } else {
             format!(
                 "per case: {} warm-up decode steps excluded (the first builds the device-resident step and runs it eagerly, the second captures the CUDA graph), then {} timed greedy steps fed on the device; CUDA events around each step; tokens/s = B·steps / timed wall time; decode only (prefill excluded)",

@@ -117,7 +117,7 @@ def main():
         "transformers": transformers.__version__,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "model_shape": NOSA_8B,
-        "protocol": f"one untimed {WARMUP_TOKENS}-token warm-up forward; per sequence one timed forward (logits_to_keep=1), CUDA events; time to first token adds the argmax and its copy to the host; tokens/s = B·L / the timed forwards",
+        "protocol": f"one untimed {WARMUP_TOKENS}-token warm-up forward; per sequence one timed forward (logits_to_keep=1), CUDA events; the forward grows its DynamicCache inside the timed region (sparda allocates a sequence's KV before its clock starts); time to first token adds the argmax and its copy to the host; tokens/s = B·L / the timed forwards",
         "rows": [],
     }
     for l in contexts:
