@@ -14,7 +14,9 @@
 #            GPU-resident and with --kv offload, prefetch on and off; KL against dense
 # Needs the fixture (scripts/device/quality.sh fixture) and the texts in TEXTS_DIR
 # (default .device/texts, a copy of ../shared/data/texts).
-# Env: SPARDA (binary, default .device/bin/sparda), SPARDA_COMMIT, BUDGET (default 48),
+# Env: FITTED (the fitted weights `ppl` reads; default OUT_DIR/fitted_score.safetensors from
+#      `fit`: carry them, e.g. .device/forecast_8k/fitted_score.safetensors, to run `ppl` alone),
+#      SPARDA (binary, default .device/bin/sparda), SPARDA_COMMIT, BUDGET (default 48),
 #      SELECT (default 16), SCORE (scored tokens per chunk, default 1024), CHUNKS (default 2).
 set -uo pipefail
 phase=${1:?phase}; out=${2:?out dir}
@@ -52,7 +54,7 @@ do_ppl() {
     s=(--selection infllmv2 --budget-blocks "$BUDGET" --select-blocks "$SELECT")
     run "$SPARDA" perplexity "${g[@]}" --attention dense --save-logits "$L/dense.logits" --json "$L/dense.json"
     run "$SPARDA" perplexity "${g[@]}" "${s[@]}" --kl-base "$L/dense.logits" --json "$L/query_aware.json"
-    for f in fitted=$out/fitted_score.safetensors random=synth:1; do
+    for f in "fitted=${FITTED:-$out/fitted_score.safetensors}" random=synth:1; do
       name=${f%%=*}; w=${f#*=}
       run "$SPARDA" perplexity "${g[@]}" "${s[@]}" --forecast "$w" --kl-base "$L/dense.logits" \
         --json "$L/forecast_${name}_resident.json"
