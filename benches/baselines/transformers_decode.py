@@ -86,6 +86,16 @@ def host_rss_bytes():
     return None
 
 
+def write_json(path, obj):
+    """Writes `obj` to `path` through a temporary file, so a reader sees a
+    complete report or the previous one (reports are rewritten after every cell)."""
+    tmp = path + ".tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
 def percentile(v, p):
     """Nearest-rank percentile p (0–100), as src/bench.rs."""
     s = sorted(v)
@@ -232,11 +242,7 @@ def main():
             print(f"  skipped: {r['skipped']}", file=sys.stderr)
         else:
             print(f"  {r['step_ms_median']:.2f} ms/step (median), {r['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
-        tmp = a.json + ".tmp"
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(tmp, a.json)
+        write_json(a.json, report)
     print(f"baseline: {a.json}", file=sys.stderr)
 
 

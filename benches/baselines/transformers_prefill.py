@@ -27,11 +27,9 @@ Usage (on the GPU machine; PyTorch and transformers installed):
 
 import argparse
 import datetime
-import json
-import os
 import sys
 
-from transformers_decode import NOSA_8B, parse_tokens, percentile
+from transformers_decode import NOSA_8B, parse_tokens, percentile, write_json
 
 WARMUP_TOKENS = 2048
 
@@ -133,11 +131,7 @@ def main():
                 print(f"  skipped: {r['skipped']}", file=sys.stderr)
             else:
                 print(f"  {r['prefill_tokens_per_s']:.0f} tokens/s, time to first token {r['ttft_ms_median']:.1f} ms (median)", file=sys.stderr)
-            tmp = a.json + ".tmp"
-            os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-            with open(tmp, "w") as f:
-                json.dump(report, f, indent=1)
-            os.replace(tmp, a.json)
+            write_json(a.json, report)
     print(f"baseline: {a.json}", file=sys.stderr)
 
 

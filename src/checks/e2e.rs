@@ -100,6 +100,7 @@ pub const DEFAULT_STEPS: usize = 64;
 pub const FIXTURE_STEPS: usize = 160;
 
 /// Where a case's tokens come from.
+#[derive(Clone)]
 enum Inputs<'a> {
     /// Random prompts of these lengths (seeded); the tokens fed during
     /// decode are the f32 CPU reference's greedy choices.
@@ -115,6 +116,7 @@ enum Inputs<'a> {
 
 /// One end-to-end case: a model, options, its inputs, and the least number
 /// of teacher-forced steps it runs (the check's `steps` when larger).
+#[derive(Clone)]
 struct CaseSpec<'a> {
     name: &'static str,
     ckpt: &'a Checkpoint,
@@ -1149,20 +1151,6 @@ pub fn gpu_check_e2e(
             min_steps: FIXTURE_STEPS,
             prefill_attention: PrefillAttention::Rowwise,
         });
-        // The same on the tensor-core prefill kernel, with a prompt of two
-        // chunks (the second at T0 = 512).
-        specs.push(CaseSpec {
-            name: "fixture-dense-text-tc-prefill",
-            ckpt: f,
-            opts: opts(ov(None, None), PrefillMode::Auto),
-            path: SelectionPath::Gpu,
-            inputs: Inputs::Text {
-                ids,
-                spans: vec![(0, 40), (6_000, 700)],
-            },
-            min_steps: FIXTURE_STEPS,
-            prefill_attention: PrefillAttention::TensorCore,
-        });
         specs.push(CaseSpec {
             name: "fixture-infllmv2-text",
             ckpt: f,
@@ -1183,28 +1171,23 @@ pub fn gpu_check_e2e(
             min_steps: FIXTURE_STEPS,
             prefill_attention: PrefillAttention::Rowwise,
         });
-        // The same past the budget with sparse prefill on the tensor cores
-        // (each prompt is four chunks, the last at T0 = 1536).
-        specs.push(CaseSpec {
-            name: "fixture-infllmv2-text-tc-prefill",
-            ckpt: f,
-            opts: opts(
-                AttentionOverrides {
-                    selection: Some(SelectionRule::InfLlmV2),
-                    budget_blocks: Some(20),
-                    select_blocks: Some(3),
-                    ..Default::default()
-                },
-                PrefillMode::Auto,
-            ),
-            path: SelectionPath::Gpu,
-            inputs: Inputs::Text {
-                ids,
-                spans: vec![(4_000, 1_600), (12_000, 1_600)],
-            },
-            min_steps: FIXTURE_STEPS,
-            prefill_attention: PrefillAttention::TensorCore,
-        });
+        // Both again on the tensor-core prefill kernels: dense (the long
+        // prompt is two chunks, the second at T0 = 512) and sparse past the
+        // budget (four chunks, the last at T0 = 1536). Same inputs: they
+        // share the CPU references.
+        let tc: Vec<CaseSpec<'_>> = specs[specs.len() - 2..]
+            .iter()
+            .zip([
+                "fixture-dense-text-tc-prefill",
+                "fixture-infllmv2-text-tc-prefill",
+            ])
+            .map(|(c, name)| CaseSpec {
+                name,
+                prefill_attention: PrefillAttention::TensorCore,
+                ..c.clone()
+            })
+            .collect();
+        specs.extend(tc);
     }
     let mut cases = Vec::new();
     let mut refs = RefCache::new();

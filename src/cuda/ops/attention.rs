@@ -980,20 +980,13 @@ where
     prefill_attn_function(OP, d)?;
     let (per_row, kp, vp, lens) = prefill_row_tables(OP, kv, rows, heads)?;
     let nrows = per_row.len();
-    let row = heads * d;
-    if q_stride < row || out_stride < row {
-        return Err(Error::Input(format!(
-            "{OP}: q stride {q_stride} / out stride {out_stride} below H·D = {row}"
-        )));
-    }
-    let (need_q, need_o) = ((nrows - 1) * q_stride + row, (nrows - 1) * out_stride + row);
-    if q.len() < need_q || out.len() < need_o {
-        return Err(Error::Input(format!(
-            "{OP}: q has {} and out {} elements; {nrows} rows need {need_q} and {need_o}",
-            q.len(),
-            out.len()
-        )));
-    }
+    prefill_io_fits(
+        OP,
+        (q.len(), q_stride),
+        (out.len(), out_stride),
+        nrows,
+        heads * d,
+    )?;
     let tiles = prefill_tiles(&per_row, heads / hk)?;
     let (kp, vp, lens_d, tiles_d) = (
         gpu.upload(&kp)?,
@@ -1017,6 +1010,33 @@ where
         scale,
     };
     launch_attn_prefill(gpu, &args)
+}
+
+/// Checks that `nrows` query rows of `row` = H·D values fit the query and
+/// output buffers, given as (elements, row stride).
+///
+/// Errors: [`Error::Input`] naming `op` when a stride is below H·D or a
+/// buffer is too short, with the numbers.
+fn prefill_io_fits(
+    op: &str,
+    (q_len, q_stride): (usize, usize),
+    (out_len, out_stride): (usize, usize),
+    nrows: usize,
+    row: usize,
+) -> Result<()> {
+    if q_stride < row || out_stride < row {
+        return Err(Error::Input(format!(
+            "{op}: q stride {q_stride} / out stride {out_stride} below H·D = {row}"
+        )));
+    }
+    let need = |stride: usize| nrows.saturating_sub(1) * stride + row;
+    let (need_q, need_o) = (need(q_stride), need(out_stride));
+    if q_len < need_q || out_len < need_o {
+        return Err(Error::Input(format!(
+            "{op}: q has {q_len} and out {out_len} elements; {nrows} rows need {need_q} and {need_o}"
+        )));
+    }
+    Ok(())
 }
 
 /// The per-row tables of a prefill launch over `kv` with the last
@@ -1357,20 +1377,13 @@ where
             sel.batch, sel.kv_heads
         )));
     }
-    let row = heads * d;
-    if q_stride < row || out_stride < row {
-        return Err(Error::Input(format!(
-            "{OP}: q stride {q_stride} / out stride {out_stride} below H·D = {row}"
-        )));
-    }
-    let (need_q, need_o) = ((nrows - 1) * q_stride + row, (nrows - 1) * out_stride + row);
-    if q.len() < need_q || out.len() < need_o {
-        return Err(Error::Input(format!(
-            "{OP}: q has {} and out {} elements; {nrows} rows need {need_q} and {need_o}",
-            q.len(),
-            out.len()
-        )));
-    }
+    prefill_io_fits(
+        OP,
+        (q.len(), q_stride),
+        (out.len(), out_stride),
+        nrows,
+        heads * d,
+    )?;
     let group = heads / hk;
     let tiles = prefill_tiles(&per_row, group)?;
     let ntiles = tiles.len() / 3;
