@@ -86,6 +86,22 @@ def host_rss_bytes():
     return None
 
 
+def build_model(torch, seed):
+    """(config, model): a Llama of the NOSA-8B shape with random bf16 weights
+    on the GPU, PyTorch SDPA attention, in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**NOSA_8B, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        model = LlamaForCausalLM(cfg)
+        torch.set_default_dtype(prev)
+    model.eval()
+    return cfg, model
+
+
 def write_json(path, obj):
     """Writes `obj` to `path` through a temporary file, so a reader sees a
     complete report or the previous one (reports are rewritten after every cell)."""
@@ -188,18 +204,10 @@ def main():
 
     import torch
     import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this baseline times GPU decode")
-    cfg = LlamaConfig(**NOSA_8B, attn_implementation="sdpa")
-    torch.manual_seed(a.seed)
-    with torch.device("cuda"):
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        model = LlamaForCausalLM(cfg)
-        torch.set_default_dtype(prev)
-    model.eval()
+    cfg, model = build_model(torch, a.seed)
     contexts = [parse_tokens(c) for c in a.context.split(",") if c]
     ebs = [int(x) for x in a.equivalent_batch.split(",") if x]
     cells = []

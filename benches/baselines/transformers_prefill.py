@@ -29,12 +29,12 @@ import argparse
 import datetime
 import sys
 
-from transformers_decode import NOSA_8B, parse_tokens, percentile, write_json
+from transformers_decode import NOSA_8B, build_model, parse_tokens, percentile, write_json
 
 WARMUP_TOKENS = 2048
 
 
-def forward_last(torch, model, ids):
+def forward_last(model, ids):
     """One prefill forward; returns the argmax of the last position's logits."""
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1, :].argmax(dim=-1)
@@ -85,21 +85,13 @@ def main():
 
     import torch
     import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this baseline times GPU prefill")
-    cfg = LlamaConfig(**NOSA_8B, attn_implementation="sdpa")
-    torch.manual_seed(a.seed)
-    with torch.device("cuda"):
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        model = LlamaForCausalLM(cfg)
-        torch.set_default_dtype(prev)
-    model.eval()
+    cfg, model = build_model(torch, a.seed)
     with torch.inference_mode():
         warm = torch.randint(3, cfg.vocab_size, (1, WARMUP_TOKENS), device="cuda")
-        forward_last(torch, model, warm)
+        forward_last(model, warm)
         torch.cuda.synchronize()
         del warm
     contexts = [parse_tokens(c) for c in a.context.split(",") if c]
