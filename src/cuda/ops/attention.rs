@@ -894,32 +894,12 @@ pub(crate) struct PrefillAttnArgs {
 pub(crate) fn launch_attn_prefill(gpu: &Gpu, a: &PrefillAttnArgs) -> Result<()> {
     const OP: &str = "attn_prefill";
     let name = prefill_attn_function(OP, a.head_dim)?;
-    if a.kv_heads == 0
-        || !a.heads.is_multiple_of(a.kv_heads)
-        || !a.q_stride.is_multiple_of(2)
-        || !a.out_stride.is_multiple_of(2)
-    {
-        return Err(Error::Input(format!(
-            "{OP}: H {} / Hkv {} / q stride {} / out stride {} (need H a multiple of Hkv, even strides)",
-            a.heads, a.kv_heads, a.q_stride, a.out_stride
-        )));
-    }
-    if a.ntiles == 0 {
+    let Some((qs, os, h_, hk, grid_dim)) = prefill_launch_dims(OP, a)? else {
         return Ok(());
-    }
-    let (qs, os, h_, hk) = (
-        i32_dim(a.q_stride, "q_stride")?,
-        i32_dim(a.out_stride, "out_stride")?,
-        i32_dim(a.heads, "H")?,
-        i32_dim(a.kv_heads, "Hkv")?,
-    );
+    };
     let f = gpu.function(name)?;
     let cfg = LaunchConfig {
-        grid_dim: (
-            grid(a.ntiles, "prefill tiles")?,
-            grid(a.kv_heads, "KV heads")?,
-            1,
-        ),
+        grid_dim,
         block_dim: (PREFILL_THREADS, 1, 1),
         shared_mem_bytes: prefill_smem_bytes(a.head_dim) as u32,
     };
@@ -1228,6 +1208,43 @@ pub(crate) struct PrefillSparseArgs {
     pub u_max: usize,
 }
 
+/// What both tensor-core prefill launches check and pass: the strides and
+/// head counts as i32 (q stride, out stride, H, Hkv) and the grid (tiles,
+/// KV heads); `None` when there is no tile (nothing to launch).
+///
+/// Errors: [`Error::Input`] naming `op` when H is not a multiple of Hkv, a
+/// stride is odd, or a dimension passes i32 / the grid limits.
+#[allow(clippy::type_complexity)]
+fn prefill_launch_dims(
+    op: &str,
+    a: &PrefillAttnArgs,
+) -> Result<Option<(i32, i32, i32, i32, (u32, u32, u32))>> {
+    if a.kv_heads == 0
+        || !a.heads.is_multiple_of(a.kv_heads)
+        || !a.q_stride.is_multiple_of(2)
+        || !a.out_stride.is_multiple_of(2)
+    {
+        return Err(Error::Input(format!(
+            "{op}: H {} / Hkv {} / q stride {} / out stride {} (need H a multiple of Hkv, even strides)",
+            a.heads, a.kv_heads, a.q_stride, a.out_stride
+        )));
+    }
+    if a.ntiles == 0 {
+        return Ok(None);
+    }
+    Ok(Some((
+        i32_dim(a.q_stride, "q_stride")?,
+        i32_dim(a.out_stride, "out_stride")?,
+        i32_dim(a.heads, "H")?,
+        i32_dim(a.kv_heads, "Hkv")?,
+        (
+            grid(a.ntiles, "prefill tiles")?,
+            grid(a.kv_heads, "KV heads")?,
+            1,
+        ),
+    )))
+}
+
 /// Enqueues the union of the tiles' block selections and the block-sparse
 /// prefill attention kernel over it: every row's output written directly
 /// (no host synchronisation, no partials).
@@ -1239,35 +1256,19 @@ pub(crate) fn launch_attn_prefill_sparse(gpu: &Gpu, a: &PrefillSparseArgs) -> Re
     const OP: &str = "attn_prefill_sparse";
     let p = &a.base;
     let name = prefill_sparse_attn_function(OP, p.head_dim)?;
-    if p.kv_heads == 0
-        || !p.heads.is_multiple_of(p.kv_heads)
-        || !p.q_stride.is_multiple_of(2)
-        || !p.out_stride.is_multiple_of(2)
-        || a.block_size == 0
-        || a.s_max == 0
-        || a.u_max == 0
-    {
+    if a.block_size == 0 || a.s_max == 0 || a.u_max == 0 {
         return Err(Error::Input(format!(
-            "{OP}: H {} / Hkv {} / q stride {} / out stride {} / block size {} / list width {} / union capacity {} (need H a multiple of Hkv, even strides, the rest ≥ 1)",
-            p.heads, p.kv_heads, p.q_stride, p.out_stride, a.block_size, a.s_max, a.u_max
+            "{OP}: block size {} / list width {} / union capacity {} (need each ≥ 1)",
+            a.block_size, a.s_max, a.u_max
         )));
     }
-    if p.ntiles == 0 {
+    let Some((qs, os, h_, hk, grid_dim)) = prefill_launch_dims(OP, p)? else {
         return Ok(());
-    }
-    let (qs, os, h_, hk, sm, bs, um) = (
-        i32_dim(p.q_stride, "q_stride")?,
-        i32_dim(p.out_stride, "out_stride")?,
-        i32_dim(p.heads, "H")?,
-        i32_dim(p.kv_heads, "Hkv")?,
+    };
+    let (sm, bs, um) = (
         i32_dim(a.s_max, "s_max")?,
         i32_dim(a.block_size, "block_size")?,
         i32_dim(a.u_max, "union capacity")?,
-    );
-    let grid_dim = (
-        grid(p.ntiles, "prefill tiles")?,
-        grid(p.kv_heads, "KV heads")?,
-        1,
     );
     let fu = gpu.function("prefill_sel_union")?;
     let cfg = LaunchConfig {
