@@ -152,6 +152,56 @@ extern "C" __global__ void qa_window_logits(const bf16_t* __restrict__ q, int q_
     }
 }
 
+// Step 1a for the rows of one sequence (a prefill chunk: every row reads the same Kc). The
+// logits come from cuBLAS: per KV head h, an SGEMM of the rows' f32 queries of its G query
+// heads against Kc[:, h] (src/cuda/ops/select.rs qa_logits_shared_kc), written where
+// qa_window_logits writes them (and past each row's Mc too: those entries are never read).
+// qa_q_f32 widens the queries for it and qa_tile_stats computes the tile statistics from
+// the logits, as qa_window_logits does (windows w >= Mc of the row count as -inf).
+//
+// qa_q_f32: qf[(b*H*D) + j] = q[b*q_stride + j] for j < H*D, rows b < n. Any 1-D grid
+// (grid-stride loop).
+extern "C" __global__ void qa_q_f32(const bf16_t* __restrict__ q, int q_stride, float* __restrict__ qf,
+                                    int n, int HD) {
+    const long long total = (long long)n * HD;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long b = i / HD;
+        qf[i] = bf2f(q[b * q_stride + (i - b * HD)]);
+    }
+}
+
+// qa_tile_stats: stats[((b*hkv + h)*G + g)*ntiles + tile] = (max, sum exp(logit - max)) over
+// the windows w < Mc of the tile, from logits laid out as qa_window_logits writes them.
+// Grid (tiles, hkv, B), a multiple of 32 threads (128 used); no shared memory.
+extern "C" __global__ void qa_tile_stats(const float* __restrict__ logits, const int* __restrict__ lens,
+                                         float* __restrict__ stats, int H, int hkv, int w_stride, int ntiles,
+                                         int stride, int ksize) {
+    const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int G = H / hkv;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int Mc = sel_windows(lens[b], stride, ksize);
+    const int w0 = tile * QA_TILE;
+    if (w0 >= Mc) return;  // uniform over the block
+    const int nwin = min(QA_TILE, Mc - w0);
+    const u64 row = (u64)b * hkv + h;
+    for (int g = warp; g < G; g += nw) {
+        const float* lg = logits + (row * G + g) * w_stride + w0;
+        float m = -INFINITY;
+        for (int i = lane; i < nwin; i += 32) m = fmaxf(m, lg[i]);
+        m = warp_max(m);
+        float l = 0.0f;
+        if (m != -INFINITY)
+            for (int i = lane; i < nwin; i += 32) l += expf(lg[i] - m);
+        l = warp_sum(l);
+        if (lane == 0) {
+            const u64 o = ((row * G + g) * ntiles + tile) * 2;
+            stats[o] = m;
+            stats[o + 1] = l;
+        }
+    }
+}
+
 // Step 1b: s[b, h, w] = sum over g (ascending) of exp(logit[g, w] - M_g) / L_g, where
 // (M_g, L_g) combine the tile statistics of query head g over all windows (the softmax
 // over all existing windows, per query head, no mask). Grid (tiles, hkv, B), QA_TILE to

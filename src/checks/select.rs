@@ -32,8 +32,8 @@ use crate::config::SparseConfig;
 use crate::cpu::ops as cpu_ops;
 use crate::cuda::device_error::DeviceErrors;
 use crate::cuda::ops::select::{
-    compress_append, compress_prefill, select_from_scores, window_scores, PooledScores,
-    SelectBatch, SelectWorkspace, SeqSelectState,
+    compress_append, compress_prefill, select_from_scores, window_scores, window_scores_shared_kc,
+    PooledScores, SelectBatch, SelectWorkspace, SeqSelectState,
 };
 use crate::cuda::{Bf16, Gpu};
 use crate::model::select::{self as msel, Budget, SelectionRule};
@@ -755,6 +755,74 @@ fn pipeline_case(
     }
 }
 
+/// The rows of a prefill chunk: one sequence of `t0 + n` tokens, its Kc
+/// built by `compress_prefill`, and `n` query rows at positions t0 … t0+n−1
+/// scored together through the cuBLAS logits (`window_scores_shared_kc`),
+/// each row's window scores against the CPU reference's at its own length.
+#[allow(clippy::too_many_arguments)]
+fn shared_kc_case(
+    gpu: &Gpu,
+    rnd: &mut Rand<'_>,
+    rep: &mut Report,
+    st: Setting,
+    g: usize,
+    hk: usize,
+    d: usize,
+    t0: usize,
+    n: usize,
+) {
+    let lens: Vec<usize> = (t0 + 1..=t0 + n).collect();
+    let mut shape = st.shape(g, hk, d, &[t0 + n]);
+    if let Value::Object(m) = &mut shape {
+        m.insert("prefill_rows".into(), json!(n));
+        m.insert("first_row_tokens".into(), json!(t0 + 1));
+    }
+    let r = (|| -> Result<()> {
+        let budget = st.budget();
+        let nosa = st.rule == SelectionRule::Nosa;
+        let mut seqs = vec![make_seq(gpu, rnd, &budget, t0 + n, hk, d, 2, true)?];
+        {
+            let batch = SelectBatch::new(gpu, states(&mut seqs, &[t0 + n], nosa), hk, d)?;
+            compress_prefill(gpu, &batch, &budget)?;
+        }
+        let hq = g * hk;
+        let (qb, qf) = rnd.bf16(n * hq * d, 1.5);
+        let q = gpu.upload(&qb)?;
+        let mc = budget.windows(t0 + n);
+        let mut ws = SelectWorkspace::new(gpu, n, hk, g, mc)?;
+        window_scores_shared_kc(gpu, &q, hq, &seqs[0].kc, hk, d, &lens, &budget, &mut ws)?;
+        let got = gpu.download(ws.scores())?;
+        let w = ws.w_stride();
+        let (mut sg, mut sc) = (Vec::new(), Vec::new());
+        let kv = &seqs[0].kv;
+        for (b, &len) in lens.iter().enumerate() {
+            let mcb = budget.windows(len);
+            for h in 0..hk {
+                let qh = &qf[(b * hq + h * g) * d..(b * hq + (h + 1) * g) * d];
+                let (s, _, _) = cpu_row(&budget, kv, qh, d, h, len);
+                let row = b * hk + h;
+                sg.extend_from_slice(&got[row * w..row * w + mcb]);
+                sc.extend(s);
+            }
+        }
+        rep.l2(
+            "qa_window_scores (prefill rows, cuBLAS logits)",
+            shape.clone(),
+            &sg,
+            &sc,
+            None,
+        );
+        Ok(())
+    })();
+    if let Err(e) = r {
+        rep.failed(
+            "qa_window_scores (prefill rows, cuBLAS logits)",
+            shape,
+            e.to_string(),
+        );
+    }
+}
+
 /// `steps` decode steps on a batch: each appends one token per sequence
 /// (set_lens + compress_append(1)), scores and selects, and is compared
 /// with the CPU reference grown token by token.
@@ -1072,6 +1140,19 @@ pub fn check_selection(gpu: &Gpu, rng: &mut SmallRng) -> Vec<CaseResult> {
         128,
         &[5000, 20000],
     );
+    // Prefill rows scored through the cuBLAS logits: rows shorter than a
+    // window, just past a 16-token boundary, beyond the budget, and a
+    // 512-row chunk of the NOSA-8B shape.
+    let mut i = 0;
+    for &g in &[3usize, 8, 16] {
+        for &d in &[64usize, 80, 128] {
+            let (t0, n) = [(0, 20), (0, 49), (17, 64), (1000, 100), (3990, 37)][i % 5];
+            shared_kc_case(gpu, &mut rnd, &mut rep, small(nosa), g, 2, d, t0, n);
+            i += 1;
+        }
+    }
+    shared_kc_case(gpu, &mut rnd, &mut rep, dflt(nosa), 4, 8, 128, 12_000, 512);
+    shared_kc_case(gpu, &mut rnd, &mut rep, dflt(infl), 16, 2, 80, 4_000, 200);
     // Decode steps: token by token across 16- and 64-token boundaries and
     // across the budget (q + 1 = S → S + 1).
     decode_steps_case(

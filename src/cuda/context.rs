@@ -143,7 +143,13 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         file: "select.cu",
         text: include_str!("../../kernels/select.cu"),
         preludes: &[],
-        functions: &["qa_window_logits", "qa_window_scores", "select_blocks"],
+        functions: &[
+            "qa_window_logits",
+            "qa_q_f32",
+            "qa_tile_stats",
+            "qa_window_scores",
+            "select_blocks",
+        ],
     },
     KernelSource {
         file: "gemv.cu",

@@ -96,7 +96,7 @@ use crate::config::{AttentionMode, ModelConfig, Rope, RopeScaling};
 use crate::cpu::EngineOptions;
 use crate::cuda::context::{dptr, grid, i32_dim, CudaResultExt};
 use crate::cuda::device_error::DeviceErrors;
-use crate::cuda::ops::select::{ensure_smem, launch_select_blocks, SelectBlocksArgs};
+use crate::cuda::ops::select::{launch_select_blocks, SelectBlocksArgs};
 use crate::cuda::ops::{self, AttnArgs, RopeTables};
 use crate::cuda::{bf16_bits, Bf16, Gpu};
 use crate::model::select::Budget;

@@ -142,7 +142,8 @@ impl GpuModel {
                 .div_ceil(crate::cuda::ops::select::QA_TILE)
                 * crate::cuda::ops::select::QA_TILE;
             let tiles = w_stride / crate::cuda::ops::select::QA_TILE;
-            per_row += (c.num_attention_heads * (w_stride + 2 * tiles)
+            // (+ the queries widened for the cuBLAS logits)
+            per_row += (c.num_attention_heads * (w_stride + 2 * tiles + c.head_dim)
                 + c.num_key_value_heads * w_stride)
                 * 4;
         }
@@ -391,6 +392,11 @@ impl GpuModel {
             nb_cap: nb_max,
             s_max,
         };
+        // Rows of one sequence score their windows with cuBLAS (one Kc for all).
+        let shared_kc_rows = any_sparse
+            && path == SelectionPath::Gpu
+            && ns == 1
+            && n >= crate::cuda::ops::select::QA_GEMM_MIN_ROWS;
         let gpu = self.gpu.clone();
         let s = gpu.stream().clone();
         let per_layer = PTRS_PER_ROW * n + PTRS_PER_SEQ * ns;
@@ -448,6 +454,10 @@ impl GpuModel {
                 }
                 if ws.qa_scores.len() < n * hk * w_stride {
                     ws.qa_scores = unsafe { s.alloc(n * hk * w_stride) }
+                        .cuda("allocating the window-score workspace")?;
+                }
+                if shared_kc_rows && ws.qa_qf.len() < n * hq * dh {
+                    ws.qa_qf = unsafe { s.alloc(n * hq * dh) }
                         .cuda("allocating the window-score workspace")?;
                 }
             }
@@ -531,7 +541,11 @@ impl GpuModel {
                     // The mirror takes every token (dense phases included).
                     self.host_select_lists(&mut ws, seqs, rows, l, 0, 0, 0, s_max, any_sparse)?;
                 } else if any_sparse {
-                    self.gpu_select(l, &ws, n, 0, 0, 0, &inp, &tab, &sel_geo)?;
+                    let shared_kc = match (&seqs[0].layers[l].kc, shared_kc_rows) {
+                        (Some(kc), true) => Some(dptr(&gpu, kc)),
+                        _ => None,
+                    };
+                    self.gpu_select(l, &ws, n, 0, 0, 0, &inp, &tab, &sel_geo, shared_kc)?;
                     if any_dense_in_sparse {
                         self.fill_dense_rows(&ws, n, inp.lens, s_max, 0, 0)?;
                     }

@@ -110,7 +110,7 @@ impl GpuModel {
                             )?;
                         } else if any_sparse {
                             self.gpu_select(
-                                l, &st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.sel,
+                                l, &st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.sel, None,
                             )?;
                         }
                         if fill_dense && !st.key.host_selection {

@@ -3,13 +3,19 @@
 //! selection of the check path.
 
 use super::*;
+use crate::cuda::ops::select::{
+    launch_window_logits, launch_window_scores, qa_logits_shared_kc, ScoreDims,
+};
 
 impl GpuModel {
     /// GPU block selection of every row (spec §4) of layer `l` through the
-    /// per-row tables: `qa_window_logits` + `qa_window_scores` over up to
-    /// `geo.mc` windows (grids sized by it; each row scores the Mc(pos+1)
-    /// windows it sees), then `select_blocks` over up to `geo.nb_cap` blocks
-    /// into the lists at `sel_off` / `nsel_off` (width `geo.s_max`).
+    /// per-row tables: window logits over up to `geo.mc` windows (grids sized
+    /// by it; each row scores the Mc(pos+1) windows it sees) — with
+    /// `qa_window_logits`, or, when every row reads the one Kc at
+    /// `shared_kc` (a prefill chunk), with cuBLAS ([`qa_logits_shared_kc`],
+    /// queries widened into `ws.qa_qf`) — then `qa_window_scores`, then
+    /// `select_blocks` over up to `geo.nb_cap` blocks into the lists at
+    /// `sel_off` / `nsel_off` (width `geo.s_max`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gpu_select(
         &self,
@@ -22,6 +28,7 @@ impl GpuModel {
         inp: &RowInputs,
         tab: &Tables,
         geo: &SelGeometry,
+        shared_kc: Option<u64>,
     ) -> Result<()> {
         let gpu = &*self.gpu;
         let cfg = &self.config;
@@ -30,84 +37,36 @@ impl GpuModel {
             cfg.num_key_value_heads,
             cfg.head_dim,
         );
-        let budget = &self.plan.budget;
-        let g = hq / hk;
-        let qa_tile = crate::cuda::ops::select::QA_TILE;
-        let ntiles = geo.w_stride / qa_tile;
-        let (qs, h_, hk_, d_, wst, nt, st, ks) = (
-            i32_dim(self.qkv_cols, "q_stride")?,
-            i32_dim(hq, "H")?,
-            i32_dim(hk, "Hkv")?,
-            i32_dim(dh, "D")?,
-            i32_dim(geo.w_stride, "w_stride")?,
-            i32_dim(ntiles, "tiles")?,
-            i32_dim(budget.kernel_stride, "kernel_stride")?,
-            i32_dim(budget.kernel_size, "kernel_size")?,
-        );
         let qp = dptr(gpu, &ws.qkv) + (qkv_off * 2) as u64;
         let lp = inp.lens;
-        let (lgp, stp, sp) = (
-            dptr(gpu, &ws.qa_logits),
-            dptr(gpu, &ws.qa_stats),
-            dptr(gpu, &ws.qa_scores),
-        );
         if geo.mc > 0 && self.on(StepPart::WindowScores) {
-            let tiles = geo.mc.div_ceil(qa_tile);
-            let grid3 = (grid(tiles, "tiles")?, grid(hk, "Hkv")?, grid(n, "rows")?);
-            let scale = 1.0 / (dh as f32).sqrt();
-            let f1 = gpu.function("qa_window_logits")?;
-            let smem1 = ensure_smem(
-                gpu,
-                f1,
-                crate::cuda::ops::select::qa_logits_smem_bytes(g, dh),
-                0,
-                "qa_window_logits",
-            )?;
-            let mut l1 = gpu.stream().launch_builder(f1);
-            l1.arg(&qp)
-                .arg(&qs)
-                .arg(&tab.kc)
-                .arg(&lp)
-                .arg(&lgp)
-                .arg(&stp)
-                .arg(&h_)
-                .arg(&hk_)
-                .arg(&d_)
-                .arg(&wst)
-                .arg(&nt)
-                .arg(&st)
-                .arg(&ks)
-                .arg(&scale);
-            let cfg1 = LaunchConfig {
-                grid_dim: grid3,
-                block_dim: (crate::cuda::ops::select::QA_THREADS, 1, 1),
-                shared_mem_bytes: smem1,
+            let dims = ScoreDims {
+                logits: dptr(gpu, &ws.qa_logits),
+                stats: dptr(gpu, &ws.qa_stats),
+                lens: lp,
+                scores: dptr(gpu, &ws.qa_scores),
+                rows: n,
+                heads: hq,
+                kv_heads: hk,
+                tiles: geo.mc.div_ceil(crate::cuda::ops::select::QA_TILE),
+                w_stride: geo.w_stride,
+                budget: self.plan.budget,
             };
-            // SAFETY: argument list matches qa_window_logits (kernels/select.cu); each
-            // row's Kc holds ≥ Mc(pos+1) windows (compressed above); the workspace
-            // holds n·H·w_stride logits and n·H·ntiles·2 statistics.
-            unsafe { l1.launch(cfg1) }.cuda("qa_window_logits")?;
-            let f2 = gpu.function("qa_window_scores")?;
-            let smem2 = ensure_smem(gpu, f2, 2 * g * 4, 0, "qa_window_scores")?;
-            let mut l2 = gpu.stream().launch_builder(f2);
-            l2.arg(&lgp)
-                .arg(&stp)
-                .arg(&lp)
-                .arg(&sp)
-                .arg(&h_)
-                .arg(&hk_)
-                .arg(&wst)
-                .arg(&nt)
-                .arg(&st)
-                .arg(&ks);
-            let cfg2 = LaunchConfig {
-                grid_dim: grid3,
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: smem2,
-            };
-            // SAFETY: argument list matches qa_window_scores; reads what the
-            // previous kernel wrote for windows < Mc; scores hold n·Hkv·w_stride.
-            unsafe { l2.launch(cfg2) }.cuda("qa_window_scores")?;
+            match shared_kc {
+                // Rows of one sequence (a prefill chunk): cuBLAS reads each Kc tile once.
+                Some(kc) => qa_logits_shared_kc(
+                    gpu,
+                    &dims,
+                    qp,
+                    self.qkv_cols,
+                    dh,
+                    kc,
+                    geo.mc,
+                    dptr(gpu, &ws.qa_qf),
+                )?,
+                None => launch_window_logits(gpu, &dims, qp, self.qkv_cols, dh, tab.kc)?,
+            }
+            launch_window_scores(gpu, &dims)?;
         }
         if !self.on(StepPart::Select) {
             return Ok(());

@@ -58,6 +58,9 @@ pub(crate) struct Workspace {
     pub(crate) qa_stats: CudaSlice<f32>,
     /// Window scores s, f32 [rows, Hkv, w_stride].
     pub(crate) qa_scores: CudaSlice<f32>,
+    /// The rows' queries widened to f32 [rows, H, D] for the cuBLAS window
+    /// logits of prefill chunks (grown by forward calls that use them).
+    pub(crate) qa_qf: CudaSlice<f32>,
     /// Sparse prefill on the tensor cores: each (tile, KV head)'s union of
     /// its rows' selected blocks, i32 [tiles, Hkv, u_max] ids …
     pub(crate) union_blk: CudaSlice<i32>,
@@ -198,6 +201,7 @@ impl GpuModel {
                 qa_logits: s.alloc(1).cuda(&what)?,
                 qa_stats: s.alloc(1).cuda(&what)?,
                 qa_scores: s.alloc(1).cuda(&what)?,
+                qa_qf: s.alloc(1).cuda(&what)?,
                 union_blk: s.alloc(1).cuda(&what)?,
                 union_mask: s.alloc(1).cuda(&what)?,
                 union_n: s.alloc(1).cuda(&what)?,

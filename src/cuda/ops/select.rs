@@ -679,45 +679,165 @@ pub fn window_scores<Q: DevicePtr<Bf16>>(
     if mc == 0 {
         return Ok(());
     }
-    let tiles = mc.div_ceil(QA_TILE);
-    let ntiles = ws.w_stride / QA_TILE;
-    let (qs, h_, hk_, d_, wst, nt, st, ks) = (
-        i32_dim(q_stride, "q_stride")?,
-        i32_dim(heads, "H")?,
-        i32_dim(hk, "Hkv")?,
-        i32_dim(d, "D")?,
-        i32_dim(ws.w_stride, "w_stride")?,
-        i32_dim(ntiles, "tiles")?,
-        i32_dim(budget.kernel_stride, "kernel_stride")?,
-        i32_dim(budget.kernel_size, "kernel_size")?,
-    );
-    let scale = 1.0 / (d as f32).sqrt();
-    let (qp, kcp, lp) = (
+    let dims = ScoreDims {
+        logits: dptr_mut(gpu, &mut ws.logits),
+        stats: dptr_mut(gpu, &mut ws.stats),
+        lens: dptr(gpu, &batch.lens),
+        scores: dptr_mut(gpu, &mut ws.scores),
+        rows: b,
+        heads,
+        kv_heads: hk,
+        tiles: mc.div_ceil(QA_TILE),
+        w_stride: ws.w_stride,
+        budget: *budget,
+    };
+    launch_window_logits(
+        gpu,
+        &dims,
         dptr(gpu, q),
+        q_stride,
+        d,
         dptr(gpu, &batch.kcptr),
-        dptr(gpu, &batch.lens),
-    );
-    let (lgp, stp, sp) = (
-        dptr_mut(gpu, &mut ws.logits),
-        dptr_mut(gpu, &mut ws.stats),
-        dptr_mut(gpu, &mut ws.scores),
-    );
-    let grid3 = (grid(tiles, "tiles")?, grid(hk, "Hkv")?, grid(b, "B")?);
+    )?;
+    launch_window_scores(gpu, &dims)
+}
 
+/// Query-aware window scores (spec §4.1) of `lens.len()` query rows that
+/// all read one sequence's `kc` — the rows of a prefill chunk, row b's query
+/// seeing the first `lens[b]` tokens — through the cuBLAS logits
+/// ([`qa_logits_shared_kc`]): the values [`window_scores`] gives for the
+/// same rows, up to the summation order of the dot products, written to
+/// `ws.scores()` (row b at b·Hkv·w_stride).
+///
+/// - `q`: bf16 [rows, H, D] post-RoPE queries (contiguous rows);
+/// - `kc`: f32 [≥ Mc(max lens), Hkv, D] compressed keys.
+///
+/// Errors: [`Error::Input`] when H is not a multiple of Hkv, `q` or `kc` is
+/// too short, a length exceeds i32, or `ws` does not fit (rows, Hkv, G, max
+/// Mc); [`Error::Cuda`] on an allocation, launch or cuBLAS failure.
+#[allow(clippy::too_many_arguments)]
+pub fn window_scores_shared_kc(
+    gpu: &Gpu,
+    q: &CudaSlice<Bf16>,
+    heads: usize,
+    kc: &CudaSlice<f32>,
+    kv_heads: usize,
+    head_dim: usize,
+    lens: &[usize],
+    budget: &Budget,
+    ws: &mut SelectWorkspace,
+) -> Result<()> {
+    const OP: &str = "window_scores_shared_kc";
+    check_budget(OP, budget)?;
+    let (n, hk, d) = (lens.len(), kv_heads, head_dim);
+    if hk == 0 || heads == 0 || !heads.is_multiple_of(hk) || d == 0 || n == 0 {
+        return Err(Error::Input(format!(
+            "{OP}: {n} rows, H {heads}, Hkv {hk}, D {d}: need rows, D ≥ 1 and H a multiple of Hkv"
+        )));
+    }
+    let mc = lens.iter().map(|&l| budget.windows(l)).max().unwrap_or(0);
+    if q.len() < n * heads * d {
+        return Err(Error::Input(format!(
+            "{OP}: q has {} elements; {n} rows of H·D = {} need {}",
+            q.len(),
+            heads * d,
+            n * heads * d
+        )));
+    }
+    if kc.len() < mc * hk * d {
+        return Err(Error::Input(format!(
+            "{OP}: Kc has {} elements; {mc} windows of Hkv·D = {} need {}",
+            kc.len(),
+            hk * d,
+            mc * hk * d
+        )));
+    }
+    if !ws.fits(n, hk, heads / hk, mc) {
+        return Err(Error::Input(format!(
+            "{OP}: workspace for B {} Hkv {} G {} and {} windows; the call needs B {n} Hkv {hk} G {} and {mc}",
+            ws.batch,
+            ws.kv_heads,
+            ws.group,
+            ws.w_stride,
+            heads / hk
+        )));
+    }
+    if mc == 0 {
+        return Ok(());
+    }
+    let lens_i32 = lens
+        .iter()
+        .map(|&l| i32_dim(l, "length"))
+        .collect::<Result<Vec<_>>>()?;
+    let lens_dev = gpu.upload(&lens_i32)?;
+    // SAFETY: written by qa_q_f32 before the GEMMs read it.
+    let mut qf = unsafe { gpu.stream().alloc::<f32>(n * heads * d) }.cuda(OP)?;
+    let dims = ScoreDims {
+        logits: dptr_mut(gpu, &mut ws.logits),
+        stats: dptr_mut(gpu, &mut ws.stats),
+        lens: dptr(gpu, &lens_dev),
+        scores: dptr_mut(gpu, &mut ws.scores),
+        rows: n,
+        heads,
+        kv_heads: hk,
+        tiles: mc.div_ceil(QA_TILE),
+        w_stride: ws.w_stride,
+        budget: *budget,
+    };
+    qa_logits_shared_kc(
+        gpu,
+        &dims,
+        dptr(gpu, q),
+        heads * d,
+        d,
+        dptr(gpu, kc),
+        mc,
+        dptr_mut(gpu, &mut qf),
+    )?;
+    launch_window_scores(gpu, &dims)?;
+    // the uploads and scratch live until the kernels that read them are done
+    gpu.synchronize()
+}
+
+/// Launches step 1a, `qa_window_logits` (kernels/select.cu): logits and
+/// tile statistics of `d.rows` rows, row b's queries (bf16 H·D values) at
+/// `q` + b·`q_stride` elements, its Kc (f32 [cap, Hkv, D]) at the address
+/// in `kcptr` (u64 [rows] on the device).
+///
+/// Errors: [`Error::Input`] when a dimension exceeds i32 or the shared
+/// memory does not fit; [`Error::Cuda`] on a launch failure.
+pub(crate) fn launch_window_logits(
+    gpu: &Gpu,
+    d: &ScoreDims,
+    q: u64,
+    q_stride: usize,
+    head_dim: usize,
+    kcptr: u64,
+) -> Result<()> {
+    let [h_, hk_, wst, nt, st, ks] = d.i32s()?;
+    let (qs, d_) = (i32_dim(q_stride, "q_stride")?, i32_dim(head_dim, "D")?);
+    let g = d.heads / d.kv_heads.max(1);
+    let scale = 1.0 / (head_dim as f32).sqrt();
     let f1 = gpu.function("qa_window_logits")?;
-    let smem1 = ensure_smem(gpu, f1, qa_logits_smem_bytes(g, d), 0, OP)?;
+    let smem1 = ensure_smem(
+        gpu,
+        f1,
+        qa_logits_smem_bytes(g, head_dim),
+        0,
+        "qa_window_logits",
+    )?;
     let cfg1 = LaunchConfig {
-        grid_dim: grid3,
+        grid_dim: d.grid()?,
         block_dim: (QA_THREADS, 1, 1),
         shared_mem_bytes: smem1,
     };
     let mut l1 = gpu.stream().launch_builder(f1);
-    l1.arg(&qp)
+    l1.arg(&q)
         .arg(&qs)
-        .arg(&kcp)
-        .arg(&lp)
-        .arg(&lgp)
-        .arg(&stp)
+        .arg(&kcptr)
+        .arg(&d.lens)
+        .arg(&d.logits)
+        .arg(&d.stats)
         .arg(&h_)
         .arg(&hk_)
         .arg(&d_)
@@ -726,33 +846,204 @@ pub fn window_scores<Q: DevicePtr<Bf16>>(
         .arg(&st)
         .arg(&ks)
         .arg(&scale);
-    // SAFETY: argument list matches qa_window_logits in kernels/select.cu; q, Kc
-    // and the workspace sizes checked above.
-    unsafe { l1.launch(cfg1) }.cuda("qa_window_logits")?;
+    // SAFETY: argument list matches qa_window_logits in kernels/select.cu; the
+    // caller guarantees each row's Kc holds ≥ Mc(lens[b]) windows and the
+    // buffers the sizes ScoreDims documents.
+    unsafe { l1.launch(cfg1) }
+        .cuda("qa_window_logits")
+        .map(drop)
+}
 
+/// Shapes and device addresses of step 1b (`qa_window_scores`) and of the
+/// shared-Kc step 1a: `rows` rows of `heads` query heads over `kv_heads` KV
+/// heads; `logits` f32 [rows, H, w_stride], `stats` f32 [rows, H, w_stride
+/// / QA_TILE, 2], `scores` f32 [rows, Hkv, w_stride], `lens` i32 [rows]
+/// (the tokens each row's query sees); `tiles` = ⌈max Mc / QA_TILE⌉.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ScoreDims {
+    pub(crate) logits: u64,
+    pub(crate) stats: u64,
+    pub(crate) lens: u64,
+    pub(crate) scores: u64,
+    pub(crate) rows: usize,
+    pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) tiles: usize,
+    pub(crate) w_stride: usize,
+    pub(crate) budget: Budget,
+}
+
+impl ScoreDims {
+    /// (H, Hkv, w_stride, tiles of w_stride, kernel_stride, kernel_size) as
+    /// the kernels take them.
+    fn i32s(&self) -> Result<[i32; 6]> {
+        Ok([
+            i32_dim(self.heads, "H")?,
+            i32_dim(self.kv_heads, "Hkv")?,
+            i32_dim(self.w_stride, "w_stride")?,
+            i32_dim(self.w_stride / QA_TILE, "tiles")?,
+            i32_dim(self.budget.kernel_stride, "kernel_stride")?,
+            i32_dim(self.budget.kernel_size, "kernel_size")?,
+        ])
+    }
+
+    fn grid(&self) -> Result<(u32, u32, u32)> {
+        Ok((
+            grid(self.tiles, "tiles")?,
+            grid(self.kv_heads, "Hkv")?,
+            grid(self.rows, "rows")?,
+        ))
+    }
+}
+
+/// Launches step 1b, `qa_window_scores` (kernels/select.cu), on the
+/// logits and tile statistics step 1a wrote.
+///
+/// Errors: [`Error::Input`] when a dimension exceeds i32; [`Error::Cuda`] on
+/// a launch failure.
+pub(crate) fn launch_window_scores(gpu: &Gpu, d: &ScoreDims) -> Result<()> {
+    let [h_, hk_, wst, nt, st, ks] = d.i32s()?;
+    let g = d.heads / d.kv_heads.max(1);
     let f2 = gpu.function("qa_window_scores")?;
-    let smem2 = ensure_smem(gpu, f2, 2 * g * 4, 0, OP)?;
+    let smem2 = ensure_smem(gpu, f2, 2 * g * 4, 0, "qa_window_scores")?;
     let cfg2 = LaunchConfig {
-        grid_dim: grid3,
+        grid_dim: d.grid()?,
         block_dim: (128, 1, 1),
         shared_mem_bytes: smem2,
     };
     let mut l2 = gpu.stream().launch_builder(f2);
-    l2.arg(&lgp)
-        .arg(&stp)
-        .arg(&lp)
-        .arg(&sp)
+    l2.arg(&d.logits)
+        .arg(&d.stats)
+        .arg(&d.lens)
+        .arg(&d.scores)
         .arg(&h_)
         .arg(&hk_)
         .arg(&wst)
         .arg(&nt)
         .arg(&st)
         .arg(&ks);
-    // SAFETY: argument list matches qa_window_scores in kernels/select.cu; reads
-    // what qa_window_logits wrote for windows < Mc, workspace sizes checked above.
+    // SAFETY: argument list matches qa_window_scores in kernels/select.cu; it
+    // reads what step 1a wrote for windows < Mc of each row; the caller sized
+    // the buffers as ScoreDims documents.
     unsafe { l2.launch(cfg2) }
         .cuda("qa_window_scores")
         .map(drop)
+}
+
+/// Rows of one sequence from which window scoring computes its logits with
+/// cuBLAS ([`qa_logits_shared_kc`]) instead of `qa_window_logits`: a prefill
+/// chunk reads one Kc for all its rows, and a GEMM reads each Kc tile once
+/// for many rows where the kernel reads it once per row.
+pub const QA_GEMM_MIN_ROWS: usize = 16;
+
+/// Step 1a for `d.rows` rows that all read one Kc (the rows of a prefill
+/// chunk, spec §4.1): logits[b, h, g, w] = (q_g · Kc[w, h]) / √D for the
+/// windows w < `mc` (the most any row has; a row's entries past its own Mc
+/// are computed but never read), as one f32 SGEMM per KV head over its G
+/// query heads (cuBLAS, strided batched, no TF32), then the tile statistics
+/// (`qa_tile_stats`). Same values as `qa_window_logits` up to the summation
+/// order of the dot products.
+///
+/// - `q`: bf16 queries, row b's H·D values at b·`q_stride`;
+/// - `kc`: f32 [≥ mc, Hkv, `head_dim`] compressed keys of the sequence;
+/// - `qf`: f32 scratch of rows·H·D elements (the widened queries).
+///
+/// Errors: [`Error::Input`] when a dimension exceeds i32; [`Error::Cuda`] on
+/// a launch or cuBLAS failure.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qa_logits_shared_kc(
+    gpu: &Gpu,
+    d: &ScoreDims,
+    q: u64,
+    q_stride: usize,
+    head_dim: usize,
+    kc: u64,
+    mc: usize,
+    qf: u64,
+) -> Result<()> {
+    if mc == 0 || d.rows == 0 {
+        return Ok(());
+    }
+    let (hq, hk, dh) = (d.heads, d.kv_heads, head_dim);
+    let g = hq / hk.max(1);
+    let hd = hq * dh;
+    let (qs, n_, hd_) = (
+        i32_dim(q_stride, "q_stride")?,
+        i32_dim(d.rows, "rows")?,
+        i32_dim(hd, "H·D")?,
+    );
+    let f0 = gpu.function("qa_q_f32")?;
+    let cfg0 = LaunchConfig {
+        grid_dim: (grid((d.rows * hd).div_ceil(256).min(8192), "blocks")?, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut l0 = gpu.stream().launch_builder(f0);
+    l0.arg(&q).arg(&qs).arg(&qf).arg(&n_).arg(&hd_);
+    // SAFETY: argument list matches qa_q_f32 in kernels/select.cu; q holds
+    // rows rows at q_stride ≥ H·D, qf rows·H·D f32 (the caller's contract).
+    unsafe { l0.launch(cfg0) }.cuda("qa_q_f32")?;
+    let (m_, k_) = (i32_dim(mc, "windows")?, i32_dim(dh, "D")?);
+    let (lda, ldb, ldc) = (
+        i32_dim(hk * dh, "Hkv·D")?,
+        i32_dim(hd, "H·D")?,
+        i32_dim(hq * d.w_stride, "H·w_stride")?,
+    );
+    let (alpha, beta) = (1.0 / (dh as f32).sqrt(), 0.0f32);
+    for h in 0..hk {
+        // Column-major: C[w, b] (ldc = H·w_stride) = Kc_h[w, :] · qf[b, hG + g, :],
+        // op(A) = Aᵀ of Kc_h seen as [D, windows] (lda = Hkv·D), B = qf seen as
+        // [D, rows] (ldb = H·D); batch g: B and C advance by D and w_stride.
+        // SAFETY: Kc holds ≥ mc windows of Hkv·D, qf rows·H·D and the logits
+        // rows·H·w_stride f32 (w_stride ≥ mc); alpha and beta are host f32 in
+        // the default pointer mode; the handle is bound to the GPU's stream.
+        unsafe {
+            cudarc::cublas::result::sgemm_strided_batched(
+                *gpu.blas().handle(),
+                cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T,
+                cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N,
+                m_,
+                n_,
+                k_,
+                &alpha,
+                (kc + (h * dh * 4) as u64) as *const f32,
+                lda,
+                0,
+                (qf + (h * g * dh * 4) as u64) as *const f32,
+                ldb,
+                dh as i64,
+                &beta,
+                (d.logits + (h * g * d.w_stride * 4) as u64) as *mut f32,
+                ldc,
+                d.w_stride as i64,
+                i32_dim(g, "G")?,
+            )
+        }
+        .cuda(&format!(
+            "cublasSgemmStridedBatched window logits [{mc} windows, {} rows, D {dh}] KV head {h}",
+            d.rows
+        ))?;
+    }
+    let [h_, hk_, wst, nt, st, ks] = d.i32s()?;
+    let f1 = gpu.function("qa_tile_stats")?;
+    let cfg1 = LaunchConfig {
+        grid_dim: d.grid()?,
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut l1 = gpu.stream().launch_builder(f1);
+    l1.arg(&d.logits)
+        .arg(&d.lens)
+        .arg(&d.stats)
+        .arg(&h_)
+        .arg(&hk_)
+        .arg(&wst)
+        .arg(&nt)
+        .arg(&st)
+        .arg(&ks);
+    // SAFETY: argument list matches qa_tile_stats in kernels/select.cu; it
+    // reads the logits just written for windows < Mc of each row.
+    unsafe { l1.launch(cfg1) }.cuda("qa_tile_stats").map(drop)
 }
 
 /// Pooled block scores as the selection saw them, before forcing (for
