@@ -77,8 +77,9 @@ pub struct BenchSpec {
     /// How sequences are filled.
     pub prefill: BenchPrefill,
     /// The kernel of the prefill rows (dense and sparse) of a real prefill
-    /// ([`GpuModel::set_prefill_attention`]).
-    pub prefill_attention: crate::pipeline::PrefillAttention,
+    /// ([`GpuModel::set_prefill_attention`]; None: the engine's default,
+    /// [`crate::pipeline::PrefillAttention::for_head_dim`]).
+    pub prefill_attention: Option<crate::pipeline::PrefillAttention>,
     /// tokenizer.json for book-text prompts (else random ids).
     pub tokenizer: Option<PathBuf>,
     /// Directory of `.txt` books (data/texts).
@@ -1042,7 +1043,9 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
     crate::memory::check_weights(&gpu, &ckpt.config, ckpt.eviction_heads)?;
     let mut model = GpuModel::new(gpu.clone(), &ckpt, opts(spec.sparse[0]))?;
     model.set_reserve_fetch_sms(spec.reserve_fetch_sms);
-    model.set_prefill_attention(spec.prefill_attention)?;
+    if let Some(pa) = spec.prefill_attention {
+        model.set_prefill_attention(pa)?;
+    }
     let cfg = ckpt.config.clone();
     drop(ckpt);
     let load_s = t.elapsed().as_secs_f64();
@@ -1138,7 +1141,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
             BenchPrefill::Synthetic => "synthetic: random bf16 K/V N(0,1) per layer; c, Kc, p computed from them on the GPU; the model is not run (runtime.md §5)".to_string(),
             BenchPrefill::Real(m) => format!("real ({m:?})"),
         },
-        "prefill_attention": spec.prefill_attention.name(),
+        "prefill_attention": model.prefill_attention().name(),
         "prompt_tokens": match &source {
             Source::Books(b) => format!(
                 "book text ({}: {}), sequence b on text b mod {}, sequences sharing a text at different offsets (`prompt_origin` per case)",
@@ -1686,7 +1689,7 @@ mod tests {
             steps: 1,
             warmup: 1,
             prefill: BenchPrefill::Synthetic,
-            prefill_attention: Default::default(),
+            prefill_attention: None,
             tokenizer: None,
             texts: PathBuf::from("data/texts"),
             seed: 0,

@@ -390,10 +390,11 @@ enum PrefillArg {
     Sparse,
 }
 
-/// `--prefill-attention`: the kernel of prefill rows, dense and sparse (CUDA backend).
+/// `--prefill-attention`: the kernel of prefill rows, dense and sparse (CUDA
+/// backend; default: tensor-core where the head dim has a kernel, else rowwise).
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum PrefillAttentionArg {
-    /// The decode attention kernel per query row, split-K (the default).
+    /// The decode attention kernel per query row, split-K (any head dim).
     Rowwise,
     /// Tiles of rows against tiles of keys on the tensor cores (head dim 64, 80 or 128);
     /// sparse prefill over each tile's union of selected blocks.
@@ -433,10 +434,11 @@ struct ModeArgs {
     /// Prefill attention.
     #[arg(long, value_enum)]
     prefill: Option<PrefillArg>,
-    /// Kernel of prefill rows, dense and sparse (CUDA backend): rowwise
-    /// (split-K, the default) or tensor-core (tiled, head dim 64, 80 or 128).
-    #[arg(long, value_enum, default_value_t = PrefillAttentionArg::Rowwise)]
-    prefill_attention: PrefillAttentionArg,
+    /// Kernel of prefill rows, dense and sparse (CUDA backend): tensor-core
+    /// (tiled; head dim 64, 80 or 128, the default there) or rowwise (split-K,
+    /// any head dim; the default for other head dims).
+    #[arg(long, value_enum)]
+    prefill_attention: Option<PrefillAttentionArg>,
     /// SparDA forecast weights (.safetensors, or a SparDA trainer .pt, with
     /// `model.layers.{l}.self_attn.q_future_proj.weight`, keys matched by suffix,
     /// and layer 0's `q_curr_proj`), or `synth[:SEED]` for random ones: sparse decode
@@ -778,9 +780,10 @@ struct BenchArgs {
     /// How sequences are filled before decoding.
     #[arg(long, value_enum, default_value_t = BenchPrefillArg::Synthetic)]
     prefill: BenchPrefillArg,
-    /// Kernel of the prefill rows of a real prefill (--prefill dense|sparse).
-    #[arg(long, value_enum, default_value_t = PrefillAttentionArg::Rowwise)]
-    prefill_attention: PrefillAttentionArg,
+    /// Kernel of the prefill rows of a real prefill (--prefill dense|sparse):
+    /// tensor-core (the default for head dims 64, 80, 128) or rowwise.
+    #[arg(long, value_enum)]
+    prefill_attention: Option<PrefillAttentionArg>,
     /// tokenizer.json for prompts from the books in --texts (default: the
     /// checkpoint's, or the fixture's for synth: models; without one, random ids).
     #[arg(long)]

@@ -141,8 +141,9 @@ fn prefill_attention_flag_takes_two_kernels_and_needs_cuda_for_tensor_cores() {
         !ok && err.contains("rowwise") && err.contains("tensor-core"),
         "{err}"
     );
-    // The default (rowwise) is accepted on the CPU backend: only the check
-    // of the flag runs here, the run itself is another test's business.
+    // rowwise is accepted on the CPU backend (and so is no flag: the default
+    // is the engine's, tensor-core only on CUDA): only the check of the flag
+    // runs here, the run itself is another test's business.
     let mut a = NOSA_8B.to_vec();
     a.extend([
         "--backend",

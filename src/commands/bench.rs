@@ -45,7 +45,7 @@ pub(crate) fn cmd_bench(a: BenchArgs) -> Result<()> {
             BenchPrefillArg::Dense => sparda::bench::BenchPrefill::Real(PrefillMode::Dense),
             BenchPrefillArg::Sparse => sparda::bench::BenchPrefill::Real(PrefillMode::Auto),
         },
-        prefill_attention: a.prefill_attention.into(),
+        prefill_attention: a.prefill_attention.map(Into::into),
         tokenizer,
         texts: a
             .texts

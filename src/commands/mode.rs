@@ -46,7 +46,7 @@ pub(crate) fn check_mode_flags(a: &ModeArgs, backend: Backend, cmd: &str) -> Res
             "--kv offload needs the CUDA backend (--backend cuda)".into(),
         ));
     }
-    if a.prefill_attention != PrefillAttentionArg::Rowwise && backend != Backend::Cuda {
+    if a.prefill_attention == Some(PrefillAttentionArg::TensorCore) && backend != Backend::Cuda {
         return Err(Error::Input(
             "--prefill-attention tensor-core needs the CUDA backend (--backend cuda)".into(),
         ));
@@ -249,7 +249,9 @@ pub(crate) fn build_engine(
         sparda::memory::check_weights(&gpu, &ckpt.config, ckpt.eviction_heads)?;
         let t = std::time::Instant::now();
         let mut m = GpuModel::new(gpu, ckpt, opts)?;
-        m.set_prefill_attention(a.prefill_attention.into())?;
+        if let Some(pa) = a.prefill_attention {
+            m.set_prefill_attention(pa.into())?;
+        }
         if a.kv == KvArg::Offload {
             m.set_offload(a.offload.options().first().copied())?;
         }

@@ -191,12 +191,12 @@ impl DecodeMode {
 /// over each row's own block selection with the NOSA bias on the scaled
 /// logits (spec §5) — from the same bf16 queries, KV cache and block lists
 /// into the same bf16 output; only the kernel and its summation order
-/// differ. Decode steps are not affected.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+/// differ. Decode steps are not affected. The engine starts with
+/// [`PrefillAttention::for_head_dim`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub enum PrefillAttention {
     /// The decode attention kernel once per query row, split-K with
-    /// `attn_combine` (kernels/attn_decode.cu; the default).
-    #[default]
+    /// `attn_combine` (kernels/attn_decode.cu): any head dim.
     Rowwise,
     /// Tiles of (row, query head) pairs against tiles of keys on the tensor
     /// cores with an online softmax, no split-K (kernels/attn_prefill.cu):
@@ -208,6 +208,18 @@ pub enum PrefillAttention {
 }
 
 impl PrefillAttention {
+    /// The engine's default for head dim `d`: [`PrefillAttention::TensorCore`]
+    /// where it has a kernel (D = 64, 80, 128; 1.8–2.9× the rowwise prefill
+    /// of NOSA-8B at 16K on an H200, benches/results/prefill_*), else
+    /// [`PrefillAttention::Rowwise`].
+    pub fn for_head_dim(d: usize) -> Self {
+        if ops::prefill_attn_function("prefill attention", d).is_ok() {
+            PrefillAttention::TensorCore
+        } else {
+            PrefillAttention::Rowwise
+        }
+    }
+
     /// The CLI spelling (`--prefill-attention`), also in JSON reports:
     /// `rowwise` or `tensor-core`.
     pub fn name(self) -> &'static str {
@@ -586,7 +598,7 @@ impl GpuModel {
             trace_fetches: std::cell::RefCell::new(Vec::new()),
             device_errors: DeviceErrors::new(g)?,
             prefill_mode: opts.prefill,
-            prefill_attention: PrefillAttention::Rowwise,
+            prefill_attention: PrefillAttention::for_head_dim(cfg.head_dim),
             plan,
             config: cfg,
             gpu,
@@ -637,7 +649,7 @@ impl GpuModel {
     }
 
     /// Sets the attention kernel of prefill rows, dense and sparse (default
-    /// [`PrefillAttention::Rowwise`]); decode steps are not affected. Takes
+    /// [`PrefillAttention::for_head_dim`]); decode steps are not affected. Takes
     /// effect at the next prefill call.
     ///
     /// Errors: [`Error::Input`] naming the head dim when
@@ -956,5 +968,25 @@ mod tests {
         // Padding to a multiple of QKV_ROW_ALIGN.
         assert_eq!(fused_qkv_cols(3, 1, 2), 16);
         assert_eq!(fused_qkv_cols(3, 1, 2) % QKV_ROW_ALIGN, 0);
+    }
+
+    /// The engine's default prefill attention: the tensor cores for the head
+    /// dims that have a kernel, rowwise for the others.
+    #[test]
+    fn prefill_attention_defaults_to_tensor_cores_where_a_kernel_exists() {
+        for d in [64, 80, 128] {
+            assert_eq!(
+                PrefillAttention::for_head_dim(d),
+                PrefillAttention::TensorCore,
+                "D {d}"
+            );
+        }
+        for d in [32, 96, 112, 256] {
+            assert_eq!(
+                PrefillAttention::for_head_dim(d),
+                PrefillAttention::Rowwise,
+                "D {d}"
+            );
+        }
     }
 }
