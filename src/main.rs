@@ -191,6 +191,11 @@ struct ForecastCollectArgs {
     /// Record file to write.
     #[arg(long)]
     out: PathBuf,
+    /// Engine: cpu (the CPU reference, f32 activations; the default), cuda
+    /// (the GPU engine, bf16 activations read back at the sampled positions)
+    /// or auto (cuda when available).
+    #[arg(long, value_enum, default_value_t = Backend::Cpu)]
+    backend: Backend,
 }
 
 #[derive(Args)]

@@ -230,6 +230,44 @@ fn import_sparda_checkpoint_writes_canonical_safetensors() {
 }
 
 /// Bad input is an error naming the flag, file or numbers, never a panic.
+/// `collect --backend cuda` runs the GPU engine; without one (CI) it is an
+/// error naming the missing CUDA libraries, and no record file is left.
+#[test]
+fn collect_on_the_gpu_engine_needs_cuda() {
+    let dir = tmp("cuda");
+    let rec = dir.join("gpu.bin");
+    let out = Command::new(env!("CARGO_BIN_EXE_sparda"))
+        .args([
+            "forecast",
+            "collect",
+            "--model",
+            "synth:tiny",
+            "--text",
+            "data/texts/hamlet.txt",
+            "--context",
+            "1024",
+            "--decode",
+            "4",
+            "--backend",
+            "cuda",
+            "--out",
+            rec.to_str().unwrap(),
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    if sparda::cuda::is_available() {
+        assert!(out.status.success(), "{err}");
+        assert!(err.contains("GPU engine on"), "{err}");
+        assert!(rec.exists());
+    } else {
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains("CUDA"), "{err}");
+        assert!(!rec.exists(), "a failed collection leaves no record file");
+    }
+}
+
 #[test]
 fn bad_inputs_are_errors_naming_the_problem() {
     let dir = tmp("bad");
@@ -330,4 +368,79 @@ fn bad_inputs_are_errors_naming_the_problem() {
     );
     assert!(!out.exists() || std::fs::read(&out).unwrap().starts_with(b"not a record"));
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The GPU engine's records (bf16 activations) against the CPU reference's
+/// (f32) on the tiny model: the same positions, x̂ and the `qmean` target
+/// within bf16 drift, the `score` target (a least-squares fit, so it
+/// amplifies that drift) within 10 % overall. Needs a GPU:
+/// `cargo test --release --test forecast_tools -- --ignored`.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_collect_matches_the_cpu_reference_on_tiny() {
+    use sparda_forecast::records::Reader;
+    let dir = tmp("gpu_vs_cpu");
+    let collect = |backend: &str| {
+        let rec = dir.join(format!("{backend}.bin"));
+        sparda(&[
+            "forecast",
+            "collect",
+            "--model",
+            "synth:tiny",
+            "--text",
+            "data/texts/hamlet.txt",
+            "--context",
+            "1024",
+            "--stride",
+            "4",
+            "--decode",
+            "8",
+            "--backend",
+            backend,
+            "--out",
+            rec.to_str().unwrap(),
+        ]);
+        let mut r = Reader::open(&rec).unwrap();
+        let mut recs = Vec::new();
+        while let Some(x) = r.next_record().unwrap() {
+            recs.push(x);
+        }
+        (r.header.clone(), recs)
+    };
+    let (hc, cpu) = collect("cpu");
+    let (hg, gpu) = collect("cuda");
+    assert_eq!(hg.settings["backend"], "cuda");
+    assert_eq!(cpu.len(), gpu.len());
+    assert!(cpu.len() > 8);
+    let q = hc.target_index("qmean").unwrap();
+    let s = hc.target_index("score").unwrap();
+    // squared difference and squared reference, summed over records
+    let mut acc = [[0.0f64; 2]; 3];
+    for (c, g) in cpu.iter().zip(&gpu) {
+        assert_eq!((c.position, c.phase), (g.position, g.phase));
+        for l in 0..hc.layers {
+            let parts = [
+                (c.x(&hc, l), g.x(&hg, l)),
+                (c.target(&hc, l, q), g.target(&hg, l, q)),
+                (c.target(&hc, l, s), g.target(&hg, l, s)),
+            ];
+            for (k, (a, b)) in parts.iter().enumerate() {
+                for (x, y) in a.iter().zip(b.iter()) {
+                    acc[k][0] += f64::from(x - y).powi(2);
+                    acc[k][1] += f64::from(*x).powi(2);
+                }
+            }
+        }
+    }
+    let rel: Vec<f64> = acc.iter().map(|[d, r]| (d / r).sqrt()).collect();
+    println!(
+        "GPU vs CPU records over {} positions: x̂ {:.2e}, qmean {:.2e}, score {:.2e} (relative L2)",
+        cpu.len(),
+        rel[0],
+        rel[1],
+        rel[2]
+    );
+    assert!(rel[0] < 2e-2, "x̂ {}", rel[0]);
+    assert!(rel[1] < 3e-2, "qmean {}", rel[1]);
+    assert!(rel[2] < 1e-1, "score {}", rel[2]);
 }

@@ -9,6 +9,10 @@
 #   fit      `sparda forecast fit` for both targets (score, qmean)
 #   eval     `sparda forecast eval` on the held-out texts: fitted (both targets),
 #            random weights, reuse of the previous step, random choice
+#   collect-gpu  the same collection on the GPU engine (`--backend cuda`: bf16 activations read
+#            back at the sampled positions) into OUT_DIR/train_gpu.bin, the `score` fit from it
+#            (fitted_score_gpu.safetensors) and its eval beside the CPU-collected fit when
+#            OUT_DIR/fitted_score.safetensors exists (eval runs on the CPU reference)
 #   ppl      `sparda perplexity` on the GPU at 8K: dense base; query-aware InfLLM-V2;
 #            forecast with the fitted weights and with random weights (synth:1), each
 #            GPU-resident and with --kv offload, prefetch on and off; KL against dense
@@ -35,6 +39,17 @@ run() { echo "--- $*"; "$@" || echo "FAILED: $*"; }
 do_collect() {
   run "$SPARDA" forecast collect "${mode[@]}" --text "$train" --context 8192 \
     --max-chunks "$CHUNKS" --stride 8 --decode 32 --out "$out/train.bin"
+}
+do_collect_gpu() {
+  run "$SPARDA" forecast collect "${mode[@]}" --text "$train" --context 8192 \
+    --max-chunks "$CHUNKS" --stride 8 --decode 32 --backend cuda --out "$out/train_gpu.bin"
+  run "$SPARDA" forecast fit --data "$out/train_gpu.bin" --target score \
+    --out "$out/fitted_score_gpu.safetensors" --json "$out/fit_score_gpu.json"
+  cpu_fit=()
+  [[ -f "$out/fitted_score.safetensors" ]] && cpu_fit=(--forecast "score_cpu=$out/fitted_score.safetensors")
+  run "$SPARDA" forecast eval "${mode[@]}" --text "$held" --context 8192 --positions 128 \
+    --forecast "score_gpu=$out/fitted_score_gpu.safetensors" "${cpu_fit[@]}" \
+    --json "$out/eval_gpu.json" | tee "$out/eval_gpu.md"
 }
 do_fit() {
   for t in score qmean; do
@@ -68,9 +83,10 @@ do_ppl() {
 
 case "$phase" in
 collect) do_collect ;;
+collect-gpu) do_collect_gpu ;;
 fit) do_fit ;;
 eval) do_eval ;;
 ppl) do_ppl ;;
 all) do_collect; do_fit; do_eval; do_ppl ;;
-*) echo "unknown phase $phase (collect|fit|eval|ppl|all)"; exit 2 ;;
+*) echo "unknown phase $phase (collect|collect-gpu|fit|eval|ppl|all)"; exit 2 ;;
 esac

@@ -36,6 +36,13 @@ fn fe(e: sparda_forecast::Error) -> Error {
 
 /// The checkpoint, tokenizer and CPU reference the model flags name.
 fn open_model(a: &ForecastModelArgs) -> Result<(Checkpoint, Tokenizer, CpuModel)> {
+    let (ckpt, tokenizer, opts) = open_checkpoint(a)?;
+    let model = CpuModel::new(&ckpt, opts)?;
+    Ok((ckpt, tokenizer, model))
+}
+
+/// The checkpoint, tokenizer and engine options the model flags name.
+fn open_checkpoint(a: &ForecastModelArgs) -> Result<(Checkpoint, Tokenizer, EngineOptions)> {
     let name = a.model.to_string_lossy().into_owned();
     let ckpt = sparda::bench::open_model(&name)?;
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| {
@@ -50,22 +57,26 @@ fn open_model(a: &ForecastModelArgs) -> Result<(Checkpoint, Tokenizer, CpuModel)
         attention: a.sel.overrides(Some(true)),
         prefill: PrefillMode::Auto,
     };
-    let model = CpuModel::new(&ckpt, opts)?;
-    Ok((ckpt, tokenizer, model))
+    Ok((ckpt, tokenizer, opts))
 }
 
 /// The mode settings as JSON (record headers, reports).
 fn settings_json(m: &CpuModel, context: usize) -> serde_json::Value {
-    let b = &m.plan.budget;
+    plan_json(&m.plan, context)
+}
+
+/// [`settings_json`] of an attention plan.
+fn plan_json(plan: &sparda::model::AttentionPlan, context: usize) -> serde_json::Value {
+    let b = &plan.budget;
     serde_json::json!({
-        "mode": format!("{:?}", m.plan.mode),
+        "mode": format!("{:?}", plan.mode),
         "budget_blocks": b.attended,
-        "select_blocks": m.plan.sparse.select_blocks,
+        "select_blocks": plan.sparse.select_blocks,
         "shortlist_blocks": b.shortlist,
         "window_blocks": b.window_blocks,
         "init_blocks": b.init_blocks,
         "block_size": b.block_size,
-        "dense_len": m.plan.sparse.dense_len,
+        "dense_len": plan.sparse.dense_len,
         "context": context,
     })
 }
@@ -110,9 +121,17 @@ fn rotate(rope: &Rope, x: &mut [f32], pos: usize, rope_len: usize, head_dim: usi
     ops::rope_in_place(x, &cos, &sin);
 }
 
-/// The records of the captured rows of one forward call: per position, per
-/// layer x̂ and the targets of [`targets::ALL`] (group-mean pre-RoPE query;
-/// window-score fit against the layer's compressed keys at that position).
+/// One layer's capture of one position, from either engine: x̂, and the
+/// queries before and after RoPE (\[H·D\]).
+struct RowView<'a> {
+    position: usize,
+    xn: &'a [f32],
+    q_pre: Vec<f32>,
+    q_post: Vec<f32>,
+}
+
+/// The records of the captured rows of one forward call (CPU reference):
+/// see [`records_from`]; the post-RoPE queries are rotated here.
 fn records_of(
     m: &CpuModel,
     seq: &Sequence,
@@ -122,12 +141,67 @@ fn records_of(
     rope_len: impl Fn(usize) -> usize,
 ) -> Result<Vec<Record>> {
     let c = &m.config;
+    let rope = c.rope();
+    let views = rows
+        .iter()
+        .map(|lr| {
+            lr.iter()
+                .map(|r| {
+                    let mut q_post = r.q.clone();
+                    rotate(
+                        &rope,
+                        &mut q_post,
+                        r.position,
+                        rope_len(r.position),
+                        c.head_dim,
+                        false,
+                    );
+                    RowView {
+                        position: r.position,
+                        xn: &r.xn,
+                        q_pre: r.q.clone(),
+                        q_post,
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    records_from(
+        c,
+        &m.plan.budget,
+        views,
+        &|l| &seq.layers[l].kc[..],
+        text,
+        phase,
+        rope_len,
+    )
+}
+
+/// The records of captured rows (`rows[layer][row]`, every layer holding the
+/// same positions in the same order): per position, per layer x̂ and the
+/// targets of [`targets::ALL`] (group-mean pre-RoPE query; window-score fit
+/// against the layer's compressed keys `kc(l)`, f32 [≥ Mc, Hkv, D], at that
+/// position).
+fn records_from<'k>(
+    c: &ModelConfig,
+    budget: &Budget,
+    rows: Vec<Vec<RowView<'_>>>,
+    kc: &dyn Fn(usize) -> &'k [f32],
+    text: u32,
+    phase: u32,
+    rope_len: impl Fn(usize) -> usize,
+) -> Result<Vec<Record>> {
     let (hq, hk, dh) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let g = hq / hk;
     let kvd = hk * dh;
     let rope = c.rope();
-    let budget = &m.plan.budget;
     let n = rows.first().map_or(0, |r| r.len());
+    if let Some((l, lr)) = rows.iter().enumerate().find(|(_, lr)| lr.len() != n) {
+        return Err(Error::Input(format!(
+            "capture: layer {l} has {} rows, layer 0 has {n}",
+            lr.len()
+        )));
+    }
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
         let pos = rows[0][i].position;
@@ -140,18 +214,21 @@ fn records_of(
                     r.position
                 )));
             }
-            data.extend_from_slice(&r.xn);
-            data.extend(targets::group_mean(&r.q, hq, hk, dh).map_err(fe)?);
+            data.extend_from_slice(r.xn);
+            data.extend(targets::group_mean(&r.q_pre, hq, hk, dh).map_err(fe)?);
             // the real query-aware window scores of this position (spec §4.1)
-            let kv = &seq.layers[l];
+            let kcl = kc(l);
             let mc = budget.windows(pos + 1);
-            let mut q = r.q.clone();
-            rotate(&rope, &mut q, pos, rope_len(pos), dh, false);
             let mut f = vec![0.0f32; kvd];
             for h in 0..hk {
-                let kch = if mc > 0 { &kv.kc[h * dh..] } else { &[][..] };
-                let s =
-                    select::query_window_scores(&q[h * g * dh..(h + 1) * g * dh], dh, kch, kvd, mc);
+                let kch = if mc > 0 { &kcl[h * dh..] } else { &[][..] };
+                let s = select::query_window_scores(
+                    &r.q_post[h * g * dh..(h + 1) * g * dh],
+                    dh,
+                    kch,
+                    kvd,
+                    mc,
+                );
                 let ls: Vec<f32> = s.iter().map(|v| v.max(1e-30).ln()).collect();
                 let fh = targets::score_fit(kch, kvd, dh, &ls, 1e-3).map_err(|e| {
                     Error::Input(format!("layer {l}, position {pos}, KV head {h}: {}", fe(e)))
@@ -188,8 +265,23 @@ pub(crate) fn cmd_collect(a: ForecastCollectArgs) -> Result<()> {
     if a.stride == 0 {
         return Err(Error::Input("--stride must be ≥ 1".into()));
     }
-    let (ckpt, tok, m) = open_model(&a.model)?;
-    let budget = m.plan.budget;
+    let (ckpt, tok, opts) = open_checkpoint(&a.model)?;
+    let engine = match super::mode::resolve_backend(a.backend) {
+        crate::Backend::Cuda => {
+            let gpu = std::sync::Arc::new(sparda::cuda::Gpu::new(0)?);
+            // refused with the numbers before anything is uploaded
+            sparda::memory::check_weights(&gpu, &ckpt.config, ckpt.eviction_heads)?;
+            Collector::Gpu(Box::new(sparda::pipeline::GpuModel::new(gpu, &ckpt, opts)?))
+        }
+        crate::Backend::Cpu | crate::Backend::Auto => {
+            Collector::Cpu(Box::new(CpuModel::new(&ckpt, opts)?))
+        }
+    };
+    let (plan, c) = match &engine {
+        Collector::Cpu(m) => (m.plan, m.config.clone()),
+        Collector::Gpu(m) => (m.plan, m.config.clone()),
+    };
+    let budget = plan.budget;
     let min_pos = a
         .min_position
         .unwrap_or(budget.attended * budget.block_size);
@@ -199,7 +291,6 @@ pub(crate) fn cmd_collect(a: ForecastCollectArgs) -> Result<()> {
             a.context, a.decode
         )));
     }
-    let c = m.config.clone();
     let header = Header {
         model: a.model.model.to_string_lossy().into_owned(),
         fingerprint: sparda::quality::identity::model_fingerprint(&ckpt),
@@ -210,12 +301,12 @@ pub(crate) fn cmd_collect(a: ForecastCollectArgs) -> Result<()> {
         targets: targets::ALL.iter().map(|s| s.to_string()).collect(),
         texts: a.text.iter().map(|t| t.display().to_string()).collect(),
         settings: {
-            let mut s = settings_json(&m, a.context);
+            let mut s = plan_json(&plan, a.context);
             s["stride"] = a.stride.into();
             s["min_position"] = min_pos.into();
             s["decode"] = a.decode.into();
             s["max_chunks"] = a.max_chunks.into();
-            s["backend"] = "cpu".into();
+            s["backend"] = engine.name().into();
             s
         },
     };
@@ -231,20 +322,27 @@ pub(crate) fn cmd_collect(a: ForecastCollectArgs) -> Result<()> {
         + a.decode;
     let total: usize = chunks.iter().map(|c| c.len() * per_chunk).sum();
     eprintln!(
-        "collect: {} texts, {} chunks of {} tokens, {total} positions ({} prefill every {} from {min_pos}, {} decode per chunk), {} layers, CPU reference",
+        "collect: {} texts, {} chunks of {} tokens, {total} positions ({} prefill every {} from {min_pos}, {} decode per chunk), {} layers, {}",
         a.text.len(),
         chunks.iter().map(Vec::len).sum::<usize>(),
         a.context,
         per_chunk - a.decode,
         a.stride,
         a.decode,
-        c.num_hidden_layers
+        c.num_hidden_layers,
+        engine.describe()
     );
     let mut w = records::Writer::create(&a.out, header).map_err(fe)?;
     let pb = progress(total as u64, "collect");
     let t0 = Instant::now();
     // an interrupted or failed collection leaves no record file behind
-    if let Err(e) = collect_into(&a, &m, &chunks, prefix, min_pos, &mut w, &pb, t0) {
+    let r = match engine {
+        Collector::Cpu(m) => collect_into(&a, &m, &chunks, prefix, min_pos, &mut w, &pb, t0),
+        Collector::Gpu(mut m) => {
+            collect_into_gpu(&a, &mut m, &chunks, prefix, min_pos, &mut w, &pb, t0)
+        }
+    };
+    if let Err(e) = r {
         pb.finish_and_clear();
         drop(w);
         let _ = std::fs::remove_file(&a.out);
@@ -316,6 +414,137 @@ fn collect_into(
                     w.push(r).map_err(fe)?;
                 }
                 pb.inc(1);
+            }
+            pb.suspend(|| {
+                eprintln!(
+                    "  {} chunk {ci}: {} records so far, {:.0} s",
+                    a.text[ti].display(),
+                    w.count(),
+                    t0.elapsed().as_secs_f64()
+                )
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The engine `collect` runs (`--backend`).
+enum Collector {
+    Cpu(Box<CpuModel>),
+    Gpu(Box<sparda::pipeline::GpuModel>),
+}
+
+impl Collector {
+    /// The record header's `backend` setting.
+    fn name(&self) -> &'static str {
+        match self {
+            Collector::Cpu(_) => "cpu",
+            Collector::Gpu(_) => "cuda",
+        }
+    }
+
+    /// The engine in words, for the progress line.
+    fn describe(&self) -> String {
+        match self {
+            Collector::Cpu(_) => "CPU reference".into(),
+            Collector::Gpu(m) => format!("GPU engine on {}", m.gpu().info().name),
+        }
+    }
+}
+
+/// [`collect_into`] on the GPU engine: the prefix prefilled with x̂ and
+/// the rotated queries captured at the sampled positions
+/// ([`sparda::pipeline::GpuModel::set_capture`]), then each decode position
+/// as a one-token prefill (the same computation for that row), captured;
+/// the targets from the layers' compressed keys read back after each call
+/// and the queries rotated back (bf16 activations: the CPU reference's
+/// records are f32).
+#[allow(clippy::too_many_arguments)] // private; the loop's state
+fn collect_into_gpu(
+    a: &ForecastCollectArgs,
+    m: &mut sparda::pipeline::GpuModel,
+    chunks: &[Vec<Vec<u32>>],
+    prefix: usize,
+    min_pos: usize,
+    w: &mut records::Writer,
+    pb: &indicatif::ProgressBar,
+    t0: Instant,
+) -> Result<()> {
+    let c = m.config.clone();
+    let budget = m.plan.budget;
+    let rope = c.rope();
+    for (ti, text_chunks) in chunks.iter().enumerate() {
+        for (ci, toks) in text_chunks.iter().enumerate() {
+            let mut seq = m.new_sequence(toks.len())?;
+            let positions: BTreeSet<usize> = (min_pos..prefix)
+                .filter(|p| (p - min_pos).is_multiple_of(a.stride))
+                .collect();
+            let mut step = |m: &mut sparda::pipeline::GpuModel,
+                            seq: &mut sparda::pipeline::GpuSequence,
+                            tokens: &[u32],
+                            positions: BTreeSet<usize>,
+                            phase: u32,
+                            rope_len: &dyn Fn(usize) -> usize|
+             -> Result<usize> {
+                sparda::interrupt::check(|| format!("collect, {} records written", w.count()))?;
+                m.set_capture(positions);
+                let r = m.prefill(seq, tokens, |_, _| {});
+                let rows = m.take_capture();
+                r?;
+                let windows = budget.windows(seq.len());
+                let kc = (0..c.num_hidden_layers)
+                    .map(|l| m.selection_state(seq, l, windows).map(|s| s.kc))
+                    .collect::<Result<Vec<_>>>()?;
+                let views = rows
+                    .iter()
+                    .map(|lr| {
+                        lr.iter()
+                            .map(|r| {
+                                let mut q_pre = r.q_rope.clone();
+                                let p = r.position;
+                                rotate(&rope, &mut q_pre, p, rope_len(p), c.head_dim, true);
+                                RowView {
+                                    position: p,
+                                    xn: &r.xn,
+                                    q_pre,
+                                    q_post: r.q_rope.clone(),
+                                }
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let recs = records_from(
+                    &c,
+                    &budget,
+                    views,
+                    &|l| &kc[l][..],
+                    ti as u32,
+                    phase,
+                    rope_len,
+                )?;
+                for r in &recs {
+                    w.push(r).map_err(fe)?;
+                }
+                pb.inc(recs.len() as u64);
+                Ok(recs.len())
+            };
+            step(
+                m,
+                &mut seq,
+                &toks[..prefix],
+                positions,
+                records::PHASE_PREFILL,
+                &|_| prefix,
+            )?;
+            for (t, &token) in toks.iter().enumerate().skip(prefix) {
+                step(
+                    m,
+                    &mut seq,
+                    &[token],
+                    BTreeSet::from([t]),
+                    records::PHASE_DECODE,
+                    &|p| p + 1,
+                )?;
             }
             pb.suspend(|| {
                 eprintln!(

@@ -109,6 +109,7 @@ use cudarc::driver::{CudaGraph, CudaSlice, LaunchConfig, PushKernelArg};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
+pub mod capture;
 pub mod forecast;
 pub mod layer;
 pub mod prefill;
@@ -366,6 +367,8 @@ pub struct GpuModel {
     pub(crate) only_part: std::cell::Cell<Option<StepPart>>,
     pub(crate) selection: SelectionPath,
     pub(crate) record_selections: bool,
+    /// Activation capture for forecast collection ([`GpuModel::set_capture`]).
+    pub(crate) capture: Option<capture::GpuCapture>,
     /// `[layer][row][kv_head]`: the blocks each row attended in the last
     /// forward call (empty for dense rows), when recording.
     pub(crate) last_selections: Vec<Vec<Vec<Vec<usize>>>>,
@@ -575,6 +578,7 @@ impl GpuModel {
             only_part: std::cell::Cell::new(None),
             selection: default_selection_path(),
             record_selections: false,
+            capture: None,
             last_selections: Vec::new(),
             last_queries: Vec::new(),
             last_forecasts: Vec::new(),

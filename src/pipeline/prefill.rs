@@ -553,6 +553,7 @@ impl GpuModel {
                 if self.record_selections {
                     self.record_forward_layer(l, &ws, rows, any_sparse, s_max)?;
                 }
+                self.capture_layer(l, &ws, rows)?;
                 let sp = self.layer_back(
                     l,
                     &mut ws,
