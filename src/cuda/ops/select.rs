@@ -705,7 +705,7 @@ pub fn window_scores<Q: DevicePtr<Bf16>>(
 /// Query-aware window scores (spec §4.1) of `lens.len()` query rows that
 /// all read one sequence's `kc` — the rows of a prefill chunk, row b's query
 /// seeing the first `lens[b]` tokens — through the cuBLAS logits
-/// ([`qa_logits_shared_kc`]): the values [`window_scores`] gives for the
+/// (`qa_logits_shared_kc`): the values [`window_scores`] gives for the
 /// same rows, up to the summation order of the dot products, written to
 /// `ws.scores()` (row b at b·Hkv·w_stride).
 ///
@@ -931,7 +931,7 @@ pub(crate) fn launch_window_scores(gpu: &Gpu, d: &ScoreDims) -> Result<()> {
 }
 
 /// Rows of one sequence from which window scoring computes its logits with
-/// cuBLAS ([`qa_logits_shared_kc`]) instead of `qa_window_logits`: a prefill
+/// cuBLAS (`qa_logits_shared_kc`) instead of `qa_window_logits`: a prefill
 /// chunk reads one Kc for all its rows, and a GEMM reads each Kc tile once
 /// for many rows where the kernel reads it once per row.
 pub const QA_GEMM_MIN_ROWS: usize = 16;
