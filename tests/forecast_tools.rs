@@ -229,7 +229,6 @@ fn import_sparda_checkpoint_writes_canonical_safetensors() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Bad input is an error naming the flag, file or numbers, never a panic.
 /// `collect --backend cuda` runs the GPU engine; without one (CI) it is an
 /// error naming the missing CUDA libraries, and no record file is left.
 #[test]
@@ -268,6 +267,7 @@ fn collect_on_the_gpu_engine_needs_cuda() {
     }
 }
 
+/// Bad input is an error naming the flag, file or numbers, never a panic.
 #[test]
 fn bad_inputs_are_errors_naming_the_problem() {
     let dir = tmp("bad");

@@ -3,9 +3,8 @@
 # context, on the GPU machine (forecast/README.md):
 #   scripts/device/forecast.sh PHASE OUT_DIR
 # Phases (run in order; `all` runs them all):
-#   collect  `sparda forecast collect` on the CPU reference (16 cores there; the
-#            collection has no GPU path: the GPU engine does not expose x̂ and the
-#            pre-RoPE queries) over the training texts, 2 chunks of 8,192 tokens each
+#   collect  `sparda forecast collect` on the CPU reference (16 cores there; f32
+#            activations) over the training texts, 2 chunks of 8,192 tokens each
 #   fit      `sparda forecast fit` for both targets (score, qmean)
 #   eval     `sparda forecast eval` on the held-out texts: fitted (both targets),
 #            random weights, reuse of the previous step, random choice

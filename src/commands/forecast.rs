@@ -110,13 +110,19 @@ fn text_chunks(
         .collect())
 }
 
-/// RoPE rotation of `x` ([Hkv·D]) at position `pos`; `inverse` rotates back.
+/// RoPE rotation of `x` (heads of `head_dim`) at position `pos`, as the
+/// engines rotate: a·R(θ) with a the table's attention factor (≠ 1 only for
+/// LongRoPE past its original maximum); `inverse` applies its inverse,
+/// R(−θ)/a.
 fn rotate(rope: &Rope, x: &mut [f32], pos: usize, rope_len: usize, head_dim: usize, inverse: bool) {
     let half = head_dim / 2;
     let (mut cos, mut sin) = (vec![0.0f32; half], vec![0.0f32; half]);
     rope.cos_sin(pos, rope_len, &mut cos, &mut sin);
     if inverse {
-        sin.iter_mut().for_each(|s| *s = -*s);
+        // cos and sin carry a: (a·R(−θ)) / a² = R(−θ) / a
+        let a2 = rope.attention_factor() * rope.attention_factor();
+        cos.iter_mut().for_each(|c| *c /= a2);
+        sin.iter_mut().for_each(|s| *s = -*s / a2);
     }
     ops::rope_in_place(x, &cos, &sin);
 }
@@ -984,4 +990,52 @@ pub(crate) fn cmd_import(a: ForecastImportArgs) -> Result<()> {
         }
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sparda::config::RopeScaling;
+
+    /// The inverse rotation undoes the forward one, the LongRoPE attention
+    /// factor included (a table past the original maximum: a ≈ 1.19).
+    #[test]
+    fn inverse_rotation_undoes_rope_with_its_attention_factor() {
+        let d = 8;
+        let scaling = RopeScaling::LongRope {
+            short_factor: vec![1.0; d / 2],
+            long_factor: vec![1.5; d / 2],
+            original_max_position_embeddings: 4096,
+        };
+        for (rope, name) in [
+            (Rope::new(d, 10_000.0, 131_072, scaling), "longrope"),
+            (
+                Rope::new(d, 10_000.0, 4096, RopeScaling::Default),
+                "default",
+            ),
+        ] {
+            let x: Vec<f32> = (0..2 * d).map(|i| (i as f32 * 0.37).sin()).collect();
+            let mut y = x.clone();
+            rotate(&rope, &mut y, 3000, 3001, d, false);
+            assert!(
+                y.iter().zip(&x).any(|(a, b)| (a - b).abs() > 1e-3),
+                "{name}"
+            );
+            rotate(&rope, &mut y, 3000, 3001, d, true);
+            for (a, b) in y.iter().zip(&x) {
+                assert!((a - b).abs() < 1e-5, "{name}: {a} vs {b}");
+            }
+        }
+        let long = Rope::new(
+            d,
+            10_000.0,
+            131_072,
+            RopeScaling::LongRope {
+                short_factor: vec![1.0; d / 2],
+                long_factor: vec![1.5; d / 2],
+                original_max_position_embeddings: 4096,
+            },
+        );
+        assert!(long.attention_factor() > 1.1, "the case tests a ≠ 1");
+    }
 }

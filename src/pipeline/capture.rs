@@ -29,8 +29,9 @@ pub(crate) struct GpuCapture {
 }
 
 impl GpuModel {
-    /// From now on every prefill chunk ([`GpuModel::prefill`]) records, for
-    /// its rows at `positions` (absolute token positions), each layer's x̂
+    /// From now on every prefill chunk ([`GpuModel::prefill`], one sequence
+    /// per call) records, for its rows at `positions` (absolute token
+    /// positions of that sequence), each layer's x̂
     /// and post-RoPE query ([`GpuCapturedRow`]) until
     /// [`GpuModel::take_capture`]. Each layer of a chunk with such rows
     /// synchronises and copies its x̂ and QKV rows to the host (n·(d + H·D)
