@@ -281,14 +281,28 @@ pub fn parse_tokens(s: &str) -> Result<usize> {
         .ok_or_else(|| Error::Input(format!("bad token count `{s}` (e.g. 4096, 4K, 32K)")))
 }
 
-/// Checks that `--model` names a `synth:` preset or a checkpoint directory,
-/// not a file.
+/// Checks that `--model` names a `synth:` preset or a checkpoint directory
+/// holding config.json (not a file, not a missing path).
 ///
-/// Errors: [`Error::Input`] naming the file and what to give instead.
+/// Errors: [`Error::Input`] naming the path and what to give instead.
 pub fn check_model_arg(model: &str) -> Result<()> {
-    if !model.starts_with("synth:") && Path::new(model).is_file() {
+    if model.starts_with("synth:") {
+        return Ok(());
+    }
+    let p = Path::new(model);
+    if p.is_file() {
         return Err(Error::Input(format!(
             "--model {model} is a file; give the checkpoint directory holding config.json, *.safetensors and tokenizer.json"
+        )));
+    }
+    if !p.exists() {
+        return Err(Error::Input(format!(
+            "--model {model}: no such directory; give a checkpoint directory (config.json, *.safetensors, tokenizer.json) or synth:PRESET (tiny, nosa-1b, nosa-3b, nosa-8b)"
+        )));
+    }
+    if !p.join("config.json").is_file() {
+        return Err(Error::Input(format!(
+            "--model {model} holds no config.json: give the checkpoint directory holding config.json, *.safetensors and tokenizer.json"
         )));
     }
     Ok(())

@@ -94,7 +94,7 @@ enum Cmd {
     /// run, then one offloaded run per --fetch engine. Exit 1 if any differs.
     OffloadCheck(OffloadCheckArgs),
     /// Forecast weights from the model's own activations (spec §4 "Forecast
-    /// mode"): collect activations on the CPU reference, fit the projections
+    /// mode"): collect activations (CPU reference or GPU engine), fit the projections
     /// by ridge regression, evaluate their block recall, or import a SparDA
     /// checkpoint (forecast/README.md).
     #[command(subcommand)]
@@ -103,8 +103,8 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum ForecastCmd {
-    /// Run the model over real text (CPU reference: prefill, then
-    /// teacher-forced decode steps) and stream, at sampled positions, each
+    /// Run the model over real text (the CPU reference, or the GPU engine
+    /// with --backend cuda: prefill, then teacher-forced decode steps) and stream, at sampled positions, each
     /// layer's normalized attention input x̂ and its targets (group-mean
     /// pre-RoPE query; window-score fit) to a record file (format in
     /// forecast/src/records.rs). Ctrl-C stops between positions and removes the unfinished file (exit code 130).
@@ -436,7 +436,9 @@ struct ModeArgs {
     attention: Option<AttentionArg>,
     #[command(flatten)]
     sel: SelectionArgs,
-    /// Prefill attention.
+    /// Prefill mode: dense (dense prefill, sparse decode: NOSA_F) or sparse
+    /// (as the attention mode says; the default). The kernel is
+    /// --prefill-attention.
     #[arg(long, value_enum)]
     prefill: Option<PrefillArg>,
     /// Kernel of prefill rows, dense and sparse (CUDA backend): tensor-core
@@ -626,7 +628,7 @@ fn parse_fetch_arg(value: &str) -> std::result::Result<FetchArg, String> {
 /// run one engine; the shared [`OffloadArgs`] text describes bench's and
 /// offload-check's list).
 const GENERATE_FETCH_HELP: &str =
-    "Fetch engine of offloaded KV (with --kv offload; give one engine)";
+    "Fetch engine of offloaded KV (with --kv offload; give one): auto (the GPU's fetch table), sm[:N] (the SM copy kernel on N CTAs), dma (the copy engines) or split:N:P (P % of each layer's misses on the copy engines, the rest on the SM kernel at N CTAs)";
 
 /// Offload flags shared by generate, perplexity, bench and offload-check (runtime.md §6).
 #[derive(Args, Clone)]

@@ -885,6 +885,53 @@ fn model_that_is_a_file_says_so() {
     }
 }
 
+/// A missing path and a directory without config.json are named as
+/// --model, with what to give instead (not a bare OS error).
+#[test]
+fn model_that_is_missing_or_not_a_checkpoint_says_so() {
+    for cmd in ["generate", "perplexity"] {
+        for (model, want) in [
+            (
+                "data/no_such_model_dir",
+                "--model data/no_such_model_dir: no such directory",
+            ),
+            ("data/texts", "--model data/texts holds no config.json"),
+        ] {
+            let mut a = vec![cmd, "--model", model, "--backend", "cpu"];
+            a.extend(if cmd == "generate" {
+                ["--prompt", "hi"]
+            } else {
+                ["--text", "data/texts/hamlet.txt"]
+            });
+            let (ok, err) = sparda(&a);
+            assert!(!ok && err.contains(want), "{cmd} {model}: {err}");
+        }
+    }
+}
+
+/// --prompt-tokens past the prompt's length says so and uses the prompt.
+#[test]
+fn prompt_tokens_past_the_prompt_is_noted() {
+    let (ok, err) = sparda(&[
+        "generate",
+        "--model",
+        "synth:tiny",
+        "--prompt",
+        "Hello there",
+        "--prompt-tokens",
+        "5000",
+        "--max-new-tokens",
+        "2",
+        "--backend",
+        "cpu",
+    ]);
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("note: --prompt-tokens 5000, but the prompt has"),
+        "{err}"
+    );
+}
+
 #[test]
 fn tokenizer_json_of_another_schema_is_named() {
     let dir = tiny_config_dir("cli-bad-tokenizer", |_| {});

@@ -313,6 +313,37 @@ fn bad_inputs_are_errors_naming_the_problem() {
         ],
         "--stride must be ≥ 1",
     );
+    // the default first position is the budget: a context no longer than it says so
+    fails(
+        &[
+            "forecast",
+            "collect",
+            "--model",
+            "synth:tiny",
+            "--text",
+            "data/texts/hamlet.txt",
+            "--context",
+            "200",
+            "--decode",
+            "4",
+            "--out",
+            o,
+        ],
+        "by default the attention budget",
+    );
+    fails(
+        &[
+            "forecast",
+            "collect",
+            "--model",
+            "synth:tiny",
+            "--text",
+            "data/texts/no_such_text.txt",
+            "--out",
+            o,
+        ],
+        "--text data/texts/no_such_text.txt: no such file",
+    );
     fails(
         &[
             "forecast",

@@ -271,6 +271,12 @@ pub(crate) fn cmd_collect(a: ForecastCollectArgs) -> Result<()> {
     if a.stride == 0 {
         return Err(Error::Input("--stride must be ≥ 1".into()));
     }
+    if let Some(t) = a.text.iter().find(|t| !t.is_file()) {
+        return Err(Error::Input(format!(
+            "--text {}: no such file",
+            t.display()
+        )));
+    }
     let (ckpt, tok, opts) = open_checkpoint(&a.model)?;
     let engine = match super::mode::resolve_backend(a.backend) {
         crate::Backend::Cuda => {
@@ -292,8 +298,16 @@ pub(crate) fn cmd_collect(a: ForecastCollectArgs) -> Result<()> {
         .min_position
         .unwrap_or(budget.attended * budget.block_size);
     if a.decode >= a.context || min_pos >= a.context {
+        let why = if a.min_position.is_some() {
+            "--min-position".to_string()
+        } else {
+            format!(
+                "--min-position; by default the attention budget, {} blocks × {} tokens, where selection starts to drop blocks: give a longer --context, a smaller --budget-blocks or --min-position",
+                budget.attended, budget.block_size
+            )
+        };
         return Err(Error::Input(format!(
-            "--context {} must exceed --decode {} and the first sampled position {min_pos} (--min-position)",
+            "--context {} must exceed --decode {} and the first sampled position {min_pos} ({why})",
             a.context, a.decode
         )));
     }

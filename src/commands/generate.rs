@@ -65,6 +65,12 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let tokenizer = load_tokenizer(&a.mode)?;
     let mut prompt = tokenizer.encode(&text)?;
     if let Some(n) = a.prompt_tokens {
+        if n > prompt.len() {
+            eprintln!(
+                "note: --prompt-tokens {n}, but the prompt has {} tokens; using all of them",
+                prompt.len()
+            );
+        }
         prompt.truncate(n);
     }
     generate::check_length(
