@@ -628,7 +628,7 @@ fn parse_fetch_arg(value: &str) -> std::result::Result<FetchArg, String> {
 /// run one engine; the shared [`OffloadArgs`] text describes bench's and
 /// offload-check's list).
 const GENERATE_FETCH_HELP: &str =
-    "Fetch engine of offloaded KV (with --kv offload; give one): auto (the GPU's fetch table), sm[:N] (the SM copy kernel on N CTAs), dma (the copy engines) or split:N:P (P % of each layer's misses on the copy engines, the rest on the SM kernel at N CTAs)";
+    "Fetch engine of offloaded KV (with --kv offload; give one engine): auto (the GPU's fetch table), sm[:N] (the SM copy kernel on N CTAs), dma (the copy engines) or split:N:P (P % of each layer's misses on the copy engines, the rest on the SM kernel at N CTAs)";
 
 /// Offload flags shared by generate, perplexity, bench and offload-check (runtime.md §6).
 #[derive(Args, Clone)]
