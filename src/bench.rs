@@ -106,6 +106,9 @@ pub struct BenchSpec {
     /// Prefetch through the SM copy kernel sizes cuBLAS's GEMMs for the SMs
     /// its CTAs leave ([`GpuModel::set_reserve_fetch_sms`]).
     pub reserve_fetch_sms: bool,
+    /// The SM copy kernel's CTAs hold whole SMs
+    /// ([`GpuModel::set_fetch_whole_sms`]).
+    pub fetch_whole_sms: bool,
     /// Equivalent batch sizes (runtime.md §5): when given, each context
     /// runs every [`EbMode`] at the real batch [`equivalent_batch`] gives
     /// it, instead of the `batches` × attention × kv grid.
@@ -647,6 +650,7 @@ fn run_case(
         "batch": batch, "context": context,
         "kv_bytes": kv_bytes,
         "gemm_sm_target": model.gemm_sm_target(batch),
+        "fetch_whole_sms": spec.fetch_whole_sms,
         "prompt_origin": source.origins_json(batch),
     });
     if spec.steps == 0 {
@@ -1057,6 +1061,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
     crate::memory::check_weights(&gpu, &ckpt.config, ckpt.eviction_heads)?;
     let mut model = GpuModel::new(gpu.clone(), &ckpt, opts(spec.sparse[0]))?;
     model.set_reserve_fetch_sms(spec.reserve_fetch_sms);
+    model.set_fetch_whole_sms(spec.fetch_whole_sms);
     if let Some(pa) = spec.prefill_attention {
         model.set_prefill_attention(pa)?;
     }
@@ -1715,6 +1720,7 @@ mod tests {
             prefetch: vec![],
             sync: true,
             reserve_fetch_sms: false,
+            fetch_whole_sms: false,
             equivalent_batches: vec![],
             trace_steps: 0,
             resume: None,

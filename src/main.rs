@@ -828,6 +828,11 @@ struct BenchArgs {
     /// the SMs its CTAs leave (cublasSetSmCountTarget), instead of all of them.
     #[arg(long)]
     reserve_fetch_sms: bool,
+    /// Offloaded KV through the SM copy kernel: each copy CTA holds a whole
+    /// SM (it asks for all of a block's shared memory), so that compute
+    /// blocks run only on the other SMs.
+    #[arg(long)]
+    fetch_whole_sms: bool,
     /// With --forecast: also run the synchronous NOSA selection (the baseline).
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     sync: OnOff,

@@ -12,6 +12,10 @@
 #   scripts/device/offload.sh priority OUT copy stream priority high vs default under prefetch
 #   scripts/device/offload.sh reserve OUT  prefetch with GEMMs sized for all SMs vs for the SMs the copy
 #                                          kernel leaves (--reserve-fetch-sms), sm:4/8/16 (BATCH, CONTEXT)
+#   scripts/device/offload.sh wholesm OUT  prefetch with the copy CTAs sharing SMs (default) vs holding
+#                                          whole SMs (--fetch-whole-sms), alone and with
+#                                          --reserve-fetch-sms, sm:8/16 (BATCH, default 16; CONTEXT,
+#                                          default 32K,64K), two alternating rounds
 #   scripts/device/offload.sh eb OUT       all modes under the equivalent-batch protocol
 #   scripts/device/offload.sh dmaprefetch OUT  copy engines vs SM kernel vs a split of both with prefetch
 #   scripts/device/offload.sh b1 OUT       GPU-resident B=1 L=4K step vs the split-K cap (SPARDA_ATTN_MAX_SPLITS)
@@ -71,6 +75,21 @@ reserve)
         --forecast synth:1 --prefetch on --sync off --batch "${BATCH:-8,16}" --context "${CONTEXT:-32K}" \
         --steps "${STEPS:-32}" --fetch-timing-steps 0 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
         "${flag[@]}" --json "$out/bench_reserve_fetch_sms_${rs}_$r.json" 2>&1 | grep -E "sparse|skip" || true
+    done
+  done
+  ;;
+wholesm)
+  # where the prefetch step's compute time goes when the copy kernel shares SMs with it:
+  # copy CTAs on shared SMs vs on whole SMs (compute blocks elsewhere), ± GEMMs sized to match
+  for r in 1 2; do
+    for v in shared whole whole_reserve; do
+      flag=()
+      [[ $v == whole* ]] && flag+=(--fetch-whole-sms)
+      [[ $v == whole_reserve ]] && flag+=(--reserve-fetch-sms)
+      $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch sm:8,sm:16 \
+        --forecast synth:1 --prefetch on --sync off --batch "${BATCH:-16}" --context "${CONTEXT:-32K,64K}" \
+        --steps "${STEPS:-32}" --fetch-timing-steps 0 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
+        "${flag[@]}" --json "$out/bench_fetch_sms_${v}_$r.json" 2>&1 | grep -E "sparse|skip" || true
     done
   done
   ;;

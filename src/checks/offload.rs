@@ -788,11 +788,12 @@ fn check_fetch(gpu: &Gpu, rng: &mut SmallRng, out: &mut Vec<CaseResult>) {
                 }
             };
             let chunks: i32 = st.nfetch.iter().sum();
-            for &ctas in &[8usize, 16, 32] {
-                let shape = json!({"D": d, "Hkv": hkv, "B": B, "S": s, "rows": rows, "host_blocks": nblocks, "chunks": chunks, "ctas": ctas});
+            // (16 CTAs also holding whole SMs: the same copies)
+            for &(ctas, whole) in &[(8usize, false), (16, false), (32, false), (16, true)] {
+                let shape = json!({"D": d, "Hkv": hkv, "B": B, "S": s, "rows": rows, "host_blocks": nblocks, "chunks": chunks, "ctas": ctas, "whole_sms": whole});
                 let r = (|| {
                     let dev = FetchDev::new(gpu, &st)?;
-                    offload::kv_fetch_sm(gpu, gpu.stream(), &dev.args(gpu, &st), ctas)?;
+                    offload::kv_fetch_sm(gpu, gpu.stream(), &dev.args(gpu, &st), ctas, whole)?;
                     let got = gpu.download(&dev.pool)?;
                     let mut x = Exact::new();
                     compare_pool(&st, &got, &mut x);
@@ -830,8 +831,10 @@ fn check_fetch(gpu: &Gpu, rng: &mut SmallRng, out: &mut Vec<CaseResult>) {
             })();
             push(out, gpu, "fetch_dma", shape, r);
             for &ce_pct in &[1usize, 25, 50, 75, 99] {
-                let shape = json!({"D": d, "Hkv": hkv, "B": B, "S": s, "rows": rows, "host_blocks": nblocks, "chunks": chunks, "ctas": 16, "ce_pct": ce_pct});
-                let r = split_case(gpu, &st, 16, ce_pct);
+                // the SM share on whole SMs at 50 %
+                let whole = ce_pct == 50;
+                let shape = json!({"D": d, "Hkv": hkv, "B": B, "S": s, "rows": rows, "host_blocks": nblocks, "chunks": chunks, "ctas": 16, "ce_pct": ce_pct, "whole_sms": whole});
+                let r = split_case(gpu, &st, 16, ce_pct, whole);
                 push(out, gpu, "fetch_split", shape, r);
             }
         }
@@ -843,7 +846,7 @@ fn check_fetch(gpu: &Gpu, rng: &mut SmallRng, out: &mut Vec<CaseResult>) {
         st.nfetch.iter_mut().for_each(|n| *n = 0);
         st.expect = st.pool0.clone();
         let dev = FetchDev::new(gpu, &st)?;
-        offload::kv_fetch_sm(gpu, gpu.stream(), &dev.args(gpu, &st), 16)?;
+        offload::kv_fetch_sm(gpu, gpu.stream(), &dev.args(gpu, &st), 16, false)?;
         let bytes = offload::fetch_dma(
             gpu,
             gpu.stream(),
@@ -868,7 +871,13 @@ fn check_fetch(gpu: &Gpu, rng: &mut SmallRng, out: &mut Vec<CaseResult>) {
 /// engines' share on a side stream, the SM kernel's on the GPU's stream,
 /// joined; the whole pool against the expected one, and the plan's counts
 /// against [`kv::split::split_misses`].
-fn split_case(gpu: &Gpu, st: &FetchSetup, ctas: usize, ce_pct: usize) -> Result<Exact> {
+fn split_case(
+    gpu: &Gpu,
+    st: &FetchSetup,
+    ctas: usize,
+    ce_pct: usize,
+    whole_sms: bool,
+) -> Result<Exact> {
     use crate::cuda::context::CudaResultExt;
     let dev = FetchDev::new(gpu, st)?;
     gpu.synchronize()?;
@@ -884,6 +893,7 @@ fn split_case(gpu: &Gpu, st: &FetchSetup, ctas: usize, ce_pct: usize) -> Result<
         // the copy engines' share starts 50 µs late: without the join, the
         // download on the fetch stream below would read the pool too early
         ce_delay_ns: 50_000,
+        whole_sms,
     };
     let rows = dev.dma_rows(gpu, st);
     let args = dev.args(gpu, st);
@@ -1155,7 +1165,9 @@ fn check_bandwidth(gpu: &Gpu, rng: &mut SmallRng, out: &mut Vec<CaseResult>) {
         for &ctas in &[8usize, 16, 32] {
             let dev = FetchDev::new(gpu, &st)?;
             let a = dev.args(gpu, &st);
-            let ms = time_ms(gpu, 5, || offload::kv_fetch_sm(gpu, gpu.stream(), &a, ctas))?;
+            let ms = time_ms(gpu, 5, || {
+                offload::kv_fetch_sm(gpu, gpu.stream(), &a, ctas, false)
+            })?;
             let gbs = bytes as f64 / (ms * 1e-3) / 1e9;
             println!("    kv_fetch_sm {ctas} CTAs: {ms:.3} ms, {gbs:.1} GB/s");
             res.insert(format!("sm_{ctas}cta_gbps"), json!(gbs));

@@ -6,7 +6,7 @@
 //! and the offload counters.
 
 use super::offload::*;
-use crate::cuda::context::{dptr, grid, i32_dim, CudaResultExt};
+use crate::cuda::context::{dptr, CudaResultExt};
 use crate::pipeline::*;
 use crate::{Error, Result};
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
@@ -168,13 +168,6 @@ impl GpuModel {
         let (pool_tab, host_tab) = (tab, tab + (2 * n * 8) as u64);
         let fetch = dptr(gpu, &off.fetch) + ((l * n * hk * sl_slots * 2) * 4) as u64;
         let nfetch = dptr(gpu, &off.nfetch) + ((l * n * hk) * 4) as u64;
-        let (ss_, bs_, hk_, d_, n_) = (
-            i32_dim(sl_slots, "pool slots")?,
-            i32_dim(bs, "block size")?,
-            i32_dim(hk, "Hkv")?,
-            i32_dim(dh, "D")?,
-            i32_dim(n, "rows")?,
-        );
         if self.copy_delay_us > 0 {
             let f = gpu.function("spin_wait")?;
             let ns = self.copy_delay_us as u64 * 1000;
@@ -199,26 +192,24 @@ impl GpuModel {
         self.note_fetch_span(l, span);
         match self.fetch_engine(n) {
             FetchEngine::Sm { ctas } => {
-                let f = gpu.function("kv_fetch_sm")?;
-                let mut b = stream.launch_builder(f);
-                b.arg(&fetch)
-                    .arg(&nfetch)
-                    .arg(&ss_)
-                    .arg(&n_)
-                    .arg(&hk_)
-                    .arg(&host_tab)
-                    .arg(&pool_tab)
-                    .arg(&bs_)
-                    .arg(&d_);
-                let cfg = LaunchConfig {
-                    grid_dim: (grid(ctas, "CTAs")?, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
+                let args = crate::cuda::ops::offload::FetchArgs {
+                    fetch,
+                    nfetch,
+                    slots: sl_slots,
+                    rows: n,
+                    kv_heads: hk,
+                    host_tab,
+                    pool_tab,
+                    block_size: bs,
+                    head_dim: dh,
                 };
-                // SAFETY: argument list matches kv_fetch_sm; host tables point at
-                // stores of ≥ the blocks listed (blocks < the sequence's length),
-                // pool tables at Hkv·S slots.
-                unsafe { b.launch(cfg) }.cuda("kv_fetch_sm")?;
+                crate::cuda::ops::offload::kv_fetch_sm(
+                    gpu,
+                    stream,
+                    &args,
+                    ctas,
+                    self.fetch_whole_sms,
+                )?;
             }
             FetchEngine::Dma => self.fetch_dma_layer(off, l, n, stream)?,
             FetchEngine::Split { ctas, ce_pct } => {
@@ -341,6 +332,7 @@ impl GpuModel {
             fork: &side.fork[l],
             join: &side.join[l],
             ce_delay_ns: self.copy_delay_us as u64 * 1000,
+            whole_sms: self.fetch_whole_sms,
         };
         let mut counts = side.sm_counts.slice_mut(l * n * hk..(l + 1) * n * hk);
         fetch_split(

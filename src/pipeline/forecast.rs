@@ -139,6 +139,21 @@ impl GpuModel {
         self.reserve_fetch_sms = on;
     }
 
+    /// Offloaded KV through the SM copy kernel (alone or in a split): while
+    /// on, each of its CTAs also asks for all the shared memory a block may
+    /// have, so that it holds its SM alone and compute blocks run only on
+    /// the other SMs, instead of sharing SMs with the copy and running slower
+    /// there (runtime.md §4; `kv_fetch_sm`'s `whole_sms`). With
+    /// [`GpuModel::set_reserve_fetch_sms`] the GEMMs are also sized for those
+    /// other SMs. Off by default. Changes timing only.
+    pub fn set_fetch_whole_sms(&mut self, on: bool) {
+        if on != self.fetch_whole_sms {
+            self.fetch_whole_sms = on;
+            // a captured step holds the launch configuration
+            self.step = None;
+        }
+    }
+
     /// The SMs the step's GEMMs are sized for at batch `n`: `Some(sm_count −
     /// CTAs)` when [`GpuModel::set_reserve_fetch_sms`] is on and this step
     /// prefetches through the SM copy kernel on at most half the SMs, else

@@ -407,6 +407,8 @@ pub struct GpuModel {
     /// Prefetch with the SM copy kernel: size cuBLAS's GEMMs for the SMs
     /// its CTAs leave ([`GpuModel::set_reserve_fetch_sms`]).
     pub(crate) reserve_fetch_sms: bool,
+    /// The SM copy kernel's CTAs hold whole SMs ([`GpuModel::set_fetch_whole_sms`]).
+    pub(crate) fetch_whole_sms: bool,
     /// GPU spans for `--trace` (disabled: no CUDA calls).
     pub(crate) timeline: std::cell::RefCell<crate::trace::timeline::GpuTimeline>,
     /// Decode steps traced so far (span args).
@@ -596,6 +598,7 @@ impl GpuModel {
             prefetch: false,
             copy_delay_us: 0,
             reserve_fetch_sms: false,
+            fetch_whole_sms: false,
             timeline: std::cell::RefCell::new(crate::trace::timeline::GpuTimeline::new(g, false)?),
             trace_step: std::cell::Cell::new(0),
             fetch_spans: std::cell::RefCell::new(Vec::new()),

@@ -172,9 +172,20 @@ pub struct FetchArgs {
 /// with 16-byte loads, 8 in flight per thread. `ctas` = 16 is the default
 /// ([`DEFAULT_FETCH_CTAS`]), 32 nears the PCIe ceiling. `rows = 0` is a no-op.
 ///
+/// `whole_sms`: each CTA also asks for all the shared memory a block may
+/// have (unused), so that no other kernel's block shares its SM while it
+/// runs: the copy CTAs then hold `ctas` SMs outright instead of slowing the
+/// compute blocks they would share SMs with (runtime.md §4). Same copies.
+///
 /// Errors: [`Error::Input`] for `ctas` = 0, D not a multiple of 8, a zero
 /// size or address, or a size beyond i32; [`Error::Cuda`] on a launch failure.
-pub fn kv_fetch_sm(gpu: &Gpu, stream: &CudaStream, a: &FetchArgs, ctas: usize) -> Result<()> {
+pub fn kv_fetch_sm(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    a: &FetchArgs,
+    ctas: usize,
+    whole_sms: bool,
+) -> Result<()> {
     const OP: &str = "kv_fetch_sm";
     if a.rows == 0 || a.kv_heads == 0 {
         return Ok(());
@@ -205,10 +216,23 @@ pub fn kv_fetch_sm(gpu: &Gpu, stream: &CudaStream, a: &FetchArgs, ctas: usize) -
         i32_dim(a.head_dim, "head_dim")?,
     );
     let f = gpu.function(OP)?;
+    let smem = if whole_sms {
+        // the kernel has no static shared memory: all of it is this request
+        let optin = gpu
+            .context()
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .cuda("cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)")?
+            as usize;
+        super::select::ensure_smem(gpu, f, optin, 0, "kv_fetch_sm (whole SMs)")?
+    } else {
+        0
+    };
     let cfg = LaunchConfig {
         grid_dim: (grid(ctas, "ctas")?, 1, 1),
         block_dim: (FETCH_THREADS, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem,
     };
     let mut b = stream.launch_builder(f);
     b.arg(&a.fetch)
@@ -533,6 +557,8 @@ pub struct SplitStreams<'a> {
     /// so that a missing wait for the copy engines' share shows as wrong
     /// bytes in the identity checks.
     pub ce_delay_ns: u64,
+    /// The SM kernel's CTAs hold whole SMs ([`kv_fetch_sm`]'s `whole_sms`).
+    pub whole_sms: bool,
 }
 
 /// The split fetch (runtime.md §4, [`crate::kv::split`]): one layer's
@@ -643,7 +669,7 @@ pub fn fetch_split<C: DevicePtrMut<i32>>(
             nfetch: dptr_mut(gpu, sm_counts),
             ..*a
         };
-        let r = kv_fetch_sm(gpu, s.fetch, &args, ctas);
+        let r = kv_fetch_sm(gpu, s.fetch, &args, ctas, s.whole_sms);
         if r.is_err() && plan.ce_chunks > 0 {
             // the fetch stream still waits for the copies already enqueued
             let _ = s.fetch.wait(s.join);
