@@ -208,7 +208,7 @@ impl GpuModel {
                     stream,
                     &args,
                     ctas,
-                    self.fetch_whole_sms,
+                    self.fetch_whole_sms_for(ctas),
                 )?;
             }
             FetchEngine::Dma => self.fetch_dma_layer(off, l, n, stream)?,
@@ -332,7 +332,7 @@ impl GpuModel {
             fork: &side.fork[l],
             join: &side.join[l],
             ce_delay_ns: self.copy_delay_us as u64 * 1000,
-            whole_sms: self.fetch_whole_sms,
+            whole_sms: self.fetch_whole_sms_for(ctas),
         };
         let mut counts = side.sm_counts.slice_mut(l * n * hk..(l + 1) * n * hk);
         fetch_split(

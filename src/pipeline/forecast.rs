@@ -145,13 +145,16 @@ impl GpuModel {
     /// the other SMs, instead of sharing SMs with the copy and running slower
     /// there (runtime.md §4; `kv_fetch_sm`'s `whole_sms`). With
     /// [`GpuModel::set_reserve_fetch_sms`] the GEMMs are also sized for those
-    /// other SMs. Off by default. Changes timing only.
+    /// other SMs. A copy kernel on more than half the SMs shares them as
+    /// usual (whole SMs would leave compute too few). Off by default.
+    /// Changes timing only.
     pub fn set_fetch_whole_sms(&mut self, on: bool) {
-        if on != self.fetch_whole_sms {
-            self.fetch_whole_sms = on;
-            // a captured step holds the launch configuration
-            self.step = None;
-        }
+        self.fetch_whole_sms = on;
+    }
+
+    /// Whether the copy kernel on `ctas` CTAs takes whole SMs this step.
+    pub(crate) fn fetch_whole_sms_for(&self, ctas: usize) -> bool {
+        self.fetch_whole_sms && 2 * ctas <= self.gpu.info().sm_count.max(1) as usize
     }
 
     /// The SMs the step's GEMMs are sized for at batch `n`: `Some(sm_count −

@@ -616,10 +616,11 @@ pub fn fetch_split<C: DevicePtrMut<i32>>(
     if plan.total() == 0 {
         return Ok(plan);
     }
-    // Everything that can fail is checked, and the SM share's counts are
-    // uploaded, before the copy engines' batch is enqueued: an error never
-    // leaves copies behind that the fetch stream does not wait for, and the
-    // small upload cannot queue behind the batch on a copy engine.
+    // The lists are checked, and the SM share's counts uploaded, before the
+    // copy engines' batch is enqueued, and the small upload cannot queue
+    // behind the batch on a copy engine. A launch that still fails after the
+    // batch (the SM kernel's) leaves the fetch stream waiting for the batch
+    // (below), so no copy is left behind unwaited.
     let copies = if plan.ce_chunks > 0 {
         dma_copies(
             fetch,
