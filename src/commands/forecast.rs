@@ -336,10 +336,7 @@ pub(crate) fn cmd_collect(a: ForecastCollectArgs) -> Result<()> {
         .map(|t| text_chunks(&tok, t, a.context, a.max_chunks))
         .collect::<Result<_>>()?;
     let prefix = a.context - a.decode;
-    let per_chunk = (min_pos..prefix)
-        .filter(|p| (p - min_pos).is_multiple_of(a.stride))
-        .count()
-        + a.decode;
+    let per_chunk = sampled_positions(min_pos, prefix, a.stride).len() + a.decode;
     let total: usize = chunks.iter().map(|c| c.len() * per_chunk).sum();
     eprintln!(
         "collect: {} texts, {} chunks of {} tokens, {total} positions ({} prefill every {} from {min_pos}, {} decode per chunk), {} layers, {}",
@@ -380,6 +377,25 @@ pub(crate) fn cmd_collect(a: ForecastCollectArgs) -> Result<()> {
     Ok(())
 }
 
+/// The prefill positions `collect` records: every `stride`-th from `min_pos`
+/// below `prefix`.
+fn sampled_positions(min_pos: usize, prefix: usize, stride: usize) -> BTreeSet<usize> {
+    (min_pos..prefix)
+        .filter(|p| (p - min_pos).is_multiple_of(stride))
+        .collect()
+}
+
+/// The progress line after each collected chunk.
+fn chunk_done(pb: &indicatif::ProgressBar, text: &Path, chunk: usize, records: u64, t0: Instant) {
+    pb.suspend(|| {
+        eprintln!(
+            "  {} chunk {chunk}: {records} records so far, {:.0} s",
+            text.display(),
+            t0.elapsed().as_secs_f64()
+        )
+    });
+}
+
 /// The collection loop of [`cmd_collect`]: every chunk's prefill (sampled
 /// rows) and decode steps (every row) into `w`.
 #[allow(clippy::too_many_arguments)] // private; the loop's state
@@ -396,9 +412,7 @@ fn collect_into(
     for (ti, text_chunks) in chunks.iter().enumerate() {
         for (ci, toks) in text_chunks.iter().enumerate() {
             let mut seq = m.new_sequence();
-            let positions: BTreeSet<usize> = (min_pos..prefix)
-                .filter(|p| (p - min_pos).is_multiple_of(a.stride))
-                .collect();
+            let positions = sampled_positions(min_pos, prefix, a.stride);
             seq.capture = Some(Capture {
                 positions,
                 queries: true,
@@ -435,14 +449,7 @@ fn collect_into(
                 }
                 pb.inc(1);
             }
-            pb.suspend(|| {
-                eprintln!(
-                    "  {} chunk {ci}: {} records so far, {:.0} s",
-                    a.text[ti].display(),
-                    w.count(),
-                    t0.elapsed().as_secs_f64()
-                )
-            });
+            chunk_done(pb, &a.text[ti], ci, w.count(), t0);
         }
     }
     Ok(())
@@ -496,9 +503,7 @@ fn collect_into_gpu(
     for (ti, text_chunks) in chunks.iter().enumerate() {
         for (ci, toks) in text_chunks.iter().enumerate() {
             let mut seq = m.new_sequence(toks.len())?;
-            let positions: BTreeSet<usize> = (min_pos..prefix)
-                .filter(|p| (p - min_pos).is_multiple_of(a.stride))
-                .collect();
+            let positions = sampled_positions(min_pos, prefix, a.stride);
             let mut step = |m: &mut sparda::pipeline::GpuModel,
                             seq: &mut sparda::pipeline::GpuSequence,
                             tokens: &[u32],
@@ -566,14 +571,7 @@ fn collect_into_gpu(
                     &|p| p + 1,
                 )?;
             }
-            pb.suspend(|| {
-                eprintln!(
-                    "  {} chunk {ci}: {} records so far, {:.0} s",
-                    a.text[ti].display(),
-                    w.count(),
-                    t0.elapsed().as_secs_f64()
-                )
-            });
+            chunk_done(pb, &a.text[ti], ci, w.count(), t0);
         }
     }
     Ok(())
