@@ -43,6 +43,14 @@ use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+mod eb;
+mod prompts;
+mod summary;
+pub use eb::{cell_key, eb_grid, equivalent_batch, kv_name, EbMode};
+pub use prompts::default_texts_dir;
+use prompts::{book_tokens, Source};
+pub use summary::{forecast_comparison, table};
+
 /// How a benchmark fills the sequences before decoding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BenchPrefill {
@@ -122,149 +130,6 @@ pub struct BenchSpec {
     /// skip cells whose file exists with the same configuration
     /// ([`crate::report::plan_cells`]).
     pub resume: Option<PathBuf>,
-}
-
-/// The modes compared under the equivalent-batch protocol (runtime.md §5).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EbMode {
-    /// Full attention, all KV on the GPU.
-    DenseGpu,
-    /// NOSA sparse attention, all KV on the GPU.
-    SparseGpu,
-    /// NOSA offloaded, synchronous fetch.
-    NosaOffload,
-    /// InfLLM-V2-style selection (no eviction head), offloaded.
-    InfllmOffload,
-    /// SparDA forecast selection with prefetch, offloaded.
-    ForecastPrefetch,
-    /// Forecast selection, fetch inside the layer, offloaded.
-    ForecastNoPrefetch,
-}
-
-impl EbMode {
-    /// Every mode, in report order.
-    pub const ALL: [EbMode; 6] = [
-        EbMode::DenseGpu,
-        EbMode::SparseGpu,
-        EbMode::NosaOffload,
-        EbMode::InfllmOffload,
-        EbMode::ForecastPrefetch,
-        EbMode::ForecastNoPrefetch,
-    ];
-    /// Name in reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            EbMode::DenseGpu => "dense, KV on GPU",
-            EbMode::SparseGpu => "NOSA, KV on GPU",
-            EbMode::NosaOffload => "NOSA offloaded (sync)",
-            EbMode::InfllmOffload => "InfLLM-V2 offloaded (sync)",
-            EbMode::ForecastPrefetch => "forecast + prefetch",
-            EbMode::ForecastNoPrefetch => "forecast, no prefetch",
-        }
-    }
-    /// File-name slug of the mode (cell files of `--resume`).
-    pub fn slug(self) -> &'static str {
-        match self {
-            EbMode::DenseGpu => "dense-gpu",
-            EbMode::SparseGpu => "nosa-gpu",
-            EbMode::NosaOffload => "nosa-offload-sync",
-            EbMode::InfllmOffload => "infllmv2-offload-sync",
-            EbMode::ForecastPrefetch => "forecast-prefetch",
-            EbMode::ForecastNoPrefetch => "forecast-no-prefetch",
-        }
-    }
-    /// Whether the mode keeps only selected blocks on the GPU.
-    pub fn offloaded(self) -> bool {
-        !matches!(self, EbMode::DenseGpu | EbMode::SparseGpu)
-    }
-}
-
-/// The real batch of `mode` at equivalent batch `eb` (runtime.md §5): the
-/// GPU's KV memory is fixed at what `eb` offloaded sequences keep there,
-/// `attended` blocks of `block_size` tokens each; an offloaded mode runs
-/// `eb` sequences, a GPU-resident one as many whole `context`-token
-/// sequences as that memory holds (at least 1). E.g. S = 64 blocks, L =
-/// 16K: EB 128 → 128 offloaded, 32 resident.
-pub fn equivalent_batch(
-    mode: EbMode,
-    eb: usize,
-    attended: usize,
-    block_size: usize,
-    context: usize,
-) -> usize {
-    if mode.offloaded() {
-        eb
-    } else {
-        (eb * attended * block_size / context.max(1)).max(1)
-    }
-}
-
-/// The cells of an equivalent-batch grid in run order: per context (as
-/// asked), per EB, every [`EbMode`] (the forecast modes only with
-/// `--forecast`). Empty without `--equivalent-batch`.
-pub fn eb_grid(spec: &BenchSpec) -> Vec<(usize, usize, EbMode)> {
-    let mut out = Vec::new();
-    for &l in &spec.contexts {
-        for &eb in &spec.equivalent_batches {
-            for mode in EbMode::ALL {
-                let forecast_mode =
-                    matches!(mode, EbMode::ForecastPrefetch | EbMode::ForecastNoPrefetch);
-                if forecast_mode && spec.forecast.is_none() {
-                    continue; // needs --forecast
-                }
-                out.push((l, eb, mode));
-            }
-        }
-    }
-    out
-}
-
-/// The [`crate::report::CellKey`] of one EB cell of `spec` (context as
-/// asked), offloaded modes fetching with `off`.
-pub fn cell_key(
-    spec: &BenchSpec,
-    off: &OffloadOptions,
-    context: usize,
-    eb: usize,
-    mode: EbMode,
-) -> crate::report::CellKey {
-    crate::report::CellKey {
-        model: spec.model.clone(),
-        mode: mode.slug().to_string(),
-        context,
-        equivalent_batch: eb,
-        steps: spec.steps,
-        warmup: spec.warmup,
-        prefill: match spec.prefill {
-            BenchPrefill::Synthetic => "synthetic".to_string(),
-            BenchPrefill::Real(m) => format!("real ({m:?})"),
-        },
-        forecast: spec.forecast.clone(),
-        fetch: if mode.offloaded() {
-            kv_name(&Some(*off))
-        } else {
-            "gpu".to_string()
-        },
-        seed: spec.seed,
-        budget_blocks: spec.budget_blocks,
-        select_blocks: spec.select_blocks,
-    }
-}
-
-/// Name of a KV placement in reports: `gpu`, `offload-sm16`, `offload-dma`,
-/// `offload-split8-50` (8 CTAs, 50 % through the copy engines), `offload-auto`.
-pub fn kv_name(kv: &Option<OffloadOptions>) -> String {
-    match kv {
-        None => "gpu".into(),
-        Some(o) => match o.fetch {
-            crate::pipeline::FetchEngine::Sm { ctas } => format!("offload-sm{ctas}"),
-            crate::pipeline::FetchEngine::Dma => "offload-dma".into(),
-            crate::pipeline::FetchEngine::Split { ctas, ce_pct } => {
-                format!("offload-split{ctas}-{ce_pct}")
-            }
-            crate::pipeline::FetchEngine::Auto => "offload-auto".into(),
-        },
-    }
 }
 
 /// Parses a context length: digits with an optional `K` (×1024) or `M`
@@ -353,22 +218,6 @@ pub fn git_commit() -> Option<String> {
     Some(c)
 }
 
-/// The default directory of prompt texts: `../shared/data/texts` (the
-/// team's books beside the checkout, several whole texts) when it holds a
-/// `.txt`, else `data/texts` (the bundled one). Relative to `root`.
-pub fn default_texts_dir(root: &Path) -> PathBuf {
-    let shared = root.join("../shared/data/texts");
-    let has_txt = std::fs::read_dir(&shared).is_ok_and(|d| {
-        d.filter_map(|e| e.ok())
-            .any(|e| e.path().extension().is_some_and(|x| x == "txt"))
-    });
-    if has_txt {
-        shared
-    } else {
-        root.join("data/texts")
-    }
-}
-
 /// The positions a case decodes past its context: warm-up and timed steps,
 /// the extra steps of the mode comparison, the host-issue step, fetch
 /// timing and tracing, and a margin of 3 (the sequences' capacity is
@@ -407,107 +256,6 @@ const TRACE_HOST_COST_SPANS: usize = 2000;
 
 /// Tokens of the untimed prefill that opens each prefill-only case.
 const PREFILL_WARMUP_TOKENS: usize = 2048;
-
-/// One text's tokens, for prompts.
-struct Book {
-    /// File name (e.g. `hamlet.txt`).
-    name: String,
-    /// Its tokens.
-    tokens: Vec<u32>,
-}
-
-/// Book tokens for prompts: every `.txt` under `dir`, encoded, one
-/// [`Book`] each, sorted by name.
-fn book_tokens(tok: &Tokenizer, dir: &Path) -> Result<Vec<Book>> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| Error::io(dir, e))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "txt"))
-        .collect();
-    files.sort();
-    let mut out = Vec::new();
-    for f in files {
-        let text = std::fs::read_to_string(&f).map_err(|e| Error::io(&f, e))?;
-        let tokens = tok.encode(&text)?;
-        if !tokens.is_empty() {
-            out.push(Book {
-                name: f
-                    .file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .unwrap_or_default(),
-                tokens,
-            });
-        }
-    }
-    if out.is_empty() {
-        return Err(Error::Input(format!(
-            "no .txt text under {} to take prompts from",
-            dir.display()
-        )));
-    }
-    Ok(out)
-}
-
-/// Where prompt tokens come from.
-enum Source {
-    /// Real text: one or more books (runtime.md §5: each sequence a
-    /// different text or offset).
-    Books(Vec<Book>),
-    /// Random ids (seed, vocabulary size).
-    Random(u64, usize),
-}
-
-impl Source {
-    /// Where sequence `b` of `batch` starts: book `b mod n` of the n books,
-    /// and on it the k-th (k = b div n) of the ⌈batch/n⌉ sequences that
-    /// share that book, at offset k·(book length / ⌈batch/n⌉). Returns the
-    /// book index and the offset (random ids: (0, 0)).
-    fn origin(&self, b: usize, batch: usize) -> (usize, usize) {
-        match self {
-            Source::Books(books) if !books.is_empty() => {
-                let n = books.len();
-                let per_book = batch.max(1).div_ceil(n);
-                let i = b % n;
-                (i, (b / n) * (books[i].tokens.len() / per_book))
-            }
-            _ => (0, 0),
-        }
-    }
-    /// `len` tokens for sequence `b` of `batch`: the book and offset of
-    /// [`Source::origin`], wrapping around at the book's end; or random ids
-    /// in 3 … V−1.
-    fn tokens(&self, b: usize, batch: usize, len: usize) -> Vec<u32> {
-        match self {
-            Source::Books(books) if !books.is_empty() => {
-                let (i, off) = self.origin(b, batch);
-                let t = &books[i].tokens;
-                (0..len).map(|j| t[(off + j) % t.len()]).collect()
-            }
-            Source::Books(_) => vec![3; len],
-            Source::Random(seed, vocab) => {
-                let mut rng = SmallRng::seed_from_u64(seed.wrapping_add(b as u64 * 7919));
-                (0..len)
-                    .map(|_| rng.random_range(3..(*vocab).max(4) as u32))
-                    .collect()
-            }
-        }
-    }
-    /// The text and offset of every sequence of a batch (for the report),
-    /// or null for random ids.
-    fn origins_json(&self, batch: usize) -> Value {
-        match self {
-            Source::Books(books) if !books.is_empty() => Value::Array(
-                (0..batch)
-                    .map(|b| {
-                        let (i, off) = self.origin(b, batch);
-                        json!({"text": books[i].name, "offset": off, "text_tokens": books[i].tokens.len()})
-                    })
-                    .collect(),
-            ),
-            _ => Value::Null,
-        }
-    }
-}
 
 /// Resident set size of this process, bytes (`VmRSS` of /proc/self/status;
 /// None where that file does not exist).
@@ -1332,146 +1080,9 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
     Ok(report)
 }
 
-/// Forecast-mode figures per (fetch engine, B, L) that ran sync NOSA, forecast
-/// with and without prefetch: from the sync run P = fetch ms per step (the
-/// fetch timing steps) and C = step − P; `bound` = (P + C) / max(P, C), the
-/// most that overlapping fetch and compute can gain; `speedup` over sync
-/// NOSA and over forecast without prefetch, and the latter as a fraction of
-/// the bound.
-pub fn forecast_comparison(cases: &[Value]) -> Value {
-    let mut out = Vec::new();
-    let find = |kv: &Value, b: &Value, l: &Value, rule: &Value, sel: &str| {
-        cases.iter().find(|c| {
-            &c["kv"] == kv
-                && &c["batch"] == b
-                && &c["context"] == l
-                && &c["mode"] == rule
-                && c["selection"] == sel
-        })
-    };
-    for c in cases {
-        if !c["selection"]
-            .as_str()
-            .is_some_and(|s| s.starts_with("query-aware"))
-            || !c["kv"].as_str().is_some_and(|k| k.starts_with("offload"))
-            || c.get("skipped").is_some()
-        {
-            continue;
-        }
-        // the forecast runs of the same cell and selection rule (NOSA or InfLLM-V2)
-        let (kv, b, l, rule) = (&c["kv"], &c["batch"], &c["context"], &c["mode"]);
-        let (Some(pre), Some(nopre)) = (
-            find(kv, b, l, rule, "forecast+prefetch"),
-            find(kv, b, l, rule, "forecast, no prefetch"),
-        ) else {
-            continue;
-        };
-        if pre.get("skipped").is_some() || nopre.get("skipped").is_some() {
-            continue;
-        }
-        let step = |x: &Value| x["step_ms_mean"].as_f64().unwrap_or(f64::NAN);
-        let (s_sync, s_pre, s_nopre) = (step(c), step(pre), step(nopre));
-        let p = c["offload"]["fetch_timing"]["fetch_ms_per_step"]
-            .as_f64()
-            .unwrap_or(f64::NAN);
-        let cc = s_sync - p;
-        let bound = (p + cc) / p.max(cc);
-        let sp_nopre = s_nopre / s_pre;
-        let gamma = |x: &Value| x["offload"]["locality_gamma"].clone();
-        let bl = b.as_f64().unwrap_or(0.0) * l.as_f64().unwrap_or(0.0);
-        out.push(json!({
-            "kv": kv, "batch": b, "context": l, "batch_x_context": bl,
-            "P_fetch_ms": p, "C_rest_ms": cc, "bound": bound,
-            "step_ms": {"sync": s_sync, "forecast_prefetch": s_pre, "forecast_no_prefetch": s_nopre},
-            "tokens_per_s": {"sync": c["tokens_per_s"], "forecast_prefetch": pre["tokens_per_s"], "forecast_no_prefetch": nopre["tokens_per_s"]},
-            "speedup": {"vs_sync": s_sync / s_pre, "vs_no_prefetch": sp_nopre},
-            "vs_no_prefetch_over_bound": sp_nopre / bound,
-            "target_vs_no_prefetch_0_9_bound_met": sp_nopre >= 0.9 * bound,
-            "target_vs_sync_1_4_applies": l.as_f64().unwrap_or(0.0) >= 65_536.0 && bl >= 2e6 && bound > 1.55,
-            "target_vs_sync_1_4_met": s_sync / s_pre >= 1.4,
-            "locality_gamma": {"sync": gamma(c), "forecast_prefetch": gamma(pre), "forecast_no_prefetch": gamma(nopre)},
-        }));
-    }
-    Value::Array(out)
-}
-
-/// A plain-text table of a report's cases (for the terminal).
-pub fn table(report: &Value) -> String {
-    let mut s = String::from(
-        "attention  kv            B    L       step ms (mean / median)   tokens/s    GPU mem GiB  note\n",
-    );
-    for c in report["cases"].as_array().into_iter().flatten() {
-        let att = c["attention"].as_str().unwrap_or("?");
-        let kv = match c["selection"].as_str() {
-            _ if c["eb_mode"].is_string() => format!(
-                "EB{} {}",
-                c["equivalent_batch"],
-                c["eb_mode"].as_str().unwrap_or("?")
-            ),
-            Some("forecast+prefetch") => format!("{}+fc+pf", c["kv"].as_str().unwrap_or("gpu")),
-            Some("forecast, no prefetch") => format!("{}+fc", c["kv"].as_str().unwrap_or("gpu")),
-            _ => c["kv"].as_str().unwrap_or("gpu").to_string(),
-        };
-        let b = c["batch"].as_u64().unwrap_or(0);
-        let l = c["context"].as_u64().unwrap_or(0);
-        if let Some(r) = c["skipped"].as_str() {
-            s.push_str(&format!(
-                "{att:<9}  {kv:<12}  {b:<3}  {l:<6}  skipped: {r}\n"
-            ));
-            continue;
-        }
-        if let Some(tps) = c["prefill_tokens_per_s"]
-            .as_f64()
-            .filter(|_| c["step_ms_mean"].is_null())
-        {
-            s.push_str(&format!(
-                "{att:<9}  {kv:<12}  {b:<3}  {l:<6}  prefill only: {tps:.0} tokens/s, time to first token {:.1} ms (median)\n",
-                c["ttft_ms_median"].as_f64().unwrap_or(f64::NAN)
-            ));
-            continue;
-        }
-        s.push_str(&format!(
-            "{att:<9}  {kv:<12}  {b:<3}  {l:<6}  {:>8.3} / {:<8.3}        {:>10.1}  {:>10.1}  graph={} {}\n",
-            c["step_ms_mean"].as_f64().unwrap_or(f64::NAN),
-            c["step_ms_median"].as_f64().unwrap_or(f64::NAN),
-            c["tokens_per_s"].as_f64().unwrap_or(f64::NAN),
-            c["gpu_mem_used_bytes"].as_f64().unwrap_or(f64::NAN) / (1u64 << 30) as f64,
-            c["cuda_graph"],
-            c["offload"]["locality_gamma"]
-                .as_f64()
-                .map(|g| format!("γ={g:.3}"))
-                .unwrap_or_default()
-        ));
-    }
-    for f in report["forecast_comparison"]
-        .as_array()
-        .into_iter()
-        .flatten()
-    {
-        s.push_str(&format!(
-            "forecast {} B={} L={}: P {:.2} ms C {:.2} ms bound {:.2}; speedup vs sync {:.2}, vs no-prefetch {:.2} ({:.0}% of bound)\n",
-            f["kv"].as_str().unwrap_or("?"),
-            f["batch"], f["context"],
-            f["P_fetch_ms"].as_f64().unwrap_or(f64::NAN),
-            f["C_rest_ms"].as_f64().unwrap_or(f64::NAN),
-            f["bound"].as_f64().unwrap_or(f64::NAN),
-            f["speedup"]["vs_sync"].as_f64().unwrap_or(f64::NAN),
-            f["speedup"]["vs_no_prefetch"].as_f64().unwrap_or(f64::NAN),
-            100.0 * f["vs_no_prefetch_over_bound"].as_f64().unwrap_or(f64::NAN)
-        ));
-    }
-    if let Some(t) = report["target_comparison"].as_object() {
-        s.push_str(&format!(
-            "B=1 L=4K dense: {:.3} ms/step vs layer-GEMM ceiling {:.3} ms (device.md 4.13), target 5.0 ms\n",
-            t["step_ms_mean"].as_f64().unwrap_or(f64::NAN),
-            t["layer_gemm_ceiling_ms_measured"].as_f64().unwrap_or(f64::NAN)
-        ));
-    }
-    s
-}
-
 #[cfg(test)]
 mod tests {
+    use super::prompts::Book;
     use super::*;
 
     fn case(sel: &str, b: u64, l: u64, step: f64, fetch_ms: Option<f64>) -> Value {
