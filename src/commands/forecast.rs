@@ -22,6 +22,7 @@ use sparda_forecast::recall::{free_hits, random_expected_hits, Tally};
 use sparda_forecast::records::{self, Header, Record};
 use sparda_forecast::ridge::{self, Accumulator};
 use sparda_forecast::targets;
+use std::borrow::Cow;
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::time::Instant;
@@ -132,8 +133,9 @@ fn rotate(rope: &Rope, x: &mut [f32], pos: usize, rope_len: usize, head_dim: usi
 struct RowView<'a> {
     position: usize,
     xn: &'a [f32],
-    q_pre: Vec<f32>,
-    q_post: Vec<f32>,
+    /// Borrowed from the capture where the engine recorded it, else rotated here.
+    q_pre: Cow<'a, [f32]>,
+    q_post: Cow<'a, [f32]>,
 }
 
 /// The records of the captured rows of one forward call (CPU reference):
@@ -165,8 +167,8 @@ fn records_of(
                     RowView {
                         position: r.position,
                         xn: &r.xn,
-                        q_pre: r.q.clone(),
-                        q_post,
+                        q_pre: Cow::Borrowed(&r.q[..]),
+                        q_post: Cow::Owned(q_post),
                     }
                 })
                 .collect()
@@ -531,8 +533,8 @@ fn collect_into_gpu(
                                 RowView {
                                     position: p,
                                     xn: &r.xn,
-                                    q_pre,
-                                    q_post: r.q_rope.clone(),
+                                    q_pre: Cow::Owned(q_pre),
+                                    q_post: Cow::Borrowed(&r.q_rope[..]),
                                 }
                             })
                             .collect()

@@ -154,7 +154,15 @@ impl GpuModel {
 
     /// Whether the copy kernel on `ctas` CTAs takes whole SMs this step.
     pub(crate) fn fetch_whole_sms_for(&self, ctas: usize) -> bool {
-        self.fetch_whole_sms && 2 * ctas <= self.gpu.info().sm_count.max(1) as usize
+        self.fetch_whole_sms && self.sms_left_by_copy(ctas).is_some()
+    }
+
+    /// The SMs a copy kernel on `ctas` CTAs (one SM each) leaves to compute,
+    /// when it takes at most half of them (else `None`: so many copy CTAs
+    /// share SMs as usual, and the GEMMs keep every SM).
+    fn sms_left_by_copy(&self, ctas: usize) -> Option<usize> {
+        let sms = self.gpu.info().sm_count.max(1) as usize;
+        (2 * ctas <= sms).then(|| sms - ctas)
     }
 
     /// The SMs the step's GEMMs are sized for at batch `n`: `Some(sm_count −
@@ -170,9 +178,7 @@ impl GpuModel {
             FetchEngine::Sm { ctas } | FetchEngine::Split { ctas, .. } => ctas,
             _ => return None,
         };
-        let sms = self.gpu.info().sm_count.max(1) as usize;
-        // a copy kernel on more than half the SMs leaves the GEMMs alone
-        (2 * ctas <= sms).then(|| sms - ctas)
+        self.sms_left_by_copy(ctas)
     }
 
     /// Injects a delay of `us` µs (a spin kernel) before every fetch on its
