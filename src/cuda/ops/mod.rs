@@ -11,9 +11,11 @@
 
 pub mod attention;
 pub mod offload;
+pub mod prefill_attention;
 pub mod select;
 
 pub use attention::*;
+pub use prefill_attention::*;
 
 use crate::cuda::context::{dptr, dptr_mut, grid, i32_dim, CudaResultExt};
 use crate::cuda::device_error::ErrorSink;
