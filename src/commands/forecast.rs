@@ -483,7 +483,8 @@ impl Collector {
 
 /// [`collect_into`] on the GPU engine: the prefix prefilled with x̂ and
 /// the rotated queries captured at the sampled positions
-/// ([`sparda::pipeline::GpuModel::set_capture`]), then each decode position
+/// ([`sparda::pipeline::GpuModel::set_capture`]) and written chunk by chunk
+/// ([`sparda::pipeline::GpuModel::prefill_observed`]), then each decode position
 /// as a one-token prefill (the same computation for that row), captured;
 /// the targets from the layers' compressed keys read back after each call
 /// and the queries rotated back (bf16 activations: the CPU reference's
@@ -506,18 +507,20 @@ fn collect_into_gpu(
         for (ci, toks) in text_chunks.iter().enumerate() {
             let mut seq = m.new_sequence(toks.len())?;
             let positions = sampled_positions(min_pos, prefix, a.stride);
-            let mut step = |m: &mut sparda::pipeline::GpuModel,
-                            seq: &mut sparda::pipeline::GpuSequence,
-                            tokens: &[u32],
-                            positions: BTreeSet<usize>,
-                            phase: u32,
-                            rope_len: &dyn Fn(usize) -> usize|
-             -> Result<usize> {
-                sparda::interrupt::check(|| format!("collect, {} records written", w.count()))?;
-                m.set_capture(positions);
-                let r = m.prefill(seq, tokens, |_, _| {});
-                let rows = m.take_capture();
-                r?;
+            // The records of the rows captured since the last call, their
+            // targets from the compressed keys the sequence holds now (the
+            // rows' own windows are complete: each target scores only the
+            // windows up to its position).
+            let emit = |m: &mut sparda::pipeline::GpuModel,
+                        seq: &sparda::pipeline::GpuSequence,
+                        w: &mut records::Writer,
+                        phase: u32,
+                        rope_len: &dyn Fn(usize) -> usize|
+             -> Result<()> {
+                let rows = m.drain_capture();
+                if rows.iter().all(|r| r.is_empty()) {
+                    return Ok(());
+                }
                 let windows = budget.windows(seq.len());
                 let kc = (0..c.num_hidden_layers)
                     .map(|l| m.selection_state(seq, l, windows).map(|s| s.kc))
@@ -553,25 +556,29 @@ fn collect_into_gpu(
                     w.push(r).map_err(fe)?;
                 }
                 pb.inc(recs.len() as u64);
-                Ok(recs.len())
+                Ok(())
             };
-            step(
-                m,
+            // The prefix in one prefill (its chunks, dense/sparse choice and
+            // RoPE table those of the whole prompt), each chunk's sampled rows
+            // written before the next chunk runs: at most one chunk's rows
+            // are held.
+            sparda::interrupt::check(|| format!("collect, {} records written", w.count()))?;
+            m.set_capture(positions);
+            let r = m.prefill_observed(
                 &mut seq,
                 &toks[..prefix],
-                positions,
-                records::PHASE_PREFILL,
-                &|_| prefix,
-            )?;
+                |_, _| {},
+                |m, seq| emit(m, seq, w, records::PHASE_PREFILL, &|_| prefix),
+            );
+            m.take_capture();
+            r?;
             for (t, &token) in toks.iter().enumerate().skip(prefix) {
-                step(
-                    m,
-                    &mut seq,
-                    &[token],
-                    BTreeSet::from([t]),
-                    records::PHASE_DECODE,
-                    &|p| p + 1,
-                )?;
+                sparda::interrupt::check(|| format!("collect, {} records written", w.count()))?;
+                m.set_capture(BTreeSet::from([t]));
+                let r = m.prefill(&mut seq, &[token], |_, _| {});
+                let r = r.and_then(|()| emit(m, &seq, w, records::PHASE_DECODE, &|p| p + 1));
+                m.take_capture();
+                r?;
             }
             chunk_done(pb, &a.text[ti], ci, w.count(), t0);
         }

@@ -38,6 +38,8 @@ impl GpuModel {
     /// bf16 values), so capturing slows prefill. Decode steps capture
     /// nothing: feed teacher-forced tokens through `prefill` one at a time
     /// to capture decode positions (the same computation for that row).
+    /// The rows are kept until taken: [`GpuModel::drain_capture`] after each
+    /// chunk bounds them by one chunk's.
     pub fn set_capture(&mut self, positions: BTreeSet<usize>) {
         self.capture = Some(GpuCapture {
             positions,
@@ -50,6 +52,18 @@ impl GpuModel {
     /// capture.
     pub fn take_capture(&mut self) -> Vec<Vec<GpuCapturedRow>> {
         self.capture.take().map(|c| c.rows).unwrap_or_default()
+    }
+
+    /// The rows captured since [`GpuModel::set_capture`] or the last drain
+    /// (`[layer][row]`, rows in call order; empty when nothing was asked
+    /// for); the capture goes on for the same positions. Called after each
+    /// prefill chunk ([`GpuModel::prefill_observed`]), it keeps at most one
+    /// chunk's captured rows in memory.
+    pub fn drain_capture(&mut self) -> Vec<Vec<GpuCapturedRow>> {
+        self.capture
+            .as_mut()
+            .map(|c| c.rows.iter_mut().map(std::mem::take).collect())
+            .unwrap_or_default()
     }
 
     /// Captures layer `l` of a forward call (after the layer's front half:

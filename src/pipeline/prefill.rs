@@ -30,7 +30,27 @@ impl GpuModel {
         &mut self,
         seq: &mut GpuSequence,
         prompt: &[u32],
+        progress: impl FnMut(usize, usize),
+    ) -> Result<()> {
+        self.prefill_observed(seq, prompt, progress, |_, _| Ok(()))
+    }
+
+    /// [`GpuModel::prefill`], calling `after_chunk(model, seq)` after each
+    /// chunk's forward call (and its `progress`), before the next chunk is
+    /// launched: a caller can read what the chunk left (the rows
+    /// [`GpuModel::set_capture`] captured, through [`GpuModel::drain_capture`];
+    /// the selection state) without keeping the whole prompt's. The same
+    /// computation as `prefill`: the chunks, the dense or sparse choice and
+    /// the RoPE table are those of the whole prompt.
+    ///
+    /// Errors: those of [`GpuModel::prefill`], and the first error
+    /// `after_chunk` returns (no further chunk runs).
+    pub fn prefill_observed(
+        &mut self,
+        seq: &mut GpuSequence,
+        prompt: &[u32],
         mut progress: impl FnMut(usize, usize),
+        mut after_chunk: impl FnMut(&mut GpuModel, &GpuSequence) -> Result<()>,
     ) -> Result<()> {
         if prompt.is_empty() {
             return Err(Error::Input("empty prompt: give at least one token".into()));
@@ -49,7 +69,7 @@ impl GpuModel {
         } else {
             None
         };
-        let r = self.prefill_chunks(seq, prompt, sparse, &mut progress);
+        let r = self.prefill_chunks(seq, prompt, sparse, &mut progress, &mut after_chunk);
         if let Some(d) = decode_table {
             // the prefill table's last readers finish before it is freed
             let synced = self.gpu.synchronize();
@@ -67,6 +87,7 @@ impl GpuModel {
         prompt: &[u32],
         sparse: bool,
         progress: &mut impl FnMut(usize, usize),
+        after_chunk: &mut impl FnMut(&mut GpuModel, &GpuSequence) -> Result<()>,
     ) -> Result<()> {
         let t0 = seq.len;
         let mut done = 0;
@@ -96,6 +117,7 @@ impl GpuModel {
             };
             self.forward(std::slice::from_mut(seq), &rows, which)?;
             progress(done, prompt.len());
+            after_chunk(self, seq)?;
         }
         Ok(())
     }
