@@ -1113,6 +1113,51 @@ fn many_layers_are_summarized_in_one_pass() {
     );
 }
 
+/// Compute spans by whether a fetch ran beside them: fetches cover [0,10)
+/// and [20,21); attention of layers 0 and 1 runs inside them (2 and 4 ms:
+/// mean 3), that of layer 2 after them (1 ms); an ffn half covered is
+/// partial; `wait` is left out; a span covered exactly 95 % counts as
+/// beside, one covered 5 % as without.
+#[test]
+fn compute_phases_are_split_by_a_concurrent_fetch() {
+    let v = vec![
+        span(Track::Copy, "fetch", 0.0, 10.0, 1, 0, Some(100)),
+        span(Track::Copy, "fetch", 20.0, 1.0, 2, 0, Some(100)),
+        span(Track::Compute, "attention", 1.0, 2.0, 0, 0, None),
+        span(Track::Compute, "attention", 4.0, 4.0, 1, 0, None),
+        span(Track::Compute, "attention", 30.0, 1.0, 2, 0, None),
+        span(Track::Compute, "ffn", 9.0, 2.0, 1, 0, None),
+        span(Track::Compute, "wait", 8.0, 1.0, 1, 0, None),
+        // [19.95, 20.95): 0.95 of 1 ms under the [20,21) fetch
+        span(Track::Compute, "o_proj", 19.95, 1.0, 2, 0, None),
+        // [20.95, 22.95): 0.05 ms of 2 ms under the [20,21) fetch (2.5 %)
+        span(Track::Compute, "qkv", 20.95, 2.0, 2, 0, None),
+    ];
+    let s = summary_of(&v);
+    assert!(!s.beside_fetch.contains_key("wait"));
+    let a = &s.beside_fetch["attention"];
+    assert_eq!((a.under_fetch, a.without_fetch, a.partial), (2, 1, 0));
+    assert!(close(a.under_fetch_mean_us, 3000.0), "{a:?}");
+    assert!(close(a.without_fetch_mean_us, 1000.0), "{a:?}");
+    assert!(close(a.slowdown().unwrap(), 3.0));
+    let f = &s.beside_fetch["ffn"];
+    assert_eq!((f.under_fetch, f.without_fetch, f.partial), (0, 0, 1));
+    assert_eq!(f.slowdown(), None);
+    let o = &s.beside_fetch["o_proj"];
+    assert_eq!((o.under_fetch, o.without_fetch), (1, 0), "{o:?}");
+    let q = &s.beside_fetch["qkv"];
+    assert_eq!((q.under_fetch, q.without_fetch), (0, 1), "{q:?}");
+    let text = s.to_text();
+    assert!(
+        text.contains("beside a fetch") && text.contains("3.00×"),
+        "{text}"
+    );
+    // No fetch span on the copy track: no split at all.
+    let resident = summary_of(&[span(Track::Compute, "attention", 0.0, 1.0, 0, 0, None)]);
+    assert!(resident.beside_fetch.is_empty());
+    assert!(!resident.to_text().contains("beside a fetch"));
+}
+
 /// `GpuTimeline::host_cost` keeps the spans recorded before it and drops its
 /// own. Needs a GPU (ignored by default; `--ignored` on the GPU machine).
 #[test]

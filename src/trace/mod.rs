@@ -25,7 +25,13 @@
 //! - **hidden**: the part of that union during which the compute track was
 //!   busy with any span other than `wait`;
 //! - **exposed**: the rest (transfer while compute was idle or waiting);
-//! - **overlap %** = hidden / H2D total.
+//! - **overlap %** = hidden / H2D total;
+//! - **beside a fetch** ([`BesideFetch`]): per compute phase, the mean
+//!   duration of its spans that ran alongside a fetch (at least
+//!   [`UNDER_FETCH`] of the span covered by the fetch union) against those
+//!   that ran without one (at most [`WITHOUT_FETCH`] covered), e.g. the
+//!   last layer's, which prefetches nothing: how much the fetch slows the
+//!   compute it overlaps (runtime.md §4).
 //!
 //! Per-step means divide by the number of decode steps ([`Summary::steps`]):
 //! the steps of the GPU spans when the trace has any, else those of the host
@@ -476,6 +482,38 @@ pub struct LayerStats {
     pub wait_ms: f64,
 }
 
+/// A span counts as run beside a fetch when at least this share of it is
+/// covered by the union of the copy track's fetch spans.
+pub const UNDER_FETCH: f64 = 0.95;
+/// A span counts as run without a fetch when at most this share of it is
+/// covered by the union of the copy track's fetch spans.
+pub const WITHOUT_FETCH: f64 = 0.05;
+
+/// One compute phase's spans by whether a fetch ran beside them (see the
+/// module doc): a phase that takes longer beside a fetch shares the GPU
+/// with it (SMs, memory system).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct BesideFetch {
+    /// Spans at least [`UNDER_FETCH`] covered by fetches.
+    pub under_fetch: usize,
+    /// Their mean duration, µs (0 when none).
+    pub under_fetch_mean_us: f64,
+    /// Spans at most [`WITHOUT_FETCH`] covered by fetches.
+    pub without_fetch: usize,
+    /// Their mean duration, µs (0 when none).
+    pub without_fetch_mean_us: f64,
+    /// The other spans (partly covered), not in either mean.
+    pub partial: usize,
+}
+
+impl BesideFetch {
+    /// under_fetch_mean_us / without_fetch_mean_us, when both sides have spans.
+    pub fn slowdown(&self) -> Option<f64> {
+        (self.under_fetch > 0 && self.without_fetch > 0 && self.without_fetch_mean_us > 0.0)
+            .then(|| self.under_fetch_mean_us / self.without_fetch_mean_us)
+    }
+}
+
 /// What `sparda trace summarize` prints.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Summary {
@@ -503,6 +541,9 @@ pub struct Summary {
     pub h2d_gb_per_s: f64,
     /// Per layer (from `args.layer`).
     pub layers: BTreeMap<u64, LayerStats>,
+    /// Per compute phase (not `wait`), its spans beside and without a
+    /// fetch; empty when the trace has no fetch span on the copy track.
+    pub beside_fetch: BTreeMap<String, BesideFetch>,
 }
 
 /// Sorted, merged union of intervals [start, end).
@@ -690,6 +731,7 @@ pub fn summarize(trace: &Value) -> Result<Summary> {
         0.0
     };
     s.compute_wait_ms = length(&wait) / 1e3;
+    s.beside_fetch = beside_fetch(&evs, &fetch);
     s.h2d_bytes = fetch_bytes(evs.iter().filter(|e| is_fetch(e)))?;
     s.h2d_gb_per_s = if s.h2d_total_ms > 0.0 {
         s.h2d_bytes as f64 / (s.h2d_total_ms * 1e6)
@@ -717,6 +759,46 @@ pub fn summarize(trace: &Value) -> Result<Summary> {
         );
     }
     Ok(s)
+}
+
+/// How much of [a, b) the sorted, disjoint intervals `iv` cover.
+fn covered_len(iv: &[(f64, f64)], a: f64, b: f64) -> f64 {
+    let first = iv.partition_point(|&(_, hi)| hi <= a);
+    iv[first..]
+        .iter()
+        .take_while(|&&(lo, _)| lo < b)
+        .map(|&(lo, hi)| (hi.min(b) - lo.max(a)).max(0.0))
+        .sum()
+}
+
+/// [`Summary::beside_fetch`]: each compute span (not `wait`) sorted by how
+/// much of it the fetch union `fetch` covers.
+fn beside_fetch(evs: &[Ev], fetch: &[(f64, f64)]) -> BTreeMap<String, BesideFetch> {
+    let mut out: BTreeMap<String, BesideFetch> = BTreeMap::new();
+    if fetch.is_empty() {
+        return out;
+    }
+    for e in evs {
+        if e.track != Some(Track::Compute) || e.name == "wait" {
+            continue;
+        }
+        let b = out.entry(e.name.clone()).or_default();
+        let covered = covered_len(fetch, e.ts, e.ts + e.dur);
+        if e.dur > 0.0 && covered >= UNDER_FETCH * e.dur {
+            b.under_fetch += 1;
+            b.under_fetch_mean_us += e.dur;
+        } else if covered <= WITHOUT_FETCH * e.dur {
+            b.without_fetch += 1;
+            b.without_fetch_mean_us += e.dur;
+        } else {
+            b.partial += 1;
+        }
+    }
+    for b in out.values_mut() {
+        b.under_fetch_mean_us /= b.under_fetch.max(1) as f64;
+        b.without_fetch_mean_us /= b.without_fetch.max(1) as f64;
+    }
+    out
 }
 
 /// The union of the spans of `evs` that `keep` accepts.
@@ -838,6 +920,33 @@ impl Summary {
                 "H2D: no fetch spans on the copy track (KV on the GPU, or a CPU trace); compute waited {:.3} ms",
                 self.compute_wait_ms
             );
+        }
+        if !self.beside_fetch.is_empty() {
+            let _ = writeln!(
+                o,
+                "beside a fetch (spans ≥ {:.0} % / ≤ {:.0} % covered by the copy track's fetches):",
+                100.0 * UNDER_FETCH,
+                100.0 * WITHOUT_FETCH
+            );
+            let _ = writeln!(
+                o,
+                "{:<12} {:>11} {:>10} {:>11} {:>10} {:>8} {:>9}",
+                "phase", "beside", "mean µs", "without", "mean µs", "partial", "slowdown"
+            );
+            for (name, b) in &self.beside_fetch {
+                let slow = b.slowdown().map_or("–".to_string(), |x| format!("{x:.2}×"));
+                let _ = writeln!(
+                    o,
+                    "{:<12} {:>11} {:>10.1} {:>11} {:>10.1} {:>8} {:>9}",
+                    name,
+                    b.under_fetch,
+                    b.under_fetch_mean_us,
+                    b.without_fetch,
+                    b.without_fetch_mean_us,
+                    b.partial,
+                    slow
+                );
+            }
         }
         if !self.layers.is_empty() {
             let _ = writeln!(
