@@ -16,6 +16,14 @@
 #                                          whole SMs (--fetch-whole-sms), alone and with
 #                                          --reserve-fetch-sms, sm:8/16 (BATCH, default 16; CONTEXT,
 #                                          default 32K,64K), two alternating rounds
+#   scripts/device/offload.sh diagnose OUT where the prefetch step's compute time goes: one traced forecast +
+#                                          prefetch run per variant (copy CTAs sharing SMs; holding whole
+#                                          SMs; whole SMs + GEMMs sized for the rest; the host store in
+#                                          huge pages, SPARDA_HOST_PAGES=huge), each trace summarized with
+#                                          its `beside a fetch` table (BATCH, default 16; CONTEXT, 32K;
+#                                          FETCH, sm:16); write under run_phases.sh (12 files)
+#   scripts/device/offload.sh hostpages OUT prefetch and sync step time with the host store from
+#                                          cuMemHostAlloc vs huge pages, sm:8/16, two alternating rounds
 #   scripts/device/offload.sh eb OUT       all modes under the equivalent-batch protocol
 #   scripts/device/offload.sh dmaprefetch OUT  copy engines vs SM kernel vs a split of both with prefetch
 #   scripts/device/offload.sh b1 OUT       GPU-resident B=1 L=4K step vs the split-K cap (SPARDA_ATTN_MAX_SPLITS)
@@ -90,6 +98,31 @@ wholesm)
         --forecast synth:1 --prefetch on --sync off --batch "${BATCH:-16}" --context "${CONTEXT:-32K,64K}" \
         --steps "${STEPS:-32}" --fetch-timing-steps 0 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
         "${flag[@]}" --json "$out/bench_fetch_sms_${v}_$r.json" 2>&1 | grep -E "sparse|skip" || true
+    done
+  done
+  ;;
+diagnose)
+  for v in shared whole whole_reserve huge; do
+    flag=(); envs=()
+    [[ $v == whole* ]] && flag+=(--fetch-whole-sms)
+    [[ $v == whole_reserve ]] && flag+=(--reserve-fetch-sms)
+    [[ $v == huge ]] && envs+=(SPARDA_HOST_PAGES=huge)
+    env "${envs[@]}" $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch "${FETCH:-sm:16}" \
+      --forecast synth:1 --prefetch on --sync off --batch "${BATCH:-16}" --context "${CONTEXT:-32K}" \
+      --steps 16 --fetch-timing-steps 0 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" "${flag[@]}" \
+      --trace "$out/trace_diagnose_$v.json" --trace-steps 4 --json "$out/bench_diagnose_$v.json" 2>&1 \
+      | grep -E "sparse|skip|pinned" || true
+    $bin trace summarize "$out/trace_diagnose_$v.json" > "$out/trace_diagnose_${v}_summary.txt" 2>&1 || true
+    echo "--- $v"; grep -A8 "beside a fetch" "$out/trace_diagnose_${v}_summary.txt" || true
+  done
+  ;;
+hostpages)
+  for r in 1 2; do
+    for hp in driver huge; do
+      SPARDA_HOST_PAGES=$hp $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch sm:8,sm:16 \
+        --forecast synth:1 --prefetch on --batch "${BATCH:-16}" --context "${CONTEXT:-32K,64K}" \
+        --steps "${STEPS:-32}" --fetch-timing-steps 0 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
+        --json "$out/bench_host_pages_${hp}_$r.json" 2>&1 | grep -E "sparse|skip|pinned" || true
     done
   done
   ;;

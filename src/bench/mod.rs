@@ -903,6 +903,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
         },
         "weight_bytes": model.weight_bytes(),
         "small_batch_gemv": gpu.small_gemv(),
+        "host_pages": crate::kv::host_store::HostPages::from_env()?.name(),
         "weights_load_s": load_s,
         "prefill": match spec.prefill {
             BenchPrefill::Synthetic => "synthetic: random bf16 K/V N(0,1) per layer; c, Kc, p computed from them on the GPU; the model is not run (runtime.md §5)".to_string(),

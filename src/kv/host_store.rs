@@ -21,7 +21,63 @@ pub struct PinnedKv {
     dev: u64,
     len: usize,
     ctx: Arc<CudaContext>,
+    /// How the memory was obtained, and so how it is freed.
+    pages: HostPages,
+    /// With [`HostPages::Huge`], the whole mapping (`mmap` base and length,
+    /// `host` being its first 2 MiB boundary).
+    mapping: (*mut u8, usize),
 }
+
+/// How the pinned host store gets its memory (`SPARDA_HOST_PAGES`).
+///
+/// - `Driver` (the default): `cuMemHostAlloc` with `DEVICEMAP | PORTABLE`.
+/// - `Huge` (`SPARDA_HOST_PAGES=huge`): an anonymous mapping aligned to
+///   2 MiB and advised for transparent huge pages (`madvise(MADV_HUGEPAGE)`),
+///   then pinned and mapped for the device with `cuMemHostRegister`
+///   (`DEVICEMAP | PORTABLE`). An experiment on the cost of address
+///   translation for the fetch's random 32 KiB reads across tens of GiB of
+///   host memory (traces/README.md, "beside a fetch"); the bytes and the
+///   addresses kernels read are the same either way, so results are too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostPages {
+    /// `cuMemHostAlloc`.
+    Driver,
+    /// A 2 MiB-aligned THP mapping registered with `cuMemHostRegister`.
+    Huge,
+}
+
+impl HostPages {
+    /// From `SPARDA_HOST_PAGES` (`huge`, else the default).
+    ///
+    /// Errors: [`Error::Input`] for a value other than `driver` or `huge`.
+    pub fn from_env() -> Result<HostPages> {
+        Self::parse(std::env::var("SPARDA_HOST_PAGES").ok().as_deref())
+    }
+
+    /// A `SPARDA_HOST_PAGES` value (`None`: unset).
+    ///
+    /// Errors: [`Error::Input`] for a value other than `driver` or `huge`.
+    pub fn parse(v: Option<&str>) -> Result<HostPages> {
+        match v {
+            None | Some("") | Some("driver") => Ok(HostPages::Driver),
+            Some("huge") => Ok(HostPages::Huge),
+            Some(other) => Err(Error::Input(format!(
+                "SPARDA_HOST_PAGES={other}: expected `driver` (cuMemHostAlloc, the default) or `huge` (a transparent-huge-page mapping registered with cuMemHostRegister)"
+            ))),
+        }
+    }
+
+    /// The name reports give it: `driver` or `huge`.
+    pub fn name(self) -> &'static str {
+        match self {
+            HostPages::Driver => "driver",
+            HostPages::Huge => "huge",
+        }
+    }
+}
+
+/// 2 MiB: the transparent huge page size on x86-64.
+const HUGE_PAGE: usize = 2 << 20;
 
 // SAFETY: the buffer is plain pinned host memory owned by this value; the
 // context handle is thread-safe (bound before every driver call).
@@ -41,19 +97,24 @@ impl std::fmt::Debug for PinnedKv {
 
 impl PinnedKv {
     /// Allocates `bytes` of pinned, device-mapped host memory on `gpu`'s
-    /// context (contents unspecified).
+    /// context (contents unspecified), as [`HostPages::from_env`] says.
     ///
-    /// Errors: [`Error::Input`] for 0 bytes; [`Error::Cuda`] naming the bytes
-    /// requested when the driver refuses (out of pinnable memory), or when
-    /// the device pointer cannot be obtained.
+    /// Errors: [`Error::Input`] for 0 bytes or a bad `SPARDA_HOST_PAGES`;
+    /// [`Error::Cuda`] naming the bytes requested when the driver refuses
+    /// (out of pinnable memory), or when the device pointer cannot be
+    /// obtained; [`Error::Limit`] when the huge-page mapping cannot be made.
     pub fn new(gpu: &Gpu, bytes: usize) -> Result<PinnedKv> {
         if bytes == 0 {
             return Err(Error::Input(
                 "pinned KV store: 0 bytes requested".to_string(),
             ));
         }
+        let pages = HostPages::from_env()?;
         let ctx = gpu.context().clone();
         ctx.bind_to_thread().cuda("binding the CUDA context")?;
+        if pages == HostPages::Huge {
+            return Self::new_huge(ctx, bytes);
+        }
         let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
         // SAFETY: a valid out-pointer; the context is current on this thread.
         let r = unsafe {
@@ -84,7 +145,104 @@ impl PinnedKv {
             dev,
             len: bytes,
             ctx,
+            pages: HostPages::Driver,
+            mapping: (std::ptr::null_mut(), 0),
         })
+    }
+
+    /// [`HostPages::Huge`]: `bytes` rounded up to 2 MiB in an anonymous
+    /// mapping 2 MiB larger (so a 2 MiB boundary lies inside it), advised
+    /// for huge pages, registered from that boundary (the context is
+    /// current).
+    fn new_huge(ctx: Arc<CudaContext>, bytes: usize) -> Result<PinnedKv> {
+        let len = bytes.next_multiple_of(HUGE_PAGE);
+        let total = len + HUGE_PAGE;
+        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                total,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(Error::Limit(format!(
+                "pinned KV store (SPARDA_HOST_PAGES=huge): mmap of {total} bytes ({:.2} GiB) failed: {}",
+                total as f64 / (1u64 << 30) as f64,
+                std::io::Error::last_os_error()
+            )));
+        }
+        let base = base.cast::<u8>();
+        let host = base.wrapping_add(base.align_offset(HUGE_PAGE));
+        let unmap = || {
+            // SAFETY: the mapping made above, unmapped once on this error path.
+            unsafe { libc::munmap(base.cast(), total) };
+        };
+        // SAFETY: [host, host + len) lies inside the mapping. The advice is a
+        // hint: where THP is off the range keeps small pages.
+        let advised = unsafe { libc::madvise(host.cast(), len, libc::MADV_HUGEPAGE) };
+        if advised != 0 {
+            tracing::warn!(
+                "madvise(MADV_HUGEPAGE) on the pinned KV store: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        let thp_before = anon_huge_pages();
+        // SAFETY: the range is mapped read-write and stays mapped until drop.
+        let r = unsafe {
+            sys::cuMemHostRegister_v2(
+                host.cast(),
+                len,
+                sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            unmap();
+            return Err(Error::Cuda(format!(
+                "cuMemHostRegister of {len} bytes ({:.2} GiB) of huge-page host memory failed: {r:?}",
+                len as f64 / (1u64 << 30) as f64
+            )));
+        }
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: the range was just registered with DEVICEMAP on this context.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host.cast(), 0) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: registered above, unregistered once on this error path.
+            unsafe { sys::cuMemHostUnregister(host.cast()) };
+            unmap();
+            return Err(Error::Cuda(format!(
+                "cuMemHostGetDevicePointer for {len} bytes of registered host memory: {r:?}"
+            )));
+        }
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        match (thp_before, anon_huge_pages()) {
+            (Some(a), Some(b)) => eprintln!(
+                "pinned KV store: {:.2} GiB registered (SPARDA_HOST_PAGES=huge); AnonHugePages {:.2} → {:.2} GiB",
+                gib(len),
+                gib(a),
+                gib(b)
+            ),
+            _ => eprintln!(
+                "pinned KV store: {:.2} GiB registered (SPARDA_HOST_PAGES=huge); AnonHugePages not readable",
+                gib(len)
+            ),
+        }
+        Ok(PinnedKv {
+            host,
+            dev,
+            len: bytes,
+            ctx,
+            pages: HostPages::Huge,
+            mapping: (base, total),
+        })
+    }
+
+    /// How the memory was obtained ([`HostPages`]).
+    pub fn pages(&self) -> HostPages {
+        self.pages
     }
 
     /// The host address (also valid on the device under UVA).
@@ -183,10 +341,24 @@ impl Drop for PinnedKv {
         if let Err(e) = self.ctx.synchronize() {
             tracing::warn!("synchronising before cuMemFreeHost: {e}");
         }
-        // SAFETY: allocated by cuMemHostAlloc in `new`, freed exactly once here.
-        let r = unsafe { sys::cuMemFreeHost(self.host.cast()) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            tracing::warn!("cuMemFreeHost of {} pinned bytes: {r:?}", self.len);
+        match self.pages {
+            HostPages::Driver => {
+                // SAFETY: allocated by cuMemHostAlloc in `new`, freed exactly once here.
+                let r = unsafe { sys::cuMemFreeHost(self.host.cast()) };
+                if r != sys::CUresult::CUDA_SUCCESS {
+                    tracing::warn!("cuMemFreeHost of {} pinned bytes: {r:?}", self.len);
+                }
+            }
+            HostPages::Huge => {
+                // SAFETY: registered in `new_huge`, unregistered exactly once here.
+                let r = unsafe { sys::cuMemHostUnregister(self.host.cast()) };
+                if r != sys::CUresult::CUDA_SUCCESS {
+                    tracing::warn!("cuMemHostUnregister of {} bytes: {r:?}", self.len);
+                }
+                let (base, total) = self.mapping;
+                // SAFETY: the mapping made in `new_huge`, unmapped exactly once here.
+                unsafe { libc::munmap(base.cast(), total) };
+            }
         }
     }
 }
@@ -208,8 +380,24 @@ pub fn host_available_bytes() -> Result<usize> {
 
 /// The `MemAvailable: N kB` line of a /proc/meminfo text, in bytes.
 fn parse_mem_available(text: &str) -> Option<usize> {
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let mut it = line["MemAvailable:".len()..].split_whitespace();
+    meminfo_bytes(text, "MemAvailable")
+}
+
+/// `AnonHugePages` of /proc/meminfo in bytes (anonymous memory in
+/// transparent huge pages), where it can be read.
+fn anon_huge_pages() -> Option<usize> {
+    meminfo_bytes(
+        &std::fs::read_to_string("/proc/meminfo").ok()?,
+        "AnonHugePages",
+    )
+}
+
+/// The `KEY: N kB` line of a /proc/meminfo text, in bytes.
+fn meminfo_bytes(text: &str, key: &str) -> Option<usize> {
+    let line = text
+        .lines()
+        .find(|l| l.strip_prefix(key).is_some_and(|r| r.starts_with(':')))?;
+    let mut it = line[key.len() + 1..].split_whitespace();
     let n: usize = it.next()?.parse().ok()?;
     let mult = match it.next() {
         Some("kB") | Some("KB") => 1024,
@@ -229,6 +417,25 @@ mod tests {
         assert_eq!(parse_mem_available(t), Some(1000 * 1024));
         assert_eq!(parse_mem_available("MemFree: 3 kB\n"), None);
         assert_eq!(parse_mem_available("MemAvailable: x kB\n"), None);
+        // a key is matched whole: `MemAvailableX` is not `MemAvailable`
+        assert_eq!(parse_mem_available("MemAvailableX: 4 kB\n"), None);
+        let t = "AnonPages: 7 kB\nAnonHugePages:   4096 kB\n";
+        assert_eq!(meminfo_bytes(t, "AnonHugePages"), Some(4 << 20));
+        assert_eq!(meminfo_bytes(t, "AnonPages"), Some(7 << 10));
+    }
+
+    #[test]
+    fn host_pages_setting_parses_and_names_a_bad_value() {
+        assert_eq!(HostPages::parse(None).unwrap(), HostPages::Driver);
+        assert_eq!(HostPages::parse(Some("")).unwrap(), HostPages::Driver);
+        assert_eq!(HostPages::parse(Some("driver")).unwrap(), HostPages::Driver);
+        assert_eq!(HostPages::parse(Some("huge")).unwrap(), HostPages::Huge);
+        let e = HostPages::parse(Some("2m")).unwrap_err().to_string();
+        assert!(
+            e.contains("SPARDA_HOST_PAGES=2m") && e.contains("huge"),
+            "{e}"
+        );
+        assert_eq!(HostPages::Huge.name(), "huge");
         assert_eq!(parse_mem_available("MemAvailable: 7 MB\n"), None);
     }
 
