@@ -10,6 +10,7 @@ use crate::cuda::Gpu;
 use crate::{Error, Result};
 use cudarc::driver::sys;
 use cudarc::driver::CudaContext;
+use std::io::Write;
 use std::sync::Arc;
 
 /// A pinned, device-mapped host buffer (`cuMemHostAlloc` with
@@ -23,9 +24,9 @@ pub struct PinnedKv {
     ctx: Arc<CudaContext>,
     /// How the memory was obtained, and so how it is freed.
     pages: HostPages,
-    /// With [`HostPages::Huge`], the whole mapping (`mmap` base and length,
-    /// `host` being its first 2 MiB boundary).
-    mapping: (*mut u8, usize),
+    /// With [`HostPages::Huge`], the registered length (`len` rounded up to
+    /// 2 MiB): the mapping is exactly [host, host + it).
+    mapped: usize,
 }
 
 /// How the pinned host store gets its memory (`SPARDA_HOST_PAGES`).
@@ -97,19 +98,29 @@ impl std::fmt::Debug for PinnedKv {
 
 impl PinnedKv {
     /// Allocates `bytes` of pinned, device-mapped host memory on `gpu`'s
-    /// context (contents unspecified), as [`HostPages::from_env`] says.
+    /// context (contents unspecified) with `cuMemHostAlloc`
+    /// ([`HostPages::Driver`]).
     ///
-    /// Errors: [`Error::Input`] for 0 bytes or a bad `SPARDA_HOST_PAGES`;
-    /// [`Error::Cuda`] naming the bytes requested when the driver refuses
-    /// (out of pinnable memory), or when the device pointer cannot be
-    /// obtained; [`Error::Limit`] when the huge-page mapping cannot be made.
+    /// Errors: [`Error::Input`] for 0 bytes; [`Error::Cuda`] naming the bytes
+    /// requested when the driver refuses (out of pinnable memory), or when
+    /// the device pointer cannot be obtained.
     pub fn new(gpu: &Gpu, bytes: usize) -> Result<PinnedKv> {
+        Self::with_pages(gpu, bytes, HostPages::Driver)
+    }
+
+    /// [`PinnedKv::new`] with the memory obtained as `pages` says (the
+    /// offloaded KV store passes [`HostPages::from_env`]).
+    ///
+    /// Errors: as [`PinnedKv::new`]; with [`HostPages::Huge`] also
+    /// [`Error::Limit`] when the mapping cannot be made (its size overflows
+    /// or `mmap` refuses) and [`Error::Cuda`] when `cuMemHostRegister`
+    /// refuses.
+    pub fn with_pages(gpu: &Gpu, bytes: usize, pages: HostPages) -> Result<PinnedKv> {
         if bytes == 0 {
             return Err(Error::Input(
                 "pinned KV store: 0 bytes requested".to_string(),
             ));
         }
-        let pages = HostPages::from_env()?;
         let ctx = gpu.context().clone();
         ctx.bind_to_thread().cuda("binding the CUDA context")?;
         if pages == HostPages::Huge {
@@ -146,24 +157,32 @@ impl PinnedKv {
             len: bytes,
             ctx,
             pages: HostPages::Driver,
-            mapping: (std::ptr::null_mut(), 0),
+            mapped: 0,
         })
     }
 
-    /// [`HostPages::Huge`]: `bytes` rounded up to 2 MiB in an anonymous
-    /// mapping 2 MiB larger (so a 2 MiB boundary lies inside it), advised
-    /// for huge pages, registered from that boundary (the context is
-    /// current).
+    /// [`HostPages::Huge`]: `bytes` rounded up to 2 MiB, mapped at a 2 MiB
+    /// boundary (a mapping 2 MiB larger, its unaligned head and tail
+    /// unmapped), advised for huge pages and registered (the context is
+    /// current). The first such store of the process says on stderr how
+    /// much of it the kernel backs with huge pages (/proc/self/smaps).
     fn new_huge(ctx: Arc<CudaContext>, bytes: usize) -> Result<PinnedKv> {
-        let len = bytes.next_multiple_of(HUGE_PAGE);
-        let total = len + HUGE_PAGE;
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        let (len, total) = bytes
+            .checked_next_multiple_of(HUGE_PAGE)
+            .and_then(|l| Some((l, l.checked_add(HUGE_PAGE)?)))
+            .ok_or_else(|| {
+                Error::Limit(format!(
+                    "pinned KV store (SPARDA_HOST_PAGES=huge): {bytes} bytes cannot be rounded to 2 MiB pages"
+                ))
+            })?;
         // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
         let base = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 total,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
                 0,
             )
@@ -171,26 +190,39 @@ impl PinnedKv {
         if base == libc::MAP_FAILED {
             return Err(Error::Limit(format!(
                 "pinned KV store (SPARDA_HOST_PAGES=huge): mmap of {total} bytes ({:.2} GiB) failed: {}",
-                total as f64 / (1u64 << 30) as f64,
+                gib(total),
                 std::io::Error::last_os_error()
             )));
         }
         let base = base.cast::<u8>();
-        let host = base.wrapping_add(base.align_offset(HUGE_PAGE));
+        let head = base.align_offset(HUGE_PAGE);
+        let host = base.wrapping_add(head);
+        // Keep exactly [host, host + len): the unaligned head and the tail
+        // (2 MiB together) go back at once.
+        // SAFETY: both ranges lie inside the mapping just made and are
+        // page-aligned (mmap returns page-aligned addresses; head, len and
+        // total are page multiples).
+        unsafe {
+            if head > 0 {
+                libc::munmap(base.cast(), head);
+            }
+            if head < HUGE_PAGE {
+                libc::munmap(host.wrapping_add(len).cast(), HUGE_PAGE - head);
+            }
+        }
         let unmap = || {
-            // SAFETY: the mapping made above, unmapped once on this error path.
-            unsafe { libc::munmap(base.cast(), total) };
+            // SAFETY: [host, host + len) is what is left of the mapping; called
+            // once, on an error path.
+            unsafe { libc::munmap(host.cast(), len) };
         };
-        // SAFETY: [host, host + len) lies inside the mapping. The advice is a
-        // hint: where THP is off the range keeps small pages.
-        let advised = unsafe { libc::madvise(host.cast(), len, libc::MADV_HUGEPAGE) };
-        if advised != 0 {
+        // SAFETY: [host, host + len) is mapped. The advice is a hint: where THP
+        // is off the range keeps small pages.
+        if unsafe { libc::madvise(host.cast(), len, libc::MADV_HUGEPAGE) } != 0 {
             tracing::warn!(
                 "madvise(MADV_HUGEPAGE) on the pinned KV store: {}",
                 std::io::Error::last_os_error()
             );
         }
-        let thp_before = anon_huge_pages();
         // SAFETY: the range is mapped read-write and stays mapped until drop.
         let r = unsafe {
             sys::cuMemHostRegister_v2(
@@ -203,7 +235,7 @@ impl PinnedKv {
             unmap();
             return Err(Error::Cuda(format!(
                 "cuMemHostRegister of {len} bytes ({:.2} GiB) of huge-page host memory failed: {r:?}",
-                len as f64 / (1u64 << 30) as f64
+                gib(len)
             )));
         }
         let mut dev: sys::CUdeviceptr = 0;
@@ -217,27 +249,28 @@ impl PinnedKv {
                 "cuMemHostGetDevicePointer for {len} bytes of registered host memory: {r:?}"
             )));
         }
-        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-        match (thp_before, anon_huge_pages()) {
-            (Some(a), Some(b)) => eprintln!(
-                "pinned KV store: {:.2} GiB registered (SPARDA_HOST_PAGES=huge); AnonHugePages {:.2} → {:.2} GiB",
-                gib(len),
-                gib(a),
-                gib(b)
-            ),
-            _ => eprintln!(
-                "pinned KV store: {:.2} GiB registered (SPARDA_HOST_PAGES=huge); AnonHugePages not readable",
-                gib(len)
-            ),
-        }
-        Ok(PinnedKv {
+        let kv = PinnedKv {
             host,
             dev,
             len: bytes,
             ctx,
             pages: HostPages::Huge,
-            mapping: (base, total),
-        })
+            mapped: len,
+        };
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            let huge = std::fs::read_to_string("/proc/self/smaps")
+                .ok()
+                .and_then(|t| smaps_anon_huge_bytes(&t, host as usize))
+                .map_or("an unknown part".to_string(), |h| format!("{:.2} GiB", gib(h)));
+            // a failed write to stderr is not worth a panic here
+            let _ = writeln!(
+                std::io::stderr(),
+                "pinned KV store (SPARDA_HOST_PAGES=huge): the first store registers {:.2} GiB, {huge} of it in huge pages (/proc/self/smaps AnonHugePages)",
+                gib(len)
+            );
+        });
+        Ok(kv)
     }
 
     /// How the memory was obtained ([`HostPages`]).
@@ -355,9 +388,8 @@ impl Drop for PinnedKv {
                 if r != sys::CUresult::CUDA_SUCCESS {
                     tracing::warn!("cuMemHostUnregister of {} bytes: {r:?}", self.len);
                 }
-                let (base, total) = self.mapping;
                 // SAFETY: the mapping made in `new_huge`, unmapped exactly once here.
-                unsafe { libc::munmap(base.cast(), total) };
+                unsafe { libc::munmap(self.host.cast(), self.mapped) };
             }
         }
     }
@@ -383,13 +415,27 @@ fn parse_mem_available(text: &str) -> Option<usize> {
     meminfo_bytes(text, "MemAvailable")
 }
 
-/// `AnonHugePages` of /proc/meminfo in bytes (anonymous memory in
-/// transparent huge pages), where it can be read.
-fn anon_huge_pages() -> Option<usize> {
-    meminfo_bytes(
-        &std::fs::read_to_string("/proc/meminfo").ok()?,
-        "AnonHugePages",
-    )
+/// The `AnonHugePages` of the mapping that holds address `addr` in a
+/// /proc/self/smaps text (bytes of it backed by transparent huge pages).
+/// A mapping starts with a header line whose first field is its address
+/// range (`start-end`, hex); its `Key: value` lines follow.
+fn smaps_anon_huge_bytes(text: &str, addr: usize) -> Option<usize> {
+    let mut inside = false;
+    for line in text.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if let Some((a, b)) = first.split_once('-') {
+            if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) {
+                inside = a <= addr && addr < b;
+                continue;
+            }
+        }
+        if inside {
+            if let Some(v) = meminfo_bytes(line, "AnonHugePages") {
+                return Some(v);
+            }
+        }
+    }
+    None
 }
 
 /// The `KEY: N kB` line of a /proc/meminfo text, in bytes.
@@ -417,11 +463,27 @@ mod tests {
         assert_eq!(parse_mem_available(t), Some(1000 * 1024));
         assert_eq!(parse_mem_available("MemFree: 3 kB\n"), None);
         assert_eq!(parse_mem_available("MemAvailable: x kB\n"), None);
+        assert_eq!(parse_mem_available("MemAvailable: 7 MB\n"), None);
         // a key is matched whole: `MemAvailableX` is not `MemAvailable`
         assert_eq!(parse_mem_available("MemAvailableX: 4 kB\n"), None);
         let t = "AnonPages: 7 kB\nAnonHugePages:   4096 kB\n";
         assert_eq!(meminfo_bytes(t, "AnonHugePages"), Some(4 << 20));
         assert_eq!(meminfo_bytes(t, "AnonPages"), Some(7 << 10));
+    }
+
+    #[test]
+    fn smaps_gives_the_huge_pages_of_the_mapping_holding_an_address() {
+        let t = "7f0000000000-7f0000400000 rw-p 00000000 00:00 0\n\
+                 Size:               4096 kB\n\
+                 AnonHugePages:      2048 kB\n\
+                 7f0000400000-7f0000800000 rw-p 00000000 00:00 0 \n\
+                 Size:               4096 kB\n\
+                 AnonHugePages:      4096 kB\n\
+                 VmFlags: rd wr mr mw me ac hg\n";
+        assert_eq!(smaps_anon_huge_bytes(t, 0x7f00_0000_1000), Some(2 << 20));
+        assert_eq!(smaps_anon_huge_bytes(t, 0x7f00_0040_0000), Some(4 << 20));
+        assert_eq!(smaps_anon_huge_bytes(t, 0x7f00_0080_0000), None);
+        assert_eq!(smaps_anon_huge_bytes("", 1), None);
     }
 
     #[test]
@@ -436,7 +498,6 @@ mod tests {
             "{e}"
         );
         assert_eq!(HostPages::Huge.name(), "huge");
-        assert_eq!(parse_mem_available("MemAvailable: 7 MB\n"), None);
     }
 
     #[test]

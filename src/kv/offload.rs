@@ -623,7 +623,11 @@ impl GpuModel {
                 host_avail as f64 / (1u64 << 30) as f64
             )));
         }
-        crate::kv::host_store::PinnedKv::new(&self.gpu, host_bytes.max(1))
+        crate::kv::host_store::PinnedKv::with_pages(
+            &self.gpu,
+            host_bytes.max(1),
+            crate::kv::host_store::HostPages::from_env()?,
+        )
     }
 
     /// Prepares `seq` (empty or partly prefilled, GPU-resident) to be
