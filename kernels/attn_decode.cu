@@ -46,6 +46,8 @@
 // out[r*out_stride + (h*G + g0 + i)*D + d] = bf16(sum_s o_s[d] w_s / L) (0 when L = 0).
 // The counters start at zero and are left at zero. Needs 16*nsplit + 32 floats of the
 // dynamic shared memory (nsplit <= 128 fits every supported D).
+// cta_log: null, or u64 [gridDim.z][gridDim.y][gridDim.x][3] per-CTA timeline (common.cuh
+// cta_log_start), for the timing study of bench --cta-timeline; it changes no result.
 // The tensor-core helpers (cp.async, ldmatrix, mma.sync) come from mma.cuh, a prelude.
 
 #define ATT_TILE 64
@@ -160,8 +162,10 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
                  const int* __restrict__ sel, const int* __restrict__ nsel, int s_max, int block_size, int span,
                  float* __restrict__ part_o, float* __restrict__ part_ml, int H, int hkv, int D, int nsplit,
                  float scale, bf16_t* __restrict__ out, int out_stride, u32* __restrict__ counters,
-                 const int* __restrict__ slot_list, const u64* __restrict__ pool_ptr, int pool_slots, int ring) {
+                 const int* __restrict__ slot_list, const u64* __restrict__ pool_ptr, int pool_slots, int ring,
+                 u64* __restrict__ cta_log) {
     extern __shared__ __align__(16) unsigned char att_sh[];
+    cta_log_start(cta_log);
     const int s = blockIdx.x, r = blockIdx.z;
     const int G = H / hkv, ngroups = (G + 15) / 16;
     const int h = blockIdx.y / ngroups, g0 = (blockIdx.y % ngroups) * 16;
@@ -215,6 +219,7 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
         if (counters != nullptr)
             attn_fused_combine(part_o, part_ml, out, out_stride, counters, r, H, G, h, g0, gc, D, nsplit,
                                (float*)att_sh);
+        cta_log_end(cta_log);
         return;
     }
     bf16_t* Ks = (bf16_t*)att_sh;                 // [2][ATT_TILE][RS]
@@ -421,4 +426,5 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
         attn_fused_combine(part_o, part_ml, out, out_stride, counters, r, H, G, h, g0, gc, D, nsplit,
                            (float*)att_sh);
     }
+    cta_log_end(cta_log);
 }

@@ -103,3 +103,30 @@ __device__ __forceinline__ void raise_device_error(int* rec, int code, int row, 
                                                    int value, int limit) {
     raise_device_error_n(rec, code, row, layer, head, value, limit, 0);
 }
+
+// Per-CTA timeline (bench --cta-timeline; src/trace/cta.rs reads it): thread 0 of each CTA
+// writes [start ns, end ns, SM id] of its CTA at log + 3 * cta, cta = the linear block id
+// (x fastest), start and end from %globaltimer, the SM from %smid. Both points recompute the
+// address from the kernel parameter, so no register is held across the kernel. A null log
+// records nothing (the default: one predicated branch per CTA).
+__device__ __forceinline__ u64* cta_log_slot(u64* log) {
+    const u64 cta =
+        blockIdx.x + (u64)gridDim.x * (blockIdx.y + (u64)gridDim.y * blockIdx.z);
+    return log + 3ull * cta;
+}
+__device__ __forceinline__ void cta_log_start(u64* log) {
+    if (log == nullptr || threadIdx.x != 0) return;
+    u64 t;
+    unsigned int sm;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    u64* p = cta_log_slot(log);
+    p[0] = t;
+    p[2] = sm;
+}
+__device__ __forceinline__ void cta_log_end(u64* log) {
+    if (log == nullptr || threadIdx.x != 0) return;
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    cta_log_slot(log)[1] = t;
+}

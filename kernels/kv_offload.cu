@@ -214,11 +214,14 @@ extern "C" __global__ __launch_bounds__(SD_THREADS) void slot_diff(
 // 16-byte loads, FETCH_UNROLL loads in flight per thread before the stores.
 // fetch: i32 [rows][hkv][S][2] (slot, block); nfetch: i32 [rows][hkv];
 // host_tab, pool_tab: u64 [rows] (device-visible addresses, 16-byte aligned).
+// cta_log: null, or u64 [gridDim.x][3] per-CTA timeline (common.cuh cta_log_start).
 // Requires D * 2 * B a multiple of 16 (D a multiple of 8).
 // Grid (N CTAs), FETCH_THREADS threads.
 extern "C" __global__ __launch_bounds__(FETCH_THREADS) void kv_fetch_sm(
     const int* __restrict__ fetch, const int* __restrict__ nfetch, int S, int rows, int hkv,
-    const u64* __restrict__ host_tab, const u64* __restrict__ pool_tab, int B, int D) {
+    const u64* __restrict__ host_tab, const u64* __restrict__ pool_tab, int B, int D,
+    u64* __restrict__ cta_log) {
+    cta_log_start(cta_log);
     const u64 tile_bytes = (u64)B * D * 2;
     const u64 block_bytes = (u64)hkv * 2 * tile_bytes;
     const int n16 = (int)(2 * tile_bytes / 16);  // uint4 per chunk
@@ -253,6 +256,7 @@ extern "C" __global__ __launch_bounds__(FETCH_THREADS) void kv_fetch_sm(
         }
         base += n;
     }
+    cta_log_end(cta_log);
 }
 
 // ---------------------------------------------------------------------------

@@ -833,6 +833,12 @@ struct BenchArgs {
     /// blocks run only on the other SMs.
     #[arg(long)]
     fetch_whole_sms: bool,
+    /// Offloaded KV: after each case's timed steps, one more eager step
+    /// records every CTA of the attention and SM fetch kernels (start, end,
+    /// SM) and the report says whether attention CTAs that share an SM with
+    /// a copy CTA take longer (`cta_timeline`).
+    #[arg(long)]
+    cta_timeline: bool,
     /// With --forecast: also run the synchronous NOSA selection (the baseline).
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     sync: OnOff,

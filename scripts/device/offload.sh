@@ -20,8 +20,10 @@
 #                                          prefetch run per variant (copy CTAs sharing SMs; holding whole
 #                                          SMs; whole SMs + GEMMs sized for the rest; the host store in
 #                                          huge pages, SPARDA_HOST_PAGES=huge), each trace summarized with
-#                                          its `beside a fetch` table (BATCH, default 16; CONTEXT, 32K;
-#                                          FETCH, sm:16); write under run_phases.sh (12 files)
+#                                          its `beside a fetch` table, and one step's per-CTA timeline
+#                                          (--cta-timeline: attention CTAs sharing an SM with a copy CTA
+#                                          vs alone; with whole SMs none should share) (BATCH, default 16;
+#                                          CONTEXT, 32K; FETCH, sm:16); write under run_phases.sh (12 files)
 #   scripts/device/offload.sh hostpages OUT prefetch and sync step time with the host store from
 #                                          cuMemHostAlloc vs huge pages, sm:8/16, two alternating rounds
 #   scripts/device/offload.sh eb OUT       all modes under the equivalent-batch protocol
@@ -110,8 +112,8 @@ diagnose)
     env "${envs[@]}" $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch "${FETCH:-sm:16}" \
       --forecast synth:1 --prefetch on --sync off --batch "${BATCH:-16}" --context "${CONTEXT:-32K}" \
       --steps 16 --fetch-timing-steps 0 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" "${flag[@]}" \
-      --trace "$out/trace_diagnose_$v.json" --trace-steps 4 --json "$out/bench_diagnose_$v.json" 2>&1 \
-      | grep -E "sparse|skip|pinned" || true
+      --trace "$out/trace_diagnose_$v.json" --trace-steps 4 --cta-timeline --json "$out/bench_diagnose_$v.json" 2>&1 \
+      | grep -E "sparse|skip|pinned|CTA timeline" || true
     $bin trace summarize "$out/trace_diagnose_$v.json" > "$out/trace_diagnose_${v}_summary.txt" 2>&1 || true
     echo "--- $v"; grep -A8 "beside a fetch" "$out/trace_diagnose_${v}_summary.txt" || true
   done

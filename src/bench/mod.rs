@@ -117,6 +117,10 @@ pub struct BenchSpec {
     /// The SM copy kernel's CTAs hold whole SMs
     /// ([`GpuModel::set_fetch_whole_sms`]).
     pub fetch_whole_sms: bool,
+    /// Offloaded cases: one more eager step after the timed ones with the
+    /// per-CTA timeline on ([`GpuModel::set_cta_log`]), analysed by
+    /// [`crate::trace::cta::analyze`] into the case's `cta_timeline`.
+    pub cta_timeline: bool,
     /// Equivalent batch sizes (runtime.md §5): when given, each context
     /// runs every [`EbMode`] at the real batch [`equivalent_batch`] gives
     /// it, instead of the `batches` × attention × kv grid.
@@ -232,6 +236,7 @@ pub fn positions_after_context(spec: &BenchSpec, compare_modes: bool) -> usize {
         + 2
         + spec.fetch_timing_steps
         + 2 * spec.trace_steps
+        + if spec.cta_timeline { 2 } else { 0 }
         + 3
 }
 
@@ -399,6 +404,7 @@ fn run_case(
         "kv_bytes": kv_bytes,
         "gemm_sm_target": model.gemm_sm_target(batch),
         "fetch_whole_sms": spec.fetch_whole_sms,
+        "cta_timeline": spec.cta_timeline,
         "prompt_origin": source.origins_json(batch),
     });
     if spec.steps == 0 {
@@ -664,6 +670,9 @@ fn run_case(
             "host_cost_per_span": host_cost,
             "note": "both eager (no CUDA graph), same batch, consecutive steps; a traced step also copies its fetch counts on the device (read after the timed steps)"});
     }
+    if spec.cta_timeline && offload.is_some() {
+        v["cta_timeline"] = cta_timeline(model, &mut seqs, &first)?;
+    }
     if spec.profile_reps > 0 && offload.is_none() {
         // Per-piece times of the step (leaves the batch's state garbage: last).
         model.set_decode_mode(DecodeMode::Graph);
@@ -689,6 +698,43 @@ fn run_case(
     model.release_buffers();
     gpu.synchronize()?;
     Ok(v)
+}
+
+/// CTA records per layer and kernel that [`cta_timeline`] makes room for.
+const CTA_LOG_CAP: usize = 1 << 16;
+
+/// One eager decode step of `seqs` with the per-CTA timeline on (after one
+/// eager step without it, which rebuilds the step), analysed: the case's
+/// `cta_timeline` (summary, per-layer figures and every record).
+fn cta_timeline(model: &mut GpuModel, seqs: &mut [GpuSequence], first: &[u32]) -> Result<Value> {
+    let mode = model.decode_mode();
+    model.set_decode_mode(DecodeMode::Eager);
+    model.set_cta_log(Some(CTA_LOG_CAP))?;
+    let r = (|| {
+        model.decode(seqs, first)?;
+        model.clear_cta_log()?;
+        model.decode_greedy(seqs)?;
+        model.read_cta_log()
+    })();
+    model.set_cta_log(None)?;
+    model.set_decode_mode(mode);
+    let (t, overflow) = r?;
+    let s = crate::trace::cta::analyze(&t);
+    eprintln!(
+        "    CTA timeline: attention CTAs sharing an SM with a copy CTA {:.1} µs, alone {:.1} µs; kernel span {:.1} µs, alone CTAs done at {:.1} µs; layers with no copy beside: span {:.1} µs{}",
+        s.shared_mean_us,
+        s.alone_mean_us,
+        s.span_us,
+        s.alone_span_us,
+        s.control_span_us,
+        if overflow { " (some launches had more CTAs than the log holds: not logged)" } else { "" }
+    );
+    Ok(json!({
+        "summary": s,
+        "overflow": overflow,
+        "records": t,
+        "note": "one eager decode step; per CTA [start ns, end ns, SM] from %globaltimer and %smid by thread 0 (kernels/common.cuh cta_log_start); attention = attn_partial per layer, fetch = kv_fetch_sm per layer fetched (its CTAs run beside the previous layer's compute under prefetch); 'shared' = an attention CTA with a copy CTA of any layer on its SM during an overlapping interval (src/trace/cta.rs)",
+    }))
 }
 
 /// Runs the benchmark grid of `spec` and returns the JSON report (the
@@ -1333,6 +1379,7 @@ mod tests {
             sync: true,
             reserve_fetch_sms: false,
             fetch_whole_sms: false,
+            cta_timeline: false,
             equivalent_batches: vec![],
             trace_steps: 0,
             resume: None,

@@ -762,6 +762,7 @@ impl FetchDev {
             pool_tab: dptr(gpu, &self.pool_tab),
             block_size: B,
             head_dim: st.d,
+            cta_log: 0,
         }
     }
     fn dma_rows(&self, gpu: &Gpu, st: &FetchSetup) -> Vec<DmaRow> {

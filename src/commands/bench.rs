@@ -67,6 +67,7 @@ pub(crate) fn cmd_bench(a: BenchArgs) -> Result<()> {
         sync: a.sync == OnOff::On,
         reserve_fetch_sms: a.reserve_fetch_sms,
         fetch_whole_sms: a.fetch_whole_sms,
+        cta_timeline: a.cta_timeline,
         equivalent_batches: a.equivalent_batch,
         trace_steps: if a.trace.is_some() { a.trace_steps } else { 0 },
         resume: a.resume.clone(),

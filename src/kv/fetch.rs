@@ -7,6 +7,7 @@
 
 use super::offload::*;
 use crate::cuda::context::{dptr, CudaResultExt};
+use crate::pipeline::cta_log::CtaKernel;
 use crate::pipeline::*;
 use crate::{Error, Result};
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
@@ -202,6 +203,7 @@ impl GpuModel {
                     pool_tab,
                     block_size: bs,
                     head_dim: dh,
+                    cta_log: self.cta_log_ptr(CtaKernel::Fetch, l, ctas),
                 };
                 crate::cuda::ops::offload::kv_fetch_sm(
                     gpu,
@@ -322,6 +324,7 @@ impl GpuModel {
             pool_tab: tab,
             block_size: self.plan.budget.block_size,
             head_dim: self.config.head_dim,
+            cta_log: self.cta_log_ptr(CtaKernel::Fetch, l, ctas),
         };
         let Some(side) = off.split.as_mut() else {
             return Err(Error::Input("split fetch: no side stream".into()));

@@ -2,6 +2,7 @@
 //! RoPE + KV append + eviction score, compression) and the back half
 //! (attention, O projection, FFN), and the final norm + lm_head.
 
+use super::cta_log::CtaKernel;
 use super::*;
 
 impl GpuModel {
@@ -197,6 +198,11 @@ impl GpuModel {
             pool_ptr: slots.map_or(0, |s| s.1),
             pool_slots: slots.map_or(0, |s| s.2),
             ring: slots.map_or(0, |s| s.3),
+            cta_log: self.cta_log_ptr(
+                CtaKernel::Attention,
+                l,
+                geo.nsplit * ops::attn_head_blocks(hq, hk) * n,
+            ),
         };
         // The split-K combine runs inside the attention kernel when asked
         // (SPARDA_FUSED_COMBINE=1); its time then counts as Attention.

@@ -110,6 +110,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 pub mod capture;
+pub mod cta_log;
 pub mod forecast;
 pub mod layer;
 pub mod prefill;
@@ -369,6 +370,8 @@ pub struct GpuModel {
     pub(crate) record_selections: bool,
     /// Activation capture for forecast collection ([`GpuModel::set_capture`]).
     pub(crate) capture: Option<capture::GpuCapture>,
+    /// The per-CTA timeline buffers ([`GpuModel::set_cta_log`]).
+    pub(crate) cta_log: Option<cta_log::CtaLogBuffers>,
     /// `[layer][row][kv_head]`: the blocks each row attended in the last
     /// forward call (empty for dense rows), when recording.
     pub(crate) last_selections: Vec<Vec<Vec<Vec<usize>>>>,
@@ -581,6 +584,7 @@ impl GpuModel {
             selection: default_selection_path(),
             record_selections: false,
             capture: None,
+            cta_log: None,
             last_selections: Vec::new(),
             last_queries: Vec::new(),
             last_forecasts: Vec::new(),

@@ -222,6 +222,7 @@ impl GpuModel {
                 && st.off.is_none()
                 && !st.key.host_selection
                 && !self.trace_on()
+                && !self.cta_log_on()
                 && st.graph.is_none()
                 && !st.capture_failed
                 && st.steps >= 1;

@@ -37,6 +37,7 @@
 //! the steps of the GPU spans when the trace has any, else those of the host
 //! decode-step spans (a `generate --backend cpu --trace` run).
 
+pub mod cta;
 pub mod timeline;
 
 use crate::{Error, Result};

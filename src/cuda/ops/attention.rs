@@ -378,6 +378,10 @@ pub(crate) struct AttnArgs {
     /// Tokens in the tail ring that `kptr`/`vptr` point to (token j at row
     /// j mod ring); 0 for a full cache.
     pub ring: usize,
+    /// Per-CTA timeline, u64 \[rows\]\[head blocks\]\[nsplit\]\[3\] (start ns,
+    /// end ns, SM id: kernels/common.cuh `cta_log_start`), or 0 (none, the
+    /// default; [`crate::trace::cta`]).
+    pub cta_log: u64,
 }
 
 /// Whether the split-K combine runs inside `attn_partial` (its last block
@@ -473,9 +477,11 @@ pub(crate) fn launch_attn_partial(gpu: &Gpu, a: &AttnArgs) -> Result<()> {
         .arg(&a.slot_list)
         .arg(&a.pool_ptr)
         .arg(&ps)
-        .arg(&rg);
+        .arg(&rg)
+        .arg(&a.cta_log);
     // SAFETY: argument list matches kernels/attn_decode.cu; the callers size the
-    // partials (rows·H·nsplit slots), the tables (rows entries) and the lists.
+    // partials (rows·H·nsplit slots), the tables (rows entries), the lists and
+    // the CTA log (one record per CTA of this grid, or none).
     unsafe { b.launch(cfg) }.cuda(OP).map(drop)
 }
 
@@ -651,6 +657,7 @@ where
         pool_ptr: 0,
         pool_slots: 0,
         ring: 0,
+        cta_log: 0,
     };
     launch_attention(gpu, args, out, out_stride)
 }
@@ -772,6 +779,7 @@ where
         pool_ptr: 0,
         pool_slots: 0,
         ring: 0,
+        cta_log: 0,
     };
     launch_attention(gpu, args, out, out_stride)
 }

@@ -164,6 +164,10 @@ pub struct FetchArgs {
     pub block_size: usize,
     /// Head dim, D (a multiple of 8).
     pub head_dim: usize,
+    /// Per-CTA timeline of the SM kernel, u64 \[ctas\]\[3\] (start ns, end
+    /// ns, SM id: kernels/common.cuh `cta_log_start`), or 0 (none, the
+    /// default; [`crate::trace::cta`]). The copy engines ignore it.
+    pub cta_log: u64,
 }
 
 /// Launches `kv_fetch_sm` on `stream`: `ctas` CTAs × 256 threads striding
@@ -243,9 +247,11 @@ pub fn kv_fetch_sm(
         .arg(&a.host_tab)
         .arg(&a.pool_tab)
         .arg(&bs)
-        .arg(&d);
+        .arg(&d)
+        .arg(&a.cta_log);
     // SAFETY: argument list matches kernels/kv_offload.cu kv_fetch_sm; the
-    // caller passes buffers of the documented shapes; D a multiple of 8.
+    // caller passes buffers of the documented shapes (the CTA log: `ctas`
+    // records, or none); D a multiple of 8.
     unsafe { b.launch(cfg) }.cuda(OP).map(drop)
 }
 
