@@ -507,13 +507,17 @@ fn collect_into_gpu(
         for (ci, toks) in text_chunks.iter().enumerate() {
             let mut seq = m.new_sequence(toks.len())?;
             let positions = sampled_positions(min_pos, prefix, a.stride);
+            // `kc[l]`: layer l's compressed keys read so far (a complete
+            // window's never change: each call reads only those completed since).
+            let mut kc: Vec<Vec<f32>> = vec![Vec::new(); c.num_hidden_layers];
+            let kvd = c.num_key_value_heads * c.head_dim;
             // The records of the rows captured since the last call, their
-            // targets from the compressed keys the sequence holds now (the
-            // rows' own windows are complete: each target scores only the
-            // windows up to its position).
+            // targets from the compressed keys of the windows complete now
+            // (each target scores only the windows up to its position).
             let emit = |m: &mut sparda::pipeline::GpuModel,
                         seq: &sparda::pipeline::GpuSequence,
                         w: &mut records::Writer,
+                        kc: &mut Vec<Vec<f32>>,
                         phase: u32,
                         rope_len: &dyn Fn(usize) -> usize|
              -> Result<()> {
@@ -522,9 +526,9 @@ fn collect_into_gpu(
                     return Ok(());
                 }
                 let windows = budget.windows(seq.len());
-                let kc = (0..c.num_hidden_layers)
-                    .map(|l| m.selection_state(seq, l, windows).map(|s| s.kc))
-                    .collect::<Result<Vec<_>>>()?;
+                for (l, k) in kc.iter_mut().enumerate() {
+                    k.extend(m.compressed_keys(seq, l, k.len() / kvd..windows)?);
+                }
                 let views = rows
                     .iter()
                     .map(|lr| {
@@ -568,7 +572,7 @@ fn collect_into_gpu(
                 &mut seq,
                 &toks[..prefix],
                 |_, _| {},
-                |m, seq| emit(m, seq, w, records::PHASE_PREFILL, &|_| prefix),
+                |m, seq| emit(m, seq, w, &mut kc, records::PHASE_PREFILL, &|_| prefix),
             );
             m.take_capture();
             r?;
@@ -576,7 +580,8 @@ fn collect_into_gpu(
                 sparda::interrupt::check(|| format!("collect, {} records written", w.count()))?;
                 m.set_capture(BTreeSet::from([t]));
                 let r = m.prefill(&mut seq, &[token], |_, _| {});
-                let r = r.and_then(|()| emit(m, &seq, w, records::PHASE_DECODE, &|p| p + 1));
+                let r =
+                    r.and_then(|()| emit(m, &seq, w, &mut kc, records::PHASE_DECODE, &|p| p + 1));
                 m.take_capture();
                 r?;
             }

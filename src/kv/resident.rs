@@ -94,8 +94,30 @@ impl GpuModel {
         layer: usize,
         windows: usize,
     ) -> Result<LayerKv> {
+        let hk = self.config.num_key_value_heads;
+        let mut kv = LayerKv::new(hk, self.config.head_dim);
+        kv.kc = self.compressed_keys(seq, layer, 0..windows)?;
+        if let Some(p) = &seq.layers[layer].p {
+            kv.p = self.gpu.download(&p.slice(0..windows * hk))?;
+        }
+        Ok(kv)
+    }
+
+    /// The compressed keys Kc of windows `range` of `layer` of `seq` (f32
+    /// [range.len(), Hkv, D], spec §3), e.g. only the windows completed
+    /// since an earlier read: a complete window's Kc never changes.
+    /// Synchronises.
+    ///
+    /// Errors: as [`GpuModel::selection_state`] (a range past the
+    /// sequence's complete windows).
+    pub fn compressed_keys(
+        &self,
+        seq: &GpuSequence,
+        layer: usize,
+        range: std::ops::Range<usize>,
+    ) -> Result<Vec<f32>> {
         let c = &self.config;
-        let (hk, dh) = (c.num_key_value_heads, c.head_dim);
+        let w = c.num_key_value_heads * c.head_dim;
         let sl = seq.layers.get(layer).ok_or_else(|| {
             Error::Input(format!(
                 "selection_state: layer {layer} of a {}-layer model",
@@ -106,18 +128,16 @@ impl GpuModel {
             Error::Input("selection_state: the sequence keeps no compressed keys on the GPU (host selection path)".into())
         })?;
         let have = self.plan.budget.windows(seq.len);
-        if windows > have || windows * hk * dh > kc.len() {
+        if range.start > range.end || range.end > have || range.end * w > kc.len() {
             return Err(Error::Input(format!(
-                "selection_state: {windows} windows asked, the sequence of {} tokens has {have}",
+                "selection_state: windows {range:?} asked, the sequence of {} tokens has {have}",
                 seq.len
             )));
         }
-        let mut kv = LayerKv::new(hk, dh);
-        kv.kc = self.gpu.download(&kc.slice(0..windows * hk * dh))?;
-        if let Some(p) = &sl.p {
-            kv.p = self.gpu.download(&p.slice(0..windows * hk))?;
+        if range.is_empty() {
+            return Ok(Vec::new());
         }
-        Ok(kv)
+        self.gpu.download(&kc.slice(range.start * w..range.end * w))
     }
 
     /// Bytes of device memory one sequence with room for `capacity_tokens`

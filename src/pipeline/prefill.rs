@@ -4,6 +4,9 @@
 
 use super::*;
 
+/// The hook [`GpuModel::prefill_observed`] calls after each chunk.
+type ChunkHook<'a> = &'a mut dyn FnMut(&mut GpuModel, &GpuSequence) -> Result<()>;
+
 impl GpuModel {
     /// Prefills `prompt` into `seq` (positions T … T+n−1), in chunks of at
     /// most [`PREFILL_CHUNK`] tokens (fewer for long contexts), calling
@@ -30,9 +33,9 @@ impl GpuModel {
         &mut self,
         seq: &mut GpuSequence,
         prompt: &[u32],
-        progress: impl FnMut(usize, usize),
+        mut progress: impl FnMut(usize, usize),
     ) -> Result<()> {
-        self.prefill_observed(seq, prompt, progress, |_, _| Ok(()))
+        self.prefill_with(seq, prompt, &mut progress, None)
     }
 
     /// [`GpuModel::prefill`], calling `after_chunk(model, seq)` after each
@@ -41,16 +44,31 @@ impl GpuModel {
     /// [`GpuModel::set_capture`] captured, through [`GpuModel::drain_capture`];
     /// the selection state) without keeping the whole prompt's. The same
     /// computation as `prefill`: the chunks, the dense or sparse choice and
-    /// the RoPE table are those of the whole prompt.
+    /// the RoPE table are those of the whole prompt. Before each call the
+    /// chunk's device error record is checked (one synchronisation per
+    /// chunk), and the hook sees the decode RoPE table in force, as outside
+    /// a prefill.
     ///
-    /// Errors: those of [`GpuModel::prefill`], and the first error
-    /// `after_chunk` returns (no further chunk runs).
+    /// Errors: those of [`GpuModel::prefill`] (a chunk's device error before
+    /// its hook runs), and the first error `after_chunk` returns (no
+    /// further chunk runs).
     pub fn prefill_observed(
         &mut self,
         seq: &mut GpuSequence,
         prompt: &[u32],
         mut progress: impl FnMut(usize, usize),
         mut after_chunk: impl FnMut(&mut GpuModel, &GpuSequence) -> Result<()>,
+    ) -> Result<()> {
+        self.prefill_with(seq, prompt, &mut progress, Some(&mut after_chunk))
+    }
+
+    /// The body of [`GpuModel::prefill`] and [`GpuModel::prefill_observed`].
+    fn prefill_with(
+        &mut self,
+        seq: &mut GpuSequence,
+        prompt: &[u32],
+        progress: &mut dyn FnMut(usize, usize),
+        after_chunk: Option<ChunkHook<'_>>,
     ) -> Result<()> {
         if prompt.is_empty() {
             return Err(Error::Input("empty prompt: give at least one token".into()));
@@ -62,14 +80,21 @@ impl GpuModel {
         // Dynamic NTK RoPE past its original maximum: the prompt rotates at
         // its whole length (the CPU reference's rule), not with the decode
         // table's per-position lengths; the decode table comes back after.
-        let decode_table = if self.prefill_needs_own_rope(prompt_len) {
+        let mut decode_table = if self.prefill_needs_own_rope(prompt_len) {
             self.ensure_rope(prompt_len + 1)?;
             let t = self.prefill_rope(prompt_len)?;
             Some(self.rope_tables.replace(t))
         } else {
             None
         };
-        let r = self.prefill_chunks(seq, prompt, sparse, &mut progress, &mut after_chunk);
+        let r = self.prefill_chunks(
+            seq,
+            prompt,
+            sparse,
+            progress,
+            after_chunk,
+            &mut decode_table,
+        );
         if let Some(d) = decode_table {
             // the prefill table's last readers finish before it is freed
             let synced = self.gpu.synchronize();
@@ -86,8 +111,9 @@ impl GpuModel {
         seq: &mut GpuSequence,
         prompt: &[u32],
         sparse: bool,
-        progress: &mut impl FnMut(usize, usize),
-        after_chunk: &mut impl FnMut(&mut GpuModel, &GpuSequence) -> Result<()>,
+        progress: &mut dyn FnMut(usize, usize),
+        mut after_chunk: Option<ChunkHook<'_>>,
+        decode_table: &mut Option<Option<RopeTables>>,
     ) -> Result<()> {
         let t0 = seq.len;
         let mut done = 0;
@@ -117,7 +143,18 @@ impl GpuModel {
             };
             self.forward(std::slice::from_mut(seq), &rows, which)?;
             progress(done, prompt.len());
-            after_chunk(self, seq)?;
+            if let Some(hook) = after_chunk.as_mut() {
+                self.check_device_errors()?;
+                // the hook sees the model as outside a prefill: the decode table
+                if let Some(d) = decode_table.as_mut() {
+                    std::mem::swap(&mut self.rope_tables, d);
+                }
+                let r = hook(self, seq);
+                if let Some(d) = decode_table.as_mut() {
+                    std::mem::swap(&mut self.rope_tables, d);
+                }
+                r?;
+            }
         }
         Ok(())
     }
