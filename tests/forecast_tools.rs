@@ -14,12 +14,22 @@ use sparda::weights::TensorStore;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// The binary under test, run in the repository root: this build's, or
+/// the one `SPARDA_BIN` names, run in the current directory (a binary
+/// carried to the GPU machine, started from the repository root there).
+fn sparda_command() -> Command {
+    match std::env::var_os("SPARDA_BIN") {
+        Some(bin) => Command::new(bin),
+        None => {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_sparda"));
+            c.current_dir(env!("CARGO_MANIFEST_DIR"));
+            c
+        }
+    }
+}
+
 fn sparda(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_sparda"))
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .expect("run sparda");
+    let out = sparda_command().args(args).output().expect("run sparda");
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -405,7 +415,9 @@ fn bad_inputs_are_errors_naming_the_problem() {
 /// (f32) on the tiny model: the same positions, x̂ and the `qmean` target
 /// within bf16 drift, the `score` target (a least-squares fit, so it
 /// amplifies that drift) within 10 % overall. Needs a GPU:
-/// `cargo test --release --test forecast_tools -- --ignored`.
+/// `cargo test --release --test forecast_tools -- --ignored`; with a
+/// carried test binary, `SPARDA_BIN` names the sparda binary and
+/// `SPARDA_TOKENIZER` the tokenizer (scripts/device/README.md).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_collect_matches_the_cpu_reference_on_tiny() {
@@ -413,7 +425,8 @@ fn gpu_collect_matches_the_cpu_reference_on_tiny() {
     let dir = tmp("gpu_vs_cpu");
     let collect = |backend: &str| {
         let rec = dir.join(format!("{backend}.bin"));
-        sparda(&[
+        let tok = std::env::var("SPARDA_TOKENIZER").ok();
+        let mut args = vec![
             "forecast",
             "collect",
             "--model",
@@ -430,7 +443,11 @@ fn gpu_collect_matches_the_cpu_reference_on_tiny() {
             backend,
             "--out",
             rec.to_str().unwrap(),
-        ]);
+        ];
+        if let Some(t) = tok.as_deref() {
+            args.extend(["--tokenizer", t]);
+        }
+        sparda(&args);
         let mut r = Reader::open(&rec).unwrap();
         let mut recs = Vec::new();
         while let Some(x) = r.next_record().unwrap() {
