@@ -106,9 +106,11 @@ __device__ __forceinline__ void raise_device_error(int* rec, int code, int row, 
 
 // Per-CTA timeline (bench --cta-timeline; src/trace/cta.rs reads it): thread 0 of each CTA
 // writes [start ns, end ns, SM id] of its CTA at log + 3 * cta, cta = the linear block id
-// (x fastest), start and end from %globaltimer, the SM from %smid. Both points recompute the
-// address from the kernel parameter, so no register is held across the kernel. A null log
-// records nothing (the default: one predicated branch per CTA).
+// (x fastest), start and end from %globaltimer, the SM from %smid; the end waits for every
+// thread of the CTA (cta_log_end is a barrier when log is set: call it where all threads
+// arrive). Both points recompute the address from the kernel parameter, so no register is
+// held across the kernel. A null log records nothing (the default: one uniform branch).
+// %globaltimer may tick only every microsecond or so.
 __device__ __forceinline__ u64* cta_log_slot(u64* log) {
     const u64 cta =
         blockIdx.x + (u64)gridDim.x * (blockIdx.y + (u64)gridDim.y * blockIdx.z);
@@ -118,15 +120,17 @@ __device__ __forceinline__ void cta_log_start(u64* log) {
     if (log == nullptr || threadIdx.x != 0) return;
     u64 t;
     unsigned int sm;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : : "memory");
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     u64* p = cta_log_slot(log);
     p[0] = t;
     p[2] = sm;
 }
 __device__ __forceinline__ void cta_log_end(u64* log) {
-    if (log == nullptr || threadIdx.x != 0) return;
+    if (log == nullptr) return;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
     u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : : "memory");
     cta_log_slot(log)[1] = t;
 }

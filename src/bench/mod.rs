@@ -703,9 +703,10 @@ fn run_case(
 /// CTA records per layer and kernel that [`cta_timeline`] makes room for.
 const CTA_LOG_CAP: usize = 1 << 16;
 
-/// One eager decode step of `seqs` with the per-CTA timeline on (after one
-/// eager step without it, which rebuilds the step), analysed: the case's
-/// `cta_timeline` (summary, per-layer figures and every record).
+/// One eager decode step of `seqs` with the per-CTA timeline on, analysed:
+/// the case's `cta_timeline` (summary, per-layer figures and every
+/// record). An eager step before it rebuilds the step with the log on; its
+/// records are cleared.
 fn cta_timeline(model: &mut GpuModel, seqs: &mut [GpuSequence], first: &[u32]) -> Result<Value> {
     let mode = model.decode_mode();
     model.set_decode_mode(DecodeMode::Eager);
@@ -721,11 +722,12 @@ fn cta_timeline(model: &mut GpuModel, seqs: &mut [GpuSequence], first: &[u32]) -
     let (t, overflow) = r?;
     let s = crate::trace::cta::analyze(&t);
     eprintln!(
-        "    CTA timeline: attention CTAs sharing an SM with a copy CTA {:.1} µs, alone {:.1} µs; kernel span {:.1} µs, alone CTAs done at {:.1} µs; layers with no copy beside: span {:.1} µs{}",
+        "    CTA timeline: attention CTAs sharing an SM with a copy CTA {:.1} µs, alone {:.1} µs; kernel span {:.1} µs, alone CTAs done at {:.1} µs; layers beside a copy on other SMs only: span {:.1} µs; layers with no copy running: span {:.1} µs{}",
         s.shared_mean_us,
         s.alone_mean_us,
         s.span_us,
         s.alone_span_us,
+        s.apart_span_us,
         s.control_span_us,
         if overflow { " (some launches had more CTAs than the log holds: not logged)" } else { "" }
     );

@@ -120,17 +120,19 @@ impl GpuModel {
         let w = c.num_key_value_heads * c.head_dim;
         let sl = seq.layers.get(layer).ok_or_else(|| {
             Error::Input(format!(
-                "selection_state: layer {layer} of a {}-layer model",
+                "compressed keys: layer {layer} of a {}-layer model",
                 seq.layers.len()
             ))
         })?;
         let kc = sl.kc.as_ref().ok_or_else(|| {
-            Error::Input("selection_state: the sequence keeps no compressed keys on the GPU (host selection path)".into())
+            Error::Input(
+                "compressed keys: the sequence keeps none on the GPU (host selection path)".into(),
+            )
         })?;
         let have = self.plan.budget.windows(seq.len);
         if range.start > range.end || range.end > have || range.end * w > kc.len() {
             return Err(Error::Input(format!(
-                "selection_state: windows {range:?} asked, the sequence of {} tokens has {have}",
+                "compressed keys: windows {range:?} asked, the sequence of {} tokens has {have}",
                 seq.len
             )));
         }

@@ -37,10 +37,19 @@ impl GpuModel {
     /// Turns the per-CTA timeline on (`Some(cap)`: room for `cap` CTAs per
     /// layer of each kernel, zeroed) or off (`None`). Drops the cached
     /// decode step, and while on no step is captured into a CUDA graph.
+    /// Synchronises the context before the old buffers go.
     ///
     /// Errors: [`Error::Input`] for a capacity of 0; [`Error::Cuda`] when
-    /// the buffers cannot be allocated (2 × layers × cap × 24 bytes).
+    /// the context cannot synchronise or the buffers cannot be allocated
+    /// (2 × layers × cap × 24 bytes).
     pub fn set_cta_log(&mut self, cap: Option<usize>) -> Result<()> {
+        if self.cta_log.is_some() {
+            // kernels on any stream (the fetch's too) may still write the records
+            self.gpu
+                .context()
+                .synchronize()
+                .cuda("synchronising before freeing the CTA log")?;
+        }
         self.step = None;
         self.cta_log = match cap {
             None => None,

@@ -78,26 +78,32 @@ pub struct LayerCtas {
     pub copy_sms: usize,
 }
 
-/// [`LayerCtas`] of every layer with attention records, and the totals over
-/// the layers with and without a copy CTA beside their attention.
+/// [`LayerCtas`] of every layer with attention records, and the totals
+/// over three groups of layers: those where some attention CTA shared its
+/// SM with a copy CTA; those beside a running copy kernel whose CTAs all
+/// sat on other SMs (e.g. copy CTAs holding whole SMs); and those with no
+/// copy CTA running at all (the control: the last layer under prefetch,
+/// beside which nothing is fetched). Means are 0 for an empty group.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct CtaSummary {
     /// Per layer.
     pub layers: Vec<LayerCtas>,
-    /// Over the layers where some attention CTA shared its SM: mean
-    /// duration of shared CTAs, µs.
+    /// Layers with a shared SM: mean duration of the shared CTAs, µs.
     pub shared_mean_us: f64,
-    /// Over the same layers: mean duration of alone CTAs, µs.
+    /// Layers with a shared SM: mean duration of their alone CTAs, µs.
     pub alone_mean_us: f64,
-    /// Over the same layers: mean kernel span, µs.
+    /// Layers with a shared SM: mean kernel span, µs.
     pub span_us: f64,
-    /// Over the same layers: mean span of the alone CTAs, µs.
+    /// Layers with a shared SM and some alone CTA: mean span of the alone
+    /// CTAs, µs.
     pub alone_span_us: f64,
-    /// Mean kernel span of the layers where no attention CTA shared its SM
-    /// (the control: e.g. the last layer, beside which nothing is
-    /// fetched), µs; 0 when there is none.
+    /// Layers beside a copy kernel on other SMs only: mean kernel span, µs.
+    pub apart_span_us: f64,
+    /// The same layers: mean CTA duration, µs.
+    pub apart_mean_us: f64,
+    /// Layers with no copy CTA running: mean kernel span, µs.
     pub control_span_us: f64,
-    /// Mean CTA duration in those control layers, µs.
+    /// The same layers: mean CTA duration, µs.
     pub control_mean_us: f64,
 }
 
@@ -144,7 +150,12 @@ pub fn analyze(t: &CtaTimeline) -> CtaSummary {
         layers.push(s);
     }
     let beside: Vec<&LayerCtas> = layers.iter().filter(|s| s.shared > 0).collect();
-    let control: Vec<&LayerCtas> = layers.iter().filter(|s| s.shared == 0).collect();
+    let with_alone: Vec<&LayerCtas> = beside.iter().copied().filter(|s| s.alone > 0).collect();
+    let apart: Vec<&LayerCtas> = layers
+        .iter()
+        .filter(|s| s.shared == 0 && s.copy_sms > 0)
+        .collect();
+    let control: Vec<&LayerCtas> = layers.iter().filter(|s| s.copy_sms == 0).collect();
     let mean = |v: &[&LayerCtas], f: &dyn Fn(&LayerCtas) -> (f64, usize)| {
         let (sum, n) = v.iter().fold((0.0, 0usize), |(s, n), x| {
             let (a, k) = f(x);
@@ -160,7 +171,9 @@ pub fn analyze(t: &CtaTimeline) -> CtaSummary {
         shared_mean_us: mean(&beside, &|s| (s.shared_mean_us, s.shared)),
         alone_mean_us: mean(&beside, &|s| (s.alone_mean_us, s.alone)),
         span_us: mean(&beside, &|s| (s.span_us, 1)),
-        alone_span_us: mean(&beside, &|s| (s.alone_span_us, 1)),
+        alone_span_us: mean(&with_alone, &|s| (s.alone_span_us, 1)),
+        apart_span_us: mean(&apart, &|s| (s.span_us, 1)),
+        apart_mean_us: mean(&apart, &|s| (s.alone_mean_us, s.alone)),
         control_span_us: mean(&control, &|s| (s.span_us, 1)),
         control_mean_us: mean(&control, &|s| (s.alone_mean_us, s.alone)),
         layers,
@@ -220,6 +233,38 @@ mod tests {
         assert!((s.alone_mean_us - 10.0).abs() < 1e-9);
         assert!((s.control_span_us - 10.0).abs() < 1e-9);
         assert!((s.control_mean_us - 10.0).abs() < 1e-9);
+        assert_eq!(s.apart_span_us, 0.0);
+    }
+
+    /// Copy CTAs that hold their own SMs: a layer whose attention ran
+    /// while they ran, on other SMs, is neither shared nor the control; a
+    /// layer whose CTAs all shared has no alone span to average.
+    #[test]
+    fn layers_beside_a_copy_on_other_sms_are_their_own_group() {
+        let us = 1000;
+        let t = CtaTimeline {
+            attention: vec![
+                vec![rec(0, 30 * us, 0), rec(0, 20 * us, 2)],
+                vec![rec(100 * us, 150 * us, 1)],
+                vec![rec(300 * us, 310 * us, 0)],
+            ],
+            // SM 1 runs copies during layers 0 and 1
+            fetch: vec![vec![rec(0, 200 * us, 1)]],
+        };
+        let s = analyze(&t);
+        let groups: Vec<(usize, usize, usize)> = s
+            .layers
+            .iter()
+            .map(|l| (l.shared, l.alone, l.copy_sms))
+            .collect();
+        assert_eq!(groups, vec![(0, 2, 1), (1, 0, 1), (0, 1, 0)]);
+        assert!((s.apart_span_us - 30.0).abs() < 1e-9);
+        assert!((s.apart_mean_us - 25.0).abs() < 1e-9);
+        assert!((s.shared_mean_us - 50.0).abs() < 1e-9);
+        // layer 1 has no alone CTA: no alone span, and it is not averaged as 0
+        assert_eq!(s.layers[1].alone_span_us, 0.0);
+        assert_eq!(s.alone_span_us, 0.0);
+        assert!((s.control_span_us - 10.0).abs() < 1e-9);
     }
 
     /// The straggler reading: the alone CTAs end long before the kernel does.
