@@ -24,6 +24,10 @@
 #                                          (--cta-timeline: attention CTAs sharing an SM with a copy CTA
 #                                          vs alone; with whole SMs none should share) (BATCH, default 16;
 #                                          CONTEXT, 32K; FETCH, sm:16); write under run_phases.sh (12 files)
+#   scripts/device/offload.sh engines OUT  the beside-a-fetch table per fetch engine (copy engines, sm:8 and
+#                                          split:8:50 with whole SMs), one traced prefetch run each
+#   scripts/device/offload.sh wholeab OUT  sync, forecast without and with prefetch, copy CTAs sharing SMs vs
+#                                          whole SMs + GEMMs sized for the rest, two alternating rounds
 #   scripts/device/offload.sh hostpages OUT prefetch and sync step time with the host store from
 #                                          cuMemHostAlloc vs huge pages, sm:8/16, two alternating rounds
 #   scripts/device/offload.sh eb OUT       all modes under the equivalent-batch protocol
@@ -116,6 +120,34 @@ diagnose)
       | grep -E "sparse|skip|pinned|CTA timeline" || true
     $bin trace summarize "$out/trace_diagnose_$v.json" > "$out/trace_diagnose_${v}_summary.txt" 2>&1 || true
     echo "--- $v"; grep -A8 "beside a fetch" "$out/trace_diagnose_${v}_summary.txt" || true
+  done
+  ;;
+engines)
+  # the beside-a-fetch table per fetch engine: copy engines (no SMs), SM kernel on 8 whole SMs,
+  # and the split (half the misses each way) with whole SMs; one traced prefetch run each
+  for f in dma sm:8 split:8:50; do
+    n=${f//:/_}
+    $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch "$f" --fetch-whole-sms \
+      --forecast synth:1 --prefetch on --sync off --batch "${BATCH:-16}" --context "${CONTEXT:-32K}" \
+      --steps 16 --fetch-timing-steps 0 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
+      --trace "$out/trace_engine_$n.json" --trace-steps 4 --json "$out/bench_engine_$n.json" 2>&1 \
+      | grep -E "sparse|skip" || true
+    $bin trace summarize "$out/trace_engine_$n.json" > "$out/trace_engine_${n}_summary.txt" 2>&1 || true
+    echo "--- $f"; grep -A8 "beside a fetch" "$out/trace_engine_${n}_summary.txt" || true
+  done
+  ;;
+wholeab)
+  # sync, forecast without prefetch and forecast + prefetch at each cell, copy CTAs sharing SMs
+  # vs holding whole SMs with GEMMs sized for the rest, alternating over two rounds (FETCH, sm:8)
+  for r in 1 2; do
+    for v in shared whole_reserve; do
+      flag=()
+      [[ $v == whole_reserve ]] && flag+=(--fetch-whole-sms --reserve-fetch-sms)
+      $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch "${FETCH:-sm:8}" \
+        --forecast synth:1 --prefetch on,off --batch "${BATCH:-16}" --context "${CONTEXT:-32K,64K}" \
+        --steps "${STEPS:-32}" --fetch-timing-steps 0 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
+        "${flag[@]}" --json "$out/bench_wholeab_${v}_$r.json" 2>&1 | grep -E "sparse|skip|bound|speedup" || true
+    done
   done
   ;;
 hostpages)
