@@ -344,9 +344,14 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
         m1 = n1;
         float p[8];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            p[e] = round_bf(expf(sv[e] - u0));
-            p[e + 4] = round_bf(expf(sv[e + 4] - u1));
+        for (int e = 0; e < 4; e += 2) {
+            // P rounded to bf16, a pair per conversion
+            const u32 q0 = pack_bf2_rn(expf(sv[e] - u0), expf(sv[e + 1] - u0));
+            const u32 q1 = pack_bf2_rn(expf(sv[e + 4] - u1), expf(sv[e + 5] - u1));
+            p[e] = bf2_lo(q0);
+            p[e + 1] = bf2_hi(q0);
+            p[e + 4] = bf2_lo(q1);
+            p[e + 5] = bf2_hi(q1);
         }
         l0 = l0 * c0 + ((p[0] + p[1]) + (p[2] + p[3]));
         l1 = l1 * c1 + ((p[4] + p[5]) + (p[6] + p[7]));

@@ -336,19 +336,39 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
                 bool rs[2];
 #pragma unroll
                 for (int k = 0; k < 2; ++k) rs[k] = ti[k] >= 0 && ((sel_rows >> ti[k]) & 1ull) != 0ull;
+                // Warp-uniform: every row of the warp selected the block, the block fills the
+                // tile and ends at or before the warp's first position (wmin is -1 when the
+                // warp has an empty row), so no element is masked.
+                const bool unmasked = (sel_rows & wbits) == wbits && nv == PF_BN && kt0 + PF_BN - 1 <= wmin;
+                if (unmasked) {
 #pragma unroll
-                for (int c = 0; c < 8; ++c) {
+                    for (int c = 0; c < 8; ++c) {
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int col = cb + 8 * c + e;
-                        const int j = kt0 + col;
-                        const float bias = C != nullptr ? bs[col] : 0.0f;
+                        for (int e = 0; e < 2; ++e) {
+                            const float bias = C != nullptr ? bs[cb + 8 * c + e] : 0.0f;
 #pragma unroll
-                        for (int k = 0; k < 2; ++k) {
-                            float v = (s[c][2 * k + e] * scale + bias) * LOG2E;
-                            if (!rs[k] || col >= nv || j > pp[k]) v = -INFINITY;
-                            s[c][2 * k + e] = v;
-                            mx[k] = fmaxf(mx[k], v);
+                            for (int k = 0; k < 2; ++k) {
+                                const float v = (s[c][2 * k + e] * scale + bias) * LOG2E;
+                                s[c][2 * k + e] = v;
+                                mx[k] = fmaxf(mx[k], v);
+                            }
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int c = 0; c < 8; ++c) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int col = cb + 8 * c + e;
+                            const int j = kt0 + col;
+                            const float bias = C != nullptr ? bs[col] : 0.0f;
+#pragma unroll
+                            for (int k = 0; k < 2; ++k) {
+                                float v = (s[c][2 * k + e] * scale + bias) * LOG2E;
+                                if (!rs[k] || col >= nv || j > pp[k]) v = -INFINITY;
+                                s[c][2 * k + e] = v;
+                                mx[k] = fmaxf(mx[k], v);
+                            }
                         }
                     }
                 }
@@ -384,12 +404,12 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
             for (int c = 0; c < 8; ++c) {
 #pragma unroll
                 for (int k = 0; k < 2; ++k) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float p = round_bf(exp2f(s[c][2 * k + e] - u[k]));
-                        s[c][2 * k + e] = p;
-                        ls[k] += p;
-                    }
+                    // P rounded to bf16, a pair per conversion; the sum adds e = 0 then e = 1.
+                    const u32 pk = pack_bf2_rn(exp2f(s[c][2 * k] - u[k]), exp2f(s[c][2 * k + 1] - u[k]));
+                    s[c][2 * k] = bf2_lo(pk);
+                    s[c][2 * k + 1] = bf2_hi(pk);
+                    ls[k] += s[c][2 * k];
+                    ls[k] += s[c][2 * k + 1];
                 }
             }
             lr[0] = lr[0] * corr[0] + ls[0];

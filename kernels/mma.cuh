@@ -55,5 +55,17 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Two f32 values rounded to bf16 (nearest even) in one bf16x2 register, lo in the low half:
+// one conversion instruction, the same bits as f2bf for every finite value.
+__device__ __forceinline__ u32 pack_bf2_rn(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// The low and high bf16 halves of a bf16x2 register as f32.
+__device__ __forceinline__ float bf2_lo(u32 x) { return __uint_as_float(x << 16); }
+__device__ __forceinline__ float bf2_hi(u32 x) { return __uint_as_float(x & 0xffff0000u); }
+
 // Two f32 values (exactly representable in bf16) as a bf16x2 register, lo in the low half.
-__device__ __forceinline__ u32 pack_bf2(float lo, float hi) { return (u32)f2bf(lo) | ((u32)f2bf(hi) << 16); }
+__device__ __forceinline__ u32 pack_bf2(float lo, float hi) { return pack_bf2_rn(lo, hi); }
