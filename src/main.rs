@@ -647,12 +647,34 @@ struct OffloadArgs {
     /// Offload layer 0 too (default: it stays on the GPU, for every mode compared).
     #[arg(long)]
     offload_layer0: bool,
+    /// SM copy kernel: each copy CTA holds a whole SM (it asks for all of a
+    /// block's shared memory), so that compute blocks run only on the other
+    /// SMs; applies while the copy takes at most half the SMs. Same copies;
+    /// under forecast prefetch it keeps the attention CTAs off the copy SMs
+    /// (traces/README.md).
+    #[arg(long)]
+    fetch_whole_sms: bool,
+    /// Forecast prefetch through the SM copy kernel: size cuBLAS's GEMMs for
+    /// the SMs its CTAs leave (cublasSetSmCountTarget), instead of all of them.
+    #[arg(long)]
+    reserve_fetch_sms: bool,
 }
 
 impl OffloadArgs {
     /// Whether any offload flag differs from its default.
     fn given(&self) -> bool {
-        self.fetch != [FetchArg::Auto] || self.prefetch_ctas.is_some() || self.offload_layer0
+        self.fetch != [FetchArg::Auto]
+            || self.prefetch_ctas.is_some()
+            || self.offload_layer0
+            || self.fetch_whole_sms
+            || self.reserve_fetch_sms
+    }
+
+    /// Where the SM copy kernel's CTAs run ([`sparda::pipeline::GpuModel::set_fetch_whole_sms`],
+    /// [`sparda::pipeline::GpuModel::set_reserve_fetch_sms`]).
+    fn apply_sm_residency(&self, m: &mut sparda::pipeline::GpuModel) {
+        m.set_fetch_whole_sms(self.fetch_whole_sms);
+        m.set_reserve_fetch_sms(self.reserve_fetch_sms);
     }
 
     /// Rejects a CTA count the kernel cannot use.
@@ -824,15 +846,6 @@ struct BenchArgs {
     /// Prefetch settings of the forecast runs.
     #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "on,off")]
     prefetch: Vec<OnOff>,
-    /// Forecast prefetch through the SM copy kernel: size cuBLAS's GEMMs for
-    /// the SMs its CTAs leave (cublasSetSmCountTarget), instead of all of them.
-    #[arg(long)]
-    reserve_fetch_sms: bool,
-    /// Offloaded KV through the SM copy kernel: each copy CTA holds a whole
-    /// SM (it asks for all of a block's shared memory), so that compute
-    /// blocks run only on the other SMs.
-    #[arg(long)]
-    fetch_whole_sms: bool,
     /// Offloaded KV: after each case's timed steps, one more eager step
     /// records every CTA of the attention and SM fetch kernels (start, end,
     /// SM) and the report says whether attention CTAs that share an SM with

@@ -82,9 +82,21 @@ fn offload_flags_without_offloaded_kv_are_refused() {
     let (ok, err) = sparda(&a);
     assert!(!ok);
     assert!(
-        err.contains("--fetch, --prefetch-ctas and --offload-layer0 apply to offloaded KV"),
+        err.contains(
+            "--fetch, --prefetch-ctas, --offload-layer0, --fetch-whole-sms and --reserve-fetch-sms apply to offloaded KV"
+        ),
         "{err}"
     );
+    // the SM residency flags too, for generate and perplexity alike
+    for flag in ["--fetch-whole-sms", "--reserve-fetch-sms"] {
+        let mut a = TINY.to_vec();
+        a.extend(["cpu", flag]);
+        let (ok, err) = sparda(&a);
+        assert!(
+            !ok && err.contains("apply to offloaded KV"),
+            "{flag}: {err}"
+        );
+    }
     let mut a = TINY.to_vec();
     a.extend(["cpu", "--prefetch-ctas", "0"]);
     let (ok, err) = sparda(&a);

@@ -31,7 +31,7 @@ pub(crate) fn check_mode_flags(a: &ModeArgs, backend: Backend, cmd: &str) -> Res
     a.offload.validate()?;
     if a.kv != KvArg::Offload && a.offload.given() {
         return Err(Error::Input(
-            "--fetch, --prefetch-ctas and --offload-layer0 apply to offloaded KV: add --kv offload (CUDA backend)".into(),
+            "--fetch, --prefetch-ctas, --offload-layer0, --fetch-whole-sms and --reserve-fetch-sms apply to offloaded KV: add --kv offload (CUDA backend)".into(),
         ));
     }
     if a.kv == KvArg::Offload && a.offload.fetch.len() != 1 {
@@ -254,6 +254,7 @@ pub(crate) fn build_engine(
         }
         if a.kv == KvArg::Offload {
             m.set_offload(a.offload.options().first().copied())?;
+            a.offload.apply_sm_residency(&mut m);
         }
         if let Some(f) = forecast {
             m.set_forecast(Some(f), a.prefetch == OnOff::On)?;

@@ -135,6 +135,7 @@ pub(crate) fn cmd_offload_check(a: OffloadCheckArgs) -> Result<()> {
     // has room for its prompt and the new tokens, as checks::identity sizes it)
     sparda::memory::check_weights(&gpu, &ckpt.config, ckpt.eviction_heads)?;
     let mut model = GpuModel::new(gpu.clone(), &ckpt, opts)?;
+    a.offload.apply_sm_residency(&mut model);
     drop(ckpt);
     let cap = prompts.iter().map(Vec::len).max().unwrap_or(0) + a.new_tokens + 1;
     let change = "lower --batch, --prompt-tokens or --new-tokens";
