@@ -273,11 +273,6 @@ impl PinnedKv {
         Ok(kv)
     }
 
-    /// How the memory was obtained ([`HostPages`]).
-    pub fn pages(&self) -> HostPages {
-        self.pages
-    }
-
     /// The host address (also valid on the device under UVA).
     pub fn host_ptr(&self) -> *mut u8 {
         self.host
