@@ -1036,8 +1036,14 @@ fn checkpoint_of_another_size_lists_ten_mismatches_and_a_count() {
 }
 
 /// What tells an interrupt test that the run got going.
+/// Bytes of generated text [`Ready::Stdout`] waits for: several tokens.
+const STDOUT_READY_BYTES: usize = 64;
+
 enum Ready {
-    /// The first byte of generated text on stdout (decoding has started).
+    /// [`STDOUT_READY_BYTES`] bytes of generated text on stdout. The first
+    /// token comes from the prefill's logits, so its bytes alone do not mean
+    /// a decode step has finished (a Ctrl-C then can land before the first
+    /// one); several tokens' worth do.
     Stdout,
     /// A line of stderr containing this text, then the delay.
     Stderr(&'static str, Duration),
@@ -1066,11 +1072,13 @@ fn interrupted_run(args: &[&str], ready: Ready, signals: usize) -> (Option<i32>,
     let out_reader = std::thread::spawn(move || {
         let mut buf = [0u8; 256];
         let mut told = false;
+        let mut seen = 0usize;
         while let Ok(n) = stdout.read(&mut buf) {
             if n == 0 {
                 break;
             }
-            if want.is_none() && !told {
+            seen += n;
+            if want.is_none() && !told && seen >= STDOUT_READY_BYTES {
                 tx2.send(()).ok();
                 told = true;
             }
