@@ -746,6 +746,14 @@ struct TuneCtasArgs {
     /// Leave the split configurations out of the sweep.
     #[arg(long)]
     no_split: bool,
+    /// CTA counts of the whole-SM configurations `sm-whole:N` (copy CTAs on
+    /// whole SMs, GEMMs sized for the rest), measured in prefetch mode
+    /// (default 4,8,16; --quick: 8).
+    #[arg(long, value_delimiter = ',', num_args = 1.., allow_negative_numbers = true)]
+    whole_ctas: Option<Vec<usize>>,
+    /// Leave the whole-SM configurations out of the sweep.
+    #[arg(long)]
+    no_whole: bool,
     /// Schedules to measure.
     #[arg(long, value_enum, value_delimiter = ',', num_args = 1.., default_value = "sync,prefetch")]
     mode: Vec<TuneModeArg>,
@@ -764,9 +772,10 @@ struct TuneCtasArgs {
     /// Where to write the table (default tuning/fetch_<gpu>.json).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Merge this sweep into the table already at --out (same GPU): cells
-    /// measured again replace the old ones, the others stay, and the
-    /// choices are made over all of them (a grid spread over several runs).
+    /// Merge this sweep into the table already at --out (same GPU): the
+    /// (mode, context, B) cells it has are skipped, the new ones added after
+    /// each cell, and the choices made over all of them (a grid spread over
+    /// several runs; a run cut short resumes where it stopped).
     #[arg(long)]
     append: bool,
 }

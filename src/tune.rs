@@ -68,10 +68,20 @@ pub struct TuneSpec {
     /// measured at each (mode, B) beside `configs` (see the module doc);
     /// empty: no split configuration.
     pub split_pcts: Vec<usize>,
+    /// Cells an earlier run measured (a table being appended to): their
+    /// (mode, context, B) are skipped, and the CTA count of their splits is
+    /// kept for the batch size's other contexts.
+    pub done: Vec<SweepCell>,
 }
 
 /// The default copy-engine shares of the split configurations swept, %.
 pub const DEFAULT_SPLIT_PCTS: [usize; 3] = [25, 50, 75];
+
+/// The default CTA counts of the whole-SM configurations (`sm-whole:N`),
+/// measured in prefetch mode: on the H200 at B = 16 they beat shared SMs by
+/// 6–11 % at 8 and 16 CTAs, 32K and 64K (benches/results/,
+/// `whole_sm_fetch_vs_shared_prefetch_32k_64k_b16_h200_2026-12-01_e2f09b4`).
+pub const DEFAULT_WHOLE_CTAS: [usize; 3] = [4, 8, 16];
 
 /// The default CTA counts swept: 2 … 32.
 pub const DEFAULT_CTAS: [usize; 8] = [2, 4, 6, 8, 12, 16, 24, 32];
@@ -99,7 +109,7 @@ pub struct SweepCell {
 /// CTAs × the share of the misses they fetch (the copy engines take none).
 fn sms(c: FetchChoice) -> usize {
     match c {
-        FetchChoice::Sm { ctas } => ctas * 100,
+        FetchChoice::Sm { ctas } | FetchChoice::SmWhole { ctas } => ctas * 100,
         FetchChoice::Dma => 0,
         FetchChoice::Split { ctas, ce_pct } => ctas * 100usize.saturating_sub(ce_pct),
     }
@@ -165,11 +175,18 @@ pub fn choose(cells: &[&SweepCell], configs: &[FetchChoice]) -> Option<(FetchCho
 }
 
 /// Runs the sweep and returns the table (with the sweep in it). Progress
-/// on stderr, one line per configuration and round.
+/// on stderr, one line per (context, B, mode) cell. After each cell,
+/// `on_cell` gets the table of the cells measured so far (so that a sweep
+/// cut short, e.g. at a device call's time limit, keeps what it measured);
+/// the order is context, then B, then mode, so both modes of a batch size
+/// are done before the next.
 ///
 /// Errors: CUDA missing or failing; a model that cannot run sparse
-/// attention; no cell fitting in memory; bad arguments.
-pub fn run(spec: &TuneSpec) -> Result<FetchTable> {
+/// attention; no cell fitting in memory; bad arguments; `on_cell`'s.
+pub fn run(
+    spec: &TuneSpec,
+    mut on_cell: impl FnMut(&FetchTable) -> Result<()>,
+) -> Result<FetchTable> {
     crate::cuda::require()?;
     if spec.batches.is_empty() || spec.contexts.is_empty() || spec.configs.is_empty() {
         return Err(Error::Input(
@@ -205,13 +222,49 @@ pub fn run(spec: &TuneSpec) -> Result<FetchTable> {
     let mut configs: Vec<FetchChoice> = spec.configs.clone();
     // per (mode, B): the CTA count of its splits, from its first context
     let mut split_ctas_of: Vec<((FetchMode, usize), usize)> = Vec::new();
+    for c in &spec.done {
+        if let Ok(FetchChoice::Split { ctas, .. }) = FetchChoice::parse_label(&c.config) {
+            if !split_ctas_of.iter().any(|(k, _)| *k == (c.mode, c.batch)) {
+                split_ctas_of.push(((c.mode, c.batch), ctas));
+            }
+        }
+    }
     let mut skipped: Vec<serde_json::Value> = Vec::new();
     let total = spec.modes.len() * spec.contexts.len() * spec.batches.len();
     let mut done = 0;
-    for &mode in &spec.modes {
-        for &l in &spec.contexts {
-            for &b in &spec.batches {
+    let (pcie, driver) = nvidia_smi_link();
+    let driver = driver.unwrap_or_else(|| format!("CUDA {}", info.driver_version_string()));
+    let table_of = |cells: &[SweepCell], configs: &[FetchChoice], skipped: &[serde_json::Value]| {
+        let (sync, prefetch) = entries_of(cells, configs)?;
+        Ok::<_, Error>(FetchTable {
+            format: FORMAT,
+            gpu: info.name.clone(),
+            sm_count: info.sm_count,
+            pcie: pcie.clone(),
+            driver: driver.clone(),
+            date_utc: crate::checks::kernels::utc_now_iso(),
+            commit: std::env::var("SPARDA_COMMIT")
+                .ok()
+                .or_else(crate::bench::git_commit),
+            protocol: protocol(spec),
+            sync,
+            prefetch,
+            sweep: json!({"cells": cells, "skipped": skipped,
+                "configs": configs.iter().map(|c| c.label()).collect::<Vec<_>>()}),
+        })
+    };
+    for &l in &spec.contexts {
+        for &b in &spec.batches {
+            for &mode in &spec.modes {
                 done += 1;
+                if spec
+                    .done
+                    .iter()
+                    .any(|c| (c.mode, c.context, c.batch) == (mode, l, b))
+                {
+                    eprintln!("[{done}/{total}] {mode:?} L={l} B={b}: measured before (--append), skipped");
+                    continue;
+                }
                 let off = OffloadOptions {
                     fetch: spec.configs[0].engine(),
                     offload_layer0: false,
@@ -239,7 +292,14 @@ pub fn run(spec: &TuneSpec) -> Result<FetchTable> {
                     model.offload_sequence(&mut s, cap)?;
                     seqs.push(s);
                 }
-                let mut measured = measure(&mut model, &mut seqs, &spec.configs, spec, |r| {
+                // whole SMs only matter beside compute: prefetch mode alone
+                let here: Vec<FetchChoice> = spec
+                    .configs
+                    .iter()
+                    .copied()
+                    .filter(|c| mode == FetchMode::Prefetch || !c.whole_sms())
+                    .collect();
+                let mut measured = measure(&mut model, &mut seqs, &here, spec, |r| {
                     format!("tune-ctas ({mode:?}, L {l}, B {b}, round {r})")
                 })?;
                 if !spec.split_pcts.is_empty() {
@@ -287,35 +347,31 @@ pub fn run(spec: &TuneSpec) -> Result<FetchTable> {
                 eprintln!("    step ms: {}", line.join(", "));
                 drop(seqs);
                 model.release_buffers();
+                on_cell(&table_of(&cells, &configs, &skipped)?)?;
             }
         }
     }
     model.set_forecast(None, false)?;
     model.set_offload(None)?;
-    let (sync, prefetch) = entries_of(&cells, &configs)?;
-    let (pcie, driver) = nvidia_smi_link();
-    Ok(FetchTable {
-        format: FORMAT,
-        gpu: info.name.clone(),
-        sm_count: info.sm_count,
-        pcie,
-        driver: driver.unwrap_or_else(|| format!("CUDA {}", info.driver_version_string())),
-        date_utc: crate::checks::kernels::utc_now_iso(),
-        commit: std::env::var("SPARDA_COMMIT").ok().or_else(crate::bench::git_commit),
-        protocol: format!(
-            "sparda tune-ctas on {}: synthetic KV (runtime.md §5), NOSA selection; prefetch mode with random forecast projections (synth:{}); contexts {:?}; per configuration and round {} warm-up + {} timed decode steps (CUDA events), {} rounds in rotated order; figure = median of round medians, spread = max - min{}",
-            spec.model, spec.seed, spec.contexts, spec.warmup, spec.steps, spec.repeats,
-            if spec.split_pcts.is_empty() {
-                String::new()
-            } else {
-                format!("; splits with {:?} % through the copy engines at each (mode, B)'s fastest SM CTA count (first context), in rounds of their own", spec.split_pcts)
-            }
-        ),
-        sync,
-        prefetch,
-        sweep: json!({"cells": cells, "skipped": skipped,
-            "configs": configs.iter().map(|c| c.label()).collect::<Vec<_>>()}),
-    })
+    table_of(&cells, &configs, &skipped)
+}
+
+/// The table's protocol line: how `spec` measures.
+fn protocol(spec: &TuneSpec) -> String {
+    format!(
+        "sparda tune-ctas on {}: synthetic KV (runtime.md §5), NOSA selection; prefetch mode with random forecast projections (synth:{}); contexts {:?}; per configuration and round {} warm-up + {} timed decode steps (CUDA events), {} rounds in rotated order; figure = median of round medians, spread = max - min{}{}",
+        spec.model, spec.seed, spec.contexts, spec.warmup, spec.steps, spec.repeats,
+        if spec.split_pcts.is_empty() {
+            String::new()
+        } else {
+            format!("; splits with {:?} % through the copy engines at each (mode, B)'s fastest SM CTA count (first context), in rounds of their own", spec.split_pcts)
+        },
+        if spec.configs.iter().any(|c| c.whole_sms()) {
+            "; sm-whole:N (copy CTAs on whole SMs, GEMMs sized for the rest) in prefetch mode only"
+        } else {
+            ""
+        }
+    )
 }
 
 /// Times `configs` on the filled batch `seqs`: `spec.repeats` rounds, each
@@ -337,6 +393,9 @@ fn measure(
         for k in 0..configs.len() {
             let i = (k + r) % configs.len();
             crate::interrupt::check(|| what(r))?;
+            // where the copy CTAs run, then the engine (which rebuilds the step)
+            model.set_fetch_whole_sms(configs[i].whole_sms());
+            model.set_reserve_fetch_sms(configs[i].whole_sms());
             model.set_offload(Some(OffloadOptions {
                 fetch: configs[i].engine(),
                 offload_layer0: false,
@@ -348,6 +407,8 @@ fn measure(
             rounds[i].push(median(&time_step_ms(model, seqs, spec.steps)?));
         }
     }
+    model.set_fetch_whole_sms(false);
+    model.set_reserve_fetch_sms(false);
     Ok(configs.iter().copied().zip(rounds).collect())
 }
 
@@ -666,6 +727,37 @@ mod tests {
             choose(&refs, &configs),
             Some((FetchChoice::Sm { ctas: 4 }, 10.5))
         );
+    }
+
+    #[test]
+    fn whole_sm_configurations_compete_in_prefetch_mode_only() {
+        let sm = |ctas| FetchChoice::Sm { ctas };
+        let whole = |ctas| FetchChoice::SmWhole { ctas };
+        let configs = [sm(8), sm(16), whole(8), whole(16)];
+        let at = |mode, cfg: &str, ms| SweepCell {
+            mode,
+            ..cell(32768, cfg, ms, 0.02)
+        };
+        let cells = vec![
+            at(FetchMode::Sync, "sm:8", 13.7),
+            at(FetchMode::Sync, "sm:16", 13.6),
+            at(FetchMode::Prefetch, "sm:8", 12.7),
+            at(FetchMode::Prefetch, "sm:16", 13.8),
+            at(FetchMode::Prefetch, "sm-whole:8", 12.0),
+            at(FetchMode::Prefetch, "sm-whole:16", 12.4),
+        ];
+        // absent from sync mode altogether: not an incomplete configuration
+        assert!(incomplete_configs(&cells, &configs).is_empty());
+        let (sync, prefetch) = entries_of(&cells, &configs).unwrap();
+        assert_eq!(sync[0].choice, sm(16));
+        assert_eq!((prefetch[0].choice, prefetch[0].step_ms), (whole(8), 12.0));
+        // the same SMs as sm:8: a tie within the spread goes to the faster
+        let tied = vec![
+            at(FetchMode::Prefetch, "sm:8", 12.01),
+            at(FetchMode::Prefetch, "sm-whole:8", 12.0),
+        ];
+        let refs: Vec<&SweepCell> = tied.iter().collect();
+        assert_eq!(choose(&refs, &configs), Some((whole(8), 12.0)));
     }
 
     #[test]

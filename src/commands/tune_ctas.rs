@@ -45,6 +45,22 @@ pub(crate) fn cmd_tune_ctas(a: TuneCtasArgs) -> Result<()> {
     if !a.no_dma {
         configs.push(FetchChoice::Dma);
     }
+    let whole = match (&a.whole_ctas, quick) {
+        _ if a.no_whole => Vec::new(),
+        (Some(c), _) => c.clone(),
+        (None, true) => vec![8],
+        (None, false) => sparda::tune::DEFAULT_WHOLE_CTAS.to_vec(),
+    };
+    for &n in &whole {
+        // whole SMs apply while the copy takes at most half of them (the
+        // smallest GPU this runs on has 16 SMs: checked again at run time)
+        if n == 0 || n > 1024 {
+            return Err(Error::Input(format!(
+                "--whole-ctas {n}: give 1 … 1024 CTAs"
+            )));
+        }
+        configs.push(FetchChoice::SmWhole { ctas: n });
+    }
     let split_pcts = match (&a.split_pct, quick) {
         _ if a.no_split || a.no_dma => Vec::new(),
         (Some(p), _) => p.clone(),
@@ -73,27 +89,61 @@ pub(crate) fn cmd_tune_ctas(a: TuneCtasArgs) -> Result<()> {
         warmup: a.warmup,
         seed: 1,
         split_pcts,
+        done: Vec::new(),
     };
     if let Some(p) = &a.out {
         super::mode::check_output_dirs([p])?;
     }
-    let table = sparda::tune::run(&spec)?;
-    let out = a
-        .out
-        .unwrap_or_else(|| PathBuf::from("tuning").join(table_file_name(&table.gpu)));
-    // --append: a grid spread over several device calls, one table
-    let table = if a.append && out.exists() {
-        let old = FetchTable::load(&out)?;
-        sparda::tune::merge(&old, table, &out.display().to_string())?
-    } else {
-        table
-    };
-    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    // --append: a grid spread over several device calls, one table; the
+    // table at --out before this run, merged into every write
+    // (None: not looked at yet; Some(None): nothing to merge)
+    let mut old: Option<Option<FetchTable>> = None;
+    let mut out = a.out.clone();
+    let mut spec = spec;
+    if a.append && out.is_none() {
+        sparda::cuda::require()?;
+        let name = sparda::cuda::Gpu::new(0)?.info().name.clone();
+        out = Some(PathBuf::from("tuning").join(table_file_name(&name)));
     }
-    let text = serde_json::to_string_pretty(&table)
-        .map_err(|e| Error::Input(format!("serialising the table: {e}")))?;
-    std::fs::write(&out, text + "\n").map_err(|e| Error::io(&out, e))?;
+    // appending: the cells the table has are not measured again
+    if let Some(p) = out.as_ref().filter(|p| a.append && p.exists()) {
+        let t = FetchTable::load(p)?;
+        spec.done = sparda::tune::cells_of(&t, &p.display().to_string())?;
+        eprintln!(
+            "tune-ctas: appending to {} ({} cells measured before are kept and skipped)",
+            p.display(),
+            spec.done.len()
+        );
+        old = Some(Some(t));
+    }
+    let write =
+        |table: &FetchTable, old: &mut Option<Option<FetchTable>>, out: &mut Option<PathBuf>| {
+            let path = out
+                .get_or_insert_with(|| PathBuf::from("tuning").join(table_file_name(&table.gpu)))
+                .clone();
+            if old.is_none() {
+                *old = Some(match a.append && path.exists() {
+                    true => Some(FetchTable::load(&path)?),
+                    false => None,
+                });
+            }
+            let table = match old.as_ref().and_then(|o| o.as_ref()) {
+                Some(o) => sparda::tune::merge(o, table.clone(), &path.display().to_string())?,
+                None => table.clone(),
+            };
+            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+            }
+            let text = serde_json::to_string_pretty(&table)
+                .map_err(|e| Error::Input(format!("serialising the table: {e}")))?;
+            std::fs::write(&path, text + "\n").map_err(|e| Error::io(&path, e))?;
+            Ok::<_, Error>((table, path))
+        };
+    // each finished cell is written at once: a sweep cut short keeps them
+    let table = sparda::tune::run(&spec, |partial| {
+        write(partial, &mut old, &mut out).map(|_| ())
+    })?;
+    let (table, out) = write(&table, &mut old, &mut out)?;
     print!("{}", sparda::tune::sweep_table(&table));
     println!("{}", choices(&table));
     eprintln!(

@@ -116,7 +116,14 @@ impl FetchEngine {
                 ctas: crate::cuda::ops::offload::DEFAULT_FETCH_CTAS,
             }),
             _ => crate::kv::fetch_table::FetchChoice::parse_label(value)
-                .map(|c| c.engine())
+                .and_then(|c| match c {
+                    crate::kv::fetch_table::FetchChoice::SmWhole { ctas } => {
+                        Err(Error::Input(format!(
+                            "--fetch {value}: a fetch-table configuration; give `--fetch sm:{ctas} --fetch-whole-sms --reserve-fetch-sms` (the same copies on whole SMs, GEMMs sized for the rest)"
+                        )))
+                    }
+                    c => Ok(c.engine()),
+                })
                 .map_err(|e| match e {
                     Error::Input(m) if m.ends_with(crate::kv::fetch_table::LABEL_FORMS) => {
                         Error::Input(format!(
@@ -210,7 +217,7 @@ impl GpuModel {
                     stream,
                     &args,
                     ctas,
-                    self.fetch_whole_sms_for(ctas),
+                    self.fetch_whole_sms_for(n, ctas),
                 )?;
             }
             FetchEngine::Dma => self.fetch_dma_layer(off, l, n, stream)?,
@@ -335,7 +342,7 @@ impl GpuModel {
             fork: &side.fork[l],
             join: &side.join[l],
             ce_delay_ns: self.copy_delay_us as u64 * 1000,
-            whole_sms: self.fetch_whole_sms_for(ctas),
+            whole_sms: self.fetch_whole_sms_for(n, ctas),
         };
         let mut counts = side.sm_counts.slice_mut(l * n * hk..(l + 1) * n * hk);
         fetch_split(
@@ -504,5 +511,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("split:8:0") && e.contains("1 … 99"), "{e}");
+        // a table's whole-SM configuration is not an engine: the flags that run it
+        let e = FetchEngine::parse("sm-whole:8").unwrap_err().to_string();
+        assert!(
+            e.contains("--fetch sm:8 --fetch-whole-sms --reserve-fetch-sms"),
+            "{e}"
+        );
+        let e = FetchEngine::parse("sm-whole:0").unwrap_err().to_string();
+        assert!(
+            e.contains("`sm-whole:0`") && e.ends_with(FETCH_FORMS),
+            "{e}"
+        );
     }
 }

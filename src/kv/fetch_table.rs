@@ -46,15 +46,27 @@ pub enum FetchMode {
 }
 
 /// One fetch configuration as a table stores it (JSON: `{"engine": "sm",
-/// "ctas": N}`, `{"engine": "dma"}` or `{"engine": "split", "ctas": N,
-/// "ce_pct": P}`); its label ([`FetchChoice::label`]) is `sm:N`, `dma` or
-/// `split:N:P`, the spelling of `--fetch` and of a sweep's cells.
+/// "ctas": N}`, `{"engine": "sm_whole", "ctas": N}`, `{"engine": "dma"}` or
+/// `{"engine": "split", "ctas": N, "ce_pct": P}`); its label
+/// ([`FetchChoice::label`]) is `sm:N`, `sm-whole:N`, `dma` or `split:N:P`,
+/// the spelling of a sweep's cells and (but for `sm-whole:N`) of `--fetch`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "engine", rename_all = "lowercase")]
 pub enum FetchChoice {
     /// The persistent SM copy kernel on `ctas` CTAs.
     Sm {
         /// CTAs (1 … 1024).
+        ctas: usize,
+    },
+    /// The SM copy kernel on `ctas` CTAs that each hold a whole SM, with the
+    /// forecast-prefetch step's GEMMs sized for the SMs they leave: what
+    /// `--fetch sm:N --fetch-whole-sms --reserve-fetch-sms` runs
+    /// ([`crate::pipeline::GpuModel::set_fetch_whole_sms`], runtime.md §4).
+    /// Applies while `ctas` is at most half the SMs; above that it runs as
+    /// [`FetchChoice::Sm`].
+    #[serde(rename = "sm_whole")]
+    SmWhole {
+        /// CTAs (1 … 1024), one SM each.
         ctas: usize,
     },
     /// The copy engines.
@@ -72,19 +84,27 @@ pub enum FetchChoice {
 
 /// What a fetch configuration label may be, for error messages.
 pub const LABEL_FORMS: &str =
-    "`dma`, `sm:N` (N = 1 … 1024 CTAs) or `split:N:P` (N = 1 … 1024 CTAs, P = 1 … 99 % through the copy engines)";
+    "`dma`, `sm:N` (N = 1 … 1024 CTAs), `sm-whole:N` (N CTAs on whole SMs) or `split:N:P` (N = 1 … 1024 CTAs, P = 1 … 99 % through the copy engines)";
 
 impl FetchChoice {
-    /// The engine this choice runs.
+    /// The engine this choice runs (where its CTAs run:
+    /// [`FetchChoice::whole_sms`]).
     pub fn engine(self) -> FetchEngine {
         match self {
-            FetchChoice::Sm { ctas } => FetchEngine::Sm { ctas },
+            FetchChoice::Sm { ctas } | FetchChoice::SmWhole { ctas } => FetchEngine::Sm { ctas },
             FetchChoice::Dma => FetchEngine::Dma,
             FetchChoice::Split { ctas, ce_pct } => FetchEngine::Split { ctas, ce_pct },
         }
     }
 
-    /// Reads a [`FetchChoice::label`] back: `dma`, `sm:N` or `split:N:P`.
+    /// Whether the copy kernel's CTAs hold whole SMs (and the prefetch
+    /// step's GEMMs are sized for the rest): [`FetchChoice::SmWhole`].
+    pub fn whole_sms(self) -> bool {
+        matches!(self, FetchChoice::SmWhole { .. })
+    }
+
+    /// Reads a [`FetchChoice::label`] back: `dma`, `sm:N`, `sm-whole:N` or
+    /// `split:N:P`.
     ///
     /// Errors: [`Error::Input`] naming the label and the allowed forms and
     /// ranges ([`LABEL_FORMS`]: 1 ≤ N ≤ 1024, 1 ≤ P ≤ 99).
@@ -104,6 +124,9 @@ impl FetchChoice {
         if let Some(n) = label.strip_prefix("sm:") {
             return Ok(FetchChoice::Sm { ctas: ctas(n)? });
         }
+        if let Some(n) = label.strip_prefix("sm-whole:") {
+            return Ok(FetchChoice::SmWhole { ctas: ctas(n)? });
+        }
         if let Some(rest) = label.strip_prefix("split:") {
             let Some((n, p)) = rest.split_once(':') else {
                 return Err(bad("a split needs both N and P; ".into()));
@@ -118,10 +141,11 @@ impl FetchChoice {
         Err(bad(String::new()))
     }
 
-    /// `sm:N`, `dma` or `split:N:P`.
+    /// `sm:N`, `sm-whole:N`, `dma` or `split:N:P`.
     pub fn label(self) -> String {
         match self {
             FetchChoice::Sm { ctas } => format!("sm:{ctas}"),
+            FetchChoice::SmWhole { ctas } => format!("sm-whole:{ctas}"),
             FetchChoice::Dma => "dma".into(),
             FetchChoice::Split { ctas, ce_pct } => format!("split:{ctas}:{ce_pct}"),
         }
@@ -145,7 +169,9 @@ impl FetchChoice {
     /// What is out of range in this choice, if anything.
     fn range_problem(self) -> Option<String> {
         match self {
-            FetchChoice::Sm { ctas } | FetchChoice::Split { ctas, .. }
+            FetchChoice::Sm { ctas }
+            | FetchChoice::SmWhole { ctas }
+            | FetchChoice::Split { ctas, .. }
                 if ctas == 0 || ctas > 1024 =>
             {
                 Some(format!("{ctas} CTAs (give 1 … 1024)"))
@@ -328,6 +354,13 @@ pub fn auto_engine(
         Some(t) => t.choose(mode, batch).engine(),
         None => fetch_rule(gpu_name, batch),
     }
+}
+
+/// Whether the table's choice for `batch` rows in `mode` puts the copy
+/// kernel's CTAs on whole SMs ([`FetchChoice::SmWhole`]); SparDA's rule
+/// (no table) never does.
+pub fn auto_whole_sms(table: Option<&FetchTable>, mode: FetchMode, batch: usize) -> bool {
+    table.is_some_and(|t| t.choose(mode, batch).whole_sms())
 }
 
 /// The file name `tune-ctas` gives a GPU's table: `fetch_<name>.json`, the
@@ -552,6 +585,44 @@ mod tests {
             let e = c.validate().unwrap_err().to_string();
             assert!(e.contains(&c.label()), "{e}");
         }
+    }
+
+    #[test]
+    fn a_table_may_choose_whole_sms_and_only_its_entry_takes_them() {
+        let mut t = table("NVIDIA H200");
+        let whole = FetchChoice::SmWhole { ctas: 8 };
+        t.prefetch.push(FetchEntry {
+            batch: 32,
+            choice: whole,
+            step_ms: 2.0,
+        });
+        let text = serde_json::to_string(&t).unwrap();
+        assert!(text.contains(r#""engine":"sm_whole","ctas":8"#), "{text}");
+        let t = FetchTable::parse(&text, "test").unwrap();
+        assert_eq!(t.choose(FetchMode::Prefetch, 32), whole);
+        assert_eq!(whole.label(), "sm-whole:8");
+        assert_eq!(FetchChoice::parse_label("sm-whole:8").unwrap(), whole);
+        // the same copy kernel, on whole SMs above the threshold √(8·32) = 16
+        for b in [17, 64] {
+            assert_eq!(
+                auto_engine(Some(&t), "NVIDIA H200", FetchMode::Prefetch, b),
+                FetchEngine::Sm { ctas: 8 }
+            );
+            assert!(auto_whole_sms(Some(&t), FetchMode::Prefetch, b));
+        }
+        assert!(!auto_whole_sms(Some(&t), FetchMode::Prefetch, 16));
+        assert!(!auto_whole_sms(Some(&t), FetchMode::Sync, 64));
+        assert!(!auto_whole_sms(None, FetchMode::Prefetch, 64));
+        let e = FetchTable::parse(
+            &text.replace(r#""sm_whole","ctas":8"#, r#""sm_whole","ctas":0"#),
+            "f.json",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("f.json") && e.contains("\"prefetch\" batch 32") && e.contains("0 CTAs"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -33,7 +33,7 @@
 //! full cache, so GPU memory during a batch's prefill is bounded by one
 //! sequence, not by the batch.
 
-use super::fetch_table::{auto_engine, FetchMode, FetchTable, ENV_TABLE};
+use super::fetch_table::{auto_engine, auto_whole_sms, FetchMode, FetchTable, ENV_TABLE};
 use super::{Footprint, RING_BLOCKS};
 use crate::cuda::context::{dptr, i32_dim, CudaResultExt};
 use crate::cuda::{Bf16, Gpu};
@@ -400,20 +400,34 @@ impl GpuModel {
     /// when the GPU has no table.
     pub fn fetch_engine(&self, batch: usize) -> FetchEngine {
         match self.offload.map_or(FetchEngine::Auto, |o| o.fetch) {
-            FetchEngine::Auto => {
-                let mode = if self.forecast_on() && self.prefetch_on() {
-                    FetchMode::Prefetch
-                } else {
-                    FetchMode::Sync
-                };
-                auto_engine(
-                    self.fetch_table.as_deref(),
-                    &self.gpu.info().name,
-                    mode,
-                    batch,
-                )
-            }
+            FetchEngine::Auto => auto_engine(
+                self.fetch_table.as_deref(),
+                &self.gpu.info().name,
+                self.fetch_mode(),
+                batch,
+            ),
             e => e,
+        }
+    }
+
+    /// Whether the fetch table's choice for a batch of `batch` rows puts the
+    /// SM copy kernel's CTAs on whole SMs, with the prefetch step's GEMMs
+    /// sized for the rest ([`crate::kv::fetch_table::FetchChoice::SmWhole`]):
+    /// only with [`FetchEngine::Auto`] and a table for this GPU. The flags
+    /// [`GpuModel::set_fetch_whole_sms`] and
+    /// [`GpuModel::set_reserve_fetch_sms`] turn the same on for any engine.
+    pub fn fetch_table_whole_sms(&self, batch: usize) -> bool {
+        self.offload.is_some_and(|o| o.fetch == FetchEngine::Auto)
+            && auto_whole_sms(self.fetch_table.as_deref(), self.fetch_mode(), batch)
+    }
+
+    /// The schedule the fetch table is read for: forecast prefetch, else the
+    /// synchronous fetch.
+    fn fetch_mode(&self) -> FetchMode {
+        if self.forecast_on() && self.prefetch_on() {
+            FetchMode::Prefetch
+        } else {
+            FetchMode::Sync
         }
     }
 

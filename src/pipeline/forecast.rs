@@ -152,9 +152,13 @@ impl GpuModel {
         self.fetch_whole_sms = on;
     }
 
-    /// Whether the copy kernel on `ctas` CTAs takes whole SMs this step.
-    pub(crate) fn fetch_whole_sms_for(&self, ctas: usize) -> bool {
-        self.fetch_whole_sms && self.sms_left_by_copy(ctas).is_some()
+    /// Whether the copy kernel on `ctas` CTAs takes whole SMs in a step of
+    /// `n` rows: [`GpuModel::set_fetch_whole_sms`], or the fetch table's
+    /// choice for `n` ([`GpuModel::fetch_table_whole_sms`]), while `ctas` is
+    /// at most half the SMs.
+    pub(crate) fn fetch_whole_sms_for(&self, n: usize, ctas: usize) -> bool {
+        (self.fetch_whole_sms || self.fetch_table_whole_sms(n))
+            && self.sms_left_by_copy(ctas).is_some()
     }
 
     /// The SMs a copy kernel on `ctas` CTAs (one SM each) leaves to compute,
@@ -166,11 +170,12 @@ impl GpuModel {
     }
 
     /// The SMs the step's GEMMs are sized for at batch `n`: `Some(sm_count −
-    /// CTAs)` when [`GpuModel::set_reserve_fetch_sms`] is on and this step
-    /// prefetches through the SM copy kernel on at most half the SMs, else
-    /// `None` (all of them).
+    /// CTAs)` when [`GpuModel::set_reserve_fetch_sms`] is on (or the fetch
+    /// table chose whole SMs for `n`) and this step prefetches through the SM
+    /// copy kernel on at most half the SMs, else `None` (all of them).
     pub(crate) fn gemm_sm_target(&self, n: usize) -> Option<usize> {
-        if !(self.reserve_fetch_sms && self.forecast_on() && self.prefetch_on()) {
+        let reserve = self.reserve_fetch_sms || self.fetch_table_whole_sms(n);
+        if !(reserve && self.forecast_on() && self.prefetch_on()) {
             return None;
         }
         self.offload_options()?;
