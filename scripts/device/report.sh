@@ -18,7 +18,7 @@
 # B·L under about 3 M tokens). Every grid phase writes one JSON per cell into
 # $CELLS (default benches/results/eb_grid_h200/cells, in the working tree so
 # it travels to the device) with --resume, stops itself cleanly (SIGINT) 45 s
-# before the call's limit, and copies the cells to OUT/cells: copy them back
+# before the call's limit, and packs the cells into OUT/cells.tar.gz: unpack it
 # into $CELLS on the CPU machine before the next call, and a phase cut short
 # resumes where it stopped when called again (cells already there are skipped).
 #
@@ -51,8 +51,8 @@ grid() { # CONTEXT EB
   rc=${PIPESTATUS[0]}
   set -e
   echo "bench exit code $rc (130 or 124: stopped at the time limit; call the phase again to resume)"
-  mkdir -p "$out/cells" && cp "$cells"/*.json "$out/cells/" 2>/dev/null || true
-  ls "$out/cells"
+  # one archive: a call brings back at most 8 files
+  tar czf "$out/cells.tar.gz" -C "$cells" . && tar tzf "$out/cells.tar.gz" | grep -c json
 }
 
 case "$phase" in

@@ -33,7 +33,7 @@
 use crate::cpu::EngineOptions;
 use crate::cuda::Gpu;
 use crate::model::{AttentionOverrides, PrefillMode, SelectionRule};
-use crate::pipeline::{DecodeMode, FetchEngine, GpuModel, GpuSequence, OffloadOptions};
+use crate::pipeline::{DecodeMode, GpuModel, GpuSequence, OffloadOptions};
 use crate::tokenizer::Tokenizer;
 use crate::weights::Checkpoint;
 use crate::{Error, Result};
@@ -405,12 +405,7 @@ fn run_case(
         "gemm_sm_target": model.gemm_sm_target(batch),
         "fetch_whole_sms": spec.fetch_whole_sms,
         // whole SMs in force this run: the flag, or the fetch table's choice
-        "fetch_on_whole_sms": offload.is_some() && match model.fetch_engine(batch) {
-            FetchEngine::Sm { ctas } | FetchEngine::Split { ctas, .. } => {
-                model.fetch_whole_sms_for(batch, ctas)
-            }
-            _ => false,
-        },
+        "fetch_on_whole_sms": model.fetch_on_whole_sms(batch),
         "cta_timeline": spec.cta_timeline,
         "prompt_origin": source.origins_json(batch),
     });

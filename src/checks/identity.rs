@@ -43,6 +43,11 @@ pub struct Run {
     /// Memory sampled after the prefill and every `sample_every` decode
     /// steps (and after the last step).
     pub memory: Vec<MemorySample>,
+    /// The fetch configuration the run's steps used (`--fetch auto`
+    /// resolved for its batch: `sm:N`, `dma`, `split:N:P`, with `+whole`
+    /// when the copy CTAs held whole SMs); None when GPU-resident.
+    #[serde(default)]
+    pub fetch_resolved: Option<String>,
 }
 
 /// Memory in use at one decode step of a run (for long-run checks: GPU
@@ -99,6 +104,14 @@ pub fn run(
     model.set_prefetch(mode.is_some_and(|m| m.prefetch));
     model.set_copy_delay_us(mode.map_or(0, |m| m.copy_delay_us));
     let nb = prompts.len();
+    let fetch_resolved = offload.map(|_| {
+        let whole = if model.fetch_on_whole_sms(nb) {
+            "+whole"
+        } else {
+            ""
+        };
+        format!("{}{whole}", model.fetch_engine(nb).label())
+    });
     let mut seqs = Vec::with_capacity(nb);
     let mut tok = Vec::with_capacity(nb);
     let mut tokens = Vec::with_capacity(new_tokens * nb);
@@ -162,6 +175,7 @@ pub fn run(
         decode_ms,
         stats,
         memory,
+        fetch_resolved,
     })
 }
 
@@ -255,6 +269,7 @@ pub fn offload_identity(
         runs.push(json!({
             "fetch": o.fetch.name(),
             "fetch_detail": format!("{:?}", o.fetch),
+            "fetch_resolved": r.fetch_resolved,
             "offload_layer0": o.offload_layer0,
             "forecast": forecast,
             "prefetch": forecast && m.prefetch,

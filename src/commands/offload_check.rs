@@ -286,6 +286,7 @@ mod tests {
             decode_ms: 12.5,
             stats: None,
             memory: vec![],
+            fetch_resolved: None,
         };
         let p = dir.join("resident.json");
         let rec = serde_json::json!({"key": key, "run": run});

@@ -161,6 +161,22 @@ impl GpuModel {
             && self.sms_left_by_copy(ctas).is_some()
     }
 
+    /// Whether a step of `batch` rows runs its SM copy kernel (alone or in a
+    /// split) on whole SMs: the flag or the fetch table's choice, for the
+    /// engine [`GpuModel::fetch_engine`] gives (false without offload or
+    /// with the copy engines). For reports.
+    pub fn fetch_on_whole_sms(&self, batch: usize) -> bool {
+        if self.offload_options().is_none() {
+            return false;
+        }
+        match self.fetch_engine(batch) {
+            FetchEngine::Sm { ctas } | FetchEngine::Split { ctas, .. } => {
+                self.fetch_whole_sms_for(batch, ctas)
+            }
+            _ => false,
+        }
+    }
+
     /// The SMs a copy kernel on `ctas` CTAs (one SM each) leaves to compute,
     /// when it takes at most half of them (else `None`: so many copy CTAs
     /// share SMs as usual, and the GEMMs keep every SM).
