@@ -56,8 +56,9 @@ enum Cmd {
     /// cell directories, single-file `sparda bench --json` reports and
     /// baseline JSONs (benches/baselines/) into PREFIX.json (every figure,
     /// GPU, driver, commits, dates), PREFIX.md (the table: tokens/s, step
-    /// p50/p99, γ, PCIe GB/s, GPU and host memory, roofline) and PREFIX.svg
-    /// (tokens/s against context per mode). CPU only.
+    /// p50/p99, γ, PCIe GB/s, GPU and host memory, roofline; for each row
+    /// above 1.2× its roofline, where its time goes: GEMMs, fetch, rest) and
+    /// PREFIX.svg (tokens/s against context per mode). CPU only.
     Report(ReportArgs),
     /// Measure this GPU's fetch table for offloaded KV: the real decode loop
     /// on synthetic NOSA-8B with the SM copy kernel at each CTA count and

@@ -322,6 +322,9 @@ pub struct Row {
     pub roofline: Option<Roofline>,
     /// step_ms_p50 / roofline step_ms.
     pub measured_over_roofline: Option<f64>,
+    /// Where the median step's time goes, from the run's own measurements
+    /// ([`StepParts`]); None where the run did not measure them.
+    pub parts: Option<StepParts>,
     /// Prefill tokens/s (B · L over the sequences' prefill times): set on
     /// the rows of a prefill benchmark (`sparda bench --steps 0`, the
     /// transformers prefill baseline), which have no decode figures.
@@ -456,6 +459,7 @@ pub fn row_from_case(report: &Value, c: &Value, source: &str) -> Row {
         host_mem_bytes: None,
         roofline: None,
         measured_over_roofline: None,
+        parts: None,
         prefill_tokens_per_s: None,
         ttft_ms_p50: None,
         skipped: s(&c["skipped"]),
@@ -529,8 +533,118 @@ pub fn row_from_case(report: &Value, c: &Value, source: &str) -> Row {
         row.measured_over_roofline = row.step_ms_p50.map(|m| m / r.step_ms);
         row.roofline = Some(r);
     }
+    if let (Some(step), Some((gemm_ms, gemm_batch))) = (row.step_ms_p50, gemm_ms(report, batch)) {
+        let timing = &c["offload"]["fetch_timing"];
+        let fetch = f(&timing["fetch_ms_per_step"]);
+        row.parts = match (offloaded, fetch) {
+            (true, None) => None,
+            _ => Some(StepParts {
+                step_ms: step,
+                gemm_ms,
+                gemm_batch,
+                fetch_ms: fetch,
+                fetch_gb_s: f(&timing["achieved_gb_s"]),
+                overlapped: offloaded && c["selection"] == "forecast+prefetch",
+                dense: c["attention"].as_str() == Some("dense"),
+            }),
+        };
+    }
     row
 }
+
+/// Where a decode step's time goes, from the run's own measurements, ms:
+/// the layer GEMMs and lm_head alone (the bench's GEMM-ceiling graph at
+/// the nearest measured batch), the fetch (CUDA events around each
+/// layer's fetch, offloaded modes), and the rest ([`StepParts::rest_ms`]).
+/// The roofline counts bytes; these count time, so together they say why
+/// a step is above its roofline (runtime.md §5: "every mode's step within
+/// 1.2× its roofline, or the reason it is not").
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct StepParts {
+    /// The median step, ms.
+    pub step_ms: f64,
+    /// Layer GEMMs + lm_head as one graph, alone, ms.
+    pub gemm_ms: f64,
+    /// The batch that GEMM time was measured at.
+    pub gemm_batch: u64,
+    /// The fetch per step, ms (None: GPU-resident).
+    pub fetch_ms: Option<f64>,
+    /// The fetch's rate while it runs, GB/s.
+    pub fetch_gb_s: Option<f64>,
+    /// Whether the fetch runs beside compute (forecast + prefetch).
+    pub overlapped: bool,
+    /// Whether attention is dense (no selection).
+    pub dense: bool,
+}
+
+impl StepParts {
+    /// The time not in the parts, ms: step − GEMMs − fetch for a fetch
+    /// inside the layer (and GPU-resident steps: step − GEMMs), step −
+    /// fetch under prefetch (what the fetch beside it does not hide). The
+    /// rest is attention, selection, the small per-layer kernels and the
+    /// gaps between launches.
+    pub fn rest_ms(&self) -> f64 {
+        let fetch = self.fetch_ms.unwrap_or(0.0);
+        if self.overlapped {
+            self.step_ms - fetch
+        } else {
+            self.step_ms - self.gemm_ms - fetch
+        }
+    }
+
+    /// One sentence: where the step's time goes, against `roofline`.
+    pub fn reason(&self, roofline: &Roofline) -> String {
+        let rest = self.rest_ms();
+        let gemm = format!(
+            "the layer GEMMs and lm_head alone take {:.2} ms at B = {}",
+            self.gemm_ms, self.gemm_batch
+        );
+        let others = if self.dense {
+            "attention over the whole context (its KV bytes are in the roofline at the weight-read rate), the small per-layer kernels and launch gaps"
+        } else {
+            "attention, selection, the small per-layer kernels and launch gaps"
+        };
+        let rate = self
+            .fetch_gb_s
+            .map(|r| format!(" at {r:.1} GB/s"))
+            .unwrap_or_default();
+        match self.fetch_ms {
+            None => format!(
+                "{gemm}, against the roofline's {:.2} ms for every HBM byte; the other {rest:.2} ms are {others}, which do not run at the weight-read rate",
+                roofline.hbm_ms
+            ),
+            Some(f) if self.overlapped => format!(
+                "the fetch takes {f:.2} ms{rate} beside compute (roofline {:.2} ms); the step runs {rest:.2} ms past it, compute the fetch does not hide; {gemm}, and the roofline's HBM time is {:.2} ms",
+                roofline.pcie_ms, roofline.hbm_ms
+            ),
+            Some(f) => format!(
+                "the fetch takes {f:.2} ms{rate} (roofline {:.2} ms) and each layer waits for it; {gemm}; the other {rest:.2} ms are {others} (the roofline gives all compute {:.2} ms of HBM time)",
+                roofline.pcie_ms, roofline.hbm_ms
+            ),
+        }
+    }
+}
+
+/// The bench's layer-GEMM + lm_head time (`gemm_ceiling[]`:
+/// `layers_graph_ms` + `lm_head_ms`) at the measured batch nearest
+/// `batch`, with that batch; None when the report has none.
+pub fn gemm_ms(report: &Value, batch: u64) -> Option<(f64, u64)> {
+    report["gemm_ceiling"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| {
+            let ms = c["layers_graph_ms"].as_f64()? + c["lm_head_ms"].as_f64().unwrap_or(0.0);
+            Some((c["batch"].as_u64()?, ms))
+        })
+        .filter(|(_, ms)| ms.is_finite() && *ms > 0.0)
+        .min_by_key(|(b, _)| b.abs_diff(batch))
+        .map(|(b, ms)| (ms, b))
+}
+
+/// Rows above this multiple of their roofline get their reason in the
+/// report (runtime.md §5).
+pub const ROOFLINE_TOLERANCE: f64 = 1.2;
 
 /// Rows of a baseline JSON (benches/baselines/*.py): `{"baseline": NAME,
 /// "rows": [{"mode", "batch", "context", "tokens_per_s", "step_ms_median",
@@ -566,6 +680,7 @@ pub fn rows_from_baseline(v: &Value, source: &str) -> Result<Vec<Row>> {
             host_mem_bytes: f(&r["host_mem_bytes"]),
             roofline: None,
             measured_over_roofline: None,
+            parts: None,
             prefill_tokens_per_s: f(&r["prefill_tokens_per_s"]),
             ttft_ms_p50: f(&r["ttft_ms_median"]),
             skipped: s(&r["skipped"]),
@@ -808,8 +923,37 @@ pub fn markdown(l: &Loaded) -> String {
     let (prefill, decode): (Vec<&Row>, Vec<&Row>) = l.rows.iter().partition(|r| is_prefill_row(r));
     if !decode.is_empty() {
         out.push_str(TABLE_HEADER);
-        for r in decode {
+        for r in &decode {
             out.push_str(&table_row(r));
+        }
+        let above: Vec<String> = decode
+            .iter()
+            .filter_map(|r| {
+                let (ratio, roof) = (r.measured_over_roofline?, r.roofline?);
+                (ratio > ROOFLINE_TOLERANCE).then(|| {
+                    let why = r.parts.map_or_else(
+                        || "the run did not measure its GEMM or fetch time".to_string(),
+                        |p| p.reason(&roof),
+                    );
+                    format!(
+                        "- {} EB {} {}, B = {}: {ratio:.2}× ({:.2} vs {:.2} ms): {why}.\n",
+                        context_label(r.context),
+                        r.equivalent_batch.map_or("–".into(), |e| e.to_string()),
+                        r.mode,
+                        r.batch,
+                        r.step_ms_p50.unwrap_or(f64::NAN),
+                        roof.step_ms
+                    )
+                })
+            })
+            .collect();
+        if !above.is_empty() {
+            out.push_str(&format!(
+                "\nAbove {ROOFLINE_TOLERANCE}× the roofline, and why (from the run's own GEMM and fetch times):\n\n"
+            ));
+            for a in above {
+                out.push_str(&a);
+            }
         }
     }
     if !prefill.is_empty() {

@@ -442,3 +442,83 @@ fn a_prefill_only_report_writes_its_prefill_chart() {
     );
     let _ = std::fs::remove_dir_all(&d);
 }
+
+#[test]
+fn rows_above_the_roofline_say_where_their_time_goes() {
+    // the parts by hand: sync = step − GEMMs − fetch, prefetch = step − fetch
+    let sync = StepParts {
+        step_ms: 33.0,
+        gemm_ms: 4.0,
+        gemm_batch: 32,
+        fetch_ms: Some(19.0),
+        fetch_gb_s: Some(50.0),
+        overlapped: false,
+        dense: false,
+    };
+    assert!((sync.rest_ms() - 10.0).abs() < 1e-9);
+    let prefetch = StepParts {
+        step_ms: 20.0,
+        overlapped: true,
+        ..sync
+    };
+    assert!((prefetch.rest_ms() - 1.0).abs() < 1e-9);
+    let resident = StepParts {
+        step_ms: 6.5,
+        fetch_ms: None,
+        fetch_gb_s: None,
+        ..sync
+    };
+    assert!((resident.rest_ms() - 2.5).abs() < 1e-9);
+
+    // a report: one GPU-resident cell above 1.2× and one offloaded sync cell below it
+    let d = tmp_dir("above");
+    let cells = d.join("cells");
+    let mut gpu = cell(
+        "nosa-gpu",
+        "NOSA, KV on GPU",
+        "gpu",
+        "query-aware (sync NOSA)",
+        2,
+        65_536,
+        65_536,
+        6.4,
+        None,
+    );
+    gpu["gemm_ceiling"] = json!([
+        {"batch": 2, "layers_gb_per_s": 3700.0, "layers_graph_ms": 3.9, "lm_head_ms": 0.1},
+        {"batch": 64, "layers_gb_per_s": 3700.0, "layers_graph_ms": 4.2, "lm_head_ms": 0.1}
+    ]);
+    let mut off = cell(
+        "nosa-offload-sync",
+        "NOSA offloaded (sync)",
+        "offload-auto",
+        "query-aware (sync NOSA)",
+        64,
+        65_536,
+        65_536,
+        58.0,
+        Some(2.53e9),
+    );
+    off["gemm_ceiling"] = gpu["gemm_ceiling"].clone();
+    off["case"]["offload"]["fetch_timing"] =
+        json!({"fetch_ms_per_step": 50.5, "achieved_gb_s": 50.1});
+    write_atomic(&cells.join("a.json"), &gpu).unwrap();
+    write_atomic(&cells.join("b.json"), &off).unwrap();
+    let l = load_inputs(&[cells]).unwrap();
+    let p = l.rows[0].parts.unwrap();
+    // GEMMs at the nearest measured batch (B = 2): 3.9 + 0.1 ms
+    assert_eq!((p.gemm_batch, p.fetch_ms), (2, None));
+    assert!((p.gemm_ms - 4.0).abs() < 1e-9 && (p.rest_ms() - 2.4).abs() < 1e-9);
+    let q = l.rows[1].parts.unwrap();
+    assert_eq!((q.gemm_batch, q.fetch_ms), (64, Some(50.5)));
+    let md = markdown(&l);
+    // B 2 at 64K: HBM (15,770,952,448 + 128·(2,097,152 + 4,096·256)) / 3.7e12 = 4.37 ms; 6.4 / 4.37 = 1.46
+    assert!(md.contains("Above 1.2× the roofline"), "{md}");
+    assert!(
+        md.contains("- 64K EB 64 NOSA, KV on GPU, B = 2: 1.46× (6.40 vs 4.37 ms): the layer GEMMs and lm_head alone take 4.00 ms at B = 2, against the roofline's 4.37 ms for every HBM byte; the other 2.40 ms are attention, selection"),
+        "{md}"
+    );
+    // the offloaded cell is 58 / 57.74 = 1.00×: not listed
+    assert!(!md.contains("NOSA offloaded (sync), B = 64:"), "{md}");
+    let _ = std::fs::remove_dir_all(&d);
+}
