@@ -760,9 +760,15 @@ pub fn load_inputs(paths: &[PathBuf]) -> Result<Loaded> {
 /// Report order of a mode name: [`crate::bench::EbMode::ALL`]'s order, then
 /// baselines and others by name.
 fn mode_rank(r: &Row) -> usize {
+    // a checkpoint without eviction heads runs its resident sparse mode as InfLLM-V2
+    let name = if r.mode == crate::bench::EB_INFLLM_GPU {
+        crate::bench::EbMode::SparseGpu.name()
+    } else {
+        r.mode.as_str()
+    };
     crate::bench::EbMode::ALL
         .iter()
-        .position(|m| m.name() == r.mode)
+        .position(|m| m.name() == name)
         .unwrap_or(100)
         + if r.baseline { 100 } else { 0 }
 }

@@ -9,6 +9,11 @@
 #   scripts/device/report.sh grid96k  OUT   EB 16  at 96K   (1.5 Mi tokens)
 #   scripts/device/report.sh grid128k OUT   EB 16  at 128K  (runs as 127K: 128K + the decoded
 #                                            steps exceed max_position_embeddings 131,072)
+#   scripts/device/report.sh smol     OUT   the SmolLM2 fixture (real weights, real prefill of book
+#                                            text; no eviction heads: InfLLM-V2 selection, budget 48
+#                                            blocks) at 2K/4K/8K (8K runs as 7K), EB 64, into $SMOL_CELLS
+#                                            (default benches/results/eb_grid_smollm2_h200/cells);
+#                                            needs `quality.sh fixture` in the same warm machine first
 #   scripts/device/report.sh sdpa     OUT   transformers + SDPA, KV on the GPU, at the EB batches
 #   scripts/device/report.sh offload  OUT   transformers + DynamicCache(offloading=True)
 #   scripts/device/report.sh report   OUT   sparda report (also runs on the CPU machine)
@@ -56,6 +61,18 @@ grid() { # CONTEXT EB
 }
 
 case "$phase" in
+smol)
+  smol_cells=${SMOL_CELLS:-benches/results/eb_grid_smollm2_h200/cells}
+  mkdir -p "$smol_cells"
+  set +e
+  timeout -s INT "$limit" $bin bench --model .fixtures/smollm2-135m-instruct --equivalent-batch "${EB:-64}" \
+    --context 2K,4K,8K --kv offload --fetch auto --forecast "${FORECAST:-synth:1}" --prefill sparse \
+    --budget-blocks 48 --select-blocks 16 --steps "$steps" --fetch-timing-steps 8 --ceiling-reps 20 \
+    --profile-reps 0 ${texts:+--texts "$texts"} --resume "$smol_cells" 2>&1 | tail -40
+  echo "bench exit code ${PIPESTATUS[0]} (130 or 124: stopped at the time limit; call the phase again to resume)"
+  set -e
+  tar czf "$out/smol_cells.tar.gz" -C "$smol_cells" . && tar tzf "$out/smol_cells.tar.gz" | grep -c json
+  ;;
 grid16k) grid 16K 128 ;;
 grid32k) grid 32K 64 ;;
 grid64k) grid 64K 32 ;;

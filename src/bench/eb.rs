@@ -59,6 +59,10 @@ impl EbMode {
     }
 }
 
+/// The report name of [`EbMode::SparseGpu`] on a checkpoint without
+/// eviction heads, which selects by InfLLM-V2 there (spec §1).
+pub const EB_INFLLM_GPU: &str = "InfLLM-V2, KV on GPU";
+
 /// The real batch of `mode` at equivalent batch `eb` (runtime.md §5): the
 /// GPU's KV memory is fixed at what `eb` offloaded sequences keep there,
 /// `attended` blocks of `block_size` tokens each; an offloaded mode runs

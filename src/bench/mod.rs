@@ -46,7 +46,7 @@ use std::sync::Arc;
 mod eb;
 mod prompts;
 mod summary;
-pub use eb::{cell_key, eb_grid, equivalent_batch, kv_name, EbMode};
+pub use eb::{cell_key, eb_grid, equivalent_batch, kv_name, EbMode, EB_INFLLM_GPU};
 pub use prompts::default_texts_dir;
 use prompts::{book_tokens, Source};
 pub use summary::{forecast_comparison, table};
@@ -1003,10 +1003,33 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
         };
         let l = capped(asked, false)?;
         let forecast_mode = matches!(mode, EbMode::ForecastPrefetch | EbMode::ForecastNoPrefetch);
+        // a checkpoint without eviction heads (e.g. a Llama with a
+        // sparse_config) selects by InfLLM-V2 where NOSA would: its
+        // GPU-resident sparse and forecast modes; its offloaded NOSA mode is
+        // the InfLLM-V2 one, so that cell is recorded as skipped
+        let nosa = model.eviction;
+        if mode == EbMode::NosaOffload && !nosa {
+            let why = "NOSA selection needs eviction heads, which this checkpoint lacks (its offloaded sparse mode is InfLLM-V2 offloaded)";
+            eprintln!("bench: EB {eb}, L {l}: {}: skipped: {why}", mode.name());
+            let mut c = json!({"attention": "sparse", "kv": kv_name(&Some(off)), "batch": eb,
+                "context": l, "skipped": why});
+            c["equivalent_batch"] = json!(eb);
+            c["eb_mode"] = json!(mode.name());
+            c["context_asked"] = json!(asked);
+            if let Some(f) = file {
+                let mut cell = meta.clone();
+                cell["date_utc"] = json!(crate::checks::kernels::utc_now_iso());
+                cell["cell_key"] = serde_json::to_value(&keys[i]).expect("CellKey serializes");
+                cell["case"] = c.clone();
+                crate::report::write_atomic(f, &cell)?;
+            }
+            cases.push(c);
+            continue;
+        }
         let mut o = opts(mode != EbMode::DenseGpu);
         if mode != EbMode::DenseGpu {
             // each mode's own rule, whatever --selection says
-            o.attention.selection = Some(if mode == EbMode::InfllmOffload {
+            o.attention.selection = Some(if mode == EbMode::InfllmOffload || !nosa {
                 SelectionRule::InfLlmV2
             } else {
                 SelectionRule::Nosa
@@ -1041,7 +1064,11 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
             false,
         )?;
         c["equivalent_batch"] = json!(eb);
-        c["eb_mode"] = json!(mode.name());
+        c["eb_mode"] = json!(if mode == EbMode::SparseGpu && !nosa {
+            EB_INFLLM_GPU
+        } else {
+            mode.name()
+        });
         c["context_asked"] = json!(asked);
         if let Some(ce) = ceiling_at(b) {
             c["hbm_gb_s"] = json!(ce.layers_gb_per_s);
