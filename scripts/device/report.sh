@@ -16,7 +16,8 @@
 #                                            needs `quality.sh fixture` in the same warm machine first
 #   scripts/device/report.sh sdpa     OUT   transformers + SDPA, KV on the GPU, at the EB batches
 #   scripts/device/report.sh offload  OUT   transformers + DynamicCache(offloading=True)
-#   scripts/device/report.sh report   OUT   sparda report (also runs on the CPU machine)
+#   scripts/device/report.sh report   OUT   sparda report (also runs on the CPU machine; CELLS and
+#                                            NAME=eb_grid_smollm2_h200 for the SmolLM2 grid's report)
 #
 # EB per context keeps B·L of the offloaded modes at ≤ 2 Mi tokens: this
 # machine's 128 GiB of host RAM bounds the pinned KV store (runtime.md §4:
@@ -105,7 +106,7 @@ report)
   [ -x "$bin_report" ] || bin_report=target/release/sparda
   inputs=("$cells")
   if ls "$base"/*.json >/dev/null 2>&1; then inputs+=("$base"); fi
-  "$bin_report" report "${inputs[@]}" --out "$out/eb_grid_h200" ${README:+--readme "$README"}
+  "$bin_report" report "${inputs[@]}" --out "$out/${NAME:-eb_grid_h200}" ${README:+--readme "$README"}
   ;;
 *)
   echo "unknown phase $phase" >&2
