@@ -774,8 +774,8 @@ struct TuneCtasArgs {
     #[arg(long)]
     out: Option<PathBuf>,
     /// Merge this sweep into the table already at --out (same GPU): the
-    /// (mode, context, B) cells it has are skipped, the new ones added after
-    /// each cell, and the choices made over all of them (a grid spread over
+    /// (mode, context, B) cells it has with every configuration asked for are
+    /// skipped, the others measured and added after each cell, and the choices made over all of them (a grid spread over
     /// several runs; a run cut short resumes where it stopped).
     #[arg(long)]
     append: bool,

@@ -578,18 +578,20 @@ pub struct StepParts {
 }
 
 impl StepParts {
-    /// The time not in the parts, ms: step − GEMMs − fetch for a fetch
+    /// The time not in the parts, ms (≥ 0): step − GEMMs − fetch for a fetch
     /// inside the layer (and GPU-resident steps: step − GEMMs), step −
     /// fetch under prefetch (what the fetch beside it does not hide). The
     /// rest is attention, selection, the small per-layer kernels and the
     /// gaps between launches.
     pub fn rest_ms(&self) -> f64 {
         let fetch = self.fetch_ms.unwrap_or(0.0);
-        if self.overlapped {
+        let rest = if self.overlapped {
             self.step_ms - fetch
         } else {
             self.step_ms - self.gemm_ms - fetch
-        }
+        };
+        // timing noise can put the parts past the step: nothing is left
+        rest.max(0.0)
     }
 
     /// One sentence: where the step's time goes, against `roofline`.

@@ -8,9 +8,10 @@
 //! size B, B sequences filled with synthetic KV (runtime.md §5) and
 //! offloaded once per mode; then, in `repeats` rounds (each round in a
 //! rotated order), each configuration — the SM copy kernel at each CTA
-//! count, and the copy engines — is set, warmed up (the step is rebuilt and
-//! captured) and timed over `steps` real decode steps (CUDA events per
-//! step). A configuration's figure is the median over rounds of each
+//! count, the copy engines and, in prefetch mode, the SM kernel on whole
+//! SMs (`sm-whole:N`, GEMMs sized for the rest) — is set, warmed up (the
+//! step is rebuilt) and timed over `steps` real decode steps (CUDA events
+//! per step). A configuration's figure is the median over rounds of each
 //! round's median step time; its spread is max − min of the round medians.
 //!
 //! Split configurations (`split:N:P`, [`crate::kv::split`]): after those
@@ -28,7 +29,13 @@
 //! lowest wins, and any configuration within the winner's relative spread
 //! counts as tied, where the one that takes the fewest SMs is chosen: SM
 //! time is counted as CTAs × the share of the misses they fetch (N for
-//! `sm:N`, N·(100 − P)/100 for `split:N:P`, none for the copy engines).
+//! `sm:N` and `sm-whole:N`, N·(100 − P)/100 for `split:N:P`, none for the
+//! copy engines).
+//!
+//! Resume (`--append`): [`TuneSpec::done`] holds the cells of the table
+//! appended to; a (mode, context, B) with every configuration asked for is
+//! skipped, one missing some is measured again (its new cells replace the
+//! old in the merge).
 
 use crate::bench::{median, open_model, time_step_ms};
 use crate::cpu::EngineOptions;
@@ -95,7 +102,7 @@ pub struct SweepCell {
     pub context: usize,
     /// Batch size.
     pub batch: usize,
-    /// `sm:N`, `dma` or `split:N:P` ([`FetchChoice::label`]).
+    /// `sm:N`, `sm-whole:N`, `dma` or `split:N:P` ([`FetchChoice::label`]).
     pub config: String,
     /// Median over rounds of the round's median step time, ms.
     pub step_ms: f64,
@@ -200,6 +207,19 @@ pub fn run(
     }
     let gpu = Arc::new(Gpu::new(0)?);
     let info = gpu.info().clone();
+    let half = (info.sm_count.max(0) as usize) / 2;
+    if let Some(c) = spec
+        .configs
+        .iter()
+        .find(|c| matches!(c, FetchChoice::SmWhole { ctas } if *ctas > half))
+    {
+        return Err(Error::Input(format!(
+            "tune-ctas: {}: whole SMs apply to at most half the SMs ({half} of the {}'s {}); lower --whole-ctas",
+            c.label(),
+            info.name,
+            info.sm_count
+        )));
+    }
     eprintln!(
         "tune-ctas: {} ({} SMs); loading {} …",
         info.name, info.sm_count, spec.model
@@ -234,7 +254,13 @@ pub fn run(
     let mut done = 0;
     let (pcie, driver) = nvidia_smi_link();
     let driver = driver.unwrap_or_else(|| format!("CUDA {}", info.driver_version_string()));
+    // (a resumed run that measures nothing new chooses over the cells it kept)
     let table_of = |cells: &[SweepCell], configs: &[FetchChoice], skipped: &[serde_json::Value]| {
+        let cells = if cells.is_empty() {
+            &spec.done[..]
+        } else {
+            cells
+        };
         let (sync, prefetch) = entries_of(cells, configs)?;
         Ok::<_, Error>(FetchTable {
             format: FORMAT,
@@ -257,13 +283,35 @@ pub fn run(
         for &b in &spec.batches {
             for &mode in &spec.modes {
                 done += 1;
-                if spec
+                // whole SMs only matter beside compute: prefetch mode alone
+                let here: Vec<FetchChoice> = spec
+                    .configs
+                    .iter()
+                    .copied()
+                    .filter(|c| mode == FetchMode::Prefetch || !c.whole_sms())
+                    .collect();
+                // a cell measured before (--append) is skipped when it has
+                // every configuration asked for now, else measured again
+                let before: Vec<&str> = spec
                     .done
                     .iter()
-                    .any(|c| (c.mode, c.context, c.batch) == (mode, l, b))
-                {
-                    eprintln!("[{done}/{total}] {mode:?} L={l} B={b}: measured before (--append), skipped");
-                    continue;
+                    .filter(|c| (c.mode, c.context, c.batch) == (mode, l, b))
+                    .map(|c| c.config.as_str())
+                    .collect();
+                if !before.is_empty() {
+                    let missing: Vec<String> = here
+                        .iter()
+                        .map(|c| c.label())
+                        .filter(|x| !before.contains(&x.as_str()))
+                        .collect();
+                    if missing.is_empty() {
+                        eprintln!("[{done}/{total}] {mode:?} L={l} B={b}: measured before (--append), skipped");
+                        continue;
+                    }
+                    eprintln!(
+                        "[{done}/{total}] {mode:?} L={l} B={b}: measured before without {}: measuring it again",
+                        missing.join(", ")
+                    );
                 }
                 let off = OffloadOptions {
                     fetch: spec.configs[0].engine(),
@@ -281,6 +329,9 @@ pub fn run(
                     skipped.push(
                         json!({"mode": mode, "context": l, "batch": b, "reason": e.to_string()}),
                     );
+                    if !(cells.is_empty() && spec.done.is_empty()) {
+                        on_cell(&table_of(&cells, &configs, &skipped)?)?;
+                    }
                     continue;
                 }
                 eprintln!("[{done}/{total}] {mode:?} L={l} B={b}: filling {b} sequences …");
@@ -292,13 +343,6 @@ pub fn run(
                     model.offload_sequence(&mut s, cap)?;
                     seqs.push(s);
                 }
-                // whole SMs only matter beside compute: prefetch mode alone
-                let here: Vec<FetchChoice> = spec
-                    .configs
-                    .iter()
-                    .copied()
-                    .filter(|c| mode == FetchMode::Prefetch || !c.whole_sms())
-                    .collect();
                 let mut measured = measure(&mut model, &mut seqs, &here, spec, |r| {
                     format!("tune-ctas ({mode:?}, L {l}, B {b}, round {r})")
                 })?;
@@ -459,7 +503,20 @@ pub fn entries_of(
         (true, true) => Err(Error::Input(
             "tune-ctas: no cell fitted in memory; lower --batch or --context".into(),
         )),
-        (true, false) => Ok((prefetch.clone(), prefetch)),
+        // sync steps were never measured on whole SMs: the same CTAs, shared
+        (true, false) => Ok((
+            prefetch
+                .iter()
+                .map(|e| FetchEntry {
+                    choice: match e.choice {
+                        FetchChoice::SmWhole { ctas } => FetchChoice::Sm { ctas },
+                        c => c,
+                    },
+                    ..*e
+                })
+                .collect(),
+            prefetch,
+        )),
         (false, true) => Ok((sync.clone(), sync)),
         _ => Ok((sync, prefetch)),
     }
@@ -758,6 +815,14 @@ mod tests {
         ];
         let refs: Vec<&SweepCell> = tied.iter().collect();
         assert_eq!(choose(&refs, &configs), Some((whole(8), 12.0)));
+        // a prefetch-only sweep fills the sync entries with the same CTAs, shared
+        let only: Vec<SweepCell> = cells
+            .iter()
+            .filter(|c| c.mode == FetchMode::Prefetch)
+            .cloned()
+            .collect();
+        let (sync, prefetch) = entries_of(&only, &configs).unwrap();
+        assert_eq!((sync[0].choice, prefetch[0].choice), (sm(8), whole(8)));
     }
 
     #[test]

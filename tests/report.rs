@@ -469,6 +469,12 @@ fn rows_above_the_roofline_say_where_their_time_goes() {
         ..sync
     };
     assert!((resident.rest_ms() - 2.5).abs() < 1e-9);
+    // parts past the step (timing noise) leave nothing, never a negative rest
+    let noisy = StepParts {
+        step_ms: 18.9,
+        ..prefetch
+    };
+    assert_eq!(noisy.rest_ms(), 0.0);
 
     // a report: one GPU-resident cell above 1.2× and one offloaded sync cell below it
     let d = tmp_dir("above");

@@ -52,8 +52,8 @@ pub(crate) fn cmd_tune_ctas(a: TuneCtasArgs) -> Result<()> {
         (None, false) => sparda::tune::DEFAULT_WHOLE_CTAS.to_vec(),
     };
     for &n in &whole {
-        // whole SMs apply while the copy takes at most half of them (the
-        // smallest GPU this runs on has 16 SMs: checked again at run time)
+        // whole SMs apply while the copy takes at most half of them: the
+        // sweep checks N against this GPU's SMs before it measures
         if n == 0 || n > 1024 {
             return Err(Error::Input(format!(
                 "--whole-ctas {n}: give 1 … 1024 CTAs"
@@ -100,21 +100,37 @@ pub(crate) fn cmd_tune_ctas(a: TuneCtasArgs) -> Result<()> {
     let mut old: Option<Option<FetchTable>> = None;
     let mut out = a.out.clone();
     let mut spec = spec;
-    if a.append && out.is_none() {
+    if a.append {
         sparda::cuda::require()?;
         let name = sparda::cuda::Gpu::new(0)?.info().name.clone();
-        out = Some(PathBuf::from("tuning").join(table_file_name(&name)));
-    }
-    // appending: the cells the table has are not measured again
-    if let Some(p) = out.as_ref().filter(|p| a.append && p.exists()) {
-        let t = FetchTable::load(p)?;
-        spec.done = sparda::tune::cells_of(&t, &p.display().to_string())?;
-        eprintln!(
-            "tune-ctas: appending to {} ({} cells measured before are kept and skipped)",
-            p.display(),
-            spec.done.len()
-        );
-        old = Some(Some(t));
+        let p = out
+            .get_or_insert_with(|| PathBuf::from("tuning").join(table_file_name(&name)))
+            .clone();
+        // appending: the cells the table has are not measured again
+        if p.exists() {
+            let t = FetchTable::load(&p)?;
+            if t.gpu != name {
+                return Err(Error::Input(format!(
+                    "tune-ctas --append {}: a fetch table of the {} (this GPU is the {name}); give another --out",
+                    p.display(),
+                    t.gpu
+                )));
+            }
+            spec.done = sparda::tune::cells_of(&t, &p.display().to_string())?;
+            let mut keys: Vec<String> = spec
+                .done
+                .iter()
+                .map(|c| format!("{:?} {} {}", c.mode, c.context, c.batch))
+                .collect();
+            keys.sort();
+            keys.dedup();
+            eprintln!(
+                "tune-ctas: appending to {} ({} (mode, context, B) cells measured before are kept; those with every configuration asked for are skipped)",
+                p.display(),
+                keys.len()
+            );
+            old = Some(Some(t));
+        }
     }
     let write =
         |table: &FetchTable, old: &mut Option<Option<FetchTable>>, out: &mut Option<PathBuf>| {
@@ -134,9 +150,10 @@ pub(crate) fn cmd_tune_ctas(a: TuneCtasArgs) -> Result<()> {
             if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
                 std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
             }
-            let text = serde_json::to_string_pretty(&table)
+            let v = serde_json::to_value(&table)
                 .map_err(|e| Error::Input(format!("serialising the table: {e}")))?;
-            std::fs::write(&path, text + "\n").map_err(|e| Error::io(&path, e))?;
+            // atomic: a run killed mid-write keeps the table it appends to
+            sparda::report::write_atomic(&path, &v)?;
             Ok::<_, Error>((table, path))
         };
     // each finished cell is written at once: a sweep cut short keeps them

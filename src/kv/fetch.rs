@@ -115,15 +115,13 @@ impl FetchEngine {
             "sm" => Ok(FetchEngine::Sm {
                 ctas: crate::cuda::ops::offload::DEFAULT_FETCH_CTAS,
             }),
+            // a table's whole-SM configuration is not an engine: the flags that run it
+            _ if value.starts_with("sm-whole:") => Err(Error::Input(format!(
+                "--fetch `{value}`: a fetch-table configuration; give `--fetch sm:{} --fetch-whole-sms --reserve-fetch-sms` (the same copies on whole SMs, GEMMs sized for the rest)",
+                value.trim_start_matches("sm-whole:")
+            ))),
             _ => crate::kv::fetch_table::FetchChoice::parse_label(value)
-                .and_then(|c| match c {
-                    crate::kv::fetch_table::FetchChoice::SmWhole { ctas } => {
-                        Err(Error::Input(format!(
-                            "--fetch {value}: a fetch-table configuration; give `--fetch sm:{ctas} --fetch-whole-sms --reserve-fetch-sms` (the same copies on whole SMs, GEMMs sized for the rest)"
-                        )))
-                    }
-                    c => Ok(c.engine()),
-                })
+                .map(|c| c.engine())
                 .map_err(|e| match e {
                     Error::Input(m) if m.ends_with(crate::kv::fetch_table::LABEL_FORMS) => {
                         Error::Input(format!(
@@ -519,7 +517,7 @@ mod tests {
         );
         let e = FetchEngine::parse("sm-whole:0").unwrap_err().to_string();
         assert!(
-            e.contains("`sm-whole:0`") && e.ends_with(FETCH_FORMS),
+            e.contains("`sm-whole:0`") && e.contains("--fetch sm:0 --fetch-whole-sms"),
             "{e}"
         );
     }

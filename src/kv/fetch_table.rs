@@ -84,7 +84,7 @@ pub enum FetchChoice {
 
 /// What a fetch configuration label may be, for error messages.
 pub const LABEL_FORMS: &str =
-    "`dma`, `sm:N` (N = 1 … 1024 CTAs), `sm-whole:N` (N CTAs on whole SMs) or `split:N:P` (N = 1 … 1024 CTAs, P = 1 … 99 % through the copy engines)";
+    "`dma`, `sm:N` (N = 1 … 1024 CTAs), `sm-whole:N` (N = 1 … 1024 CTAs on whole SMs, at most half the GPU's SMs) or `split:N:P` (N = 1 … 1024 CTAs, P = 1 … 99 % through the copy engines)";
 
 impl FetchChoice {
     /// The engine this choice runs (where its CTAs run:
