@@ -428,6 +428,7 @@ fn case_mode(c: &Value) -> String {
     let sel = c["selection"].as_str().unwrap_or("");
     match (c["attention"].as_str(), kv.starts_with("offload"), sel) {
         (Some("dense"), _, _) => "dense, KV on GPU".into(),
+        (_, false, "forecast") => "forecast, KV on GPU".into(),
         (_, false, _) => "NOSA, KV on GPU".into(),
         (_, true, "forecast+prefetch") => "forecast + prefetch".into(),
         (_, true, "forecast, no prefetch") => "forecast, no prefetch".into(),

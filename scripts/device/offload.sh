@@ -7,6 +7,10 @@
 #   scripts/device/offload.sh bench  OUT   offload benchmark grid on synthetic NOSA-8B
 #   scripts/device/offload.sh forecast OUT forecast-mode identity, stress and CPU-selection checks
 #   scripts/device/offload.sh fbench OUT   sync NOSA vs forecast ± prefetch (BATCH, CONTEXT, FETCH)
+#   scripts/device/offload.sh bound OUT    the overlap-bound grid with the fetch table (--fetch auto): sync,
+#                                          forecast without and with prefetch, GPU-resident NOSA and forecast beside them;
+#                                          32K B 8/32/64, 64K B 8/16/32, 126K B 8/16, one process per context
+#                                          (CONTEXTS to choose; about 2 minutes each)
 #   scripts/device/offload.sh batch OUT    identity with batches of different-length sequences
 #   scripts/device/offload.sh traces OUT   the two example traces (sync vs prefetch), summaries, overhead
 #   scripts/device/offload.sh priority OUT copy stream priority high vs default under prefetch
@@ -78,6 +82,15 @@ fbench)
     --forecast synth:1 --prefetch on,off --batch "${BATCH:-8,32}" --context "${CONTEXT:-32K}" \
     --steps "${STEPS:-32}" --fetch-timing-steps 8 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
     --json "$out/bench_forecast.json" 2>&1 | tail -30 || true
+  ;;
+bound)
+  for cell in ${CONTEXTS:-32K:8,32,64 64K:8,16,32 126K:8,16}; do
+    l=${cell%%:*}; b=${cell##*:}
+    $bin bench --model synth:nosa-8b --attention sparse --kv gpu,offload --fetch auto \
+      --forecast synth:1 --prefetch on,off --batch "$b" --context "$l" --steps "${STEPS:-32}" \
+      --fetch-timing-steps 8 --ceiling-reps 5 --profile-reps 0 --tokenizer "$tok" \
+      --json "$out/bound_$l.json" 2>&1 | grep -E "P .* C .* bound|sparse " || true
+  done
   ;;
 reserve)
   # forecast + prefetch with the GEMMs sized for all SMs vs for the SMs the copy

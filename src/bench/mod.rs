@@ -391,7 +391,8 @@ fn run_case(
         "kv": kv_name(&offload),
         "fetch_engine": offload.map(|_| format!("{:?}", model.fetch_engine(batch))),
         "selection": if model.forecast_on() {
-            if model.prefetch_on() { "forecast+prefetch" } else { "forecast, no prefetch" }
+            if offload.is_none() { "forecast" }
+            else if model.prefetch_on() { "forecast+prefetch" } else { "forecast, no prefetch" }
         } else {
             match model.plan.mode {
                 crate::config::AttentionMode::Nosa => "query-aware (sync NOSA)",
@@ -1102,7 +1103,14 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
             model.set_offload(*kv)?;
             for &b in &spec.batches {
                 for &l in &spec.contexts {
-                    let modes: &[Option<bool>] = if kv.is_some() { &sel_modes } else { &[None] };
+                    // GPU-resident with --forecast: also the forecast selection, the
+                    // step prefetch is compared against
+                    let modes: &[Option<bool>] = match (kv.is_some(), sparse && forecast.is_some())
+                    {
+                        (true, _) => &sel_modes,
+                        (false, true) => &[None, Some(false)],
+                        (false, false) => &[None],
+                    };
                     for &m in modes {
                         match m {
                             None => model.set_forecast(None, false)?,
@@ -1197,6 +1205,18 @@ mod tests {
         // L = 64K, B·L = 2.1 M, but bound 1.5 ≤ 1.55: the 1.4× target does not apply
         assert_eq!(f["target_vs_sync_1_4_applies"], false);
         assert_eq!(f["target_vs_sync_1_4_met"], true);
+        // no GPU-resident forecast run: no resident ratio
+        assert!(f["prefetch_over_resident"].is_null());
+        // with one (kv "gpu", selection "forecast"): 21 / 17.5 = 1.2 > 1.15
+        let mut with_resident = cases.clone();
+        let mut r = case("forecast", 32, 65_536, 17.5, None);
+        r["kv"] = json!("gpu");
+        with_resident.push(r);
+        let v = forecast_comparison(&with_resident);
+        let f = &v.as_array().unwrap()[0];
+        assert_eq!(f["resident_forecast_step_ms"], 17.5);
+        assert!((f["prefetch_over_resident"].as_f64().unwrap() - 1.2).abs() < 1e-12);
+        assert_eq!(f["target_prefetch_1_15_resident_met"], false);
     }
 
     #[test]

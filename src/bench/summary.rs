@@ -8,7 +8,9 @@ use super::*;
 /// fetch timing steps) and C = step − P; `bound` = (P + C) / max(P, C), the
 /// most that overlapping fetch and compute can gain; `speedup` over sync
 /// NOSA and over forecast without prefetch, and the latter as a fraction of
-/// the bound.
+/// the bound; with a GPU-resident forecast run of the same (B, L, rule)
+/// (`selection` "forecast", `kv` "gpu"), the prefetched step over it
+/// (target: ≤ 1.15).
 pub fn forecast_comparison(cases: &[Value]) -> Value {
     let mut out = Vec::new();
     let find = |kv: &Value, b: &Value, l: &Value, rule: &Value, sel: &str| {
@@ -49,6 +51,9 @@ pub fn forecast_comparison(cases: &[Value]) -> Value {
         let bound = (p + cc) / p.max(cc);
         let sp_nopre = s_nopre / s_pre;
         let gamma = |x: &Value| x["offload"]["locality_gamma"].clone();
+        let resident = find(&json!("gpu"), b, l, rule, "forecast")
+            .filter(|r| r.get("skipped").is_none())
+            .map(step);
         let bl = b.as_f64().unwrap_or(0.0) * l.as_f64().unwrap_or(0.0);
         out.push(json!({
             "kv": kv, "batch": b, "context": l, "batch_x_context": bl,
@@ -61,6 +66,9 @@ pub fn forecast_comparison(cases: &[Value]) -> Value {
             "target_vs_sync_1_4_applies": l.as_f64().unwrap_or(0.0) >= 65_536.0 && bl >= 2e6 && bound > 1.55,
             "target_vs_sync_1_4_met": s_sync / s_pre >= 1.4,
             "locality_gamma": {"sync": gamma(c), "forecast_prefetch": gamma(pre), "forecast_no_prefetch": gamma(nopre)},
+            "resident_forecast_step_ms": resident,
+            "prefetch_over_resident": resident.map(|r| s_pre / r),
+            "target_prefetch_1_15_resident_met": resident.map(|r| s_pre / r <= 1.15),
         }));
     }
     Value::Array(out)
@@ -120,7 +128,7 @@ pub fn table(report: &Value) -> String {
         .flatten()
     {
         s.push_str(&format!(
-            "forecast {} B={} L={}: P {:.2} ms C {:.2} ms bound {:.2}; speedup vs sync {:.2}, vs no-prefetch {:.2} ({:.0}% of bound)\n",
+            "forecast {} B={} L={}: P {:.2} ms C {:.2} ms bound {:.2}; speedup vs sync {:.2}, vs no-prefetch {:.2} ({:.0}% of bound){}\n",
             f["kv"].as_str().unwrap_or("?"),
             f["batch"], f["context"],
             f["P_fetch_ms"].as_f64().unwrap_or(f64::NAN),
@@ -128,7 +136,11 @@ pub fn table(report: &Value) -> String {
             f["bound"].as_f64().unwrap_or(f64::NAN),
             f["speedup"]["vs_sync"].as_f64().unwrap_or(f64::NAN),
             f["speedup"]["vs_no_prefetch"].as_f64().unwrap_or(f64::NAN),
-            100.0 * f["vs_no_prefetch_over_bound"].as_f64().unwrap_or(f64::NAN)
+            100.0 * f["vs_no_prefetch_over_bound"].as_f64().unwrap_or(f64::NAN),
+            f["prefetch_over_resident"]
+                .as_f64()
+                .map(|r| format!("; {r:.2}× the GPU-resident forecast step"))
+                .unwrap_or_default()
         ));
     }
     if let Some(t) = report["target_comparison"].as_object() {
