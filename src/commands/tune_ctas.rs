@@ -195,7 +195,12 @@ fn show(gpu: Option<&str>) -> Result<()> {
     let name = match gpu {
         Some(g) => g.to_string(),
         None => {
-            sparda::cuda::require()?;
+            sparda::cuda::require().map_err(|e| {
+                Error::Input(format!(
+                    "{e}; `tune-ctas --show --gpu NAME` shows a GPU's table without one (built in: {})",
+                    sparda::kv::fetch_table::built_in_gpus().join(", ")
+                ))
+            })?;
             sparda::cuda::Gpu::new(0)?.info().name.clone()
         }
     };
@@ -217,11 +222,26 @@ fn show(gpu: Option<&str>) -> Result<()> {
                 t.driver
             );
             print!("{}", choices(&t));
+            println!(
+                "\nthe sweep: median step ms ± half the spread of the round medians; * the table's choice (the fastest over the contexts, ties within the spread going to the one taking fewer SMs)"
+            );
             print!("{}", sparda::tune::sweep_table(&t));
         }
-        None => println!(
-            "no fetch table for the {name}: --fetch auto uses SparDA's rule (H100: 16 CTAs for B ≤ 16 else 32; A100: 16 for B ≤ 32 else 32; other GPUs: 16); `sparda tune-ctas` measures one"
-        ),
+        None => {
+            println!(
+                "no fetch table for the {name}: --fetch auto uses SparDA's rule (H100: 16 CTAs for B ≤ 16 else 32; A100: 16 for B ≤ 32 else 32; other GPUs: 16); `sparda tune-ctas` measures one"
+            );
+            let near: Vec<&str> = sparda::kv::fetch_table::built_in_gpus()
+                .into_iter()
+                .filter(|g| g.to_lowercase().contains(&name.to_lowercase()))
+                .collect();
+            if !near.is_empty() {
+                println!(
+                    "(tables are keyed by the full name the driver gives: built in for {})",
+                    near.join(", ")
+                );
+            }
+        }
     }
     Ok(())
 }

@@ -29,6 +29,12 @@ const BUILT_IN: &[(&str, &str, &str)] = &[(
     "tuning/fetch_nvidia_h200.json",
 )];
 
+/// The GPUs with a table built into the binary (names as `cuDeviceGetName`
+/// gives them).
+pub fn built_in_gpus() -> Vec<&'static str> {
+    BUILT_IN.iter().map(|&(name, _, _)| name).collect()
+}
+
 /// The environment variable naming a table file to use instead of the
 /// built-in one.
 pub const ENV_TABLE: &str = "SPARDA_FETCH_TABLE";
