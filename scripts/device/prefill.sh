@@ -20,12 +20,15 @@
 #                                                token's position exceed max_position_embeddings)
 #   scripts/device/prefill.sh long-dense   OUT   the same, dense prefill
 #   scripts/device/prefill.sh baseline     OUT   transformers SDPA prefill at 4K … 128K
+#   scripts/device/prefill.sh chunks       OUT   32K and 128K (as 127K), B = 1, KV on GPU, dense and sparse
+#                                                prefill with SPARDA_PREFILL_CHUNK 512 (the default),
+#                                                1024 and 2048 (CHUNKS to choose): one process each
 # Then, here: sparda report OUT/prefill_*.json OUT/transformers_sdpa_prefill.json \
 #   --out benches/results/prefill_nosa8b_h200_<date>_<commit>   (a table and PREFIX.prefill.svg)
 # Env: SPARDA (default .device/bin/sparda), SPARDA_COMMIT, BATCH (default 1,4),
 #      PREFILL_ATTENTION (extra `--prefill-attention` value when the binary has it).
 set -uo pipefail
-phase=${1:?phase: check|perf|short-sparse|short-dense|long-sparse|long-dense|baseline}; out=${2:?out dir}; mkdir -p "$out"
+phase=${1:?phase: check|perf|short-sparse|short-dense|long-sparse|long-dense|baseline|chunks}; out=${2:?out dir}; mkdir -p "$out"
 SPARDA=${SPARDA:-.device/bin/sparda}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 tok=${TOKENIZER:-.device/bin/tokenizer.json}
@@ -55,6 +58,15 @@ short-sparse) bench short 4K,16K,32K sparse ;;
 short-dense) bench short 4K,16K,32K dense ;;
 long-sparse) bench long 64K,128K sparse ;;
 long-dense) bench long 64K,128K dense ;;
+chunks)
+  for c in ${CHUNKS:-512 1024 2048}; do
+    for m in dense sparse; do
+      SPARDA_PREFILL_CHUNK=$c "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
+        --steps 0 --attention sparse --kv gpu --batch 1 --context "${CONTEXT:-32K,128K}" "${extra[@]}" \
+        --prefill "$m" --json "$out/prefill_chunk${c}_$m.json" 2>&1 | grep -E "prefill|tokens/s" | tail -4
+    done
+  done
+  ;;
 baseline)
   python3 benches/baselines/transformers_prefill.py --context 4K,16K,32K,64K,128K \
     --batch "$batch" --json "$out/transformers_sdpa_prefill.json" ;;

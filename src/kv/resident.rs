@@ -184,7 +184,7 @@ impl GpuModel {
                 capacity_tokens,
                 offload_resident_layers: resident,
                 prefill,
-                prefill_chunk: crate::pipeline::PREFILL_CHUNK,
+                prefill_chunk: crate::pipeline::prefill_chunk(),
                 partials_budget_bytes: crate::pipeline::PARTIALS_BUDGET_BYTES,
             },
         )

@@ -132,8 +132,45 @@ pub(crate) use workspace::{
 };
 
 /// Prompt tokens per prefill forward call at most (fewer when the attention
-/// partials of a long context would exceed [`PARTIALS_BUDGET_BYTES`]).
+/// partials of a long context would exceed [`PARTIALS_BUDGET_BYTES`]), by
+/// default ([`prefill_chunk`]).
 pub const PREFILL_CHUNK: usize = 512;
+
+/// The environment variable that sets the prefill chunk for experiments
+/// ([`prefill_chunk`]).
+pub const ENV_PREFILL_CHUNK: &str = "SPARDA_PREFILL_CHUNK";
+
+/// Prompt tokens per prefill forward call at most: `$SPARDA_PREFILL_CHUNK`
+/// when it is a multiple of 64 in 64 … 4096 (a larger chunk gives the GEMMs
+/// and the attention grid more rows per launch and takes more workspace;
+/// same results up to the attention's summation order), else
+/// [`PREFILL_CHUNK`]; another value is refused with a one-line warning.
+/// Read once.
+pub fn prefill_chunk() -> usize {
+    static CHUNK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CHUNK.get_or_init(|| match std::env::var(ENV_PREFILL_CHUNK) {
+        Err(_) => PREFILL_CHUNK,
+        Ok(v) => match parse_prefill_chunk(&v) {
+            Ok(n) => n,
+            Err(e) => {
+                eprintln!("warning: {e}; prefilling in chunks of {PREFILL_CHUNK}");
+                PREFILL_CHUNK
+            }
+        },
+    })
+}
+
+/// Reads a [`ENV_PREFILL_CHUNK`] value: a multiple of 64 in 64 … 4096.
+///
+/// Errors: [`Error::Input`] naming the variable, the value and the range.
+pub fn parse_prefill_chunk(v: &str) -> Result<usize> {
+    match v.trim().parse::<usize>() {
+        Ok(n) if (64..=4096).contains(&n) && n % 64 == 0 => Ok(n),
+        _ => Err(Error::Input(format!(
+            "{ENV_PREFILL_CHUNK}={v}: give a multiple of 64 in 64 … 4096 (prompt tokens per prefill chunk)"
+        ))),
+    }
+}
 
 /// Upper bound on the split-K attention workspace of one forward call, bytes;
 /// bounds the prefill chunk for long contexts (a dense 128K-token context
@@ -997,6 +1034,24 @@ mod tests {
                 PrefillAttention::for_head_dim(d),
                 PrefillAttention::Rowwise,
                 "D {d}"
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod chunk_tests {
+    use super::*;
+
+    #[test]
+    fn prefill_chunk_values_are_multiples_of_64_up_to_4096() {
+        assert_eq!(parse_prefill_chunk("2048").unwrap(), 2048);
+        assert_eq!(parse_prefill_chunk(" 64 ").unwrap(), 64);
+        for bad in ["0", "100", "8192", "-64", "big", ""] {
+            let e = parse_prefill_chunk(bad).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("{ENV_PREFILL_CHUNK}={bad}")) && e.contains("64 … 4096"),
+                "{bad}: {e}"
             );
         }
     }

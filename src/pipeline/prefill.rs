@@ -9,7 +9,7 @@ type ChunkHook<'a> = &'a mut dyn FnMut(&mut GpuModel, &GpuSequence) -> Result<()
 
 impl GpuModel {
     /// Prefills `prompt` into `seq` (positions T … T+n−1), in chunks of at
-    /// most [`PREFILL_CHUNK`] tokens (fewer for long contexts), calling
+    /// most [`prefill_chunk`] tokens (fewer for long contexts), calling
     /// `progress(done, total)` after each chunk. Afterwards
     /// [`GpuModel::logits`] holds the last prompt token's logits ([1, V]).
     ///
@@ -17,7 +17,7 @@ impl GpuModel {
     /// plan is sparse, the whole prompt (T + n tokens) reaches dense_len, and
     /// the prefill mode is not `Dense`. Chunks attend with the kernel
     /// [`GpuModel::set_prefill_attention`] chose (the dense tensor-core
-    /// kernel takes chunks of [`PREFILL_CHUNK`] rows at any context; the
+    /// kernel takes chunks of [`prefill_chunk`] rows at any context; the
     /// sparse one builds each tile's union of block lists on the device,
     /// without synchronising).
     ///
@@ -123,7 +123,7 @@ impl GpuModel {
             })?;
             let t_end = t0 + done;
             let n = self
-                .prefill_rows(t_end + PREFILL_CHUNK, sparse)
+                .prefill_rows(t_end + prefill_chunk(), sparse)
                 .min(prompt.len() - done);
             let rows: Vec<Row> = prompt[done..done + n]
                 .iter()
@@ -163,13 +163,13 @@ impl GpuModel {
     /// to `t_len` tokens stay within [`PARTIALS_BUDGET_BYTES`] (counted at
     /// the finest split, one per [`ops::ATTN_TILE`] tokens); dense chunks on
     /// the tensor cores ([`PrefillAttention::TensorCore`]) have no partials
-    /// and take [`PREFILL_CHUNK`] rows at any context; sparse chunks on the
+    /// and take [`prefill_chunk`] rows at any context; sparse chunks on the
     /// tensor cores count their union lists instead of partials (and the
     /// selection workspace either way).
     pub(crate) fn prefill_rows(&self, t_len: usize, sparse: bool) -> usize {
         let tc = self.prefill_attention == PrefillAttention::TensorCore;
         if !sparse && tc {
-            return PREFILL_CHUNK;
+            return prefill_chunk();
         }
         let c = &self.config;
         let mut per_row = if sparse && tc {
@@ -206,7 +206,7 @@ impl GpuModel {
                 + c.num_key_value_heads * w_stride)
                 * 4;
         }
-        (PARTIALS_BUDGET_BYTES / per_row.max(1)).clamp(1, PREFILL_CHUNK)
+        (PARTIALS_BUDGET_BYTES / per_row.max(1)).clamp(1, prefill_chunk())
     }
 
     /// Fills the empty sequence `seq` with `len` tokens of synthetic state
