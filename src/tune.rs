@@ -32,6 +32,12 @@
 //! `sm:N` and `sm-whole:N`, N·(100 − P)/100 for `split:N:P`, none for the
 //! copy engines).
 //!
+//! More CTAs: when the largest swept CTA count is the fastest SM
+//! configuration of a (mode, B) at its first context, twice as many are
+//! measured too, while that still improves ([`next_ctas`], at most
+//! [`MAX_EXTRA_CTAS`] more); the batch size's other contexts measure the
+//! same counts.
+//!
 //! Resume (`--append`): [`TuneSpec::done`] holds the cells of the table
 //! appended to; a (mode, context, B) with every configuration asked for is
 //! skipped, one missing some is measured again (its new cells replace the
@@ -120,6 +126,30 @@ fn sms(c: FetchChoice) -> usize {
         FetchChoice::Dma => 0,
         FetchChoice::Split { ctas, ce_pct } => ctas * 100usize.saturating_sub(ce_pct),
     }
+}
+
+/// The most CTA counts a cell measures beyond the swept ones
+/// ([`next_ctas`]).
+pub const MAX_EXTRA_CTAS: usize = 3;
+
+/// The next CTA count to measure beyond the swept ones: twice the largest
+/// SM-kernel count among `measured` (configuration, step ms) when that one
+/// was the fastest SM configuration (more CTAs still improved), while ≤
+/// 1024; `None` otherwise.
+pub fn next_ctas(measured: &[(FetchChoice, f64)]) -> Option<usize> {
+    let sm: Vec<(usize, f64)> = measured
+        .iter()
+        .filter_map(|&(c, ms)| match c {
+            FetchChoice::Sm { ctas } => Some((ctas, ms)),
+            _ => None,
+        })
+        .collect();
+    let most = sm.iter().map(|s| s.0).max()?;
+    let fastest = sm
+        .iter()
+        .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)))?
+        .0;
+    (fastest == most && 2 * most <= 1024).then_some(2 * most)
 }
 
 /// The CTA count of the split configurations of one cell: the SM
@@ -242,6 +272,34 @@ pub fn run(
     let mut configs: Vec<FetchChoice> = spec.configs.clone();
     // per (mode, B): the CTA count of its splits, from its first context
     let mut split_ctas_of: Vec<((FetchMode, usize), usize)> = Vec::new();
+    // per (mode, B): the CTA counts measured beyond the swept ones
+    let swept_max = spec
+        .configs
+        .iter()
+        .filter_map(|c| match c {
+            FetchChoice::Sm { ctas } => Some(*ctas),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    let mut extra_ctas_of: Vec<((FetchMode, usize), Vec<usize>)> = Vec::new();
+    for c in &spec.done {
+        if let Ok(FetchChoice::Sm { ctas }) = FetchChoice::parse_label(&c.config) {
+            if ctas > swept_max {
+                match extra_ctas_of
+                    .iter_mut()
+                    .find(|(k, _)| *k == (c.mode, c.batch))
+                {
+                    Some((_, v)) if !v.contains(&ctas) => v.push(ctas),
+                    Some(_) => {}
+                    None => extra_ctas_of.push(((c.mode, c.batch), vec![ctas])),
+                }
+            }
+        }
+    }
+    for (_, v) in extra_ctas_of.iter_mut() {
+        v.sort_unstable();
+    }
     for c in &spec.done {
         if let Ok(FetchChoice::Split { ctas, .. }) = FetchChoice::parse_label(&c.config) {
             if !split_ctas_of.iter().any(|(k, _)| *k == (c.mode, c.batch)) {
@@ -320,7 +378,7 @@ pub fn run(
                 model.set_forecast(None, false)?;
                 model.set_offload(Some(off))?;
                 model.set_forecast((mode == FetchMode::Prefetch).then_some(&fw), true)?;
-                let runs = spec.configs.len() + spec.split_pcts.len();
+                let runs = spec.configs.len() + spec.split_pcts.len() + MAX_EXTRA_CTAS;
                 let cap = l + spec.repeats * runs * (spec.warmup + spec.steps) + 8;
                 if let Err(e) =
                     model.check_memory(b, cap, Some(off), false, "lower --batch or --context")
@@ -346,6 +404,50 @@ pub fn run(
                 let mut measured = measure(&mut model, &mut seqs, &here, spec, |r| {
                     format!("tune-ctas ({mode:?}, L {l}, B {b}, round {r})")
                 })?;
+                // beyond the largest CTA count while it still improves: the
+                // first context of a (mode, B) decides, the others measure
+                // the same counts (so the choice compares them everywhere)
+                let extra = match extra_ctas_of.iter().find(|(k, _)| *k == (mode, b)) {
+                    Some((_, v)) => {
+                        let v = v.clone();
+                        let cfgs: Vec<FetchChoice> =
+                            v.iter().map(|&ctas| FetchChoice::Sm { ctas }).collect();
+                        if !cfgs.is_empty() {
+                            measured.extend(measure(&mut model, &mut seqs, &cfgs, spec, |r| {
+                                format!("tune-ctas ({mode:?}, L {l}, B {b}, more CTAs, round {r})")
+                            })?);
+                        }
+                        v
+                    }
+                    None => {
+                        let mut v = Vec::new();
+                        while v.len() < MAX_EXTRA_CTAS {
+                            let at: Vec<(FetchChoice, f64)> =
+                                measured.iter().map(|(c, r)| (*c, median(r))).collect();
+                            let Some(n) = next_ctas(&at) else { break };
+                            eprintln!("    the most CTAs were the fastest: {n} CTAs too");
+                            measured.extend(measure(
+                                &mut model,
+                                &mut seqs,
+                                &[FetchChoice::Sm { ctas: n }],
+                                spec,
+                                |r| {
+                                    format!(
+                                        "tune-ctas ({mode:?}, L {l}, B {b}, {n} CTAs, round {r})"
+                                    )
+                                },
+                            )?);
+                            v.push(n);
+                        }
+                        extra_ctas_of.push(((mode, b), v.clone()));
+                        v
+                    }
+                };
+                for &ctas in &extra {
+                    if !configs.contains(&FetchChoice::Sm { ctas }) {
+                        configs.push(FetchChoice::Sm { ctas });
+                    }
+                }
                 if !spec.split_pcts.is_empty() {
                     let at: Vec<(FetchChoice, f64)> =
                         measured.iter().map(|(c, r)| (*c, median(r))).collect();
@@ -823,6 +925,25 @@ mod tests {
             .collect();
         let (sync, prefetch) = entries_of(&only, &configs).unwrap();
         assert_eq!((sync[0].choice, prefetch[0].choice), (sm(8), whole(8)));
+    }
+    #[test]
+    fn more_ctas_are_tried_only_while_the_most_are_the_fastest() {
+        let sm = |ctas| FetchChoice::Sm { ctas };
+        // 32 CTAs fastest and the most: try 64
+        assert_eq!(
+            next_ctas(&[(sm(8), 54.0), (sm(32), 53.4), (FetchChoice::Dma, 50.0)]),
+            Some(64)
+        );
+        // 64 measured and slower than 32: stop
+        assert_eq!(
+            next_ctas(&[(sm(8), 54.0), (sm(32), 53.4), (sm(64), 53.6)]),
+            None
+        );
+        // a tie goes to fewer CTAs: stop
+        assert_eq!(next_ctas(&[(sm(16), 53.4), (sm(32), 53.4)]), None);
+        // 1024 is the kernel's most
+        assert_eq!(next_ctas(&[(sm(1024), 1.0)]), None);
+        assert_eq!(next_ctas(&[(FetchChoice::Dma, 1.0)]), None);
     }
 
     #[test]
