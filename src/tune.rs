@@ -128,6 +128,31 @@ fn sms(c: FetchChoice) -> usize {
     }
 }
 
+/// For a resumed sweep: the labels of `configs` that the earlier cells
+/// `done` lack at (mode, context, B) `key` (empty: the cell is complete and
+/// skipped), or `None` when that cell was not measured before.
+pub fn missing_before(
+    done: &[SweepCell],
+    key: (FetchMode, usize, usize),
+    configs: &[FetchChoice],
+) -> Option<Vec<String>> {
+    let before: Vec<&str> = done
+        .iter()
+        .filter(|c| (c.mode, c.context, c.batch) == key)
+        .map(|c| c.config.as_str())
+        .collect();
+    if before.is_empty() {
+        return None;
+    }
+    Some(
+        configs
+            .iter()
+            .map(|c| c.label())
+            .filter(|x| !before.contains(&x.as_str()))
+            .collect(),
+    )
+}
+
 /// The most CTA counts a cell measures beyond the swept ones
 /// ([`next_ctas`]).
 pub const MAX_EXTRA_CTAS: usize = 3;
@@ -350,26 +375,16 @@ pub fn run(
                     .collect();
                 // a cell measured before (--append) is skipped when it has
                 // every configuration asked for now, else measured again
-                let before: Vec<&str> = spec
-                    .done
-                    .iter()
-                    .filter(|c| (c.mode, c.context, c.batch) == (mode, l, b))
-                    .map(|c| c.config.as_str())
-                    .collect();
-                if !before.is_empty() {
-                    let missing: Vec<String> = here
-                        .iter()
-                        .map(|c| c.label())
-                        .filter(|x| !before.contains(&x.as_str()))
-                        .collect();
-                    if missing.is_empty() {
+                match missing_before(&spec.done, (mode, l, b), &here) {
+                    Some(missing) if missing.is_empty() => {
                         eprintln!("[{done}/{total}] {mode:?} L={l} B={b}: measured before (--append), skipped");
                         continue;
                     }
-                    eprintln!(
+                    Some(missing) => eprintln!(
                         "[{done}/{total}] {mode:?} L={l} B={b}: measured before without {}: measuring it again",
                         missing.join(", ")
-                    );
+                    ),
+                    None => {}
                 }
                 let off = OffloadOptions {
                     fetch: spec.configs[0].engine(),
@@ -926,6 +941,33 @@ mod tests {
         let (sync, prefetch) = entries_of(&only, &configs).unwrap();
         assert_eq!((sync[0].choice, prefetch[0].choice), (sm(8), whole(8)));
     }
+    #[test]
+    fn a_resumed_sweep_skips_complete_cells_and_names_what_others_lack() {
+        let done = vec![
+            cell(32768, "sm:8", 10.0, 0.1),
+            cell(32768, "dma", 12.0, 0.1),
+        ];
+        let sm8 = FetchChoice::Sm { ctas: 8 };
+        let key = (FetchMode::Sync, 32768, 8);
+        assert_eq!(
+            missing_before(&done, key, &[sm8, FetchChoice::Dma]),
+            Some(vec![])
+        );
+        assert_eq!(
+            missing_before(&done, key, &[sm8, FetchChoice::SmWhole { ctas: 8 }]),
+            Some(vec!["sm-whole:8".to_string()])
+        );
+        // another context, batch or mode: not measured before
+        assert_eq!(
+            missing_before(&done, (FetchMode::Sync, 65536, 8), &[sm8]),
+            None
+        );
+        assert_eq!(
+            missing_before(&done, (FetchMode::Prefetch, 32768, 8), &[sm8]),
+            None
+        );
+    }
+
     #[test]
     fn more_ctas_are_tried_only_while_the_most_are_the_fastest() {
         let sm = |ctas| FetchChoice::Sm { ctas };
