@@ -946,10 +946,12 @@ pub const QA_GEMM_MIN_ROWS: usize = 16;
 pub enum QaLogits {
     /// One f32 SGEMM per KV head (the default): `f32`.
     F32,
-    /// One bf16 tensor-core GEMM per KV head over K = 3D: the query three    /// times against Kc split into three bf16 parts whose sum is Kc exactly
-    /// (for |Kc| ≥ 2⁻¹⁰¹ and 0), so every product is exact and only the f32
-    /// accumulation rounds: `bf16x3`. An experiment until it has run
-    /// against the CPU reference on a GPU.
+    /// One bf16 tensor-core GEMM per KV head over K = 3D: the query three
+    /// times against Kc split into three bf16 parts whose sum is Kc exactly
+    /// (for |Kc| ≥ 2⁻¹⁰¹ and 0), so every product is exact and the sums are
+    /// the tensor cores' f32 accumulation (not guaranteed to round as an
+    /// f32 FMA chain does): `bf16x3`. An experiment until it has run against
+    /// the CPU reference on a GPU.
     Bf16x3,
 }
 
