@@ -941,7 +941,7 @@ pub(crate) fn launch_window_scores(gpu: &Gpu, d: &ScoreDims) -> Result<()> {
 pub const QA_GEMM_MIN_ROWS: usize = 16;
 
 /// How the prefill chunks' window logits are computed
-/// ([`qa_logits_shared_kc`]; `$SPARDA_QA_LOGITS`, read once).
+/// (`qa_logits_shared_kc`; `$SPARDA_QA_LOGITS`, read once).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QaLogits {
     /// One f32 SGEMM per KV head (the default): `f32`.
@@ -986,7 +986,7 @@ impl QaLogits {
     }
 }
 
-/// f32 elements of the scratch [`qa_logits_shared_kc`] needs for `rows`
+/// f32 elements of the scratch `qa_logits_shared_kc` needs for `rows`
 /// rows of `heads` query heads, `kv_heads` KV heads, head dim `head_dim`
 /// and up to `w_stride` windows, in the mode in force ([`QaLogits`]): the
 /// widened queries (f32 [rows, H, D]), or the bf16 queries [rows, H, 3D]
