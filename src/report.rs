@@ -402,14 +402,7 @@ pub fn model_shape(report: &Value) -> Option<ModelShape> {
 /// layer-GEMM ceiling (`gemm_ceiling[].layers_gb_per_s`) at the nearest
 /// batch, else [`HBM_WEIGHT_READ_GB_S`]. Returns (GB/s, where it came from).
 pub fn hbm_rate(report: &Value, batch: u64) -> (f64, String) {
-    let best = report["gemm_ceiling"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|c| Some((c["batch"].as_u64()?, c["layers_gb_per_s"].as_f64()?)))
-        .filter(|(_, r)| r.is_finite() && *r > 0.0)
-        .min_by_key(|(b, _)| b.abs_diff(batch));
-    match best {
+    match nearest_ceiling(report, batch, |c| c["layers_gb_per_s"].as_f64()) {
         Some((b, r)) => (r, format!("measured layer-GEMM ceiling at B = {b}")),
         None => (
             HBM_WEIGHT_READ_GB_S,
@@ -632,17 +625,27 @@ impl StepParts {
 /// `layers_graph_ms` + `lm_head_ms`) at the measured batch nearest
 /// `batch`, with that batch; None when the report has none.
 pub fn gemm_ms(report: &Value, batch: u64) -> Option<(f64, u64)> {
+    nearest_ceiling(report, batch, |c| {
+        Some(c["layers_graph_ms"].as_f64()? + c["lm_head_ms"].as_f64().unwrap_or(0.0))
+    })
+    .map(|(b, ms)| (ms, b))
+}
+
+/// `figure` of the report's `gemm_ceiling[]` entry at the measured batch
+/// nearest `batch`, among the entries where it is finite and > 0: (that
+/// batch, the figure); None without one.
+fn nearest_ceiling(
+    report: &Value,
+    batch: u64,
+    figure: impl Fn(&Value) -> Option<f64>,
+) -> Option<(u64, f64)> {
     report["gemm_ceiling"]
         .as_array()
         .into_iter()
         .flatten()
-        .filter_map(|c| {
-            let ms = c["layers_graph_ms"].as_f64()? + c["lm_head_ms"].as_f64().unwrap_or(0.0);
-            Some((c["batch"].as_u64()?, ms))
-        })
-        .filter(|(_, ms)| ms.is_finite() && *ms > 0.0)
+        .filter_map(|c| Some((c["batch"].as_u64()?, figure(c)?)))
+        .filter(|(_, x)| x.is_finite() && *x > 0.0)
         .min_by_key(|(b, _)| b.abs_diff(batch))
-        .map(|(b, ms)| (ms, b))
 }
 
 /// Rows above this multiple of their roofline get their reason in the

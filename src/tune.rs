@@ -162,18 +162,15 @@ pub const MAX_EXTRA_CTAS: usize = 3;
 /// was the fastest SM configuration (more CTAs still improved), while ≤
 /// 1024; `None` otherwise.
 pub fn next_ctas(measured: &[(FetchChoice, f64)]) -> Option<usize> {
-    let sm: Vec<(usize, f64)> = measured
+    let most = measured
         .iter()
-        .filter_map(|&(c, ms)| match c {
-            FetchChoice::Sm { ctas } => Some((ctas, ms)),
+        .filter_map(|&(c, _)| match c {
+            FetchChoice::Sm { ctas } => Some(ctas),
             _ => None,
         })
-        .collect();
-    let most = sm.iter().map(|s| s.0).max()?;
-    let fastest = sm
-        .iter()
-        .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)))?
-        .0;
+        .max()?;
+    // the fastest SM CTA count (ties: fewer CTAs), as the splits take it
+    let fastest = split_ctas(measured)?;
     (fastest == most && 2 * most <= 1024).then_some(2 * most)
 }
 
@@ -926,7 +923,7 @@ mod tests {
         assert_eq!(sync[0].choice, sm(16));
         assert_eq!((prefetch[0].choice, prefetch[0].step_ms), (whole(8), 12.0));
         // the same SMs as sm:8: a tie within the spread goes to the faster
-        let tied = vec![
+        let tied = [
             at(FetchMode::Prefetch, "sm:8", 12.01),
             at(FetchMode::Prefetch, "sm-whole:8", 12.0),
         ];

@@ -1009,61 +1009,53 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
         // GPU-resident sparse and forecast modes; its offloaded NOSA mode is
         // the InfLLM-V2 one, so that cell is recorded as skipped
         let nosa = model.eviction;
-        if mode == EbMode::NosaOffload && !nosa {
+        let skipped = mode == EbMode::NosaOffload && !nosa;
+        let (mut c, b) = if skipped {
             let why = "NOSA selection needs eviction heads, which this checkpoint lacks (its offloaded sparse mode is InfLLM-V2 offloaded)";
             eprintln!("bench: EB {eb}, L {l}: {}: skipped: {why}", mode.name());
-            let mut c = json!({"attention": "sparse", "kv": kv_name(&Some(off)), "batch": eb,
+            let c = json!({"attention": "sparse", "kv": kv_name(&Some(off)), "batch": eb,
                 "context": l, "skipped": why});
-            c["equivalent_batch"] = json!(eb);
-            c["eb_mode"] = json!(mode.name());
-            c["context_asked"] = json!(asked);
-            if let Some(f) = file {
-                let mut cell = meta.clone();
-                cell["date_utc"] = json!(crate::checks::kernels::utc_now_iso());
-                cell["cell_key"] = serde_json::to_value(&keys[i]).expect("CellKey serializes");
-                cell["case"] = c.clone();
-                crate::report::write_atomic(f, &cell)?;
+            (c, eb)
+        } else {
+            let mut o = opts(mode != EbMode::DenseGpu);
+            if mode != EbMode::DenseGpu {
+                // each mode's own rule, whatever --selection says
+                o.attention.selection = Some(if mode == EbMode::InfllmOffload || !nosa {
+                    SelectionRule::InfLlmV2
+                } else {
+                    SelectionRule::Nosa
+                });
             }
-            cases.push(c);
-            continue;
-        }
-        let mut o = opts(mode != EbMode::DenseGpu);
-        if mode != EbMode::DenseGpu {
-            // each mode's own rule, whatever --selection says
-            o.attention.selection = Some(if mode == EbMode::InfllmOffload || !nosa {
-                SelectionRule::InfLlmV2
-            } else {
-                SelectionRule::Nosa
-            });
-        }
-        model.set_offload(None)?; // the new options must not meet the last mode's offload
-        model.set_options(o)?;
-        model.set_offload(mode.offloaded().then_some(off))?;
-        model.set_forecast(
-            if forecast_mode {
-                forecast.as_ref()
-            } else {
-                None
-            },
-            mode == EbMode::ForecastPrefetch,
-        )?;
-        let b = equivalent_batch(
-            mode,
-            eb,
-            model.plan.budget.attended,
-            model.plan.budget.block_size,
-            l,
-        );
-        eprintln!("bench: EB {eb}, L {l}: {} at B = {b}", mode.name());
-        let mut c = run_case(
-            &mut model,
-            spec,
-            &source,
-            mode != EbMode::DenseGpu,
-            b,
-            l,
-            false,
-        )?;
+            model.set_offload(None)?; // the new options must not meet the last mode's offload
+            model.set_options(o)?;
+            model.set_offload(mode.offloaded().then_some(off))?;
+            model.set_forecast(
+                if forecast_mode {
+                    forecast.as_ref()
+                } else {
+                    None
+                },
+                mode == EbMode::ForecastPrefetch,
+            )?;
+            let b = equivalent_batch(
+                mode,
+                eb,
+                model.plan.budget.attended,
+                model.plan.budget.block_size,
+                l,
+            );
+            eprintln!("bench: EB {eb}, L {l}: {} at B = {b}", mode.name());
+            let c = run_case(
+                &mut model,
+                spec,
+                &source,
+                mode != EbMode::DenseGpu,
+                b,
+                l,
+                false,
+            )?;
+            (c, b)
+        };
         c["equivalent_batch"] = json!(eb);
         c["eb_mode"] = json!(if mode == EbMode::SparseGpu && !nosa {
             EB_INFLLM_GPU
@@ -1071,17 +1063,22 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
             mode.name()
         });
         c["context_asked"] = json!(asked);
-        if let Some(ce) = ceiling_at(b) {
+        let ceiling = ceiling_at(b).filter(|_| !skipped);
+        if let Some(ce) = ceiling {
             c["hbm_gb_s"] = json!(ce.layers_gb_per_s);
         }
         if let Some(f) = file {
             let mut cell = meta.clone();
             cell["date_utc"] = json!(crate::checks::kernels::utc_now_iso());
             cell["cell_key"] = serde_json::to_value(&keys[i]).expect("CellKey serializes");
-            cell["gemm_ceiling"] = json!(ceiling_at(b).into_iter().collect::<Vec<_>>());
+            if !skipped {
+                cell["gemm_ceiling"] = json!(ceiling.into_iter().collect::<Vec<_>>());
+            }
             cell["case"] = c.clone();
             crate::report::write_atomic(f, &cell)?;
-            eprintln!("  cell written: {}", f.display());
+            if !skipped {
+                eprintln!("  cell written: {}", f.display());
+            }
         }
         cases.push(c);
     }

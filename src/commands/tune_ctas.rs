@@ -96,8 +96,7 @@ pub(crate) fn cmd_tune_ctas(a: TuneCtasArgs) -> Result<()> {
     }
     // --append: a grid spread over several device calls, one table; the
     // table at --out before this run, merged into every write
-    // (None: not looked at yet; Some(None): nothing to merge)
-    let mut old: Option<Option<FetchTable>> = None;
+    let mut old: Option<FetchTable> = None;
     let mut out = a.out.clone();
     let mut spec = spec;
     if a.append {
@@ -129,38 +128,27 @@ pub(crate) fn cmd_tune_ctas(a: TuneCtasArgs) -> Result<()> {
                 p.display(),
                 keys.len()
             );
-            old = Some(Some(t));
+            old = Some(t);
         }
     }
-    let write =
-        |table: &FetchTable, old: &mut Option<Option<FetchTable>>, out: &mut Option<PathBuf>| {
-            let path = out
-                .get_or_insert_with(|| PathBuf::from("tuning").join(table_file_name(&table.gpu)))
-                .clone();
-            if old.is_none() {
-                *old = Some(match a.append && path.exists() {
-                    true => Some(FetchTable::load(&path)?),
-                    false => None,
-                });
-            }
-            let table = match old.as_ref().and_then(|o| o.as_ref()) {
-                Some(o) => sparda::tune::merge(o, table.clone(), &path.display().to_string())?,
-                None => table.clone(),
-            };
-            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-            }
-            let v = serde_json::to_value(&table)
-                .map_err(|e| Error::Input(format!("serialising the table: {e}")))?;
-            // atomic: a run killed mid-write keeps the table it appends to
-            sparda::report::write_atomic(&path, &v)?;
-            Ok::<_, Error>((table, path))
+    let write = |table: &FetchTable, out: &mut Option<PathBuf>| {
+        let path = out
+            .get_or_insert_with(|| PathBuf::from("tuning").join(table_file_name(&table.gpu)))
+            .clone();
+        let table = match &old {
+            Some(o) => sparda::tune::merge(o, table.clone(), &path.display().to_string())?,
+            None => table.clone(),
         };
+        let v = serde_json::to_value(&table)
+            .map_err(|e| Error::Input(format!("serialising the table: {e}")))?;
+        // atomic (and the directory made): a run killed mid-write keeps the
+        // table it appends to
+        sparda::report::write_atomic(&path, &v)?;
+        Ok::<_, Error>((table, path))
+    };
     // each finished cell is written at once: a sweep cut short keeps them
-    let table = sparda::tune::run(&spec, |partial| {
-        write(partial, &mut old, &mut out).map(|_| ())
-    })?;
-    let (table, out) = write(&table, &mut old, &mut out)?;
+    let table = sparda::tune::run(&spec, |partial| write(partial, &mut out).map(|_| ()))?;
+    let (table, out) = write(&table, &mut out)?;
     print!("{}", sparda::tune::sweep_table(&table));
     println!("{}", choices(&table));
     eprintln!(

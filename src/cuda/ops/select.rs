@@ -1000,11 +1000,16 @@ pub fn shared_kc_scratch_f32(
 ) -> usize {
     match QaLogits::current() {
         QaLogits::F32 => rows * heads * head_dim,
-        QaLogits::Bf16x3 => {
-            let q3 = (rows * heads * 3 * head_dim * 2).div_ceil(256) * 256;
-            (q3 + w_stride * kv_heads * 3 * head_dim * 2).div_ceil(4)
-        }
+        QaLogits::Bf16x3 => (bf16x3_kc_offset(rows, heads, head_dim)
+            + w_stride * kv_heads * 3 * head_dim * 2)
+            .div_ceil(4),
     }
+}
+
+/// Byte offset of the Kc parts in [`QaLogits::Bf16x3`]'s scratch: after the
+/// bf16 queries [rows, H, 3D], rounded up to 256 bytes.
+fn bf16x3_kc_offset(rows: usize, heads: usize, head_dim: usize) -> usize {
+    (rows * heads * 3 * head_dim * 2).div_ceil(256) * 256
 }
 
 /// Step 1a for `d.rows` rows that all read one Kc (the rows of a prefill
@@ -1064,7 +1069,7 @@ fn qa_logits_bf16x3(
     let (hq, hk, dh) = (d.heads, d.kv_heads, head_dim);
     let g = hq / hk.max(1);
     let q3 = scratch;
-    let kc3 = scratch + ((d.rows * hq * 3 * dh * 2).div_ceil(256) * 256) as u64;
+    let kc3 = scratch + bf16x3_kc_offset(d.rows, hq, dh) as u64;
     let f0 = gpu.function("qa_split_bf16x3")?;
     let total = d.rows * hq * dh + mc * hk * dh;
     let cfg0 = LaunchConfig {
