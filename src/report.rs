@@ -690,7 +690,7 @@ pub fn rows_from_baseline(v: &Value, source: &str) -> Result<Vec<Row>> {
             prefill_tokens_per_s: f(&r["prefill_tokens_per_s"]),
             ttft_ms_p50: f(&r["ttft_ms_median"]),
             skipped: s(&r["skipped"]),
-            commit: None,
+            commit: s(&v["commit"]),
         });
     }
     Ok(out)
@@ -759,8 +759,23 @@ pub fn load_inputs(paths: &[PathBuf]) -> Result<Loaded> {
             )));
         }
     }
+    label_capped_baselines(&mut out.rows);
     sort_rows(&mut out.rows);
     Ok(out)
+}
+
+/// Gives a baseline row the asked context of the bench rows capped to the
+/// same context (a baseline run at the bench's capped length, e.g. 127K for
+/// 128K asked), so that both print under one label.
+fn label_capped_baselines(rows: &mut [Row]) {
+    let capped: std::collections::BTreeMap<u64, u64> = rows
+        .iter()
+        .filter(|r| !r.baseline)
+        .filter_map(|r| r.context_asked.map(|a| (r.context, a)))
+        .collect();
+    for r in rows.iter_mut().filter(|r| r.baseline && r.context_asked.is_none()) {
+        r.context_asked = capped.get(&r.context).copied();
+    }
 }
 
 /// Report order of a mode name: [`crate::bench::EbMode::ALL`]'s order, then
@@ -921,14 +936,32 @@ pub fn markdown(l: &Loaded) -> String {
             capped.join("; ")
         ));
     }
+    // one line per baseline (its cells are often one file each): dates and
+    // commits of its files listed together
+    let mut lines: std::collections::BTreeMap<String, (Vec<String>, Vec<String>)> =
+        Default::default();
     for b in &l.baselines {
-        out.push_str(&format!(
-            "- Baseline `{}`: {} (torch {}, transformers {}, {}).\n",
+        let line = format!(
+            "- Baseline `{}`: {} (torch {}, transformers {}, {}",
             b["baseline"].as_str().unwrap_or("?"),
             b["what"].as_str().unwrap_or(""),
             b["torch"].as_str().unwrap_or("?"),
             b["transformers"].as_str().unwrap_or("?"),
             b["gpu"].as_str().unwrap_or("?"),
+        );
+        let e = lines.entry(line).or_default();
+        e.0.extend(b["date_utc"].as_str().map(|d| d.chars().take(10).collect()));
+        e.1.extend(b["commit"].as_str().map(String::from));
+    }
+    for (line, (mut dates, mut commits)) in lines {
+        for v in [&mut dates, &mut commits] {
+            v.sort();
+            v.dedup();
+        }
+        out.push_str(&format!(
+            "{line}; date {}; commit {}).\n",
+            list(dates),
+            list(commits)
         ));
     }
     out.push('\n');

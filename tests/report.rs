@@ -235,7 +235,15 @@ fn report_of_hand_made_cells_and_a_baseline() {
         "rows": [{"mode": "transformers SDPA, KV on GPU", "batch": 4, "context": 65536, "equivalent_batch": 64,
                   "tokens_per_s": 40.0, "step_ms_median": 100.0, "step_ms_p99": 104.0,
                   "gpu_mem_used_bytes": 30u64 << 30, "host_mem_bytes": 0}]}).to_string()).unwrap();
-    let l = load_inputs(&[cells.clone(), base.clone()]).unwrap();
+    // the same baseline at the bench's capped 128K context, another file
+    let base2 = d.join("baseline_127k.json");
+    std::fs::write(&base2, json!({"baseline": "transformers-sdpa", "what": "transformers, PyTorch SDPA, full attention",
+        "torch": "2.11", "transformers": "5.17", "gpu": "NVIDIA H200",
+        "date_utc": "2026-12-01T23:40:20Z", "commit": "abc1234",
+        "rows": [{"mode": "transformers SDPA, KV on GPU", "batch": 1, "context": 130048, "equivalent_batch": 64,
+                  "tokens_per_s": 11.6, "step_ms_median": 84.7, "step_ms_p99": 95.7,
+                  "gpu_mem_used_bytes": 20u64 << 30, "host_mem_bytes": 0}]}).to_string()).unwrap();
+    let l = load_inputs(&[cells.clone(), base.clone(), base2.clone()]).unwrap();
     let modes: Vec<&str> = l.rows.iter().map(|r| r.mode.as_str()).collect();
     assert_eq!(
         modes,
@@ -243,9 +251,11 @@ fn report_of_hand_made_cells_and_a_baseline() {
             "dense, KV on GPU",
             "NOSA offloaded (sync)",
             "transformers SDPA, KV on GPU",
-            "forecast + prefetch"
+            "forecast + prefetch",
+            "transformers SDPA, KV on GPU"
         ]
     );
+    assert_eq!(l.rows[4].commit.as_deref(), Some("abc1234"));
     assert!(l.rows[2].baseline);
     let md = markdown(&l);
     // dense B 4 at 64K: HBM 15,770,952,448 + 4·64·65,536·512 = 24,360,887,040 B at 3,700 GB/s = 6.58 ms
@@ -256,7 +266,11 @@ fn report_of_hand_made_cells_and_a_baseline() {
     assert!(md.contains("| 127K (128K asked) | 64 | forecast + prefetch | 64 | 640 | 100.00 | 110.00 | 0.800 | 25.3 | 40.0 | 60.0 | 50.00 | 2.00 |\n"), "{md}");
     assert!(md.contains("| 64K | 64 | transformers SDPA, KV on GPU | 4 | 40 | 100.00 | 104.00 | – | – | 30.0 | 0.0 | – | – |\n"), "{md}");
     assert!(md.contains("128K ran as 127K (130048 tokens)"), "{md}");
-    assert!(md.contains("Baseline `transformers-sdpa`: transformers, PyTorch SDPA, full attention (torch 2.11, transformers 5.17, NVIDIA H200)"), "{md}");
+    // the baseline at the capped context prints under the bench's label
+    assert!(md.contains("| 127K (128K asked) | 64 | transformers SDPA, KV on GPU | 1 | 12 | 84.70 | 95.70 |"), "{md}");
+    // one line for the baseline's two files, with the dates and commits they give
+    assert_eq!(md.matches("Baseline `transformers-sdpa`").count(), 1, "{md}");
+    assert!(md.contains("Baseline `transformers-sdpa`: transformers, PyTorch SDPA, full attention (torch 2.11, transformers 5.17, NVIDIA H200; date 2026-12-01; commit abc1234)"), "{md}");
     let prefix = d.join("out/eb64");
     write_report(&l, &prefix).unwrap();
     let svg = std::fs::read_to_string(d.join("out/eb64.svg")).unwrap();
@@ -264,7 +278,7 @@ fn report_of_hand_made_cells_and_a_baseline() {
     assert!(svg.contains("forecast + prefetch") && svg.contains("transformers SDPA, KV on GPU"));
     let j: Value =
         serde_json::from_str(&std::fs::read_to_string(d.join("out/eb64.json")).unwrap()).unwrap();
-    assert_eq!(j["rows"].as_array().unwrap().len(), 4);
+    assert_eq!(j["rows"].as_array().unwrap().len(), 5);
     assert_eq!(j["runs"][0]["gpu"], "NVIDIA H200");
     assert_eq!(
         j["rows"][3]["roofline"]["step_ms"]

@@ -15,7 +15,7 @@ values), then `--warmup` untimed and `--steps` timed greedy decode steps,
 a CUDA event after each. tokens/s = B·steps / timed time.
 
 Writes JSON that `sparda report` reads as extra rows:
-  {"baseline": NAME, "what", "gpu", "torch", "transformers", "date_utc",
+  {"baseline": NAME, "what", "gpu", "torch", "transformers", "date_utc", "commit",
    "model_shape", "protocol", "rows": [{"mode", "batch", "context",
    "equivalent_batch"?, "steps", "step_ms_all", "step_ms_median",
    "step_ms_p99", "tokens_per_s", "gpu_mem_used_bytes", "host_mem_bytes",
@@ -36,7 +36,23 @@ import datetime
 import json
 import math
 import os
+import subprocess
 import sys
+
+def commit_of_tree():
+    """The commit the comparison belongs to: $SPARDA_COMMIT (set by the device
+    scripts, where the working tree travels without .git), else this tree's
+    `git rev-parse --short HEAD`, else None."""
+    c = os.environ.get("SPARDA_COMMIT")
+    if c:
+        return c
+    try:
+        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
+        return r.stdout.strip() or None
+    except OSError:
+        return None
+
 
 NOSA_8B = dict(
     num_hidden_layers=32,
@@ -231,6 +247,7 @@ def main():
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": commit_of_tree(),
         "model_shape": NOSA_8B,
         "protocol": f"{a.warmup} warm-up decode steps excluded, then {a.steps} timed greedy steps; CUDA events around each step; tokens/s = B·steps / timed time; random K/V fill, no prefill",
         "rows": [],

@@ -15,7 +15,7 @@ CUDA events around it. tokens/s = B·L / the sum of the timed forwards.
 
 Writes JSON (rewritten after every cell):
   {"baseline": "transformers-sdpa-prefill", "what", "gpu", "torch",
-   "transformers", "date_utc", "model_shape", "protocol",
+   "transformers", "date_utc", "commit", "model_shape", "protocol",
    "rows": [{"mode", "batch", "context", "prefill_ms_per_sequence",
    "ttft_ms_per_sequence", "ttft_ms_median", "prefill_tokens_per_s",
    "gpu_mem_peak_bytes", "skipped"?}]}
@@ -29,7 +29,7 @@ import argparse
 import datetime
 import sys
 
-from transformers_decode import NOSA_8B, build_model, parse_tokens, percentile, write_json
+from transformers_decode import NOSA_8B, build_model, commit_of_tree, parse_tokens, percentile, write_json
 
 WARMUP_TOKENS = 2048
 
@@ -106,6 +106,7 @@ def main():
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": commit_of_tree(),
         "model_shape": NOSA_8B,
         "protocol": f"one untimed {WARMUP_TOKENS}-token warm-up forward; per sequence one timed forward (logits_to_keep=1), CUDA events; the forward grows its DynamicCache inside the timed region (sparda allocates a sequence's KV before its clock starts); time to first token adds the argmax and its copy to the host; tokens/s = B·L / the timed forwards",
         "rows": [],

@@ -92,6 +92,7 @@ sdpa)
 offload)
   # the offloaded cache moves every layer's whole KV each step: the two cells
   # runtime.md §4 measured (32K B16, 64K B4), then the 16K EB128 cell if time is left
+  # (on the 128 GiB H200 machine it was killed with SIGKILL, most likely out of memory, 2026-12-01)
   mkdir -p "$out/baselines"
   timeout 200 python3 benches/baselines/transformers_decode.py --cache offload --context 32K --batch 16 \
     --steps 8 --warmup 1 --json "$out/baselines/transformers_offload_32k_b16.json" 2>&1 | tail -4 || true
@@ -102,8 +103,9 @@ offload)
     --json "$out/baselines/transformers_offload_16k_eb128.json" 2>&1 | tail -4 || true
   ;;
 report)
-  bin_report=${REPORT_BIN:-$bin}
-  [ -x "$bin_report" ] || bin_report=target/release/sparda
+  # the CPU machine's own build first: .device/bin may hold an older binary
+  bin_report=${REPORT_BIN:-target/release/sparda}
+  [ -x "$bin_report" ] || bin_report=$bin
   inputs=("$cells")
   if ls "$base"/*.json >/dev/null 2>&1; then inputs+=("$base"); fi
   "$bin_report" report "${inputs[@]}" --out "$out/${NAME:-eb_grid_h200}" ${README:+--readme "$README"}
