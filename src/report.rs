@@ -400,16 +400,33 @@ pub fn model_shape(report: &Value) -> Option<ModelShape> {
 
 /// The HBM rate for a cell of batch `batch`: the report's measured
 /// layer-GEMM ceiling (`gemm_ceiling[].layers_gb_per_s`) at the nearest
-/// batch, else [`HBM_WEIGHT_READ_GB_S`]. Returns (GB/s, where it came from).
+/// batch, else [`HBM_WEIGHT_READ_GB_S`]. A measured rate below
+/// [`MIN_MEASURED_HBM_SHARE`] of that constant is not taken as the ceiling:
+/// a small model's layer GEMMs (SmolLM2-135M: 212 MB of layer weights,
+/// 452 GB/s) are bound by launches and latency, not by HBM, and a roofline
+/// at their rate would lie above steps that run faster. Returns (GB/s,
+/// where it came from).
 pub fn hbm_rate(report: &Value, batch: u64) -> (f64, String) {
     match nearest_ceiling(report, batch, |c| c["layers_gb_per_s"].as_f64()) {
-        Some((b, r)) => (r, format!("measured layer-GEMM ceiling at B = {b}")),
+        Some((b, r)) if r >= MIN_MEASURED_HBM_SHARE * HBM_WEIGHT_READ_GB_S => {
+            (r, format!("measured layer-GEMM ceiling at B = {b}"))
+        }
+        Some((b, r)) => (
+            HBM_WEIGHT_READ_GB_S,
+            format!(
+                "device.md layer-GEMM ceiling (3.67 TB/s): the measured {r:.0} GB/s at B = {b} is GEMMs too small to stream HBM"
+            ),
+        ),
         None => (
             HBM_WEIGHT_READ_GB_S,
             "device.md layer-GEMM ceiling (3.67 TB/s)".into(),
         ),
     }
 }
+
+/// The share of [`HBM_WEIGHT_READ_GB_S`] a measured layer-GEMM rate must
+/// reach to serve as the roofline's HBM rate ([`hbm_rate`]).
+pub const MIN_MEASURED_HBM_SHARE: f64 = 0.5;
 
 /// The mode name of a case: its `eb_mode`, else from its attention,
 /// KV placement and selection.
@@ -513,9 +530,11 @@ pub fn row_from_case(report: &Value, c: &Value, source: &str) -> Row {
     if let (Some(shape), Some(pcie)) = (model_shape(report), pcie_bytes) {
         let sparse = c["attention"].as_str() != Some("dense");
         let hbm = hbm_bytes_per_step(&shape, batch as usize, context as usize, sparse);
-        let (rate, _) = match c["hbm_gb_s"].as_f64() {
-            Some(r) => (r, String::new()),
-            None => hbm_rate(report, batch),
+        // the case's own measured rate, under the same rule as `hbm_rate`
+        let rate = match c["hbm_gb_s"].as_f64() {
+            Some(r) if r >= MIN_MEASURED_HBM_SHARE * HBM_WEIGHT_READ_GB_S => r,
+            Some(_) => HBM_WEIGHT_READ_GB_S,
+            None => hbm_rate(report, batch).0,
         };
         let r = roofline(&RooflineInput {
             pcie_bytes: pcie,
@@ -913,7 +932,7 @@ pub fn markdown(l: &Loaded) -> String {
         out.push_str(&format!("- Protocol: {p}.\n"));
     }
     out.push_str(&format!(
-        "- Roofline: PCIe bytes of the step (fetch counters) at {PCIE_CEILING_GB_S} GB/s, HBM bytes (weights less the input embedding, plus the KV read: all of it for dense attention, the attended blocks and the compressed keys for sparse) at the run's measured layer-GEMM ceiling, else {:.2} TB/s (device.md); the larger of the two for forecast + prefetch, the sum otherwise. measured / roofline = step p50 / roofline.\n",
+        "- Roofline: PCIe bytes of the step (fetch counters) at {PCIE_CEILING_GB_S} GB/s, HBM bytes (weights less the input embedding, plus the KV read: all of it for dense attention, the attended blocks and the compressed keys for sparse) at the run's measured layer-GEMM ceiling when that is at least half of {:.2} TB/s (device.md), else that constant (a small model's GEMMs do not stream HBM); the larger of the two for forecast + prefetch, the sum otherwise. measured / roofline = step p50 / roofline.\n",
         HBM_WEIGHT_READ_GB_S / 1e3
     ));
     let capped: Vec<String> = l

@@ -542,3 +542,21 @@ fn rows_above_the_roofline_say_where_their_time_goes() {
     assert!(!md.contains("NOSA offloaded (sync), B = 64:"), "{md}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+#[test]
+fn a_launch_bound_gemm_rate_is_not_taken_as_the_hbm_ceiling() {
+    // NOSA-8B's layer GEMMs stream HBM: their rate is the roofline's
+    let big = json!({"gemm_ceiling": [{"batch": 16, "layers_gb_per_s": 3787.0}]});
+    let (r, why) = hbm_rate(&big, 16);
+    assert_eq!(r, 3787.0);
+    assert!(why.contains("measured") && why.contains("B = 16"), "{why}");
+    // SmolLM2-135M's (212 MB of layer weights at B = 96) are launch-bound: the constant
+    let small = json!({"gemm_ceiling": [{"batch": 96, "layers_gb_per_s": 452.2}]});
+    let (r, why) = hbm_rate(&small, 96);
+    assert_eq!(r, HBM_WEIGHT_READ_GB_S);
+    assert!(why.contains("452 GB/s") && why.contains("too small"), "{why}");
+    // just at the share the measured rate counts
+    let edge = json!({"gemm_ceiling": [{"batch": 1, "layers_gb_per_s": MIN_MEASURED_HBM_SHARE * HBM_WEIGHT_READ_GB_S}]});
+    assert_eq!(hbm_rate(&edge, 1).0, MIN_MEASURED_HBM_SHARE * HBM_WEIGHT_READ_GB_S);
+    assert_eq!(hbm_rate(&json!({}), 1).0, HBM_WEIGHT_READ_GB_S);
+}

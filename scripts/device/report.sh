@@ -45,7 +45,7 @@ texts=${TEXTS:-}
 if [ -z "$texts" ] && ls .device/texts/*.txt >/dev/null 2>&1; then texts=.device/texts; fi
 steps=${STEPS:-64}
 limit=${LIMIT:-540}   # seconds before the bench stops itself (the call's limit is 600)
-base=${BASELINES:-benches/results/eb_grid_h200/baselines}
+base=${BASELINES:-benches/results/${NAME:-eb_grid_h200}/baselines}   # the baselines beside this grid
 
 grid() { # CONTEXT EB
   mkdir -p "$cells"
