@@ -37,6 +37,8 @@
 #   scripts/device/offload.sh eb OUT       all modes under the equivalent-batch protocol
 #   scripts/device/offload.sh dmaprefetch OUT  copy engines vs SM kernel vs a split of both with prefetch
 #   scripts/device/offload.sh b1 OUT       GPU-resident B=1 L=4K step vs the split-K cap (SPARDA_ATTN_MAX_SPLITS)
+#   scripts/device/offload.sh longctas OUT forecast + prefetch at 127K B16 with the copy kernel on 8/16/24
+#                                          whole SMs (does the 32K/64K fetch table hold at 127K?)
 #   scripts/device/offload.sh ctas OUT     SM fetch kernel under prefetch: 16 vs 8 persistent CTAs vs 264
 #                                          short CTAs behind a high-priority compute stream (BATCH, CONTEXT)
 set -euo pipefail
@@ -235,6 +237,16 @@ b1)
   b1run splits16 SPARDA_ATTN_MAX_SPLITS=16
   b1run splits8 SPARDA_ATTN_MAX_SPLITS=8
   b1run splits16_fused SPARDA_ATTN_MAX_SPLITS=16 SPARDA_FUSED_COMBINE=1
+  ;;
+longctas)
+  # Whether the fetch table, swept at 32K and 64K, holds at 127K: forecast +
+  # prefetch with the copy kernel on whole SMs at 8 (the table's B16 choice),
+  # 16 and 24 CTAs, GEMMs sized for the SMs left, B16 (the 128K EB16 cell)
+  $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch sm:8,sm:16,sm:24 \
+    --fetch-whole-sms --reserve-fetch-sms --forecast synth:1 --prefetch on --sync off \
+    --batch "${BATCH:-16}" --context "${CONTEXT:-127K}" --steps "${STEPS:-32}" --fetch-timing-steps 8 \
+    --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" --json "$out/bench_long_ctas.json" 2>&1 \
+    | grep -E "sparse |skip" || true
   ;;
 ctas)
   # Forecast + prefetch: the persistent fetch kernel holds SMs that a wave of
