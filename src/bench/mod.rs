@@ -1214,6 +1214,13 @@ mod tests {
         assert_eq!(f["resident_forecast_step_ms"], 17.5);
         assert!((f["prefetch_over_resident"].as_f64().unwrap() - 1.2).abs() < 1e-12);
         assert_eq!(f["target_prefetch_1_15_resident_met"], false);
+        // P 10 ≤ C 20: the 1.15× target applies here
+        assert_eq!(f["target_prefetch_1_15_resident_applies"], true);
+        // a fetch longer than the rest of the step (P 25 > C 5): it does not
+        let mut fetch_bound = with_resident.clone();
+        fetch_bound[0]["offload"]["fetch_timing"]["fetch_ms_per_step"] = json!(25.0);
+        let v = forecast_comparison(&fetch_bound);
+        assert_eq!(v[0]["target_prefetch_1_15_resident_applies"], false);
     }
 
     #[test]
