@@ -246,7 +246,8 @@ longctas)
     --fetch-whole-sms --reserve-fetch-sms --forecast synth:1 --prefetch on --sync off \
     --batch "${BATCH:-16}" --context "${CONTEXT:-127K}" --steps "${STEPS:-32}" --fetch-timing-steps 8 \
     --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" --json "$out/bench_long_ctas.json" 2>&1 \
-    | grep -E "sparse |skip" || true
+    | tee "$out/bench_long_ctas.log" | grep --line-buffered -E "sparse |skip" || true
+  # more than 120 s (weights, the 127K fill, three configurations): give its call room
   ;;
 ctas)
   # Forecast + prefetch: the persistent fetch kernel holds SMs that a wave of
