@@ -42,8 +42,9 @@ pub struct RooflineInput {
     pub hbm_bytes: f64,
     /// PCIe ceiling, GB/s ([`PCIE_CEILING_GB_S`]).
     pub pcie_gb_s: f64,
-    /// HBM read rate, GB/s (the measured GEMM ceiling, else
-    /// [`HBM_WEIGHT_READ_GB_S`]).
+    /// HBM read rate, GB/s (the measured GEMM ceiling when it reaches
+    /// [`MIN_MEASURED_HBM_SHARE`] of [`HBM_WEIGHT_READ_GB_S`], else that
+    /// constant: [`hbm_rate`]).
     pub hbm_gb_s: f64,
     /// Whether the fetch overlaps compute (forecast + prefetch): then the
     /// step takes the larger of the two times, else their sum.
@@ -304,6 +305,11 @@ pub struct Row {
     pub context: u64,
     /// Context asked for, when it was capped at the model's maximum.
     pub context_asked: Option<u64>,
+    /// For a baseline row: the asked context of the bench rows that ran
+    /// capped to this row's context (one asked context only), so the
+    /// baseline prints under their label (`127K (128K asked)`); None
+    /// otherwise.
+    pub label_asked: Option<u64>,
     /// Decode tokens/s (B · steps / timed time).
     pub tokens_per_s: Option<f64>,
     /// Median step time, ms.
@@ -333,7 +339,8 @@ pub struct Row {
     pub ttft_ms_p50: Option<f64>,
     /// Why the cell did not run.
     pub skipped: Option<String>,
-    /// Commit of the binary that measured it.
+    /// Commit of the binary that measured it (a baseline row: its file's
+    /// `commit`, the tree of benches/baselines/ it ran from).
     pub commit: Option<String>,
 }
 
@@ -414,18 +421,24 @@ pub fn hbm_rate(report: &Value, batch: u64) -> (f64, String) {
         Some((b, r)) => (
             HBM_WEIGHT_READ_GB_S,
             format!(
-                "device.md layer-GEMM ceiling (3.67 TB/s): the measured {r:.0} GB/s at B = {b} is GEMMs too small to stream HBM"
+                "device.md layer-GEMM ceiling ({:.2} TB/s): the measured {r:.0} GB/s at B = {b} is GEMMs too small to stream HBM",
+                HBM_WEIGHT_READ_GB_S / 1e3
             ),
         ),
         None => (
             HBM_WEIGHT_READ_GB_S,
-            "device.md layer-GEMM ceiling (3.67 TB/s)".into(),
+            format!(
+                "device.md layer-GEMM ceiling ({:.2} TB/s)",
+                HBM_WEIGHT_READ_GB_S / 1e3
+            ),
         ),
     }
 }
 
-/// The share of [`HBM_WEIGHT_READ_GB_S`] a measured layer-GEMM rate must
-/// reach to serve as the roofline's HBM rate ([`hbm_rate`]).
+/// The share of [`HBM_WEIGHT_READ_GB_S`] (a fraction, no unit) a measured
+/// layer-GEMM rate must reach to serve as the roofline's HBM rate
+/// ([`hbm_rate`]). On the H200 (2026-12-01) NOSA-8B's layer GEMMs measure
+/// 3,396–3,825 GB/s and SmolLM2-135M's 452–467 GB/s; the cut sits between.
 pub const MIN_MEASURED_HBM_SHARE: f64 = 0.5;
 
 /// The mode name of a case: its `eb_mode`, else from its attention,
@@ -461,6 +474,7 @@ pub fn row_from_case(report: &Value, c: &Value, source: &str) -> Row {
         batch,
         context,
         context_asked: c["context_asked"].as_u64().filter(|&a| a != context),
+        label_asked: None,
         tokens_per_s: None,
         step_ms_p50: None,
         step_ms_p99: None,
@@ -533,8 +547,7 @@ pub fn row_from_case(report: &Value, c: &Value, source: &str) -> Row {
         // the case's own measured rate, under the same rule as `hbm_rate`
         let rate = match c["hbm_gb_s"].as_f64() {
             Some(r) if r >= MIN_MEASURED_HBM_SHARE * HBM_WEIGHT_READ_GB_S => r,
-            Some(_) => HBM_WEIGHT_READ_GB_S,
-            None => hbm_rate(report, batch).0,
+            _ => hbm_rate(report, batch).0,
         };
         let r = roofline(&RooflineInput {
             pcie_bytes: pcie,
@@ -696,6 +709,7 @@ pub fn rows_from_baseline(v: &Value, source: &str) -> Result<Vec<Row>> {
             batch: r["batch"].as_u64().ok_or_else(|| need("batch"))?,
             context: r["context"].as_u64().ok_or_else(|| need("context"))?,
             context_asked: None,
+            label_asked: None,
             tokens_per_s: f(&r["tokens_per_s"]),
             step_ms_p50: f(&r["step_ms_median"]),
             step_ms_p99: f(&r["step_ms_p99"]),
@@ -783,17 +797,23 @@ pub fn load_inputs(paths: &[PathBuf]) -> Result<Loaded> {
     Ok(out)
 }
 
-/// Gives a baseline row the asked context of the bench rows capped to the
-/// same context (a baseline run at the bench's capped length, e.g. 127K for
-/// 128K asked), so that both print under one label.
+/// Sets [`Row::label_asked`] of each baseline row run at a context that
+/// bench rows ran capped to (a baseline run at the bench's capped length,
+/// e.g. 127K for 128K asked), so that both print under one label; only
+/// where a single asked context was capped to it.
 fn label_capped_baselines(rows: &mut [Row]) {
-    let capped: std::collections::BTreeMap<u64, u64> = rows
-        .iter()
-        .filter(|r| !r.baseline)
-        .filter_map(|r| r.context_asked.map(|a| (r.context, a)))
-        .collect();
+    let mut capped: std::collections::BTreeMap<u64, std::collections::BTreeSet<u64>> =
+        Default::default();
+    for r in rows.iter().filter(|r| !r.baseline) {
+        if let Some(a) = r.context_asked {
+            capped.entry(r.context).or_default().insert(a);
+        }
+    }
     for r in rows.iter_mut().filter(|r| r.baseline && r.context_asked.is_none()) {
-        r.context_asked = capped.get(&r.context).copied();
+        r.label_asked = capped
+            .get(&r.context)
+            .filter(|asked| asked.len() == 1)
+            .and_then(|asked| asked.first().copied());
     }
 }
 
@@ -861,7 +881,7 @@ pub const TABLE_HEADER: &str = "| L | EB | mode | B | tokens/s | step p50 ms | s
 /// One markdown table row (`TABLE_HEADER`'s columns; `–` where a figure
 /// does not apply or was not recorded).
 pub fn table_row(r: &Row) -> String {
-    let l = match r.context_asked {
+    let l = match r.context_asked.or(r.label_asked) {
         Some(a) => format!("{} ({} asked)", context_label(r.context), context_label(a)),
         None => context_label(r.context),
     };
@@ -932,7 +952,7 @@ pub fn markdown(l: &Loaded) -> String {
         out.push_str(&format!("- Protocol: {p}.\n"));
     }
     out.push_str(&format!(
-        "- Roofline: PCIe bytes of the step (fetch counters) at {PCIE_CEILING_GB_S} GB/s, HBM bytes (weights less the input embedding, plus the KV read: all of it for dense attention, the attended blocks and the compressed keys for sparse) at the run's measured layer-GEMM ceiling when that is at least half of {:.2} TB/s (device.md), else that constant (a small model's GEMMs do not stream HBM); the larger of the two for forecast + prefetch, the sum otherwise. measured / roofline = step p50 / roofline.\n",
+        "- Roofline: PCIe bytes of the step (fetch counters) at {PCIE_CEILING_GB_S} GB/s, HBM bytes (weights less the input embedding, plus the KV read: all of it for dense attention, the attended blocks and the compressed keys for sparse) at the run's measured layer-GEMM ceiling when that is at least {MIN_MEASURED_HBM_SHARE} × {:.2} TB/s (device.md), else that constant (a small model's GEMMs do not stream HBM); the larger of the two for forecast + prefetch, the sum otherwise. measured / roofline = step p50 / roofline.\n",
         HBM_WEIGHT_READ_GB_S / 1e3
     ));
     let capped: Vec<String> = l
@@ -1078,6 +1098,7 @@ pub fn merged_json(l: &Loaded) -> Value {
         "roofline": {
             "pcie_gb_s": PCIE_CEILING_GB_S,
             "hbm_gb_s_default": HBM_WEIGHT_READ_GB_S,
+            "min_measured_hbm_share": MIN_MEASURED_HBM_SHARE,
             "rule": "overlapped (forecast + prefetch): max(PCIe ms, HBM ms); synchronous: PCIe ms + HBM ms",
         },
         "rows": l.rows,

@@ -560,3 +560,44 @@ fn a_launch_bound_gemm_rate_is_not_taken_as_the_hbm_ceiling() {
     assert_eq!(hbm_rate(&edge, 1).0, MIN_MEASURED_HBM_SHARE * HBM_WEIGHT_READ_GB_S);
     assert_eq!(hbm_rate(&json!({}), 1).0, HBM_WEIGHT_READ_GB_S);
 }
+
+#[test]
+fn a_baseline_takes_the_capped_label_only_when_one_asked_context_ran_there() {
+    let d = tmp_dir("labels");
+    let cells = d.join("cells");
+    let base = json!({"baseline": "transformers-sdpa", "what": "w", "torch": "t", "transformers": "t", "gpu": "g",
+        "rows": [{"mode": "transformers SDPA, KV on GPU", "batch": 1, "context": 130048, "equivalent_batch": 64,
+                  "tokens_per_s": 11.6, "step_ms_median": 84.7, "step_ms_p99": 95.7}]});
+    std::fs::write(d.join("b.json"), base.to_string()).unwrap();
+    let c = |slug: &str, asked: u64| {
+        cell(slug, "dense, KV on GPU", "gpu", "dense", 1, 130_048, asked, 7.0, None)
+    };
+    write_atomic(&cells.join("a.json"), &c("dense-gpu", 131_072)).unwrap();
+    let l = load_inputs(&[cells.clone(), d.join("b.json")]).unwrap();
+    let b = l.rows.iter().find(|r| r.baseline).unwrap();
+    assert_eq!((b.context_asked, b.label_asked), (None, Some(131_072)));
+    assert!(table_row(b).starts_with("| 127K (128K asked) |"), "{}", table_row(b));
+    // a second ask capped to the same context: which label is the baseline's? neither
+    write_atomic(&cells.join("c.json"), &c("dense-gpu-200k", 204_800)).unwrap();
+    let l = load_inputs(&[cells, d.join("b.json")]).unwrap();
+    let b = l.rows.iter().find(|r| r.baseline).unwrap();
+    assert_eq!(b.label_asked, None);
+    assert!(table_row(b).starts_with("| 127K |"), "{}", table_row(b));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_case_rate_below_the_share_gives_the_roofline_the_constant() {
+    let d = tmp_dir("caserate");
+    let mut v = cell("dense-gpu", "dense, KV on GPU", "gpu", "dense", 4, 65_536, 65_536, 20.0, None);
+    v["case"]["hbm_gb_s"] = json!(452.0);
+    v["gemm_ceiling"] = json!([{"batch": 4, "layers_gb_per_s": 452.0}]);
+    write_atomic(&d.join("a.json"), &v).unwrap();
+    let l = load_inputs(&[d.clone()]).unwrap();
+    // the 24,360,887,040 HBM bytes of report_of_hand_made_cells_and_a_baseline's dense
+    // row at the constant (6.64 ms), not at the measured 452 GB/s (53.9 ms)
+    let roof = l.rows[0].roofline.unwrap();
+    let want = 24_360_887_040.0 / (HBM_WEIGHT_READ_GB_S * 1e9) * 1e3;
+    assert!((roof.hbm_ms - want).abs() < 1e-9, "{} vs {want}", roof.hbm_ms);
+    let _ = std::fs::remove_dir_all(&d);
+}

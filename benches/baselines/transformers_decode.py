@@ -40,16 +40,21 @@ import subprocess
 import sys
 
 def commit_of_tree():
-    """The commit the comparison belongs to: $SPARDA_COMMIT (set by the device
-    scripts, where the working tree travels without .git), else this tree's
-    `git rev-parse --short HEAD`, else None."""
+    """The commit the comparison belongs to, as sparda's git_commit() gives it:
+    $SPARDA_COMMIT (set by the device scripts, where the working tree travels
+    without .git), else this tree's `git rev-parse HEAD` with "+dirty" when
+    `git status --porcelain` lists changes, else None."""
     c = os.environ.get("SPARDA_COMMIT")
     if c:
         return c
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                           cwd=os.path.dirname(os.path.abspath(__file__)))
-        return r.stdout.strip() or None
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=here)
+        if head.returncode != 0 or not head.stdout.strip():
+            return None
+        status = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=here)
+        dirty = status.returncode == 0 and status.stdout.strip() != ""
+        return head.stdout.strip() + ("+dirty" if dirty else "")
     except OSError:
         return None
 

@@ -40,7 +40,7 @@ mkdir -p "$out"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 bin=.device/bin/sparda
 tok=.device/bin/tokenizer.json
-cells=${CELLS:-benches/results/eb_grid_h200/cells}
+cells=${CELLS:-benches/results/${NAME:-eb_grid_h200}/cells}
 texts=${TEXTS:-}
 if [ -z "$texts" ] && ls .device/texts/*.txt >/dev/null 2>&1; then texts=.device/texts; fi
 steps=${STEPS:-64}
@@ -104,8 +104,13 @@ offload)
   ;;
 report)
   # the CPU machine's own build first: .device/bin may hold an older binary
-  bin_report=${REPORT_BIN:-target/release/sparda}
-  [ -x "$bin_report" ] || bin_report=$bin
+  if [ -n "${REPORT_BIN:-}" ]; then
+    bin_report=$REPORT_BIN
+    [ -x "$bin_report" ] || { echo "REPORT_BIN=$bin_report is not an executable" >&2; exit 2; }
+  else
+    bin_report=target/release/sparda
+    [ -x "$bin_report" ] || bin_report=$bin
+  fi
   inputs=("$cells")
   if ls "$base"/*.json >/dev/null 2>&1; then inputs+=("$base"); fi
   "$bin_report" report "${inputs[@]}" --out "$out/${NAME:-eb_grid_h200}" ${README:+--readme "$README"}

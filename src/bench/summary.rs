@@ -10,7 +10,8 @@ use super::*;
 /// NOSA and over forecast without prefetch, and the latter as a fraction of
 /// the bound; with a GPU-resident forecast run of the same (B, L, rule)
 /// (`selection` "forecast", `kv` "gpu"), the prefetched step over it
-/// (target: ≤ 1.15 where P ≤ C: `target_prefetch_1_15_resident_applies`).
+/// (target: ≤ 1.15 where P ≤ C: `target_prefetch_1_15_resident_applies`,
+/// null when the sync run has no fetch timing).
 pub fn forecast_comparison(cases: &[Value]) -> Value {
     let mut out = Vec::new();
     let find = |kv: &Value, b: &Value, l: &Value, rule: &Value, sel: &str| {
@@ -69,7 +70,7 @@ pub fn forecast_comparison(cases: &[Value]) -> Value {
             "resident_forecast_step_ms": resident,
             "prefetch_over_resident": resident.map(|r| s_pre / r),
             // the target asks for it where the sync fetch is at most the rest of the step
-            "target_prefetch_1_15_resident_applies": p <= cc,
+            "target_prefetch_1_15_resident_applies": (p.is_finite() && cc.is_finite()).then_some(p <= cc),
             "target_prefetch_1_15_resident_met": resident.map(|r| s_pre / r <= 1.15),
         }));
     }
