@@ -950,8 +950,11 @@ pub enum QaLogits {
     /// times against Kc split into three bf16 parts whose sum is Kc exactly
     /// (for |Kc| ≥ 2⁻¹⁰¹ and 0), so every product is exact and the sums are
     /// the tensor cores' f32 accumulation (not guaranteed to round as an
-    /// f32 FMA chain does): `bf16x3`. An experiment until it has run against
-    /// the CPU reference on a GPU.
+    /// f32 FMA chain does): `bf16x3`. On the H200 (b4c5685, 2026-12-01) it
+    /// passed gpu-check and the e2e cases and was 3.6 % (32K) and 5.6 %
+    /// (127K) slower in NOSA-8B sparse prefill than `f32`
+    /// (benches/results/prefill_qa_logits_bf16x3_vs_f32_nosa8b_b1_h200_2026-12-01_b4c5685/),
+    /// so it stays opt-in.
     Bf16x3,
 }
 
