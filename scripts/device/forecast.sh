@@ -12,6 +12,9 @@
 #            back at the sampled positions) into OUT_DIR/train_gpu.bin, the `score` fit from it
 #            (fitted_score_gpu.safetensors) and its eval beside the CPU-collected fit when
 #            OUT_DIR/fitted_score.safetensors exists (eval runs on the CPU reference)
+#   fit-gpu  collect-gpu without the eval: the weights for the SmolLM2 grid with fitted
+#            forecast weights (`FORECAST=OUT_DIR/fitted_score_gpu.safetensors
+#            SMOL_CELLS=benches/results/eb_grid_smollm2_fitted_h200/cells report.sh smol OUT`)
 #   ppl      `sparda perplexity` on the GPU at 8K: dense base; query-aware InfLLM-V2;
 #            forecast with the fitted weights and with random weights (synth:1), each
 #            GPU-resident and with --kv offload, prefetch on and off; KL against dense
@@ -50,6 +53,12 @@ do_collect_gpu() {
     --forecast "score_gpu=$out/fitted_score_gpu.safetensors" "${cpu_fit[@]}" \
     --json "$out/eval_gpu.json" | tee "$out/eval_gpu.md"
 }
+do_fit_gpu() {  # collection on the GPU engine and the `score` fit, no eval (for the SmolLM2 grid)
+  run "$SPARDA" forecast collect "${mode[@]}" --text "$train" --context 8192 \
+    --max-chunks "$CHUNKS" --stride 8 --decode 32 --backend cuda --out "$out/train_gpu.bin"
+  run "$SPARDA" forecast fit --data "$out/train_gpu.bin" --target score \
+    --out "$out/fitted_score_gpu.safetensors" --json "$out/fit_score_gpu.json"
+}
 do_fit() {
   for t in score qmean; do
     run "$SPARDA" forecast fit --data "$out/train.bin" --target "$t" \
@@ -83,9 +92,10 @@ do_ppl() {
 case "$phase" in
 collect) do_collect ;;
 collect-gpu) do_collect_gpu ;;
+fit-gpu) do_fit_gpu ;;
 fit) do_fit ;;
 eval) do_eval ;;
 ppl) do_ppl ;;
 all) do_collect; do_fit; do_eval; do_ppl ;;
-*) echo "unknown phase $phase (collect|collect-gpu|fit|eval|ppl|all)"; exit 2 ;;
+*) echo "unknown phase $phase (collect|collect-gpu|fit-gpu|fit|eval|ppl|all)"; exit 2 ;;
 esac
