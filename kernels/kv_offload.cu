@@ -204,6 +204,10 @@ extern "C" __global__ __launch_bounds__(SD_THREADS) void slot_diff(
 
 #define FETCH_THREADS 256
 #define FETCH_UNROLL 8
+#define FETCH_SCAN 512  // (row, head) pairs per scan chunk: 2 per thread
+// Dynamic shared memory kv_fetch_sm needs, ints: the chunk's prefix (FETCH_SCAN + 1) and the
+// block scan's 32 warp sums (src/cuda/ops/offload.rs FETCH_SMEM_BYTES = this * 4).
+#define FETCH_SMEM_INTS (FETCH_SCAN + 1 + 32)
 
 // The persistent UVA fetch (runtime.md §2, §4): a small fixed grid of CTAs
 // striding over the (row, head, i < nfetch) copy tasks, one task at a time per
@@ -212,49 +216,73 @@ extern "C" __global__ __launch_bounds__(SD_THREADS) void slot_diff(
 // K+V chunk (2 * B * D * 2 bytes) from host_tab[r] + block * block_bytes +
 // h * 2 * tile_bytes to pool_tab[r] + ((h * S + slot) * 2) * tile_bytes, with
 // 16-byte loads, FETCH_UNROLL loads in flight per thread before the stores.
+// The (row, head) pairs are taken FETCH_SCAN at a time: the CTA's threads load
+// the chunk's nfetch together and scan them into a prefix in shared memory,
+// and each task finds its pair by binary search there. (A serial walk over the
+// pairs, one dependent load each, cost ~0.3 us per pair: ~60 us per layer at
+// 192 pairs with nothing to fetch.)
 // fetch: i32 [rows][hkv][S][2] (slot, block); nfetch: i32 [rows][hkv];
 // host_tab, pool_tab: u64 [rows] (device-visible addresses, 16-byte aligned).
 // cta_log: null, or u64 [gridDim.x][3] per-CTA timeline (common.cuh cta_log_start).
 // Requires D * 2 * B a multiple of 16 (D a multiple of 8).
-// Grid (N CTAs), FETCH_THREADS threads.
+// Grid (N CTAs), FETCH_THREADS threads, at least FETCH_SMEM_INTS * 4 bytes of dynamic
+// shared memory (no static shared memory: with whole SMs the launch asks for all of it).
 extern "C" __global__ __launch_bounds__(FETCH_THREADS) void kv_fetch_sm(
     const int* __restrict__ fetch, const int* __restrict__ nfetch, int S, int rows, int hkv,
     const u64* __restrict__ host_tab, const u64* __restrict__ pool_tab, int B, int D,
     u64* __restrict__ cta_log) {
+    extern __shared__ int fetch_shm[];
+    int* pre = fetch_shm;                     // [FETCH_SCAN + 1] exclusive prefix of the chunk
+    int* scan_shm = fetch_shm + FETCH_SCAN + 1;  // [32]
     cta_log_start(cta_log);
     const u64 tile_bytes = (u64)B * D * 2;
     const u64 block_bytes = (u64)hkv * 2 * tile_bytes;
     const int n16 = (int)(2 * tile_bytes / 16);  // uint4 per chunk
     const int G = gridDim.x, me = blockIdx.x, tid = threadIdx.x;
-    long long base = 0;  // tasks of the (row, head) pairs before this one
+    long long base = 0;  // tasks of the (row, head) pairs before this chunk
     const int nrh = rows * hkv;
-    for (int rh = 0; rh < nrh; rh++) {
-        const int n = min(max(nfetch[rh], 0), S);
-        // first i with (base + i) % G == me
-        int i = (int)(((long long)me - base % G + G) % G);
-        const int r = rh / hkv, h = rh - r * hkv;
-        const int* f = fetch + (u64)rh * S * 2;
-        for (; i < n; i += G) {
+    for (int c0 = 0; c0 < nrh; c0 += FETCH_SCAN) {
+        const int cnt = min(FETCH_SCAN, nrh - c0);
+        const int j0 = 2 * tid, j1 = j0 + 1;
+        const int v0 = j0 < cnt ? min(max(nfetch[c0 + j0], 0), S) : 0;
+        const int v1 = j1 < cnt ? min(max(nfetch[c0 + j1], 0), S) : 0;
+        int total;
+        const int ex = block_excl_scan(v0 + v1, scan_shm, &total);  // syncs before and after
+        if (j0 < cnt) pre[j0] = ex;
+        if (j1 < cnt) pre[j1] = ex + v0;
+        __syncthreads();
+        // first k with (base + k) % G == me
+        for (int k = (int)(((long long)me - base % G + G) % G); k < total; k += G) {
+            // the pair holding task k: the last j with pre[j] <= k (its count is > k - pre[j])
+            int lo = 0, hi = cnt - 1;
+            while (lo < hi) {
+                const int mid = (lo + hi + 1) >> 1;
+                if (pre[mid] <= k) lo = mid; else hi = mid - 1;
+            }
+            const int rh = c0 + lo, i = k - pre[lo];
+            const int r = rh / hkv, h = rh - r * hkv;
+            const int* f = fetch + (u64)rh * S * 2;
             const int slot = f[2 * i], block = f[2 * i + 1];
             if (slot < 0 || slot >= S || block < 0) continue;
             const uint4* src =
                 (const uint4*)(host_tab[r] + (u64)block * block_bytes + (u64)h * 2 * tile_bytes);
             uint4* dst = (uint4*)(pool_tab[r] + ((u64)h * S + slot) * 2 * tile_bytes);
-            for (int j0 = 0; j0 < n16; j0 += FETCH_THREADS * FETCH_UNROLL) {
+            for (int q0 = 0; q0 < n16; q0 += FETCH_THREADS * FETCH_UNROLL) {
                 uint4 v[FETCH_UNROLL];
 #pragma unroll
                 for (int u = 0; u < FETCH_UNROLL; u++) {
-                    const int j = j0 + u * FETCH_THREADS + tid;
+                    const int j = q0 + u * FETCH_THREADS + tid;
                     if (j < n16) v[u] = __ldcs(src + j);
                 }
 #pragma unroll
                 for (int u = 0; u < FETCH_UNROLL; u++) {
-                    const int j = j0 + u * FETCH_THREADS + tid;
+                    const int j = q0 + u * FETCH_THREADS + tid;
                     if (j < n16) dst[j] = v[u];
                 }
             }
         }
-        base += n;
+        base += total;
+        __syncthreads();  // pre is read until here; the next chunk rewrites it
     }
     cta_log_end(cta_log);
 }

@@ -809,7 +809,10 @@ fn label_capped_baselines(rows: &mut [Row]) {
             capped.entry(r.context).or_default().insert(a);
         }
     }
-    for r in rows.iter_mut().filter(|r| r.baseline && r.context_asked.is_none()) {
+    for r in rows
+        .iter_mut()
+        .filter(|r| r.baseline && r.context_asked.is_none())
+    {
         r.label_asked = capped
             .get(&r.context)
             .filter(|asked| asked.len() == 1)

@@ -267,9 +267,18 @@ fn report_of_hand_made_cells_and_a_baseline() {
     assert!(md.contains("| 64K | 64 | transformers SDPA, KV on GPU | 4 | 40 | 100.00 | 104.00 | – | – | 30.0 | 0.0 | – | – |\n"), "{md}");
     assert!(md.contains("128K ran as 127K (130048 tokens)"), "{md}");
     // the baseline at the capped context prints under the bench's label
-    assert!(md.contains("| 127K (128K asked) | 64 | transformers SDPA, KV on GPU | 1 | 12 | 84.70 | 95.70 |"), "{md}");
+    assert!(
+        md.contains(
+            "| 127K (128K asked) | 64 | transformers SDPA, KV on GPU | 1 | 12 | 84.70 | 95.70 |"
+        ),
+        "{md}"
+    );
     // one line for the baseline's two files, with the dates and commits they give
-    assert_eq!(md.matches("Baseline `transformers-sdpa`").count(), 1, "{md}");
+    assert_eq!(
+        md.matches("Baseline `transformers-sdpa`").count(),
+        1,
+        "{md}"
+    );
     assert!(md.contains("Baseline `transformers-sdpa`: transformers, PyTorch SDPA, full attention (torch 2.11, transformers 5.17, NVIDIA H200; date 2026-12-01; commit abc1234)"), "{md}");
     let prefix = d.join("out/eb64");
     write_report(&l, &prefix).unwrap();
@@ -554,10 +563,16 @@ fn a_launch_bound_gemm_rate_is_not_taken_as_the_hbm_ceiling() {
     let small = json!({"gemm_ceiling": [{"batch": 96, "layers_gb_per_s": 452.2}]});
     let (r, why) = hbm_rate(&small, 96);
     assert_eq!(r, HBM_WEIGHT_READ_GB_S);
-    assert!(why.contains("452 GB/s") && why.contains("too small"), "{why}");
+    assert!(
+        why.contains("452 GB/s") && why.contains("too small"),
+        "{why}"
+    );
     // just at the share the measured rate counts
     let edge = json!({"gemm_ceiling": [{"batch": 1, "layers_gb_per_s": MIN_MEASURED_HBM_SHARE * HBM_WEIGHT_READ_GB_S}]});
-    assert_eq!(hbm_rate(&edge, 1).0, MIN_MEASURED_HBM_SHARE * HBM_WEIGHT_READ_GB_S);
+    assert_eq!(
+        hbm_rate(&edge, 1).0,
+        MIN_MEASURED_HBM_SHARE * HBM_WEIGHT_READ_GB_S
+    );
     assert_eq!(hbm_rate(&json!({}), 1).0, HBM_WEIGHT_READ_GB_S);
 }
 
@@ -570,13 +585,27 @@ fn a_baseline_takes_the_capped_label_only_when_one_asked_context_ran_there() {
                   "tokens_per_s": 11.6, "step_ms_median": 84.7, "step_ms_p99": 95.7}]});
     std::fs::write(d.join("b.json"), base.to_string()).unwrap();
     let c = |slug: &str, asked: u64| {
-        cell(slug, "dense, KV on GPU", "gpu", "dense", 1, 130_048, asked, 7.0, None)
+        cell(
+            slug,
+            "dense, KV on GPU",
+            "gpu",
+            "dense",
+            1,
+            130_048,
+            asked,
+            7.0,
+            None,
+        )
     };
     write_atomic(&cells.join("a.json"), &c("dense-gpu", 131_072)).unwrap();
     let l = load_inputs(&[cells.clone(), d.join("b.json")]).unwrap();
     let b = l.rows.iter().find(|r| r.baseline).unwrap();
     assert_eq!((b.context_asked, b.label_asked), (None, Some(131_072)));
-    assert!(table_row(b).starts_with("| 127K (128K asked) |"), "{}", table_row(b));
+    assert!(
+        table_row(b).starts_with("| 127K (128K asked) |"),
+        "{}",
+        table_row(b)
+    );
     // a second ask capped to the same context: which label is the baseline's? neither
     write_atomic(&cells.join("c.json"), &c("dense-gpu-200k", 204_800)).unwrap();
     let l = load_inputs(&[cells, d.join("b.json")]).unwrap();
@@ -589,7 +618,17 @@ fn a_baseline_takes_the_capped_label_only_when_one_asked_context_ran_there() {
 #[test]
 fn a_case_rate_below_the_share_gives_the_roofline_the_constant() {
     let d = tmp_dir("caserate");
-    let mut v = cell("dense-gpu", "dense, KV on GPU", "gpu", "dense", 4, 65_536, 65_536, 20.0, None);
+    let mut v = cell(
+        "dense-gpu",
+        "dense, KV on GPU",
+        "gpu",
+        "dense",
+        4,
+        65_536,
+        65_536,
+        20.0,
+        None,
+    );
     v["case"]["hbm_gb_s"] = json!(452.0);
     v["gemm_ceiling"] = json!([{"batch": 4, "layers_gb_per_s": 452.0}]);
     write_atomic(&d.join("a.json"), &v).unwrap();
@@ -598,6 +637,10 @@ fn a_case_rate_below_the_share_gives_the_roofline_the_constant() {
     // row at the constant (6.64 ms), not at the measured 452 GB/s (53.9 ms)
     let roof = l.rows[0].roofline.unwrap();
     let want = 24_360_887_040.0 / (HBM_WEIGHT_READ_GB_S * 1e9) * 1e3;
-    assert!((roof.hbm_ms - want).abs() < 1e-9, "{} vs {want}", roof.hbm_ms);
+    assert!(
+        (roof.hbm_ms - want).abs() < 1e-9,
+        "{} vs {want}",
+        roof.hbm_ms
+    );
     let _ = std::fs::remove_dir_all(&d);
 }

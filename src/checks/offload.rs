@@ -776,7 +776,44 @@ impl FetchDev {
     }
 }
 
+/// `kv_fetch_sm` on `st` at each (CTAs, whole SMs) of `configs`, its pool
+/// against the expected copies, bit for bit.
+fn check_fetch_sm(
+    gpu: &Gpu,
+    st: &FetchSetup,
+    nblocks: usize,
+    configs: &[(usize, bool)],
+    out: &mut Vec<CaseResult>,
+) {
+    let chunks: i32 = st.nfetch.iter().sum();
+    for &(ctas, whole) in configs {
+        let shape = json!({"D": st.d, "Hkv": st.hkv, "B": B, "S": st.s, "rows": st.rows, "pairs": st.rows * st.hkv, "host_blocks": nblocks, "chunks": chunks, "ctas": ctas, "whole_sms": whole});
+        let r = (|| {
+            let dev = FetchDev::new(gpu, st)?;
+            offload::kv_fetch_sm(gpu, gpu.stream(), &dev.args(gpu, st), ctas, whole)?;
+            let got = gpu.download(&dev.pool)?;
+            let mut x = Exact::new();
+            compare_pool(st, &got, &mut x);
+            Ok(x)
+        })();
+        push(out, gpu, "kv_fetch_sm", shape, r);
+    }
+}
+
 fn check_fetch(gpu: &Gpu, rng: &mut SmallRng, out: &mut Vec<CaseResult>) {
+    // more (row, head) pairs than the kernel scans at once (512): 70 rows × 8 KV heads = 560,
+    // the chunk boundary inside a row, counts of 0 and S on both sides of it
+    let (d, hkv, rows, s, nblocks) = (64usize, 8usize, 70usize, 4usize, 6usize);
+    match fetch_setup(gpu, rng, rows, hkv, d, s, nblocks, true) {
+        Ok(st) => check_fetch_sm(gpu, &st, nblocks, &[(8, false), (16, true)], out),
+        Err(e) => push(
+            out,
+            gpu,
+            "kv_fetch_sm",
+            json!({"D": d, "Hkv": hkv, "rows": rows}),
+            Err(e),
+        ),
+    }
     for &d in &[64usize, 80, 128] {
         for &hkv in &[1usize, 2, 8] {
             let (rows, s, nblocks) = (3usize, 24usize, 40usize);
@@ -790,18 +827,13 @@ fn check_fetch(gpu: &Gpu, rng: &mut SmallRng, out: &mut Vec<CaseResult>) {
             };
             let chunks: i32 = st.nfetch.iter().sum();
             // (16 CTAs also holding whole SMs: the same copies)
-            for &(ctas, whole) in &[(8usize, false), (16, false), (32, false), (16, true)] {
-                let shape = json!({"D": d, "Hkv": hkv, "B": B, "S": s, "rows": rows, "host_blocks": nblocks, "chunks": chunks, "ctas": ctas, "whole_sms": whole});
-                let r = (|| {
-                    let dev = FetchDev::new(gpu, &st)?;
-                    offload::kv_fetch_sm(gpu, gpu.stream(), &dev.args(gpu, &st), ctas, whole)?;
-                    let got = gpu.download(&dev.pool)?;
-                    let mut x = Exact::new();
-                    compare_pool(&st, &got, &mut x);
-                    Ok(x)
-                })();
-                push(out, gpu, "kv_fetch_sm", shape, r);
-            }
+            check_fetch_sm(
+                gpu,
+                &st,
+                nblocks,
+                &[(8, false), (16, false), (32, false), (16, true)],
+                out,
+            );
             let shape = json!({"D": d, "Hkv": hkv, "B": B, "S": s, "rows": rows, "host_blocks": nblocks, "chunks": chunks});
             let r = (|| {
                 let dev = FetchDev::new(gpu, &st)?;

@@ -19,6 +19,10 @@ pub const SLOT_DIFF_MAX_SLOTS: usize = 1024;
 pub const SLOT_DIFF_MAX_SEL: usize = 1024;
 /// Threads per CTA of `kv_fetch_sm` (`FETCH_THREADS`).
 const FETCH_THREADS: u32 = 256;
+/// Dynamic shared memory of `kv_fetch_sm`, bytes (`FETCH_SMEM_INTS` × 4:
+/// the prefix of one chunk of 512 (row, head) fetch counts and the block
+/// scan's 32 warp sums).
+const FETCH_SMEM_BYTES: u32 = (512 + 1 + 32) * 4;
 /// Default CTA count of the SM fetch (runtime.md §2: every GPU but the
 /// H100 / A100 at large batch gets 16).
 pub const DEFAULT_FETCH_CTAS: usize = 16;
@@ -230,8 +234,9 @@ pub fn kv_fetch_sm(
             .cuda("cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)")?
             as usize;
         super::select::ensure_smem(gpu, f, optin, 0, "kv_fetch_sm (whole SMs)")?
+            .max(FETCH_SMEM_BYTES)
     } else {
-        0
+        FETCH_SMEM_BYTES
     };
     let cfg = LaunchConfig {
         grid_dim: (grid(ctas, "ctas")?, 1, 1),
