@@ -632,7 +632,7 @@ fn a_case_rate_below_the_share_gives_the_roofline_the_constant() {
     v["case"]["hbm_gb_s"] = json!(452.0);
     v["gemm_ceiling"] = json!([{"batch": 4, "layers_gb_per_s": 452.0}]);
     write_atomic(&d.join("a.json"), &v).unwrap();
-    let l = load_inputs(&[d.clone()]).unwrap();
+    let l = load_inputs(std::slice::from_ref(&d)).unwrap();
     // the 24,360,887,040 HBM bytes of report_of_hand_made_cells_and_a_baseline's dense
     // row at the constant (6.64 ms), not at the measured 452 GB/s (53.9 ms)
     let roof = l.rows[0].roofline.unwrap();

@@ -23,6 +23,7 @@ const FETCH_THREADS: u32 = 256;
 /// the prefix of one chunk of 512 (row, head) fetch counts and the block
 /// scan's 32 warp sums).
 const FETCH_SMEM_BYTES: u32 = (512 + 1 + 32) * 4;
+
 /// Default CTA count of the SM fetch (runtime.md §2: every GPU but the
 /// H100 / A100 at large batch gets 16).
 pub const DEFAULT_FETCH_CTAS: usize = 16;
@@ -199,9 +200,9 @@ pub fn kv_fetch_sm(
         return Ok(());
     }
     check_geometry(OP, a.block_size, a.head_dim)?;
-    if ctas == 0 || a.slots == 0 {
+    if ctas == 0 || a.slots == 0 || a.slots > SLOT_DIFF_MAX_SLOTS {
         return Err(Error::Input(format!(
-            "{OP}: {ctas} CTAs, {} slots: both must be ≥ 1",
+            "{OP}: {ctas} CTAs, {} slots: both must be ≥ 1, and the slots at most {SLOT_DIFF_MAX_SLOTS} (slot_diff's pool)",
             a.slots
         )));
     }
@@ -694,4 +695,31 @@ pub fn fetch_split<C: DevicePtrMut<i32>>(
             .cuda("cuStreamWaitEvent (split join)")?;
     }
     Ok(plan)
+}
+
+#[cfg(test)]
+mod smem_tests {
+    /// The value of `#define NAME …` in kernels/kv_offload.cu.
+    fn define(name: &str) -> String {
+        let src = include_str!("../../../kernels/kv_offload.cu");
+        let key = format!("#define {name} ");
+        let line = src
+            .lines()
+            .find(|l| l.starts_with(&key))
+            .unwrap_or_else(|| panic!("{key} not in kernels/kv_offload.cu"));
+        line[key.len()..]
+            .split("//")
+            .next()
+            .unwrap()
+            .trim()
+            .to_string()
+    }
+
+    #[test]
+    fn fetch_shared_memory_matches_the_kernel() {
+        assert_eq!(define("FETCH_SCAN"), "512");
+        assert_eq!(define("FETCH_SMEM_INTS"), "(FETCH_SCAN + 1 + 32)");
+        assert_eq!(define("FETCH_THREADS"), super::FETCH_THREADS.to_string());
+        assert_eq!(super::FETCH_SMEM_BYTES, (512 + 1 + 32) * 4);
+    }
 }
