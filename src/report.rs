@@ -415,7 +415,7 @@ pub fn model_shape(report: &Value) -> Option<ModelShape> {
 /// where it came from).
 pub fn hbm_rate(report: &Value, batch: u64) -> (f64, String) {
     match nearest_ceiling(report, batch, |c| c["layers_gb_per_s"].as_f64()) {
-        Some((b, r)) if r >= MIN_MEASURED_HBM_SHARE * HBM_WEIGHT_READ_GB_S => {
+        Some((b, r)) if streams_hbm(r) => {
             (r, format!("measured layer-GEMM ceiling at B = {b}"))
         }
         Some((b, r)) => (
@@ -440,6 +440,12 @@ pub fn hbm_rate(report: &Value, batch: u64) -> (f64, String) {
 /// ([`hbm_rate`]). On the H200 (2026-12-01) NOSA-8B's layer GEMMs measure
 /// 3,396–3,825 GB/s and SmolLM2-135M's 452–467 GB/s; the cut sits between.
 pub const MIN_MEASURED_HBM_SHARE: f64 = 0.5;
+
+/// Whether a measured layer-GEMM rate (GB/s) is taken as the roofline's
+/// HBM rate: at least [`MIN_MEASURED_HBM_SHARE`] of [`HBM_WEIGHT_READ_GB_S`].
+fn streams_hbm(rate_gb_s: f64) -> bool {
+    rate_gb_s >= MIN_MEASURED_HBM_SHARE * HBM_WEIGHT_READ_GB_S
+}
 
 /// The mode name of a case: its `eb_mode`, else from its attention,
 /// KV placement and selection.
@@ -546,7 +552,7 @@ pub fn row_from_case(report: &Value, c: &Value, source: &str) -> Row {
         let hbm = hbm_bytes_per_step(&shape, batch as usize, context as usize, sparse);
         // the case's own measured rate, under the same rule as `hbm_rate`
         let rate = match c["hbm_gb_s"].as_f64() {
-            Some(r) if r >= MIN_MEASURED_HBM_SHARE * HBM_WEIGHT_READ_GB_S => r,
+            Some(r) if streams_hbm(r) => r,
             _ => hbm_rate(report, batch).0,
         };
         let r = roofline(&RooflineInput {
