@@ -746,9 +746,12 @@ impl Gpu {
             .cuda("cuEventCreate")
     }
 
-    /// Captures everything `enqueue` puts on [`Gpu::stream`] into a CUDA
-    /// graph (relaxed capture mode) and instantiates it; nothing runs until
-    /// the graph is launched. `enqueue` must not allocate, copy from the
+    /// Captures everything `enqueue` puts on [`Gpu::stream`], and on other
+    /// streams that wait for its events and are waited for again before it
+    /// returns (an offloaded step's copy stream), into a CUDA graph (relaxed
+    /// capture mode) and instantiates it with each kernel at the priority of
+    /// the stream it was captured on; nothing runs until the graph is
+    /// launched. `enqueue` must not allocate, copy from the
     /// host or synchronise. The capture is always ended, also when
     /// `enqueue` fails.
     ///
@@ -762,7 +765,9 @@ impl Gpu {
         let r = enqueue();
         let g = self
             .stream
-            .end_capture(CUgraphInstantiate_flags(0))
+            // kernels keep the priority of the stream they were captured on
+            // (the copy stream's prefetch above compute)
+            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY)
             .cuda("cuStreamEndCapture / cuGraphInstantiate");
         r?;
         g?.ok_or_else(|| Error::Cuda("stream capture produced an empty graph".into()))

@@ -136,7 +136,11 @@ impl GpuModel {
     /// (runtime.md §4: SM copies take SMs from the GEMMs they overlap).
     /// Off by default; other steps keep every SM. Changes timing only.
     pub fn set_reserve_fetch_sms(&mut self, on: bool) {
-        self.reserve_fetch_sms = on;
+        if on != self.reserve_fetch_sms {
+            self.reserve_fetch_sms = on;
+            // a captured offloaded step holds the old launches
+            self.step = None;
+        }
     }
 
     /// Offloaded KV through the SM copy kernel (alone or in a split): while
@@ -149,7 +153,11 @@ impl GpuModel {
     /// usual (whole SMs would leave compute too few). Off by default.
     /// Changes timing only.
     pub fn set_fetch_whole_sms(&mut self, on: bool) {
-        self.fetch_whole_sms = on;
+        if on != self.fetch_whole_sms {
+            self.fetch_whole_sms = on;
+            // a captured offloaded step holds the old launches
+            self.step = None;
+        }
     }
 
     /// Whether the copy kernel on `ctas` CTAs takes whole SMs in a step of
@@ -205,7 +213,11 @@ impl GpuModel {
     /// Injects a delay of `us` µs (a spin kernel) before every fetch on its
     /// stream: the prefetch stress check. 0 = off.
     pub fn set_copy_delay_us(&mut self, us: u32) {
-        self.copy_delay_us = us;
+        if us != self.copy_delay_us {
+            self.copy_delay_us = us;
+            // a captured offloaded step holds the old launches
+            self.step = None;
+        }
     }
 
     /// RoPE on the 2·Hkv forecast heads of n rows at `qkv_off` (positions

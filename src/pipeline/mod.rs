@@ -739,7 +739,7 @@ impl GpuModel {
 
     /// Whether the last decode step ran as a replayed CUDA graph.
     pub fn last_step_was_graph(&self) -> bool {
-        self.step.as_ref().is_some_and(|s| s.graph.is_some())
+        self.step.as_ref().is_some_and(|s| s.replayed)
     }
 
     /// Whether piece `p` of a step is enqueued (always, unless profiling another piece).

@@ -44,6 +44,9 @@ pub(crate) struct DecodeStep {
     pub(crate) io: CudaSlice<u32>,
     pub(crate) ws: Workspace,
     pub(crate) graph: Option<CudaGraph>,
+    /// The last step replayed `graph` (an offloaded step that writes back
+    /// a block runs eagerly beside a captured graph).
+    pub(crate) replayed: bool,
     /// Capture failed once: stay eager for this build.
     pub(crate) capture_failed: bool,
     /// The sequence lengths the device inputs describe (the next step's positions).
@@ -61,9 +64,11 @@ impl GpuModel {
     /// Every batch runs on the device-resident step of [`super::step`]: one
     /// upload of the B token ids, positions and lengths, then the per-layer
     /// schedule of [`super::schedule`] — replayed as a CUDA graph
-    /// ([`DecodeMode::Graph`]) or launched eagerly (offloaded KV, tracing,
-    /// the host selection path, [`DecodeMode::Eager`]). Dense and sparse
-    /// rows mix freely in one step.
+    /// ([`DecodeMode::Graph`]) or launched eagerly (tracing, the host
+    /// selection path, [`DecodeMode::Eager`]; offloaded KV when the copy
+    /// engines take part in the fetch, fetch timing is on, or the step
+    /// writes a completed block back). Dense and sparse rows mix freely in
+    /// one step.
     ///
     /// Errors: B = 0, `tokens.len() != seqs.len()`, a token id ≥ V, a length
     /// past `max_position_embeddings`; [`Error::Cuda`] on a device failure.
@@ -218,16 +223,37 @@ impl GpuModel {
                 off.completes =
                     crate::kv::write_back::step_completes_block(seqs, self.plan.budget.block_size);
             }
-            let capture = self.decode_mode == DecodeMode::Graph
-                && st.off.is_none()
+            // An offloaded step replays its graph unless it must run
+            // eagerly: a fetch the host takes part in, fetch timing, or a
+            // block write-back (crate::kv::offload::offloaded_step_graphable).
+            let graph_now = self.decode_mode == DecodeMode::Graph
                 && !st.key.host_selection
                 && !self.trace_on()
                 && !self.cta_log_on()
-                && st.graph.is_none()
-                && !st.capture_failed
-                && st.steps >= 1;
+                && st.off.as_ref().is_none_or(|o| {
+                    crate::kv::offload::offloaded_step_graphable(
+                        self.fetch_engine(n),
+                        self.fetch_timing,
+                        o.completes,
+                    )
+                });
+            if graph_now {
+                // the write-back of an earlier eager step: waited for outside
+                // the graph, which holds no such wait
+                self.offload_wait_write_back(&mut st)?;
+            }
+            let capture = graph_now && st.graph.is_none() && !st.capture_failed && st.steps >= 1;
             if capture {
-                match gpu.capture(|| self.enqueue_step(&mut st, seqs)) {
+                // the GEMMs are captured as sized for the SMs the copy kernel leaves
+                let sms = self.gemm_sm_target(n);
+                if let Some(sms) = sms {
+                    gpu.set_gemm_sm_target(sms)?;
+                }
+                let captured = gpu.capture(|| self.enqueue_step(&mut st, seqs));
+                if sms.is_some() {
+                    gpu.set_gemm_sm_target(0)?;
+                }
+                match captured {
                     Ok(g) => st.graph = Some(g),
                     Err(e) => {
                         tracing::warn!(
@@ -237,10 +263,11 @@ impl GpuModel {
                     }
                 }
             }
-            match &st.graph {
+            st.replayed = graph_now && st.graph.is_some();
+            match st.graph.as_ref().filter(|_| graph_now) {
                 Some(g) => g.launch().cuda("cuGraphLaunch (decode step)"),
                 None => match self.gemm_sm_target(n) {
-                    // eager (offloaded steps always are): the target applies
+                    // eager (an offloaded step that must: see graph_now): the target applies
                     // to the GEMMs this step launches, and is undone after
                     Some(sms) => {
                         gpu.set_gemm_sm_target(sms)?;
@@ -371,6 +398,7 @@ impl GpuModel {
             io,
             ws,
             graph: None,
+            replayed: false,
             capture_failed: false,
             dev_lens: Vec::new(),
             steps: 0,
