@@ -91,7 +91,11 @@ bound)
     $bin bench --model synth:nosa-8b --attention sparse --kv gpu,offload --fetch auto \
       --forecast synth:1 --prefetch on,off --batch "$b" --context "$l" --steps "${STEPS:-32}" \
       --fetch-timing-steps 8 --ceiling-reps 5 --profile-reps 0 --tokenizer "$tok" \
-      --json "$out/bound_$l.json" 2>&1 | grep -E "P .* C .* bound|sparse " || true
+      --json "$out/bound_$l.json" 2>&1 | tee "$out/bound_$l.log" \
+      | grep --line-buffered -E "P .* C .* bound|sparse " || true
+    # the log keeps each case's line when the call's limit cuts the bench
+    # (its JSON is written at the end): one context with two batch sizes
+    # at 64K takes more than 200 s
   done
   ;;
 reserve)
