@@ -11,7 +11,7 @@
 //! window moving, compressed state growing, many tail roll-overs and
 //! write-backs, contexts shorter than the budget at the start.
 
-use crate::pipeline::{GpuModel, OffloadOptions};
+use crate::pipeline::{DecodeMode, GpuModel, OffloadOptions};
 use crate::{Error, Result};
 use serde_json::{json, Value};
 
@@ -48,6 +48,10 @@ pub struct Run {
     /// when the copy CTAs held whole SMs); None when GPU-resident.
     #[serde(default)]
     pub fetch_resolved: Option<String>,
+    /// Decode steps that replayed a captured CUDA graph
+    /// ([`GpuModel::last_step_was_graph`]); the others ran eagerly.
+    #[serde(default)]
+    pub graph_steps: usize,
 }
 
 /// Memory in use at one decode step of a run (for long-run checks: GPU
@@ -142,9 +146,11 @@ pub fn run(
     let mut memory = vec![sample_memory(model, 0)?];
     let t = std::time::Instant::now();
     let v = model.config.vocab_size;
+    let mut graph_steps = 0;
     for step in 1..new_tokens {
         crate::interrupt::check(|| format!("offload-check decode step {step}"))?;
         model.decode(&mut seqs, &tok)?;
+        graph_steps += usize::from(model.last_step_was_graph());
         let logits = model.download_logits()?;
         logit_hashes.extend(logits.chunks_exact(v).map(fnv1a));
         tok = model.argmax()?;
@@ -176,6 +182,7 @@ pub fn run(
         stats,
         memory,
         fetch_resolved,
+        graph_steps,
     })
 }
 
@@ -189,6 +196,15 @@ fn growth(m: &[MemorySample]) -> (i64, i64) {
         ),
         _ => (0, 0),
     }
+}
+
+/// Whether an offloaded run of `steps` greedy steps (the first from the
+/// prefill) should replay CUDA graphs: graph decode mode, and a fetch the
+/// device runs alone (`fetch_resolved` `sm:N`, with or without `+whole`;
+/// the copy engines, alone or in a split, keep steps eager), over at least
+/// three steps (a build's first step runs eagerly).
+pub(crate) fn graph_expected(mode: DecodeMode, fetch_resolved: Option<&str>, steps: usize) -> bool {
+    mode == DecodeMode::Graph && fetch_resolved.is_some_and(|f| f.starts_with("sm:")) && steps >= 3
 }
 
 /// The B greedy tokens of decode step `step` of a step-major token list
@@ -245,10 +261,21 @@ pub fn offload_identity(
         let same = tok_mismatch.is_none()
             && logit_mismatch.is_none()
             && base.tokens.len() == r.tokens.len();
-        all &= same;
+        let steps = r.tokens.len() / nb;
+        // a run that should replay graphs and replayed none: its capture
+        // failed (logged) and the identity above only covers eager steps
+        let graph_missing = graph_expected(model.decode_mode(), r.fetch_resolved.as_deref(), steps)
+            && r.graph_steps == 0;
+        all &= same && !graph_missing;
         let st = r.stats.clone().unwrap_or_default();
+        if graph_missing {
+            eprintln!(
+                "offload-check: {:?}: no decode step replayed a CUDA graph (its capture failed: see the warning above)",
+                o.fetch
+            );
+        }
         eprintln!(
-            "offload-check: {:?}{}: {} in {:.0} ms; tokens {}, logits {}; γ {:.3}, {} blocks fetched",
+            "offload-check: {:?}{}: {} in {:.0} ms; tokens {}, logits {}; γ {:.3}, {} blocks fetched; {} of {} steps from a CUDA graph",
             o.fetch,
             if forecast {
                 format!(", forecast, prefetch {}, copy delay {} µs", if m.prefetch { "on" } else { "off" }, m.copy_delay_us)
@@ -264,7 +291,9 @@ pub fn offload_identity(
                 "first differ at step {i}"
             )),
             st.locality_all(),
-            st.fetched.iter().sum::<u64>()
+            st.fetched.iter().sum::<u64>(),
+            r.graph_steps,
+            steps.saturating_sub(1)
         );
         runs.push(json!({
             "fetch": o.fetch.name(),
@@ -277,7 +306,9 @@ pub fn offload_identity(
             "identical": same,
             "first_token_mismatch": tok_mismatch,
             "first_logits_mismatch": logit_mismatch,
-            "steps": r.tokens.len() / prompts.len().max(1),
+            "steps": steps,
+            "graph_steps": r.graph_steps,
+            "graph_missing": graph_missing,
             "decode_ms": r.decode_ms,
             "locality_gamma": st.locality_all(),
             "locality_gamma_per_layer": st.locality(),
@@ -556,4 +587,22 @@ pub fn forecast_selection(
             "reproduced_rule": "the CPU rule on the GPU's own forecast, Kc and p gives the GPU's set, and each of the three is within tolerance_bf16 relative L2 of the CPU's",
             "tolerance_bf16": super::kernels::TOLERANCE_BF16}),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn graphs_are_expected_of_sm_fetch_runs_in_graph_mode_only() {
+        let g = DecodeMode::Graph;
+        assert!(graph_expected(g, Some("sm:16"), 2048));
+        assert!(graph_expected(g, Some("sm:8+whole"), 3));
+        assert!(!graph_expected(g, Some("sm:8"), 2), "a build's first step is eager");
+        assert!(!graph_expected(g, Some("dma"), 2048));
+        assert!(!graph_expected(g, Some("split:8:50"), 2048));
+        assert!(!graph_expected(g, Some("split:8:50+whole"), 2048));
+        assert!(!graph_expected(g, None, 2048), "GPU-resident runs are not checked here");
+        assert!(!graph_expected(DecodeMode::Eager, Some("sm:16"), 2048));
+    }
 }

@@ -287,6 +287,7 @@ mod tests {
             stats: None,
             memory: vec![],
             fetch_resolved: None,
+            graph_steps: 0,
         };
         let p = dir.join("resident.json");
         let rec = serde_json::json!({"key": key, "run": run});

@@ -325,17 +325,11 @@ pub(crate) fn sync_events(gpu: &Gpu, n: usize, what: &str) -> Result<Vec<CudaEve
 /// Whether an offloaded decode step may be captured and replayed as a
 /// CUDA graph: its fetch runs on the device alone (the SM copy kernel;
 /// the copy engines, alone or in a split, take the fetch lists to the host
-/// first), fetch timing is off (it reads events back every step), and the
-/// step writes no completed block back (`completes`: such a step, one in
-/// 64 tokens of a row, runs eagerly; the graph holds no write-back).
-/// The prefetch's copy-stream work joins the capture through the ready and
-/// fetched events (runtime.md §2).
-pub(crate) fn offloaded_step_graphable(
-    engine: FetchEngine,
-    fetch_timing: bool,
-    completes: bool,
-) -> bool {
-    matches!(engine, FetchEngine::Sm { .. }) && !fetch_timing && !completes
+/// first) and fetch timing is off (it reads events back every step). The
+/// prefetch's copy-stream work joins the capture through the ready and
+/// fetched events, a write-back through its done event (runtime.md §2).
+pub(crate) fn offloaded_step_graphable(engine: FetchEngine, fetch_timing: bool) -> bool {
+    matches!(engine, FetchEngine::Sm { .. }) && !fetch_timing
 }
 
 /// Tokens a tail ring holds.
@@ -718,15 +712,14 @@ mod tests {
     }
 
     #[test]
-    pub(crate) fn only_device_driven_steps_without_a_write_back_replay_a_graph() {
-        let sm = FetchEngine::Sm { ctas: 8 };
-        assert!(offloaded_step_graphable(sm, false, false));
-        assert!(!offloaded_step_graphable(sm, true, false), "fetch timing");
-        assert!(!offloaded_step_graphable(sm, false, true), "write-back");
-        assert!(!offloaded_step_graphable(FetchEngine::Dma, false, false));
+    pub(crate) fn only_steps_whose_fetch_the_device_runs_alone_replay_a_graph() {
+        for ctas in [1, 8, 1024] {
+            assert!(offloaded_step_graphable(FetchEngine::Sm { ctas }, false));
+            assert!(!offloaded_step_graphable(FetchEngine::Sm { ctas }, true), "fetch timing");
+        }
+        assert!(!offloaded_step_graphable(FetchEngine::Dma, false));
         let split = FetchEngine::Split { ctas: 8, ce_pct: 50 };
-        assert!(!offloaded_step_graphable(split, false, false));
-        assert!(!offloaded_step_graphable(FetchEngine::Auto, false, false));
+        assert!(!offloaded_step_graphable(split, false));
     }
 
     #[test]

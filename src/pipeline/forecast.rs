@@ -135,6 +135,7 @@ impl GpuModel {
     /// do not run a second wave on the SMs the copy kernel holds
     /// (runtime.md §4: SM copies take SMs from the GEMMs they overlap).
     /// Off by default; other steps keep every SM. Changes timing only.
+    /// A change drops the built step (the next decode call passes tokens).
     pub fn set_reserve_fetch_sms(&mut self, on: bool) {
         if on != self.reserve_fetch_sms {
             self.reserve_fetch_sms = on;
@@ -152,6 +153,7 @@ impl GpuModel {
     /// other SMs. A copy kernel on more than half the SMs shares them as
     /// usual (whole SMs would leave compute too few). Off by default.
     /// Changes timing only.
+    /// A change drops the built step (the next decode call passes tokens).
     pub fn set_fetch_whole_sms(&mut self, on: bool) {
         if on != self.fetch_whole_sms {
             self.fetch_whole_sms = on;
@@ -212,6 +214,7 @@ impl GpuModel {
 
     /// Injects a delay of `us` µs (a spin kernel) before every fetch on its
     /// stream: the prefetch stress check. 0 = off.
+    /// A change drops the built step (the next decode call passes tokens).
     pub fn set_copy_delay_us(&mut self, us: u32) {
         if us != self.copy_delay_us {
             self.copy_delay_us = us;

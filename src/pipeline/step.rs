@@ -24,7 +24,7 @@ pub(crate) struct StepKey {
     pub(crate) cap: usize,
     /// Rows of the RoPE tables (their buffers move when they grow).
     pub(crate) rope_rows: usize,
-    /// Offloaded KV (eager step with slot pools and fetches).
+    /// Offloaded KV (a step with slot pools and fetches).
     pub(crate) offload: bool,
 }
 
@@ -43,12 +43,15 @@ pub(crate) struct DecodeStep {
     /// device by the step's last kernel (`argmax_advance`).
     pub(crate) io: CudaSlice<u32>,
     pub(crate) ws: Workspace,
-    pub(crate) graph: Option<CudaGraph>,
-    /// The last step replayed `graph` (an offloaded step that writes back
-    /// a block runs eagerly beside a captured graph).
+    /// The captured step: [0] without a write-back, [1] with the
+    /// write-back of completed blocks (offloaded steps where a row's
+    /// length reaches a multiple of the block size; GPU-resident steps use
+    /// [0] only).
+    pub(crate) graphs: [Option<CudaGraph>; 2],
+    /// The last step replayed one of `graphs`.
     pub(crate) replayed: bool,
-    /// Capture failed once: stay eager for this build.
-    pub(crate) capture_failed: bool,
+    /// Capture of that variant failed once: it stays eager for this build.
+    pub(crate) capture_failed: [bool; 2],
     /// The sequence lengths the device inputs describe (the next step's positions).
     pub(crate) dev_lens: Vec<usize>,
     /// Steps run since the build.
@@ -66,9 +69,8 @@ impl GpuModel {
     /// schedule of [`super::schedule`] — replayed as a CUDA graph
     /// ([`DecodeMode::Graph`]) or launched eagerly (tracing, the host
     /// selection path, [`DecodeMode::Eager`]; offloaded KV when the copy
-    /// engines take part in the fetch, fetch timing is on, or the step
-    /// writes a completed block back). Dense and sparse rows mix freely in
-    /// one step.
+    /// engines take part in the fetch or fetch timing is on). Dense and
+    /// sparse rows mix freely in one step.
     ///
     /// Errors: B = 0, `tokens.len() != seqs.len()`, a token id ≥ V, a length
     /// past `max_position_embeddings`; [`Error::Cuda`] on a device failure.
@@ -154,7 +156,9 @@ impl GpuModel {
     /// Runs one device-resident decode step (see the module doc): grows
     /// caches, (re)builds the step when its key changed, uploads the step
     /// inputs (when `tokens` is given), then replays the graph (capturing it
-    /// on the second step of a build) or launches the kernels eagerly.
+    /// on the second step of a build, or the first later step that needs
+    /// it: an offloaded step with a write-back has its own) or launches the
+    /// kernels eagerly.
     pub(crate) fn run_step(
         &mut self,
         seqs: &mut [GpuSequence],
@@ -223,52 +227,67 @@ impl GpuModel {
                 off.completes =
                     crate::kv::write_back::step_completes_block(seqs, self.plan.budget.block_size);
             }
-            // An offloaded step replays its graph unless it must run
-            // eagerly: a fetch the host takes part in, fetch timing, or a
-            // block write-back (crate::kv::offload::offloaded_step_graphable).
+            // An offloaded step replays a graph when its fetch runs on the
+            // device alone and fetch timing is off
+            // (crate::kv::offload::offloaded_step_graphable); one that writes
+            // a completed block back replays a second graph that holds the
+            // write-back (kv_store_blocks picks the rows that completed one).
+            st.replayed = false;
             let graph_now = self.decode_mode == DecodeMode::Graph
                 && !st.key.host_selection
                 && !self.trace_on()
                 && !self.cta_log_on()
-                && st.off.as_ref().is_none_or(|o| {
-                    crate::kv::offload::offloaded_step_graphable(
+                && (st.off.is_none()
+                    || crate::kv::offload::offloaded_step_graphable(
                         self.fetch_engine(n),
                         self.fetch_timing,
-                        o.completes,
-                    )
-                });
+                    ));
+            let variant = usize::from(st.off.as_ref().is_some_and(|o| o.completes));
+            // the GEMMs of an offloaded prefetch step are sized for the SMs
+            // the copy kernel leaves (captured so, or set around the launches)
+            let sms = st.off.as_ref().and(self.gemm_sm_target(n));
             if graph_now {
                 // the write-back of an earlier eager step: waited for outside
-                // the graph, which holds no such wait
+                // the graphs, which hold only their own
                 self.offload_wait_write_back(&mut st)?;
             }
-            let capture = graph_now && st.graph.is_none() && !st.capture_failed && st.steps >= 1;
+            let capture = graph_now
+                && st.graphs[variant].is_none()
+                && !st.capture_failed[variant]
+                && st.steps >= 1;
             if capture {
-                // the GEMMs are captured as sized for the SMs the copy kernel leaves
-                let sms = self.gemm_sm_target(n);
                 if let Some(sms) = sms {
                     gpu.set_gemm_sm_target(sms)?;
                 }
-                let captured = gpu.capture(|| self.enqueue_step(&mut st, seqs));
+                let captured = gpu.capture(|| {
+                    self.enqueue_step(&mut st, seqs)?;
+                    // the write-back stream rejoins the capture: the graph
+                    // ends when the step's write-back has (as an eager
+                    // step's successor waits for it before it starts)
+                    self.offload_wait_write_back(&mut st)
+                });
                 if sms.is_some() {
                     gpu.set_gemm_sm_target(0)?;
                 }
                 match captured {
-                    Ok(g) => st.graph = Some(g),
+                    Ok(g) => st.graphs[variant] = Some(g),
                     Err(e) => {
                         tracing::warn!(
                             "decode step: CUDA graph capture failed ({e}); running eagerly"
                         );
-                        st.capture_failed = true;
+                        st.capture_failed[variant] = true;
                     }
                 }
             }
-            st.replayed = graph_now && st.graph.is_some();
-            match st.graph.as_ref().filter(|_| graph_now) {
-                Some(g) => g.launch().cuda("cuGraphLaunch (decode step)"),
-                None => match self.gemm_sm_target(n) {
-                    // eager (an offloaded step that must: see graph_now): the target applies
-                    // to the GEMMs this step launches, and is undone after
+            match st.graphs[variant].as_ref().filter(|_| graph_now) {
+                Some(g) => {
+                    g.launch().cuda("cuGraphLaunch (decode step)")?;
+                    st.replayed = true;
+                    Ok(())
+                }
+                None => match sms {
+                    // eager: the target applies to the GEMMs this step
+                    // launches, and is undone after
                     Some(sms) => {
                         gpu.set_gemm_sm_target(sms)?;
                         let r = self.enqueue_step(&mut st, seqs);
@@ -397,9 +416,9 @@ impl GpuModel {
             sel,
             io,
             ws,
-            graph: None,
+            graphs: [None, None],
             replayed: false,
-            capture_failed: false,
+            capture_failed: [false; 2],
             dev_lens: Vec::new(),
             steps: 0,
             off,
