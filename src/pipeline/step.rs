@@ -276,6 +276,12 @@ impl GpuModel {
                             "decode step: CUDA graph capture failed ({e}); running eagerly"
                         );
                         st.capture_failed[variant] = true;
+                        // a write-back recorded in the failed capture never
+                        // ran (the eager step below enqueues its own), and
+                        // its event may not be waited for outside a capture
+                        if let Some(o) = st.off.as_mut() {
+                            o.wb_done = None;
+                        }
                     }
                 }
             }
