@@ -37,6 +37,8 @@
 #   scripts/device/offload.sh eb OUT       all modes under the equivalent-batch protocol
 #   scripts/device/offload.sh dmaprefetch OUT  copy engines vs SM kernel vs a split of both with prefetch
 #   scripts/device/offload.sh b1 OUT       GPU-resident B=1 L=4K step vs the split-K cap (SPARDA_ATTN_MAX_SPLITS)
+#   scripts/device/offload.sh graphs OUT   offloaded steps as CUDA graphs: the identity checks of `check` and
+#                                          `batch`, then (only if all passed) `bound` over CONTEXTS
 #   scripts/device/offload.sh longctas OUT forecast + prefetch at 127K B16 with the copy kernel on 8/16/24
 #                                          whole SMs (does the 32K/64K fetch table hold at 127K?)
 #   scripts/device/offload.sh ctas OUT     SM fetch kernel under prefetch: 16 vs 8 persistent CTAs vs 264
@@ -230,17 +232,33 @@ dmaprefetch)
     --profile-reps 0 --tokenizer "$tok" --json "$out/bench_dma_prefetch.json" 2>&1 | tail -12 || true
   ;;
 b1)
-  # GPU-resident decode: the B=1 4K dense step (5.19 ms vs the 5.0 ms target) against the split-K cap
-  # (64 one-tile splits by default at 4K) and the fused combine
+  # GPU-resident decode: the B=1 4K dense step against the split-K cap (64 one-tile
+  # splits by default at 4K: 512 CTAs, more than one wave at 3 per SM) and the fused
+  # combine (about 150 s)
   b1run() {  # name, then env assignments
     local name=$1; shift
     env "$@" $bin bench --model synth:nosa-8b --attention dense,sparse --batch 1 --context 4K --steps 64 \
       --tokenizer "$tok" --json "$out/bench_b1_$name.json" 2>&1 | tail -3 || true
   }
   b1run default
+  b1run fused SPARDA_FUSED_COMBINE=1
+  b1run splits32 SPARDA_ATTN_MAX_SPLITS=32
   b1run splits16 SPARDA_ATTN_MAX_SPLITS=16
-  b1run splits8 SPARDA_ATTN_MAX_SPLITS=8
   b1run splits16_fused SPARDA_ATTN_MAX_SPLITS=16 SPARDA_FUSED_COMBINE=1
+  ;;
+graphs)
+  # offloaded steps as CUDA graphs: identity first (tiny sm/dma/split, layer 0
+  # offloaded, a batch of 8 different lengths (write-backs at different steps,
+  # the write-back graph), forecast prefetch on/off/delayed, a forecast batch
+  # of 4); the bound cells only when every check passed. CONTEXTS as `bound`
+  # (default the cells not yet measured with graphs); about 40 s + 2 min per context
+  "$0" check "$out" > "$out/graphs_identity.log" 2>&1 || true
+  "$0" batch "$out" >> "$out/graphs_identity.log" 2>&1 || true
+  grep -E "IDENTICAL|DIFFERENT|no decode step replayed|passed|failed|steps from a CUDA graph" "$out/graphs_identity.log" | cut -c1-220
+  if grep -qE "DIFFERENT|no decode step replayed|check failed|FAILED" "$out/graphs_identity.log"; then
+    echo "graphs: an identity check failed; no timing"; exit 0
+  fi
+  CONTEXTS=${CONTEXTS:-32K:32 64K:8,16} "$0" bound "$out"
   ;;
 longctas)
   # Whether the fetch table, swept at 32K and 64K, holds at 127K: forecast +
