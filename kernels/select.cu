@@ -171,43 +171,6 @@ extern "C" __global__ void qa_q_f32(const bf16_t* __restrict__ q, int q_stride, 
     }
 }
 
-// qa_split_bf16x3: the inputs of the bf16 tensor-core window logits (SPARDA_QA_LOGITS=bf16x3):
-// q3[(b*H + h)*3D + j*D + k] = q[b*q_stride + h*D + k] for j = 0, 1, 2 (the query three times),
-// rows b < n; kc3[r*3D + j*D + k] = part j of kc[r*D + k] for rows r < nkc (r = w*hkv + h): hi, mid
-// and lo, bf16 values whose sum is the f32 value exactly for |x| >= 2^-101 and 0 (each part the
-// rounding of what the earlier parts leave; 3 × 8 significant bits), so that one GEMM over
-// K = 3D with f32 accumulation sums exact products. Any 1-D grid (grid-stride loop over both).
-extern "C" __global__ void qa_split_bf16x3(const bf16_t* __restrict__ q, int q_stride, bf16_t* __restrict__ q3,
-                                           int n, int H, int D, const float* __restrict__ kc,
-                                           bf16_t* __restrict__ kc3, int nkc) {
-    const long long nq = (long long)n * H * D, nk = (long long)nkc * D;
-    const long long HD = (long long)H * D;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < nq + nk;
-         i += (long long)gridDim.x * blockDim.x) {
-        if (i < nq) {
-            const long long b = i / HD, r = i - b * HD;
-            const long long h = r / D, k = r - h * D;
-            const bf16_t v = q[b * q_stride + r];
-            const long long base = (b * H + h) * 3 * D + k;
-            q3[base] = v;
-            q3[base + D] = v;
-            q3[base + 2 * D] = v;
-        } else {
-            const long long j = i - nq;
-            const long long row = j / D, k = j - row * D;
-            const float x = kc[j];
-            const bf16_t hi = f2bf(x);
-            const float r1 = x - bf2f(hi);
-            const bf16_t mid = f2bf(r1);
-            const bf16_t lo = f2bf(r1 - bf2f(mid));
-            const long long base = row * 3 * D + k;
-            kc3[base] = hi;
-            kc3[base + D] = mid;
-            kc3[base + 2 * D] = lo;
-        }
-    }
-}
-
 // qa_tile_stats: stats[((b*hkv + h)*G + g)*ntiles + tile] = (max, sum exp(logit - max)) over
 // the windows w < Mc of the tile, from logits laid out as qa_window_logits writes them.
 // Grid (tiles, hkv, B), a multiple of 32 threads (128 used); no shared memory.

@@ -20,10 +20,6 @@
 #                                                token's position exceed max_position_embeddings)
 #   scripts/device/prefill.sh long-dense   OUT   the same, dense prefill
 #   scripts/device/prefill.sh baseline     OUT   transformers SDPA prefill at 4K … 128K
-#   scripts/device/prefill.sh qalogits     OUT   the window logits of sparse prefill through bf16 tensor cores
-#                                                (SPARDA_QA_LOGITS=bf16x3): gpu-check's kernel cases and
-#                                                gpu-check-e2e's tiny cases with it, then sparse prefill at
-#                                                32K and 127K, B = 1, KV on GPU, f32 vs bf16x3
 #   scripts/device/prefill.sh chunks       OUT   32K and 128K (as 127K), B = 1, KV on GPU, dense and sparse
 #                                                prefill with SPARDA_PREFILL_CHUNK 512 (the default),
 #                                                1024 and 2048 (CHUNKS to choose): one process each
@@ -32,7 +28,7 @@
 # Env: SPARDA (default .device/bin/sparda), SPARDA_COMMIT, BATCH (default 1,4),
 #      PREFILL_ATTENTION (extra `--prefill-attention` value when the binary has it).
 set -uo pipefail
-phase=${1:?phase: check|perf|short-sparse|short-dense|long-sparse|long-dense|baseline|chunks|qalogits}; out=${2:?out dir}; mkdir -p "$out"
+phase=${1:?phase: check|perf|short-sparse|short-dense|long-sparse|long-dense|baseline|chunks}; out=${2:?out dir}; mkdir -p "$out"
 SPARDA=${SPARDA:-.device/bin/sparda}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 tok=${TOKENIZER:-.device/bin/tokenizer.json}
@@ -62,16 +58,6 @@ short-sparse) bench short 4K,16K,32K sparse ;;
 short-dense) bench short 4K,16K,32K dense ;;
 long-sparse) bench long 64K,128K sparse ;;
 long-dense) bench long 64K,128K dense ;;
-qalogits)
-  SPARDA_QA_LOGITS=bf16x3 SPARDA_CHECK_ONLY=kernels "$SPARDA" gpu-check --json "$out/gpu_check_kernels_bf16x3.json" \
-    2>&1 | grep -E "FAIL|error:|cases|passed, max" | tail -20
-  SPARDA_QA_LOGITS=bf16x3 "$SPARDA" gpu-check-e2e --json "$out/gpu_check_e2e_bf16x3.json" --steps 48 2>&1 | tail -10
-  for m in f32 bf16x3; do
-    SPARDA_QA_LOGITS=$m "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" --steps 0 \
-      --attention sparse --kv gpu --batch 1 --context "${CONTEXT:-32K,128K}" "${extra[@]}" --prefill sparse \
-      --json "$out/prefill_qa_logits_$m.json" 2>&1 | grep -E "prefill|tokens/s" | tail -4
-  done
-  ;;
 chunks)
   for c in ${CHUNKS:-512 1024 2048}; do
     for m in dense sparse; do

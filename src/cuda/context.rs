@@ -146,7 +146,6 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         functions: &[
             "qa_window_logits",
             "qa_q_f32",
-            "qa_split_bf16x3",
             "qa_tile_stats",
             "qa_window_scores",
             "select_blocks",

@@ -191,8 +191,6 @@ impl GpuModel {
             .max(1);
             c.num_attention_heads * nsplit * (c.head_dim + 2) * 4
         };
-        // bytes per chunk whatever its rows
-        let mut fixed = 0;
         if sparse && self.selection == SelectionPath::Gpu {
             // Query-aware logits, tile statistics and window scores.
             let w_stride = self
@@ -203,20 +201,12 @@ impl GpuModel {
                 .div_ceil(crate::cuda::ops::select::QA_TILE)
                 * crate::cuda::ops::select::QA_TILE;
             let tiles = w_stride / crate::cuda::ops::select::QA_TILE;
-            // (+ the queries widened for the cuBLAS logits; with
-            // SPARDA_QA_LOGITS=bf16x3 three bf16 copies of them per row,
-            // and Kc's three bf16 parts once per chunk)
+            // (+ the queries widened for the cuBLAS logits)
             per_row += (c.num_attention_heads * (w_stride + 2 * tiles + c.head_dim)
                 + c.num_key_value_heads * w_stride)
                 * 4;
-            if crate::cuda::ops::select::QaLogits::current()
-                == crate::cuda::ops::select::QaLogits::Bf16x3
-            {
-                per_row += c.num_attention_heads * c.head_dim * 2;
-                fixed += c.num_key_value_heads * w_stride * 3 * c.head_dim * 2 + 256;
-            }
         }
-        (PARTIALS_BUDGET_BYTES.saturating_sub(fixed) / per_row.max(1)).clamp(1, prefill_chunk())
+        (PARTIALS_BUDGET_BYTES / per_row.max(1)).clamp(1, prefill_chunk())
     }
 
     /// Fills the empty sequence `seq` with `len` tokens of synthetic state
@@ -526,7 +516,7 @@ impl GpuModel {
                         .cuda("allocating the window-score workspace")?;
                 }
                 let scratch =
-                    crate::cuda::ops::select::shared_kc_scratch_f32(n, hq, hk, dh, w_stride);
+                    crate::cuda::ops::select::shared_kc_scratch_f32(n, hq, dh);
                 if shared_kc_rows && ws.qa_qf.len() < scratch {
                     ws.qa_qf = unsafe { s.alloc(scratch) }
                         .cuda("allocating the window-score workspace")?;

@@ -770,10 +770,10 @@ pub fn window_scores_shared_kc(
         .map(|&l| i32_dim(l, "length"))
         .collect::<Result<Vec<_>>>()?;
     let lens_dev = gpu.upload(&lens_i32)?;
-    // SAFETY: written by qa_q_f32 (or qa_split_bf16x3) before the GEMMs read it.
+    // SAFETY: written by qa_q_f32 before the GEMMs read it.
     let mut qf = unsafe {
         gpu.stream()
-            .alloc::<f32>(shared_kc_scratch_f32(n, heads, hk, d, ws.w_stride))
+            .alloc::<f32>(shared_kc_scratch_f32(n, heads, d))
     }
     .cuda(OP)?;
     let dims = ScoreDims {
@@ -940,79 +940,11 @@ pub(crate) fn launch_window_scores(gpu: &Gpu, d: &ScoreDims) -> Result<()> {
 /// for many rows where the kernel reads it once per row.
 pub const QA_GEMM_MIN_ROWS: usize = 16;
 
-/// How the prefill chunks' window logits are computed
-/// (`qa_logits_shared_kc`; `$SPARDA_QA_LOGITS`, read once).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum QaLogits {
-    /// One f32 SGEMM per KV head (the default): `f32`.
-    F32,
-    /// One bf16 tensor-core GEMM per KV head over K = 3D: the query three
-    /// times against Kc split into three bf16 parts whose sum is Kc exactly
-    /// (for |Kc| ≥ 2⁻¹⁰¹ and 0), so every product is exact and the sums are
-    /// the tensor cores' f32 accumulation (not guaranteed to round as an
-    /// f32 FMA chain does): `bf16x3`. On the H200 (b4c5685, 2026-12-01) it
-    /// passed gpu-check and the e2e cases and was 3.6 % (32K) and 5.6 %
-    /// (127K) slower in NOSA-8B sparse prefill than `f32`
-    /// (benches/results/prefill_qa_logits_bf16x3_vs_f32_nosa8b_b1_h200_2026-12-01_b4c5685/),
-    /// so it stays opt-in.
-    Bf16x3,
-}
-
-/// The environment variable choosing [`QaLogits`].
-pub const ENV_QA_LOGITS: &str = "SPARDA_QA_LOGITS";
-
-impl QaLogits {
-    /// Reads a [`ENV_QA_LOGITS`] value: `f32` or `bf16x3`.
-    ///
-    /// Errors: [`Error::Input`] naming the variable, the value and the choices.
-    pub fn parse(v: &str) -> Result<QaLogits> {
-        match v.trim() {
-            "f32" => Ok(QaLogits::F32),
-            "bf16x3" => Ok(QaLogits::Bf16x3),
-            _ => Err(Error::Input(format!(
-                "{ENV_QA_LOGITS}={v}: give f32 (the default) or bf16x3"
-            ))),
-        }
-    }
-
-    /// The mode in force: [`ENV_QA_LOGITS`], else [`QaLogits::F32`]; a bad
-    /// value is refused with a one-line warning.
-    pub fn current() -> QaLogits {
-        static MODE: std::sync::OnceLock<QaLogits> = std::sync::OnceLock::new();
-        *MODE.get_or_init(|| match std::env::var(ENV_QA_LOGITS) {
-            Err(_) => QaLogits::F32,
-            Ok(v) => QaLogits::parse(&v).unwrap_or_else(|e| {
-                eprintln!("warning: {e}; using f32");
-                QaLogits::F32
-            }),
-        })
-    }
-}
-
 /// f32 elements of the scratch `qa_logits_shared_kc` needs for `rows`
-/// rows of `heads` query heads, `kv_heads` KV heads, head dim `head_dim`
-/// and up to `w_stride` windows, in the mode in force ([`QaLogits`]): the
-/// widened queries (f32 [rows, H, D]), or the bf16 queries [rows, H, 3D]
-/// and Kc parts [w_stride, Hkv, 3D] (each start 256-byte aligned).
-pub fn shared_kc_scratch_f32(
-    rows: usize,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    w_stride: usize,
-) -> usize {
-    match QaLogits::current() {
-        QaLogits::F32 => rows * heads * head_dim,
-        QaLogits::Bf16x3 => (bf16x3_kc_offset(rows, heads, head_dim)
-            + w_stride * kv_heads * 3 * head_dim * 2)
-            .div_ceil(4),
-    }
-}
-
-/// Byte offset of the Kc parts in [`QaLogits::Bf16x3`]'s scratch: after the
-/// bf16 queries [rows, H, 3D], rounded up to 256 bytes.
-fn bf16x3_kc_offset(rows: usize, heads: usize, head_dim: usize) -> usize {
-    (rows * heads * 3 * head_dim * 2).div_ceil(256) * 256
+/// rows of `heads` query heads and head dim `head_dim`: the widened
+/// queries, f32 [rows, H, D].
+pub fn shared_kc_scratch_f32(rows: usize, heads: usize, head_dim: usize) -> usize {
+    rows * heads * head_dim
 }
 
 /// Step 1a for `d.rows` rows that all read one Kc (the rows of a prefill
@@ -1020,16 +952,17 @@ fn bf16x3_kc_offset(rows: usize, heads: usize, head_dim: usize) -> usize {
 /// windows w < `mc` (the most any row has; a row's entries past its own Mc
 /// are computed but never read), as one GEMM per KV head over its G query
 /// heads (cuBLAS, strided batched), then the tile statistics
-/// (`qa_tile_stats`). [`QaLogits::F32`]: an f32 SGEMM on the widened
-/// queries, no TF32; [`QaLogits::Bf16x3`]: a bf16 GEMM with f32
-/// accumulation over the query three times and Kc's three bf16 parts
-/// (`qa_split_bf16x3`). Same values as `qa_window_logits` up to the
-/// summation order of the dot products.
+/// (`qa_tile_stats`): an f32 SGEMM on the widened queries, no TF32. Same
+/// values as `qa_window_logits` up to the summation order of the dot
+/// products. (A bf16 tensor-core GEMM over the query three times against
+/// Kc split into three exact bf16 parts passed the same checks and was
+/// 3.6–5.6 % slower in NOSA-8B sparse prefill on the H200:
+/// benches/results/prefill_qa_logits_bf16x3_vs_f32_nosa8b_b1_h200_2026-12-01_b4c5685/.)
 ///
 /// - `q`: bf16 queries, row b's H·D values at b·`q_stride`;
 /// - `kc`: f32 [≥ mc, Hkv, `head_dim`] compressed keys of the sequence;
-/// - `qf`: scratch of [`shared_kc_scratch_f32`] f32 elements (for rows,
-///   H, Hkv, D and a window stride ≥ `mc`).
+/// - `qf`: scratch of [`shared_kc_scratch_f32`] f32 elements (for the
+///   rows, H and D).
 ///
 /// Errors: [`Error::Input`] when a dimension exceeds i32; [`Error::Cuda`] on
 /// a launch or cuBLAS failure.
@@ -1047,110 +980,11 @@ pub(crate) fn qa_logits_shared_kc(
     if mc == 0 || d.rows == 0 {
         return Ok(());
     }
-    match QaLogits::current() {
-        QaLogits::F32 => qa_logits_f32(gpu, d, q, q_stride, head_dim, kc, mc, qf)?,
-        QaLogits::Bf16x3 => qa_logits_bf16x3(gpu, d, q, q_stride, head_dim, kc, mc, qf)?,
-    }
+    qa_logits_f32(gpu, d, q, q_stride, head_dim, kc, mc, qf)?;
     qa_tile_stats(gpu, d)
 }
 
-/// [`QaLogits::Bf16x3`]'s logits ([`qa_logits_shared_kc`]'s arguments).
-#[allow(clippy::too_many_arguments)]
-fn qa_logits_bf16x3(
-    gpu: &Gpu,
-    d: &ScoreDims,
-    q: u64,
-    q_stride: usize,
-    head_dim: usize,
-    kc: u64,
-    mc: usize,
-    scratch: u64,
-) -> Result<()> {
-    use cudarc::cublas::sys::{
-        cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
-    };
-    let (hq, hk, dh) = (d.heads, d.kv_heads, head_dim);
-    let g = hq / hk.max(1);
-    let q3 = scratch;
-    let kc3 = scratch + bf16x3_kc_offset(d.rows, hq, dh) as u64;
-    let f0 = gpu.function("qa_split_bf16x3")?;
-    let total = d.rows * hq * dh + mc * hk * dh;
-    let cfg0 = LaunchConfig {
-        grid_dim: (grid(total.div_ceil(256).min(8192), "blocks")?, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let (qs, n_, h_, d_, nkc) = (
-        i32_dim(q_stride, "q_stride")?,
-        i32_dim(d.rows, "rows")?,
-        i32_dim(hq, "H")?,
-        i32_dim(dh, "D")?,
-        i32_dim(mc * hk, "windows·Hkv")?,
-    );
-    let mut l0 = gpu.stream().launch_builder(f0);
-    l0.arg(&q)
-        .arg(&qs)
-        .arg(&q3)
-        .arg(&n_)
-        .arg(&h_)
-        .arg(&d_)
-        .arg(&kc)
-        .arg(&kc3)
-        .arg(&nkc);
-    // SAFETY: argument list matches qa_split_bf16x3 in kernels/select.cu; q
-    // holds rows rows at q_stride ≥ H·D, kc mc·Hkv·D f32, and the scratch
-    // (shared_kc_scratch_f32) both outputs (the caller's contract).
-    unsafe { l0.launch(cfg0) }.cuda("qa_split_bf16x3")?;
-    let k3 = 3 * dh;
-    let (m_, k_) = (i32_dim(mc, "windows")?, i32_dim(k3, "3D")?);
-    let (lda, ldb, ldc) = (
-        i32_dim(hk * k3, "Hkv·3D")?,
-        i32_dim(hq * k3, "H·3D")?,
-        i32_dim(hq * d.w_stride, "H·w_stride")?,
-    );
-    let (alpha, beta) = (1.0 / (dh as f32).sqrt(), 0.0f32);
-    for h in 0..hk {
-        // As the f32 path, over K = 3D: C[w, b] = Kc3_h[w, :] · q3[b, hG + g, :].
-        // SAFETY: kc3 holds mc windows of Hkv·3D bf16, q3 rows·H·3D bf16 and
-        // the logits rows·H·w_stride f32 (w_stride ≥ mc); alpha and beta are
-        // host f32 (compute type 32F) in the default pointer mode; the handle
-        // is bound to the GPU's stream.
-        unsafe {
-            cudarc::cublas::result::gemm_strided_batched_ex(
-                *gpu.blas().handle(),
-                cublasOperation_t::CUBLAS_OP_T,
-                cublasOperation_t::CUBLAS_OP_N,
-                m_,
-                n_,
-                k_,
-                (&alpha as *const f32).cast(),
-                (kc3 + (h * k3 * 2) as u64) as *const std::ffi::c_void,
-                cudaDataType::CUDA_R_16BF,
-                lda,
-                0,
-                (q3 + (h * g * k3 * 2) as u64) as *const std::ffi::c_void,
-                cudaDataType::CUDA_R_16BF,
-                ldb,
-                k3 as i64,
-                (&beta as *const f32).cast(),
-                (d.logits + (h * g * d.w_stride * 4) as u64) as *mut std::ffi::c_void,
-                cudaDataType::CUDA_R_32F,
-                ldc,
-                d.w_stride as i64,
-                i32_dim(g, "G")?,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .cuda(&format!(
-            "cublasGemmStridedBatchedEx bf16x3 window logits [{mc} windows, {} rows, 3D {k3}] KV head {h}",
-            d.rows
-        ))?;
-    }
-    Ok(())
-}
-
-/// [`QaLogits::F32`]'s logits ([`qa_logits_shared_kc`]'s arguments).
+/// The SGEMMs of [`qa_logits_shared_kc`] (its arguments).
 #[allow(clippy::too_many_arguments)]
 fn qa_logits_f32(
     gpu: &Gpu,
@@ -1446,47 +1280,4 @@ pub fn select_decode<Q: DevicePtr<Bf16>>(
         gpu, batch, budget, rule, &ws.scores, w_stride, &mut sel, &mut nsel, s_max, None, err,
     )?;
     BlockSelection::from_device(sel, nsel, b, hk, s_max)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use half::bf16;
-    use rand::{Rng, SeedableRng};
-
-    #[test]
-    fn qa_logits_modes_parse_and_are_refused_by_name() {
-        assert_eq!(QaLogits::parse("f32").unwrap(), QaLogits::F32);
-        assert_eq!(QaLogits::parse(" bf16x3 ").unwrap(), QaLogits::Bf16x3);
-        let e = QaLogits::parse("tf32").unwrap_err().to_string();
-        assert!(
-            e.contains("SPARDA_QA_LOGITS=tf32") && e.contains("bf16x3"),
-            "{e}"
-        );
-    }
-
-    #[test]
-    fn three_bf16_parts_sum_to_the_f32_value_exactly() {
-        // what qa_split_bf16x3 computes (f2bf is round-to-nearest-even, as
-        // half's from_f32): hi + mid + lo == x for |x| ≥ 2⁻¹⁰¹ and 0
-        let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
-        for i in 0..200_000 {
-            let x: f32 = match i % 3 {
-                0 => rng.random_range(-4.0f32..4.0),
-                1 => rng.random_range(-1e-3f32..1e-3),
-                // any sign and exponent down to 2⁻¹⁰¹; below it the last part
-                // falls into bf16's subnormals (no compressed key is that small)
-                _ => {
-                    f32::from_bits(rng.random_range(0x0d00_0000u32..0x4f00_0000))
-                        * if rng.random::<bool>() { 1.0 } else { -1.0 }
-                }
-            };
-            let hi = bf16::from_f32(x);
-            let r1 = x - hi.to_f32();
-            let mid = bf16::from_f32(r1);
-            let lo = bf16::from_f32(r1 - mid.to_f32());
-            let sum = hi.to_f64() + mid.to_f64() + lo.to_f64();
-            assert_eq!(sum, x as f64, "x = {x:e}: {hi} + {mid} + {lo}");
-        }
-    }
 }
