@@ -212,6 +212,7 @@ impl GpuModel {
         }
         let gpu = self.gpu.clone();
         let mut st = self.step.take().expect("built above");
+        st.replayed = false;
         let r = (|| -> Result<()> {
             if let Some(toks) = tokens {
                 let mut io = Vec::with_capacity(4 * n);
@@ -232,7 +233,6 @@ impl GpuModel {
             // (crate::kv::offload::offloaded_step_graphable); one that writes
             // a completed block back replays a second graph that holds the
             // write-back (kv_store_blocks picks the rows that completed one).
-            st.replayed = false;
             let graph_now = self.decode_mode == DecodeMode::Graph
                 && !st.key.host_selection
                 && !self.trace_on()
@@ -260,15 +260,16 @@ impl GpuModel {
                     gpu.set_gemm_sm_target(sms)?;
                 }
                 let captured = gpu.capture(|| {
-                    self.enqueue_step(&mut st, seqs)?;
-                    // the write-back stream rejoins the capture: the graph
-                    // ends when the step's write-back has (as an eager
-                    // step's successor waits for it before it starts)
-                    self.offload_wait_write_back(&mut st)
+                    let r = self.enqueue_step(&mut st, seqs);
+                    // the write-back stream rejoins the capture (also after
+                    // an error): the graph ends when the step's write-back
+                    // has, as an eager step's successor waits for it first
+                    let joined = self.offload_wait_write_back(&mut st);
+                    r.and(joined)
                 });
-                if sms.is_some() {
-                    gpu.set_gemm_sm_target(0)?;
-                }
+                // reset before the outcome is handled (an error here is
+                // reported after it)
+                let reset = if sms.is_some() { gpu.set_gemm_sm_target(0) } else { Ok(()) };
                 match captured {
                     Ok(g) => st.graphs[variant] = Some(g),
                     Err(e) => {
@@ -284,6 +285,7 @@ impl GpuModel {
                         }
                     }
                 }
+                reset?;
             }
             match st.graphs[variant].as_ref().filter(|_| graph_now) {
                 Some(g) => {
