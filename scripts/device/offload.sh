@@ -251,11 +251,11 @@ graphs)
   # offloaded, a batch of 8 different lengths (write-backs at different steps,
   # the write-back graph), forecast prefetch on/off/delayed, a forecast batch
   # of 4); the bound cells only when every check passed. CONTEXTS as `bound`
-  # (default the cells not yet measured with graphs); about 40 s + 2 min per context
+  # (default the cells not yet measured with graphs); about 140 s of checks, then about 2 min per batch size
   "$0" check "$out" > "$out/graphs_identity.log" 2>&1 || true
   "$0" batch "$out" >> "$out/graphs_identity.log" 2>&1 || true
   grep -E "IDENTICAL|DIFFERENT|no decode step replayed|passed|failed|steps from a CUDA graph" "$out/graphs_identity.log" | cut -c1-220
-  if grep -qE "DIFFERENT|no decode step replayed|check failed|FAILED" "$out/graphs_identity.log"; then
+  if grep -qE "DIFFERENT|no decode step replayed|FAILED" "$out/graphs_identity.log"; then
     echo "graphs: an identity check failed; no timing"; exit 0
   fi
   CONTEXTS=${CONTEXTS:-32K:32 64K:8,16} "$0" bound "$out"

@@ -598,11 +598,17 @@ mod tests {
         let g = DecodeMode::Graph;
         assert!(graph_expected(g, Some("sm:16"), 2048));
         assert!(graph_expected(g, Some("sm:8+whole"), 3));
-        assert!(!graph_expected(g, Some("sm:8"), 2), "a build's first step is eager");
+        assert!(
+            !graph_expected(g, Some("sm:8"), 2),
+            "a build's first step is eager"
+        );
         assert!(!graph_expected(g, Some("dma"), 2048));
         assert!(!graph_expected(g, Some("split:8:50"), 2048));
         assert!(!graph_expected(g, Some("split:8:50+whole"), 2048));
-        assert!(!graph_expected(g, None, 2048), "GPU-resident runs are not checked here");
+        assert!(
+            !graph_expected(g, None, 2048),
+            "GPU-resident runs are not checked here"
+        );
         assert!(!graph_expected(DecodeMode::Eager, Some("sm:16"), 2048));
     }
 }

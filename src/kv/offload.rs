@@ -715,10 +715,16 @@ mod tests {
     pub(crate) fn only_steps_whose_fetch_the_device_runs_alone_replay_a_graph() {
         for ctas in [1, 8, 1024] {
             assert!(offloaded_step_graphable(FetchEngine::Sm { ctas }, false));
-            assert!(!offloaded_step_graphable(FetchEngine::Sm { ctas }, true), "fetch timing");
+            assert!(
+                !offloaded_step_graphable(FetchEngine::Sm { ctas }, true),
+                "fetch timing"
+            );
         }
         assert!(!offloaded_step_graphable(FetchEngine::Dma, false));
-        let split = FetchEngine::Split { ctas: 8, ce_pct: 50 };
+        let split = FetchEngine::Split {
+            ctas: 8,
+            ce_pct: 50,
+        };
         assert!(!offloaded_step_graphable(split, false));
     }
 

@@ -515,8 +515,7 @@ impl GpuModel {
                     ws.qa_scores = unsafe { s.alloc(n * hk * w_stride) }
                         .cuda("allocating the window-score workspace")?;
                 }
-                let scratch =
-                    crate::cuda::ops::select::shared_kc_scratch_f32(n, hq, dh);
+                let scratch = crate::cuda::ops::select::shared_kc_scratch_f32(n, hq, dh);
                 if shared_kc_rows && ws.qa_qf.len() < scratch {
                     ws.qa_qf = unsafe { s.alloc(scratch) }
                         .cuda("allocating the window-score workspace")?;

@@ -269,7 +269,11 @@ impl GpuModel {
                 });
                 // reset before the outcome is handled (an error here is
                 // reported after it)
-                let reset = if sms.is_some() { gpu.set_gemm_sm_target(0) } else { Ok(()) };
+                let reset = if sms.is_some() {
+                    gpu.set_gemm_sm_target(0)
+                } else {
+                    Ok(())
+                };
                 match captured {
                     Ok(g) => st.graphs[variant] = Some(g),
                     Err(e) => {

@@ -980,22 +980,6 @@ pub(crate) fn qa_logits_shared_kc(
     if mc == 0 || d.rows == 0 {
         return Ok(());
     }
-    qa_logits_f32(gpu, d, q, q_stride, head_dim, kc, mc, qf)?;
-    qa_tile_stats(gpu, d)
-}
-
-/// The SGEMMs of [`qa_logits_shared_kc`] (its arguments).
-#[allow(clippy::too_many_arguments)]
-fn qa_logits_f32(
-    gpu: &Gpu,
-    d: &ScoreDims,
-    q: u64,
-    q_stride: usize,
-    head_dim: usize,
-    kc: u64,
-    mc: usize,
-    qf: u64,
-) -> Result<()> {
     let (hq, hk, dh) = (d.heads, d.kv_heads, head_dim);
     let g = hq / hk.max(1);
     let hd = hq * dh;
@@ -1056,7 +1040,7 @@ fn qa_logits_f32(
             d.rows
         ))?;
     }
-    Ok(())
+    qa_tile_stats(gpu, d)
 }
 
 /// The tile statistics of the logits just written (`qa_tile_stats`).
