@@ -657,6 +657,8 @@ struct OffloadArgs {
     fetch_whole_sms: bool,
     /// Forecast prefetch through the SM copy kernel: size cuBLAS's GEMMs for
     /// the SMs its CTAs leave (cublasSetSmCountTarget), instead of all of them.
+    /// Other GEMM kernels: the logits then differ from GPU-resident decode in
+    /// their last bits (the default keeps them bitwise equal).
     #[arg(long)]
     reserve_fetch_sms: bool,
 }
@@ -748,7 +750,7 @@ struct TuneCtasArgs {
     #[arg(long)]
     no_split: bool,
     /// CTA counts of the whole-SM configurations `sm-whole:N` (copy CTAs on
-    /// whole SMs, GEMMs sized for the rest), measured in prefetch mode
+    /// whole SMs, GEMMs on every SM), measured in prefetch mode
     /// (default 4,8,16; --quick: 8).
     #[arg(long, value_delimiter = ',', num_args = 1.., allow_negative_numbers = true)]
     whole_ctas: Option<Vec<usize>>,

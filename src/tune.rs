@@ -9,7 +9,7 @@
 //! offloaded once per mode; then, in `repeats` rounds (each round in a
 //! rotated order), each configuration — the SM copy kernel at each CTA
 //! count, the copy engines and, in prefetch mode, the SM kernel on whole
-//! SMs (`sm-whole:N`, GEMMs sized for the rest) — is set, warmed up (the
+//! SMs (`sm-whole:N`; the GEMMs keep every SM) — is set, warmed up (the
 //! step is rebuilt) and timed over `steps` real decode steps (CUDA events
 //! per step). A configuration's figure is the median over rounds of each
 //! round's median step time; its spread is max − min of the round medians.
@@ -525,7 +525,7 @@ fn protocol(spec: &TuneSpec) -> String {
             format!("; splits with {:?} % through the copy engines at each (mode, B)'s fastest SM CTA count (first context), in rounds of their own", spec.split_pcts)
         },
         if spec.configs.iter().any(|c| c.whole_sms()) {
-            "; sm-whole:N (copy CTAs on whole SMs, GEMMs sized for the rest) in prefetch mode only"
+            "; sm-whole:N (copy CTAs on whole SMs, GEMMs on every SM) in prefetch mode only"
         } else {
             ""
         }
@@ -553,7 +553,6 @@ fn measure(
             crate::interrupt::check(|| what(r))?;
             // where the copy CTAs run, then the engine (which rebuilds the step)
             model.set_fetch_whole_sms(configs[i].whole_sms());
-            model.set_reserve_fetch_sms(configs[i].whole_sms());
             model.set_offload(Some(OffloadOptions {
                 fetch: configs[i].engine(),
                 offload_layer0: false,
@@ -566,7 +565,6 @@ fn measure(
         }
     }
     model.set_fetch_whole_sms(false);
-    model.set_reserve_fetch_sms(false);
     Ok(configs.iter().copied().zip(rounds).collect())
 }
 

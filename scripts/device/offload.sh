@@ -57,6 +57,12 @@ check)
     --prompt-tokens 1000 --new-tokens 2048 --fetch sm,dma,split:8:50 --json "$out/offload_tiny.json" 2>&1 | tail -6 || true
   $bin offload-check --model synth:tiny:6 --tokenizer "$tok" --prompt-file "$book" \
     --prompt-tokens 40 --new-tokens 1024 --fetch sm --offload-layer0 --json "$out/offload_tiny_short.json" 2>&1 | tail -4 || true
+  # the fetch table's configuration at B 8 (copy CTAs on whole SMs) under
+  # forecast prefetch on NOSA-8B: GEMMs sized for fewer SMs once broke the
+  # bitwise equality with GPU-resident decode from step 8 (about 45 s)
+  $bin offload-check --model synth:nosa-8b --tokenizer "$tok" --prompt-file "$book" --prompt-tokens 4096 \
+    --batch 8 --new-tokens 40 --forecast synth:1 --prefetch on --fetch auto \
+    --json "$out/offload_nosa8b_b8_table.json" 2>&1 | tail -3 || true
   if [ -d /tmp/smol ]; then
     $bin offload-check --model /tmp/smol --prompt-file "$book" --prompt-tokens 6000 --new-tokens 2048 \
       --selection infllmv2 --budget-blocks 64 --fetch sm,dma,split:8:50 --json "$out/offload_smollm2.json" 2>&1 | tail -6 || true

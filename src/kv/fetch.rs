@@ -117,7 +117,7 @@ impl FetchEngine {
             }),
             // a table's whole-SM configuration is not an engine: the flags that run it
             _ if value.starts_with("sm-whole:") => Err(Error::Input(format!(
-                "--fetch `{value}`: a fetch-table configuration; give `--fetch sm:{} --fetch-whole-sms --reserve-fetch-sms` (the same copies on whole SMs, GEMMs sized for the rest)",
+                "--fetch `{value}`: a fetch-table configuration; give `--fetch sm:{} --fetch-whole-sms` (the same copies on whole SMs)",
                 value.trim_start_matches("sm-whole:")
             ))),
             _ => crate::kv::fetch_table::FetchChoice::parse_label(value)
@@ -512,7 +512,7 @@ mod tests {
         // a table's whole-SM configuration is not an engine: the flags that run it
         let e = FetchEngine::parse("sm-whole:8").unwrap_err().to_string();
         assert!(
-            e.contains("--fetch sm:8 --fetch-whole-sms --reserve-fetch-sms"),
+            e.contains("--fetch sm:8 --fetch-whole-sms`") && !e.contains("reserve-fetch-sms"),
             "{e}"
         );
         let e = FetchEngine::parse("sm-whole:0").unwrap_err().to_string();

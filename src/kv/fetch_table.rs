@@ -64,10 +64,12 @@ pub enum FetchChoice {
         /// CTAs (1 … 1024).
         ctas: usize,
     },
-    /// The SM copy kernel on `ctas` CTAs that each hold a whole SM, with the
-    /// forecast-prefetch step's GEMMs sized for the SMs they leave: what
-    /// `--fetch sm:N --fetch-whole-sms --reserve-fetch-sms` runs
+    /// The SM copy kernel on `ctas` CTAs that each hold a whole SM (the
+    /// GEMMs keep every SM, so that decode stays bitwise equal to
+    /// GPU-resident KV): what `--fetch sm:N --fetch-whole-sms` runs
     /// ([`crate::pipeline::GpuModel::set_fetch_whole_sms`], runtime.md §4).
+    /// Tables swept before 2026-12-02 measured it with the GEMMs sized for
+    /// the SMs left (`--reserve-fetch-sms`), 1.4 % faster at 32K B 8.
     /// Applies while `ctas` is at most half the SMs; above that it runs as
     /// [`FetchChoice::Sm`].
     #[serde(rename = "sm_whole")]
@@ -103,8 +105,8 @@ impl FetchChoice {
         }
     }
 
-    /// Whether the copy kernel's CTAs hold whole SMs (and the prefetch
-    /// step's GEMMs are sized for the rest): [`FetchChoice::SmWhole`].
+    /// Whether the copy kernel's CTAs hold whole SMs:
+    /// [`FetchChoice::SmWhole`].
     pub fn whole_sms(self) -> bool {
         matches!(self, FetchChoice::SmWhole { .. })
     }

@@ -421,11 +421,11 @@ impl GpuModel {
     }
 
     /// Whether the fetch table's choice for a batch of `batch` rows puts the
-    /// SM copy kernel's CTAs on whole SMs, with the prefetch step's GEMMs
-    /// sized for the rest ([`crate::kv::fetch_table::FetchChoice::SmWhole`]):
-    /// only with [`FetchEngine::Auto`] and a table for this GPU. The flags
-    /// [`GpuModel::set_fetch_whole_sms`] and
-    /// [`GpuModel::set_reserve_fetch_sms`] turn the same on for any engine.
+    /// SM copy kernel's CTAs on whole SMs
+    /// ([`crate::kv::fetch_table::FetchChoice::SmWhole`]; the GEMMs keep
+    /// every SM): only with [`FetchEngine::Auto`] and a table for this GPU.
+    /// The flag [`GpuModel::set_fetch_whole_sms`] turns the same on for any
+    /// engine.
     pub fn fetch_table_whole_sms(&self, batch: usize) -> bool {
         self.offload.is_some_and(|o| o.fetch == FetchEngine::Auto)
             && auto_whole_sms(self.fetch_table.as_deref(), self.fetch_mode(), batch)

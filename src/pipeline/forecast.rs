@@ -134,7 +134,14 @@ impl GpuModel {
     /// device's SMs less the copy kernel's CTAs (one SM each), so that they
     /// do not run a second wave on the SMs the copy kernel holds
     /// (runtime.md §4: SM copies take SMs from the GEMMs they overlap).
-    /// Off by default; other steps keep every SM. Changes timing only.
+    /// Off by default, and never turned on by the fetch table; other steps
+    /// keep every SM. Not timing only: cuBLAS picks other kernels for the
+    /// smaller SM count, whose sums run in another order, so the logits
+    /// differ from GPU-resident decode in their last bits (measured on the
+    /// H200: synthetic NOSA-8B, B = 8, 4,096-token prompts, `--fetch sm:8`:
+    /// first logits mismatch at step 8, first token mismatch at step 17;
+    /// without it the run is bitwise identical). Measured gain with whole
+    /// SMs, 32K B 8 prefetch: 8.24 vs 8.36 ms per step.
     /// A change drops the built step (the next decode call passes tokens).
     pub fn set_reserve_fetch_sms(&mut self, on: bool) {
         if on != self.reserve_fetch_sms {
@@ -152,7 +159,7 @@ impl GpuModel {
     /// [`GpuModel::set_reserve_fetch_sms`] the GEMMs are also sized for those
     /// other SMs. A copy kernel on more than half the SMs shares them as
     /// usual (whole SMs would leave compute too few). Off by default.
-    /// Changes timing only.
+    /// Changes timing only (the same copies and kernels, on other SMs).
     /// A change drops the built step (the next decode call passes tokens).
     pub fn set_fetch_whole_sms(&mut self, on: bool) {
         if on != self.fetch_whole_sms {
@@ -196,12 +203,13 @@ impl GpuModel {
     }
 
     /// The SMs the step's GEMMs are sized for at batch `n`: `Some(sm_count −
-    /// CTAs)` when [`GpuModel::set_reserve_fetch_sms`] is on (or the fetch
-    /// table chose whole SMs for `n`) and this step prefetches through the SM
-    /// copy kernel on at most half the SMs, else `None` (all of them).
+    /// CTAs)` when [`GpuModel::set_reserve_fetch_sms`] is on and this step
+    /// prefetches through the SM copy kernel on at most half the SMs, else
+    /// `None` (all of them). The fetch table's whole-SM choice does not turn
+    /// it on: GEMMs sized for fewer SMs change the logits' last bits, and
+    /// the default configuration decodes bitwise as GPU-resident KV does.
     pub(crate) fn gemm_sm_target(&self, n: usize) -> Option<usize> {
-        let reserve = self.reserve_fetch_sms || self.fetch_table_whole_sms(n);
-        if !(reserve && self.forecast_on() && self.prefetch_on()) {
+        if !(self.reserve_fetch_sms && self.forecast_on() && self.prefetch_on()) {
             return None;
         }
         self.offload_options()?;

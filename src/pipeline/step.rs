@@ -243,8 +243,9 @@ impl GpuModel {
                         self.fetch_timing,
                     ));
             let variant = usize::from(st.off.as_ref().is_some_and(|o| o.completes));
-            // the GEMMs of an offloaded prefetch step are sized for the SMs
-            // the copy kernel leaves (captured so, or set around the launches)
+            // with --reserve-fetch-sms, the GEMMs of an offloaded prefetch
+            // step are sized for the SMs the copy kernel leaves (captured
+            // so, or set around the launches)
             let sms = st.off.as_ref().and(self.gemm_sm_target(n));
             if graph_now {
                 // the write-back of an earlier eager step: waited for outside
