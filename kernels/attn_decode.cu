@@ -286,6 +286,11 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
         }
     };
 
+    // ldmatrix row addresses of this lane in stage 0 (the warp's 16 tokens): K as the B
+    // operand of Q.K^T, V transposed for P.V (attn_prefill.cu's layout).
+    const u32 ks_lane = smem_addr(Ks + (warp * 16 + (lane & 7) + (lane >> 4) * 8) * RS + ((lane >> 3) & 1) * 8);
+    const u32 vs_lane = smem_addr(Vs + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * RS + (lane >> 4) * 8);
+
     float o[16][4];
 #pragma unroll
     for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
@@ -306,15 +311,16 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
             cp_async_wait_all();
         }
         __syncthreads();
-        const bf16_t* ks = Ks + (st * ATT_TILE + warp * 16) * RS;
-        const bf16_t* vs = Vs + (st * ATT_TILE + warp * 16) * RS;
+        // This lane's ldmatrix row addresses in stage st (shared window, bytes).
+        const u32 ks = ks_lane + st * (ATT_TILE * RS * 2);
+        const u32 vs = vs_lane + st * (ATT_TILE * RS * 2);
         // S = Q.K^T: sa = tokens 0..7 of the warp's 16, sb = tokens 8..15.
         float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {
             if (kk < nk) {
                 u32 b[4];
-                ldsm_x4(b, ks + ((lane & 7) + (lane >> 4) * 8) * RS + kk * 16 + ((lane >> 3) & 1) * 8);
+                ldsm_x4_at(b, ks + kk * 32);
                 mma_bf16(sa, qa[kk], b[0], b[1]);
                 mma_bf16(sb, qa[kk], b[2], b[3]);
             }
@@ -355,12 +361,16 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
         }
         l0 = l0 * c0 + ((p[0] + p[1]) + (p[2] + p[3]));
         l1 = l1 * c1 + ((p[4] + p[5]) + (p[6] + p[7]));
+        // The rescale of O, skipped when no row of the warp raised its maximum (every
+        // factor 1: the same values).
+        if (__any_sync(FULL_MASK, c0 != 1.0f || c1 != 1.0f)) {
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            o[j][0] *= c0;
-            o[j][1] *= c0;
-            o[j][2] *= c1;
-            o[j][3] *= c1;
+            for (int j = 0; j < 16; ++j) {
+                o[j][0] *= c0;
+                o[j][1] *= c0;
+                o[j][2] *= c1;
+                o[j][3] *= c1;
+            }
         }
         const u32 pa[4] = {pack_bf2(p[0], p[1]), pack_bf2(p[4], p[5]), pack_bf2(p[2], p[3]),
                            pack_bf2(p[6], p[7])};
@@ -369,7 +379,7 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
         for (int j = 0; j < 16; j += 2) {
             if (j < nd) {
                 u32 b[4];
-                ldsm_x4_trans(b, vs + ((lane & 7) + ((lane >> 3) & 1) * 8) * RS + j * 8 + (lane >> 4) * 8);
+                ldsm_x4_trans_at(b, vs + j * 16);
                 mma_bf16(o[j], pa, b[0], b[1]);
                 mma_bf16(o[j + 1], pa, b[2], b[3]);
             }

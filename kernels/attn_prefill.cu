@@ -49,9 +49,12 @@
 // logits S*scale (+ c[j, h] in NOSA mode) in log2 units, -inf past each row's position and,
 // sparse, for the rows whose mask bit is clear, online softmax in f32 (running max and sum per
 // row), P rounded to bf16 (the sum adds the rounded P, as in attn_partial), O = O*e^(m_old -
-// m_new) + P.V (mma). A warp skips the key tiles none of its rows sees. At the end O / L is
-// written as bf16 (0 for a row that saw no key). Arithmetic as attn_partial's (bf16 operands,
-// f32 accumulation and softmax), in another summation order.
+// m_new) + P.V (mma; the rescale skipped when no row of the warp raised its maximum). A warp
+// skips the key tiles none of its rows sees. At the end O / L is written as bf16 (0 for a row
+// that saw no key). Arithmetic as attn_partial's (bf16 operands, f32 accumulation and
+// softmax) but for the exponent: 2^x by ex2.approx.ftz (attn_partial: expf), and in dense
+// mode the scale fused into it, P = 2^fma(S, scale*log2e, -m) with m the scaled running
+// maximum; in another summation order.
 //
 // D is a template parameter: 64, 80 or 128, the entry points at the end (any multiple of 16
 // up to 128 would compile).
@@ -243,6 +246,11 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
 
     bf16_t* Ks = (bf16_t*)pf_sh;        // [2][PF_BN][RS]
     bf16_t* Vs = Ks + 2 * PF_BN * RS;   // [2][PF_BN][RS]
+    // ldmatrix row addresses of this lane in stage 0: K as the B operand of Q.K^T (key row
+    // lane%8 + 8*(lane/16), column half (lane/8)%2), V transposed for P.V (key row lane%8 +
+    // 8*((lane/8)%2), column block lane/16).
+    const u32 ks_lane = smem_addr(Ks + ((lane & 7) + (lane >> 4) * 8) * RS + ((lane >> 3) & 1) * 8);
+    const u32 vs_lane = smem_addr(Vs + ((lane & 7) + ((lane >> 3) & 1) * 8) * RS + (lane >> 4) * 8);
     float* Bs = (float*)(Vs + 2 * PF_BN * RS);  // [2][PF_BN] bias (sparse with c only)
     const bf16_t* K = (const bf16_t*)kptr[r0];
     const bf16_t* V = (const bf16_t*)vptr[r0];
@@ -267,19 +275,31 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
     };
     // Issues the copies of key tile t into stage st (keys past kmax or the tile's valid keys
     // zero-filled).
+    // Pass i copies tile row my_row + i*RPP; the shared addresses are this thread's stage-0
+    // ones plus constants, the global ones a base plus i strides.
+    const u32 kd_lane = smem_addr(Ks + my_row * RS + my_part * 8);
+    const u32 vd_lane = smem_addr(Vs + my_row * RS + my_part * 8);
+    const u32 bd_lane = smem_addr(Bs + my_row);
+    const u64 pass_stride = (u64)RPP * tok_stride;
     auto load_tile = [&](int t, int st) {
         if (!loader) return;
         int kt0, nv;
         tile_keys(t, kt0, nv);
-        for (int row = my_row; row < PF_BN; row += RPP) {
+        const u32 sto = st * (PF_BN * RS * 2);
+        const u64 g0 = (u64)(kt0 + my_row) * tok_stride;
+        const bf16_t* kg = Kh + g0;
+        const bf16_t* vg = Vh + g0;
+#pragma unroll
+        for (int i = 0; i < (PF_BN + RPP - 1) / RPP; ++i) {
+            const int row = my_row + i * RPP;
+            if ((i + 1) * RPP > PF_BN && row >= PF_BN) break;  // only a last, partial pass tests
             const int j = kt0 + row;
             const bool ok = row < nv && j <= kmax;
-            const u64 o = ok ? (u64)j * tok_stride : 0;
-            const int srow = st * PF_BN + row;
-            cp_async16(Ks + srow * RS + my_part * 8, Kh + o, ok);
-            cp_async16(Vs + srow * RS + my_part * 8, Vh + o, ok);
+            cp_async16_at(kd_lane + sto + i * (RPP * RS * 2), ok ? (const void*)(kg + i * pass_stride) : (const void*)Kh, ok);
+            cp_async16_at(vd_lane + sto + i * (RPP * RS * 2), ok ? (const void*)(vg + i * pass_stride) : (const void*)Vh, ok);
             if (SPARSE && C != nullptr && my_part == 0)
-                cp_async4(Bs + srow, ok ? (const void*)(C + (u64)j * hkv + h) : (const void*)C, ok);
+                cp_async4_at(bd_lane + st * (PF_BN * 4) + i * (RPP * 4),
+                             ok ? (const void*)(C + (u64)j * hkv + h) : (const void*)C, ok);
         }
     };
 
@@ -310,8 +330,10 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
         const u64 sel_rows = SPARSE ? __ldg(umask + t / spb) : ~0ull;
         // Warp-uniform: some row of this warp sees a key of the tile.
         if (kt0 <= wmax && (!SPARSE || (sel_rows & wbits) != 0ull)) {
-            const bf16_t* ks = Ks + st * PF_BN * RS;
-            const bf16_t* vs = Vs + st * PF_BN * RS;
+            // This lane's ldmatrix row addresses in stage st (shared window, bytes); the
+            // (nb, kk) and (kk, j) steps below add constants.
+            const u32 ks = ks_lane + st * (PF_BN * RS * 2);
+            const u32 vs = vs_lane + st * (PF_BN * RS * 2);
             // S = Q.K^T: s[c] holds keys kt0 + 8c .. +7 (c = 0 .. 7).
             float s[8][4];
 #pragma unroll
@@ -321,7 +343,7 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
 #pragma unroll
                 for (int kk = 0; kk < NK; ++kk) {
                     u32 b[4];
-                    ldsm_x4(b, ks + (nb * 16 + (lane & 7) + (lane >> 4) * 8) * RS + kk * 16 + ((lane >> 3) & 1) * 8);
+                    ldsm_x4_at(b, ks + (nb * 16 * RS + kk * 16) * 2);
                     mma_bf16(s[2 * nb], qa[kk], b[0], b[1]);
                     mma_bf16(s[2 * nb + 1], qa[kk], b[2], b[3]);
                 }
@@ -373,21 +395,28 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
                     }
                 }
             } else {
-                const bool masked = kt0 + PF_BN - 1 > wmin;
+                // Raw logits here (the maximum scaled after, as scaling by a positive factor
+                // keeps the order); the scale joins the exponent's FFMA below.
+                // Warp-uniform: only a tile past some row's position needs the causal mask.
+                if (kt0 + PF_BN - 1 > wmin) {
 #pragma unroll
-                for (int c = 0; c < 8; ++c) {
+                    for (int c = 0; c < 8; ++c) {
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int j = kt0 + cb + 8 * c + e;
+                        for (int e = 0; e < 2; ++e) {
+                            const int j = kt0 + cb + 8 * c + e;
 #pragma unroll
-                        for (int k = 0; k < 2; ++k) {
-                            float v = s[c][2 * k + e] * sl2;
-                            if (masked && j > pp[k]) v = -INFINITY;
-                            s[c][2 * k + e] = v;
-                            mx[k] = fmaxf(mx[k], v);
+                            for (int k = 0; k < 2; ++k)
+                                if (j > pp[k]) s[c][2 * k + e] = -INFINITY;
                         }
                     }
                 }
+#pragma unroll
+                for (int c = 0; c < 8; ++c) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[c][e]);
+                }
+                mx[0] *= sl2;
+                mx[1] *= sl2;
             }
             float corr[2], u[2];
 #pragma unroll
@@ -396,41 +425,53 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
                 mx[k] = fmaxf(mx[k], __shfl_xor_sync(FULL_MASK, mx[k], 2));
                 const float nm = fmaxf(mr[k], mx[k]);
                 u[k] = nm == -INFINITY ? 0.0f : nm;  // a row that has seen no key yet stays at 0
-                corr[k] = exp2f(mr[k] - u[k]);
+                corr[k] = ex2_ftz(mr[k] - u[k]);
                 mr[k] = nm;
             }
+            // P rounded to bf16, a pair per conversion, kept packed as the A fragments of
+            // P.V; the sum adds the rounded e = 0 then e = 1. Dense: 2^(s*scale*log2e - u)
+            // in one FFMA (-inf stays -inf: P = 0); sparse: the logits already scaled.
             float ls[2] = {0.0f, 0.0f};
+            u32 pb[8][2];
 #pragma unroll
             for (int c = 0; c < 8; ++c) {
 #pragma unroll
                 for (int k = 0; k < 2; ++k) {
-                    // P rounded to bf16, a pair per conversion; the sum adds e = 0 then e = 1.
-                    const u32 pk = pack_bf2_rn(exp2f(s[c][2 * k] - u[k]), exp2f(s[c][2 * k + 1] - u[k]));
-                    s[c][2 * k] = bf2_lo(pk);
-                    s[c][2 * k + 1] = bf2_hi(pk);
-                    ls[k] += s[c][2 * k];
-                    ls[k] += s[c][2 * k + 1];
+                    float x0, x1;
+                    if (SPARSE) {
+                        x0 = s[c][2 * k] - u[k];
+                        x1 = s[c][2 * k + 1] - u[k];
+                    } else {
+                        x0 = fmaf(s[c][2 * k], sl2, -u[k]);
+                        x1 = fmaf(s[c][2 * k + 1], sl2, -u[k]);
+                    }
+                    const u32 pk = pack_bf2_rn(ex2_ftz(x0), ex2_ftz(x1));
+                    pb[c][k] = pk;
+                    ls[k] += bf2_lo(pk);
+                    ls[k] += bf2_hi(pk);
                 }
             }
             lr[0] = lr[0] * corr[0] + ls[0];
             lr[1] = lr[1] * corr[1] + ls[1];
+            // The rescale of O, skipped when no row of the warp raised its maximum (every
+            // factor 1: the same values).
+            if (__any_sync(FULL_MASK, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
-            for (int j = 0; j < ND; ++j) {
-                o[j][0] *= corr[0];
-                o[j][1] *= corr[0];
-                o[j][2] *= corr[1];
-                o[j][3] *= corr[1];
+                for (int j = 0; j < ND; ++j) {
+                    o[j][0] *= corr[0];
+                    o[j][1] *= corr[0];
+                    o[j][2] *= corr[1];
+                    o[j][3] *= corr[1];
+                }
             }
-            // O += P.V: P (16 x 64, A fragments from the S accumulators), V tile 64 x D.
+            // O += P.V: P (16 x 64, A fragments packed above), V tile 64 x D.
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) {
-                const u32 pa[4] = {pack_bf2(s[2 * kk][0], s[2 * kk][1]), pack_bf2(s[2 * kk][2], s[2 * kk][3]),
-                                   pack_bf2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                   pack_bf2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                const u32 pa[4] = {pb[2 * kk][0], pb[2 * kk][1], pb[2 * kk + 1][0], pb[2 * kk + 1][1]};
 #pragma unroll
                 for (int j = 0; j < ND; j += 2) {
                     u32 b[4];
-                    ldsm_x4_trans(b, vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * RS + j * 8 + (lane >> 4) * 8);
+                    ldsm_x4_trans_at(b, vs + (kk * 16 * RS + j * 8) * 2);
                     mma_bf16(o[j], pa, b[0], b[1]);
                     mma_bf16(o[j + 1], pa, b[2], b[3]);
                 }

@@ -11,19 +11,22 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     return a;
 }
 
-// 16-byte asynchronous copy global -> shared; zero-fills the destination when !ok.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(ok ? 16 : 0)
+// 16-byte asynchronous copy global -> shared; zero-fills the destination when !ok. `dst`
+// is an address in the shared window (smem_addr; see ldsm_x4_at for why).
+__device__ __forceinline__ void cp_async16_at(u32 dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0)
                  : "memory");
 }
 
 // 4-byte asynchronous copy global -> shared; zero-fills the destination when !ok.
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(ok ? 4 : 0)
+__device__ __forceinline__ void cp_async4_at(u32 dst, const void* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0)
                  : "memory");
 }
+
+// cp_async16_at / cp_async4_at to a generic pointer into shared memory.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) { cp_async16_at(smem_addr(dst), src, ok); }
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool ok) { cp_async4_at(smem_addr(dst), src, ok); }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
@@ -31,20 +34,24 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 
 // Four 8x8 bf16 matrices from shared memory (row addresses from lanes 8i .. 8i+7 for
 // matrix i); r[i] holds matrix i in the mma fragment layout (row lane/4, cols 2*(lane%4)+{0,1}).
-__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const void* p) {
+// `a` is the lane's row address in the shared window (smem_addr): a loop that keeps one
+// such base and adds constant byte offsets lets ptxas fold them into the instruction,
+// where a generic pointer costs a 64-bit add and a conversion per load.
+__device__ __forceinline__ void ldsm_x4_at(u32 (&r)[4], u32 a) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p))
+                 : "r"(a)
                  : "memory");
 }
 
-// As ldsm_x4, transposed: r[i] holds rows 2*(lane%4)+{0,1}, column lane/4 of matrix i.
-__device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], const void* p) {
+// As ldsm_x4_at, transposed: r[i] holds rows 2*(lane%4)+{0,1}, column lane/4 of matrix i.
+__device__ __forceinline__ void ldsm_x4_trans_at(u32 (&r)[4], u32 a) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p))
+                 : "r"(a)
                  : "memory");
 }
+
 
 // c += A (16x16 bf16, row-major fragment) * B (16x8 bf16, column fragment), f32 accumulate.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
@@ -61,6 +68,15 @@ __device__ __forceinline__ u32 pack_bf2_rn(float lo, float hi) {
     u32 r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
+}
+
+// 2^x by the SFU alone (ex2.approx.ftz: a result below 2^-126 flushes to 0; 2^-inf = 0):
+// exp2f adds a range test and two multiplies per call to keep subnormal results, which a
+// softmax weight rounded to bf16 next to a maximum of 1 does not need.
+__device__ __forceinline__ float ex2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
 }
 
 // The low and high bf16 halves of a bf16x2 register as f32.

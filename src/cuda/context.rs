@@ -1000,9 +1000,18 @@ mod tests {
         );
         let bins = compile_all("sm_90").expect("kernels compile for sm_90");
         assert_eq!(bins.len(), KERNEL_SOURCES.len());
+        // scripts/nvrtc.sh --resources: the cubins, for cuobjdump's register and
+        // shared-memory counts per kernel
+        let dump = std::env::var_os("SPARDA_CUBIN_DIR")
+            .filter(|d| !d.is_empty())
+            .map(std::path::PathBuf::from);
         for (f, b) in bins {
             // ELF magic: a cubin, not PTX text.
             assert_eq!(&b[..4], b"\x7fELF", "{f} did not produce a cubin");
+            if let Some(dir) = &dump {
+                let path = dir.join(f.replace(".cu", ".cubin"));
+                std::fs::write(&path, &b).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            }
         }
     }
 
