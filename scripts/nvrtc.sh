@@ -9,6 +9,9 @@
 #                                # (cuobjdump -res-usage on the cubins; cuobjdump from its
 #                                # PyPI wheel nvidia-cuda-cuobjdump, 0.3 MB, cached): what
 #                                # bounds a kernel's occupancy, read without a GPU
+#   scripts/nvrtc.sh --sass FUNC # also FUNC's SASS (cuobjdump -sass, with nvdisasm from the
+#                                # wheel nvidia-cuda-nvdisasm, 5 MB, cached) in
+#                                # .fixtures/nvrtc/FUNC.sass, and its instruction mix
 #
 # A kernel that NVRTC rejects fails here with NVRTC's log, before any GPU time is spent.
 # Env: SPARDA_NVRTC_CACHE download and unpack folder (default: <repo>/.fixtures/nvrtc).
@@ -44,28 +47,46 @@ if [[ ! -f "$LIB/libnvrtc.so.13" ]]; then
   rm -rf "$CACHE/unpack"
 fi
 log "NVRTC from $LIB"
-resources=0
-[[ "${1:-}" == "--resources" ]] && resources=1
-CUBINS=""
-if ((resources)); then
-  OBJ_WHEEL="nvidia_cuda_cuobjdump-13.5.37-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl"
-  OBJ_SHA256="38780fee50863252a0b8926357faa91615ca1c8346490563f33a06100cd73f58"
-  if [[ ! -f "$CACHE/$OBJ_WHEEL" ]] || [[ "$(sha256sum "$CACHE/$OBJ_WHEEL" | cut -d' ' -f1)" != "$OBJ_SHA256" ]]; then
-    log "downloading nvidia-cuda-cuobjdump==13.5.37 from PyPI"
-    rm -f "$CACHE/$OBJ_WHEEL"
+resources=0 sass=""
+case "${1:-}" in
+--resources) resources=1 ;;
+--sass) resources=1 sass="${2:?--sass needs a kernel function name}" ;;
+"") ;;
+*) log "unknown option $1 (--resources, --sass FUNC)"; exit 2 ;;
+esac
+# fetch_wheel NAME VERSION FILE SHA256: the wheel into the cache, checked
+fetch_wheel() {
+  if [[ ! -f "$CACHE/$3" ]] || [[ "$(sha256sum "$CACHE/$3" | cut -d' ' -f1)" != "$4" ]]; then
+    log "downloading $1==$2 from PyPI"
+    rm -f "$CACHE/$3"
     "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
-      --platform manylinux2014_x86_64 -d "$CACHE" "nvidia-cuda-cuobjdump==13.5.37"
-    got="$(sha256sum "$CACHE/$OBJ_WHEEL" | cut -d' ' -f1)"
-    if [[ "$got" != "$OBJ_SHA256" ]]; then
-      log "$CACHE/$OBJ_WHEEL: sha256 $got, expected $OBJ_SHA256"
+      --platform manylinux2014_x86_64 -d "$CACHE" "$1==$2"
+    local got
+    got="$(sha256sum "$CACHE/$3" | cut -d' ' -f1)"
+    if [[ "$got" != "$4" ]]; then
+      log "$CACHE/$3: sha256 $got, expected $4"
       exit 1
     fi
   fi
-  if [[ ! -x "$CACHE/bin/cuobjdump" ]]; then
+}
+# unpack_tool FILE TOOL: bin/TOOL from the wheel
+unpack_tool() {
+  if [[ ! -x "$CACHE/bin/$2" ]]; then
     rm -rf "$CACHE/unpack" && mkdir -p "$CACHE/unpack" "$CACHE/bin"
-    "$PY" -m zipfile -e "$CACHE/$OBJ_WHEEL" "$CACHE/unpack"
-    cp "$CACHE"/unpack/nvidia/cu13/bin/cuobjdump "$CACHE/bin/" && chmod +x "$CACHE/bin/cuobjdump"
+    "$PY" -m zipfile -e "$CACHE/$1" "$CACHE/unpack"
+    cp "$CACHE/unpack/nvidia/cu13/bin/$2" "$CACHE/bin/" && chmod +x "$CACHE/bin/$2"
     rm -rf "$CACHE/unpack"
+  fi
+}
+CUBINS=""
+if ((resources)); then
+  w="nvidia_cuda_cuobjdump-13.5.37-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl"
+  fetch_wheel nvidia-cuda-cuobjdump 13.5.37 "$w" 38780fee50863252a0b8926357faa91615ca1c8346490563f33a06100cd73f58
+  unpack_tool "$w" cuobjdump
+  if [[ -n "$sass" ]]; then
+    w="nvidia_cuda_nvdisasm-13.5.37-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl"
+    fetch_wheel nvidia-cuda-nvdisasm 13.5.37 "$w" d3fdbdd49fa53e2e4aacd3db8259d052bd2b049ececdcb69e92e083c6728e7ca
+    unpack_tool "$w" nvdisasm
   fi
   CUBINS="$CACHE/cubins"
   rm -rf "$CUBINS" && mkdir -p "$CUBINS"
@@ -81,4 +102,19 @@ if ((resources)); then
       /Function/ { fn = $2; sub(":$", "", fn) }
       /REG:/ { printf "%-12s %-40s %s\n", file, fn, $0 }'
   done
+fi
+if [[ -n "$sass" ]]; then
+  # the first cubin that holds FUNC; its SASS, then opcodes by count (a static mix: loops
+  # count once)
+  for f in "$CUBINS"/*.cubin; do
+    if PATH="$CACHE/bin:$PATH" "$CACHE/bin/cuobjdump" -sass -fun "$sass" "$f" > "$CACHE/$sass.sass" 2>/dev/null \
+      && grep -q "Function : $sass" "$CACHE/$sass.sass"; then
+      log "$sass ($(basename "$f")): SASS in $CACHE/$sass.sass"
+      grep -oE '/\*[0-9a-f]{4}\*/ +(@!?U?P[0-9T] +)?[A-Z0-9_.]+' "$CACHE/$sass.sass" | awk '{print $NF}' \
+        | sed 's/\..*//' | sort | uniq -c | sort -rn | head -30
+      exit 0
+    fi
+  done
+  log "no cubin holds a function $sass"
+  exit 1
 fi
