@@ -1216,6 +1216,25 @@ mod tests {
         assert_eq!(f["target_prefetch_1_15_resident_met"], false);
         // P 10 ≤ C 20: the 1.15× target applies here
         assert_eq!(f["target_prefetch_1_15_resident_applies"], true);
+        // the forecast run's own P 10 and C 28 - 10 = 18: 18 / 17.5 of the resident step;
+        // the prefetched 21 over max(10, 18)
+        assert_eq!(f["forecast_P_fetch_ms"], 10.0);
+        assert_eq!(f["forecast_C_rest_ms"], 18.0);
+        assert!((f["forecast_rest_over_resident"].as_f64().unwrap() - 18.0 / 17.5).abs() < 1e-12);
+        assert!((f["prefetch_over_forecast_ideal"].as_f64().unwrap() - 21.0 / 18.0).abs() < 1e-12);
+        // no resident run of the sync selection yet; with one (16 ms): C 20 / 16
+        assert!(f["resident_sync_step_ms"].is_null());
+        let mut r = case("query-aware (sync NOSA)", 32, 65_536, 16.0, None);
+        r["kv"] = json!("gpu");
+        with_resident.push(r);
+        let v = forecast_comparison(&with_resident);
+        assert_eq!(v[0]["resident_sync_step_ms"], 16.0);
+        assert!((v[0]["sync_rest_over_resident"].as_f64().unwrap() - 1.25).abs() < 1e-12);
+        let text = table(&json!({"cases": [], "forecast_comparison": v}));
+        assert!(
+            text.contains("forecast, no prefetch: P 10.00 ms C 18.00 ms (1.03× the GPU-resident forecast step); prefetch 1.17× max(P, C); sync C 1.25× the GPU-resident sync step"),
+            "{text}"
+        );
         // a fetch longer than the rest of the step (P 25 > C 5): it does not
         let mut fetch_bound = with_resident.clone();
         fetch_bound[0]["offload"]["fetch_timing"]["fetch_ms_per_step"] = json!(25.0);

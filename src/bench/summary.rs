@@ -12,6 +12,17 @@ use super::*;
 /// (`selection` "forecast", `kv` "gpu"), the prefetched step over it
 /// (target: ≤ 1.15 where P ≤ C: `target_prefetch_1_15_resident_applies`,
 /// null when the sync run has no fetch timing).
+///
+/// Where the 1.15× gap comes from: C is taken from the sync run, whose
+/// query-aware selection costs more than the forecast's, so beside it the
+/// forecast run without prefetch gives its own `forecast_P_fetch_ms` and
+/// `forecast_C_rest_ms` (its step less its own fetch timing; null without
+/// one), `forecast_rest_over_resident` = that C over the GPU-resident
+/// forecast step (the offloaded step's own work besides the fetch), and
+/// `prefetch_over_forecast_ideal` = the prefetched step over max(P, C) of
+/// the forecast run (how much of the overlap is lost); with a GPU-resident
+/// run of the sync selection, `resident_sync_step_ms` and
+/// `sync_rest_over_resident` (C over it).
 pub fn forecast_comparison(cases: &[Value]) -> Value {
     let mut out = Vec::new();
     let find = |kv: &Value, b: &Value, l: &Value, rule: &Value, sel: &str| {
@@ -55,6 +66,15 @@ pub fn forecast_comparison(cases: &[Value]) -> Value {
         let resident = find(&json!("gpu"), b, l, rule, "forecast")
             .filter(|r| r.get("skipped").is_none())
             .map(step);
+        let resident_sync = c["selection"]
+            .as_str()
+            .and_then(|sel| find(&json!("gpu"), b, l, rule, sel))
+            .filter(|r| r.get("skipped").is_none())
+            .map(step);
+        // the forecast run's own fetch and rest (no prefetch: the fetch is on the step's path)
+        let fc_p = nopre["offload"]["fetch_timing"]["fetch_ms_per_step"].as_f64();
+        let fc_c = fc_p.map(|fp| s_nopre - fp);
+        let fc_ideal = fc_p.zip(fc_c).map(|(fp, fcc)| fp.max(fcc));
         let bl = b.as_f64().unwrap_or(0.0) * l.as_f64().unwrap_or(0.0);
         out.push(json!({
             "kv": kv, "batch": b, "context": l, "batch_x_context": bl,
@@ -72,6 +92,12 @@ pub fn forecast_comparison(cases: &[Value]) -> Value {
             // the target asks for it where the sync fetch is at most the rest of the step
             "target_prefetch_1_15_resident_applies": (p.is_finite() && cc.is_finite()).then_some(p <= cc),
             "target_prefetch_1_15_resident_met": resident.map(|r| s_pre / r <= 1.15),
+            "forecast_P_fetch_ms": fc_p,
+            "forecast_C_rest_ms": fc_c,
+            "forecast_rest_over_resident": fc_c.zip(resident).map(|(x, r)| x / r),
+            "prefetch_over_forecast_ideal": fc_ideal.map(|i| s_pre / i),
+            "resident_sync_step_ms": resident_sync,
+            "sync_rest_over_resident": resident_sync.map(|r| cc / r),
         }));
     }
     Value::Array(out)
@@ -145,6 +171,25 @@ pub fn table(report: &Value) -> String {
                 .map(|r| format!("; {r:.2}× the GPU-resident forecast step"))
                 .unwrap_or_default()
         ));
+        if let (Some(fp), Some(fc)) = (
+            f["forecast_P_fetch_ms"].as_f64(),
+            f["forecast_C_rest_ms"].as_f64(),
+        ) {
+            s.push_str(&format!(
+                "  forecast, no prefetch: P {fp:.2} ms C {fc:.2} ms{}; prefetch {:.2}× max(P, C){}\n",
+                f["forecast_rest_over_resident"]
+                    .as_f64()
+                    .map(|r| format!(" ({r:.2}× the GPU-resident forecast step)"))
+                    .unwrap_or_default(),
+                f["prefetch_over_forecast_ideal"]
+                    .as_f64()
+                    .unwrap_or(f64::NAN),
+                f["sync_rest_over_resident"]
+                    .as_f64()
+                    .map(|r| format!("; sync C {r:.2}× the GPU-resident sync step"))
+                    .unwrap_or_default()
+            ));
+        }
     }
     if let Some(t) = report["target_comparison"].as_object() {
         s.push_str(&format!(
