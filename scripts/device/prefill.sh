@@ -23,12 +23,18 @@
 #   scripts/device/prefill.sh chunks       OUT   32K and 128K (as 127K), B = 1, KV on GPU, dense and sparse
 #                                                prefill with SPARDA_PREFILL_CHUNK 512 (the default),
 #                                                1024 and 2048 (CHUNKS to choose): one process each
+#   scripts/device/prefill.sh ab           OUT   the binary at BASE (default .device/bin/sparda_base: an
+#                                                earlier commit's build, carried beside this one) against
+#                                                this one, alternating over ROUNDS (default 2): 32K B = 1
+#                                                dense and sparse prefill, KV on GPU, then the B = 1 4K
+#                                                decode step (dense and sparse attention); one process
+#                                                each (about 35 s), files *_base_<r>.json / *_new_<r>.json
 # Then, here: sparda report OUT/prefill_*.json OUT/transformers_sdpa_prefill.json \
 #   --out benches/results/prefill_nosa8b_h200_<date>_<commit>   (a table and PREFIX.prefill.svg)
 # Env: SPARDA (default .device/bin/sparda), SPARDA_COMMIT, BATCH (default 1,4),
 #      PREFILL_ATTENTION (extra `--prefill-attention` value when the binary has it).
 set -uo pipefail
-phase=${1:?phase: check|perf|short-sparse|short-dense|long-sparse|long-dense|baseline|chunks}; out=${2:?out dir}; mkdir -p "$out"
+phase=${1:?phase: check|perf|short-sparse|short-dense|long-sparse|long-dense|baseline|chunks|ab}; out=${2:?out dir}; mkdir -p "$out"
 SPARDA=${SPARDA:-.device/bin/sparda}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 tok=${TOKENIZER:-.device/bin/tokenizer.json}
@@ -64,6 +70,22 @@ chunks)
       SPARDA_PREFILL_CHUNK=$c "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
         --steps 0 --attention sparse --kv gpu --batch 1 --context "${CONTEXT:-32K,128K}" "${extra[@]}" \
         --prefill "$m" --json "$out/prefill_chunk${c}_$m.json" 2>&1 | grep -E "prefill|tokens/s" | tail -4
+    done
+  done
+  ;;
+ab)
+  base=${BASE:-.device/bin/sparda_base}
+  [[ -x "$base" ]] || { echo "ab: no base binary at $base"; exit 2; }
+  for r in $(seq 1 "${ROUNDS:-2}"); do
+    for v in base new; do
+      bin=$SPARDA; [[ $v == base ]] && bin=$base
+      for m in dense sparse; do
+        "$bin" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" --steps 0 --attention sparse \
+          --kv gpu --batch 1 --context "${CONTEXT:-32K}" --prefill "$m" \
+          --json "$out/prefill_32k_${m}_${v}_$r.json" 2>&1 | grep -E "prefill only" | sed "s/^/$v $r: /"
+      done
+      "$bin" bench --model synth:nosa-8b --tokenizer "$tok" --attention dense,sparse --batch 1 --context 4K \
+        --steps 64 --json "$out/decode_b1_4k_${v}_$r.json" 2>&1 | grep -E "B=1 L=4K|sparse +gpu" | sed "s/^/$v $r: /"
     done
   done
   ;;
