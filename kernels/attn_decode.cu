@@ -345,7 +345,8 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
         mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, 2));
         const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
         const float u0 = n0 == -INFINITY ? 0.0f : n0, u1 = n1 == -INFINITY ? 0.0f : n1;
-        const float c0 = expf(m0 - u0), c1 = expf(m1 - u1);
+        // a row that had seen no token has O = L = 0: factor 1, so the rescale can be skipped
+        const float c0 = m0 == -INFINITY ? 1.0f : expf(m0 - u0), c1 = m1 == -INFINITY ? 1.0f : expf(m1 - u1);
         m0 = n0;
         m1 = n1;
         float p[8];

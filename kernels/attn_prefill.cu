@@ -425,7 +425,8 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
                 mx[k] = fmaxf(mx[k], __shfl_xor_sync(FULL_MASK, mx[k], 2));
                 const float nm = fmaxf(mr[k], mx[k]);
                 u[k] = nm == -INFINITY ? 0.0f : nm;  // a row that has seen no key yet stays at 0
-                corr[k] = ex2_ftz(mr[k] - u[k]);
+                // a row that had seen no key has O = L = 0: factor 1, so the rescale can be skipped
+                corr[k] = mr[k] == -INFINITY ? 1.0f : ex2_ftz(mr[k] - u[k]);
                 mr[k] = nm;
             }
             // P rounded to bf16, a pair per conversion, kept packed as the A fragments of
