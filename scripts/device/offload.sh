@@ -28,6 +28,8 @@
 #                                          (--cta-timeline: attention CTAs sharing an SM with a copy CTA
 #                                          vs alone; with whole SMs none should share) (BATCH, default 16;
 #                                          CONTEXT, 32K; FETCH, sm:16); write under run_phases.sh (12 files)
+#   scripts/device/offload.sh balanced OUT 64K B 16 (BATCH, CONTEXT): per-CTA timelines and traces of the
+#                                          copy kernel on 8 and 16 whole SMs, prefetch on and off
 #   scripts/device/offload.sh engines OUT  the beside-a-fetch table per fetch engine (copy engines, sm:8 and
 #                                          split:8:50 with whole SMs), one traced prefetch run each
 #   scripts/device/offload.sh wholeab OUT  sync, forecast without and with prefetch, copy CTAs sharing SMs vs
@@ -147,6 +149,22 @@ diagnose)
       | grep -E "sparse|skip|pinned|CTA timeline" || true
     $bin trace summarize "$out/trace_diagnose_$v.json" > "$out/trace_diagnose_${v}_summary.txt" 2>&1 || true
     echo "--- $v"; grep -A8 "beside a fetch" "$out/trace_diagnose_${v}_summary.txt" || true
+  done
+  ;;
+balanced)
+  # the balanced cell (64K B 16: fetch ≈ compute), where the prefetched step is 1.25x
+  # max(P, C) and the fetch beside compute takes 12.2 ms against 9.7 alone: per-CTA
+  # timelines of the copy kernel on 8 and 16 whole SMs with prefetch on and off (is the
+  # copy late to start, or slower while it runs?), and one trace each with prefetch
+  for f in sm:8 sm:16; do
+    n=${f//:/_}
+    $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch "$f" --fetch-whole-sms \
+      --forecast synth:1 --prefetch on,off --sync off --batch "${BATCH:-16}" --context "${CONTEXT:-64K}" \
+      --steps 16 --fetch-timing-steps 8 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" --cta-timeline \
+      --trace "$out/trace_balanced_$n.json" --trace-steps 4 --json "$out/bench_balanced_$n.json" 2>&1 \
+      | grep -E "sparse|skip|CTA timeline" || true
+    $bin trace summarize "$out/trace_balanced_$n.json" > "$out/trace_balanced_${n}_summary.txt" 2>&1 || true
+    gzip -f "$out/trace_balanced_$n.json"
   done
   ;;
 engines)
