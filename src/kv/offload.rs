@@ -688,6 +688,33 @@ impl GpuModel {
     }
 }
 
+/// The SMs a forecast-prefetch step's cuBLAS GEMMs are sized for
+/// (`cublasSetSmCountTarget`), or `None` for all of them: `Some(sm_count −
+/// ctas)` only when `reserve` (`--reserve-fetch-sms`) is on, the step
+/// prefetches, and its fetch runs the SM copy kernel (alone or in a split)
+/// on `ctas` CTAs that take at most half of the `sm_count` SMs.
+///
+/// Where the copy CTAs run (whole SMs, from the flag or the fetch table)
+/// is not an input: GEMMs sized for fewer SMs run other cuBLAS kernels,
+/// whose logits differ from GPU-resident decode in their last bits
+/// (measured on NOSA-8B at B 8 from step 8), so only the explicit flag may
+/// ask for them.
+pub(crate) fn gemm_sm_target_rule(
+    reserve: bool,
+    prefetching: bool,
+    engine: FetchEngine,
+    sm_count: usize,
+) -> Option<usize> {
+    if !(reserve && prefetching) {
+        return None;
+    }
+    let ctas = match engine {
+        FetchEngine::Sm { ctas } | FetchEngine::Split { ctas, .. } => ctas,
+        _ => return None,
+    };
+    (2 * ctas <= sm_count).then(|| sm_count - ctas)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -709,6 +736,32 @@ mod tests {
         assert!((st.fetch_gb_s() - 50.0).abs() < 1e-9);
         assert_eq!(OffloadStats::default().fetch_gb_s(), 0.0);
         assert_eq!(OffloadStats::default().locality_all(), 1.0);
+    }
+
+    #[test]
+    fn gemms_keep_every_sm_unless_the_reserve_flag_asks() {
+        let sm8 = FetchEngine::Sm { ctas: 8 };
+        // the default (also when the table puts the copy CTAs on whole SMs): every SM,
+        // the GEMM kernels of GPU-resident decode (the soak that found it: B 8, step 8)
+        assert_eq!(gemm_sm_target_rule(false, true, sm8, 132), None);
+        // --reserve-fetch-sms while prefetching through the SM kernel: the SMs left
+        assert_eq!(gemm_sm_target_rule(true, true, sm8, 132), Some(124));
+        let split = FetchEngine::Split {
+            ctas: 16,
+            ce_pct: 50,
+        };
+        assert_eq!(gemm_sm_target_rule(true, true, split, 132), Some(116));
+        // not prefetching, the copy engines, or copy CTAs on more than half the SMs: every SM
+        assert_eq!(gemm_sm_target_rule(true, false, sm8, 132), None);
+        assert_eq!(gemm_sm_target_rule(true, true, FetchEngine::Dma, 132), None);
+        assert_eq!(
+            gemm_sm_target_rule(true, true, FetchEngine::Sm { ctas: 66 }, 132),
+            Some(66)
+        );
+        assert_eq!(
+            gemm_sm_target_rule(true, true, FetchEngine::Sm { ctas: 67 }, 132),
+            None
+        );
     }
 
     #[test]

@@ -209,15 +209,13 @@ impl GpuModel {
     /// it on: GEMMs sized for fewer SMs change the logits' last bits, and
     /// the default configuration decodes bitwise as GPU-resident KV does.
     pub(crate) fn gemm_sm_target(&self, n: usize) -> Option<usize> {
-        if !(self.reserve_fetch_sms && self.forecast_on() && self.prefetch_on()) {
-            return None;
-        }
         self.offload_options()?;
-        let ctas = match self.fetch_engine(n) {
-            FetchEngine::Sm { ctas } | FetchEngine::Split { ctas, .. } => ctas,
-            _ => return None,
-        };
-        self.sms_left_by_copy(ctas)
+        crate::kv::offload::gemm_sm_target_rule(
+            self.reserve_fetch_sms,
+            self.forecast_on() && self.prefetch_on(),
+            self.fetch_engine(n),
+            self.gpu.info().sm_count.max(1) as usize,
+        )
     }
 
     /// Injects a delay of `us` µs (a spin kernel) before every fetch on its
