@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checks and benchmarks on the GPU machine, one phase per call (spec/device.md):
 # run from the repository root there, with the stripped binary and the SmolLM2
-# tokenizer in .device/bin (built and copied here: see README "GPU machine").
+# tokenizer in .device/bin (built and copied here: see scripts/device/README.md).
 #   scripts/device/offload.sh check  OUT   gpu-check + identity runs (tiny, SmolLM2 if /tmp/smol exists)
 #   scripts/device/offload.sh long   OUT   8,192 tokens on synthetic NOSA-8B, resident vs offloaded
 #   scripts/device/offload.sh bench  OUT   offload benchmark grid on synthetic NOSA-8B
