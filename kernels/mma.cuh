@@ -52,7 +52,6 @@ __device__ __forceinline__ void ldsm_x4_trans_at(u32 (&r)[4], u32 a) {
                  : "memory");
 }
 
-
 // c += A (16x16 bf16, row-major fragment) * B (16x8 bf16, column fragment), f32 accumulate.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(
