@@ -63,14 +63,14 @@ pub fn forecast_comparison(cases: &[Value]) -> Value {
         let bound = (p + cc) / p.max(cc);
         let sp_nopre = s_nopre / s_pre;
         let gamma = |x: &Value| x["offload"]["locality_gamma"].clone();
-        let resident = find(&json!("gpu"), b, l, rule, "forecast")
-            .filter(|r| r.get("skipped").is_none())
-            .map(step);
-        let resident_sync = c["selection"]
-            .as_str()
-            .and_then(|sel| find(&json!("gpu"), b, l, rule, sel))
-            .filter(|r| r.get("skipped").is_none())
-            .map(step);
+        // the GPU-resident run of the same cell and rule with selection `sel`
+        let resident_step = |sel: &str| {
+            find(&json!("gpu"), b, l, rule, sel)
+                .filter(|r| r.get("skipped").is_none())
+                .map(step)
+        };
+        let resident = resident_step("forecast");
+        let resident_sync = c["selection"].as_str().and_then(resident_step);
         // the forecast run's own fetch and rest (no prefetch: the fetch is on the step's path)
         let fc_p = nopre["offload"]["fetch_timing"]["fetch_ms_per_step"].as_f64();
         let fc_c = fc_p.map(|fp| s_nopre - fp);

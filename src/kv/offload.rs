@@ -708,10 +708,18 @@ pub(crate) fn gemm_sm_target_rule(
     if !(reserve && prefetching) {
         return None;
     }
-    let ctas = match engine {
-        FetchEngine::Sm { ctas } | FetchEngine::Split { ctas, .. } => ctas,
-        _ => return None,
-    };
+    match engine {
+        FetchEngine::Sm { ctas } | FetchEngine::Split { ctas, .. } => {
+            sms_left_by_copy(ctas, sm_count)
+        }
+        _ => None,
+    }
+}
+
+/// The SMs a copy kernel on `ctas` CTAs (one SM each) leaves to compute of
+/// `sm_count`, when it takes at most half of them (else `None`: so many copy
+/// CTAs share SMs as usual, and the GEMMs keep every SM).
+pub(crate) fn sms_left_by_copy(ctas: usize, sm_count: usize) -> Option<usize> {
     (2 * ctas <= sm_count).then(|| sm_count - ctas)
 }
 

@@ -194,12 +194,9 @@ impl GpuModel {
         }
     }
 
-    /// The SMs a copy kernel on `ctas` CTAs (one SM each) leaves to compute,
-    /// when it takes at most half of them (else `None`: so many copy CTAs
-    /// share SMs as usual, and the GEMMs keep every SM).
+    /// [`crate::kv::offload::sms_left_by_copy`] on this GPU.
     fn sms_left_by_copy(&self, ctas: usize) -> Option<usize> {
-        let sms = self.gpu.info().sm_count.max(1) as usize;
-        (2 * ctas <= sms).then(|| sms - ctas)
+        crate::kv::offload::sms_left_by_copy(ctas, self.gpu.info().sm_count.max(1) as usize)
     }
 
     /// The SMs the step's GEMMs are sized for at batch `n`: `Some(sm_count −
