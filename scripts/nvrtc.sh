@@ -26,19 +26,28 @@ PY="${PYTHON:-python3}"
 
 log() { echo "nvrtc.sh: $*" >&2; }
 
-mkdir -p "$CACHE"
-if [[ ! -f "$CACHE/$WHEEL" ]] || [[ "$(sha256sum "$CACHE/$WHEEL" | cut -d' ' -f1)" != "$WHEEL_SHA256" ]]; then
-  log "downloading nvidia-cuda-nvrtc==13.0.88 from PyPI"
-  rm -f "$CACHE/$WHEEL"
-  "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
-    --platform manylinux_2_12_x86_64 --platform manylinux2010_x86_64 \
-    -d "$CACHE" "nvidia-cuda-nvrtc==13.0.88"
-  got="$(sha256sum "$CACHE/$WHEEL" | cut -d' ' -f1)"
-  if [[ "$got" != "$WHEEL_SHA256" ]]; then
-    log "$CACHE/$WHEEL: sha256 $got, expected $WHEEL_SHA256"
-    exit 1
+# fetch_wheel NAME VERSION FILE SHA256 PLATFORM...: the wheel into the cache, checked
+fetch_wheel() {
+  local name=$1 version=$2 file=$3 sha=$4
+  shift 4
+  if [[ ! -f "$CACHE/$file" ]] || [[ "$(sha256sum "$CACHE/$file" | cut -d' ' -f1)" != "$sha" ]]; then
+    log "downloading $name==$version from PyPI"
+    rm -f "$CACHE/$file"
+    local plat=()
+    for p in "$@"; do plat+=(--platform "$p"); done
+    "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
+      "${plat[@]}" -d "$CACHE" "$name==$version"
+    local got
+    got="$(sha256sum "$CACHE/$file" | cut -d' ' -f1)"
+    if [[ "$got" != "$sha" ]]; then
+      log "$CACHE/$file: sha256 $got, expected $sha"
+      exit 1
+    fi
   fi
-fi
+}
+
+mkdir -p "$CACHE"
+fetch_wheel nvidia-cuda-nvrtc 13.0.88 "$WHEEL" "$WHEEL_SHA256" manylinux_2_12_x86_64 manylinux2010_x86_64
 LIB="$CACHE/lib"
 if [[ ! -f "$LIB/libnvrtc.so.13" ]]; then
   rm -rf "$CACHE/unpack" && mkdir -p "$CACHE/unpack" "$LIB"
@@ -54,21 +63,6 @@ case "${1:-}" in
 "") ;;
 *) log "unknown option $1 (--resources, --sass FUNC)"; exit 2 ;;
 esac
-# fetch_wheel NAME VERSION FILE SHA256: the wheel into the cache, checked
-fetch_wheel() {
-  if [[ ! -f "$CACHE/$3" ]] || [[ "$(sha256sum "$CACHE/$3" | cut -d' ' -f1)" != "$4" ]]; then
-    log "downloading $1==$2 from PyPI"
-    rm -f "$CACHE/$3"
-    "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
-      --platform manylinux2014_x86_64 -d "$CACHE" "$1==$2"
-    local got
-    got="$(sha256sum "$CACHE/$3" | cut -d' ' -f1)"
-    if [[ "$got" != "$4" ]]; then
-      log "$CACHE/$3: sha256 $got, expected $4"
-      exit 1
-    fi
-  fi
-}
 # unpack_tool FILE TOOL: bin/TOOL from the wheel
 unpack_tool() {
   if [[ ! -x "$CACHE/bin/$2" ]]; then
@@ -81,11 +75,11 @@ unpack_tool() {
 CUBINS=""
 if ((resources)); then
   w="nvidia_cuda_cuobjdump-13.5.37-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl"
-  fetch_wheel nvidia-cuda-cuobjdump 13.5.37 "$w" 38780fee50863252a0b8926357faa91615ca1c8346490563f33a06100cd73f58
+  fetch_wheel nvidia-cuda-cuobjdump 13.5.37 "$w" 38780fee50863252a0b8926357faa91615ca1c8346490563f33a06100cd73f58 manylinux2014_x86_64
   unpack_tool "$w" cuobjdump
   if [[ -n "$sass" ]]; then
     w="nvidia_cuda_nvdisasm-13.5.37-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl"
-    fetch_wheel nvidia-cuda-nvdisasm 13.5.37 "$w" d3fdbdd49fa53e2e4aacd3db8259d052bd2b049ececdcb69e92e083c6728e7ca
+    fetch_wheel nvidia-cuda-nvdisasm 13.5.37 "$w" d3fdbdd49fa53e2e4aacd3db8259d052bd2b049ececdcb69e92e083c6728e7ca manylinux2014_x86_64
     unpack_tool "$w" nvdisasm
   fi
   CUBINS="$CACHE/cubins"
