@@ -286,10 +286,10 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
         }
     };
 
-    // ldmatrix row addresses of this lane in stage 0 (the warp's 16 tokens): K as the B
-    // operand of Q.K^T, V transposed for P.V (attn_prefill.cu's layout).
-    const u32 ks_lane = smem_addr(Ks + (warp * 16 + (lane & 7) + (lane >> 4) * 8) * RS + ((lane >> 3) & 1) * 8);
-    const u32 vs_lane = smem_addr(Vs + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * RS + (lane >> 4) * 8);
+    // ldmatrix row addresses of this lane in stage 0, in the warp's 16 tokens (mma.cuh
+    // ldsm_k_lane / ldsm_v_lane)
+    const u32 ks_lane = smem_addr(Ks + warp * 16 * RS + ldsm_k_lane(lane, RS));
+    const u32 vs_lane = smem_addr(Vs + warp * 16 * RS + ldsm_v_lane(lane, RS));
 
     float o[16][4];
 #pragma unroll

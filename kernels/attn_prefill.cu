@@ -246,11 +246,9 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
 
     bf16_t* Ks = (bf16_t*)pf_sh;        // [2][PF_BN][RS]
     bf16_t* Vs = Ks + 2 * PF_BN * RS;   // [2][PF_BN][RS]
-    // ldmatrix row addresses of this lane in stage 0: K as the B operand of Q.K^T (key row
-    // lane%8 + 8*(lane/16), column half (lane/8)%2), V transposed for P.V (key row lane%8 +
-    // 8*((lane/8)%2), column block lane/16).
-    const u32 ks_lane = smem_addr(Ks + ((lane & 7) + (lane >> 4) * 8) * RS + ((lane >> 3) & 1) * 8);
-    const u32 vs_lane = smem_addr(Vs + ((lane & 7) + ((lane >> 3) & 1) * 8) * RS + (lane >> 4) * 8);
+    // ldmatrix row addresses of this lane in stage 0 (mma.cuh ldsm_k_lane / ldsm_v_lane)
+    const u32 ks_lane = smem_addr(Ks + ldsm_k_lane(lane, RS));
+    const u32 vs_lane = smem_addr(Vs + ldsm_v_lane(lane, RS));
     float* Bs = (float*)(Vs + 2 * PF_BN * RS);  // [2][PF_BN] bias (sparse with c only)
     const bf16_t* K = (const bf16_t*)kptr[r0];
     const bf16_t* V = (const bf16_t*)vptr[r0];

@@ -52,6 +52,13 @@ __device__ __forceinline__ void ldsm_x4_trans_at(u32 (&r)[4], u32 a) {
                  : "memory");
 }
 
+// Element offsets, in a shared tile of bf16 rows RS apart, of this lane's ldmatrix row for
+// a 16-row x 16-column x4 load: K as the B operand of Q.K^T (tile row lane%8 + 8*(lane/16),
+// column half (lane/8)%2) and V transposed for P.V (tile row lane%8 + 8*((lane/8)%2),
+// column block lane/16).
+__device__ __forceinline__ int ldsm_k_lane(int lane, int RS) { return ((lane & 7) + (lane >> 4) * 8) * RS + ((lane >> 3) & 1) * 8; }
+__device__ __forceinline__ int ldsm_v_lane(int lane, int RS) { return ((lane & 7) + ((lane >> 3) & 1) * 8) * RS + (lane >> 4) * 8; }
+
 // c += A (16x16 bf16, row-major fragment) * B (16x8 bf16, column fragment), f32 accumulate.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(
