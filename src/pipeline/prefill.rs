@@ -592,6 +592,10 @@ impl GpuModel {
                 let tab = Tables::new(ptrs + (l * per_layer * 8) as u64, n, ns);
                 let comp = (sparse_plan && path == SelectionPath::Gpu && new_windows > 0)
                     .then_some((n_new, new_windows.min(COMPRESS_MAX_GRID_X)));
+                // Traced as the decode step is: "qkv" (input norm, QKV, RoPE,
+                // KV append, compression), the selection's phases
+                // (gpu_select), then layer_back's spans.
+                let mut open = self.tspan(&s, crate::trace::Track::Compute, "qkv", l)?;
                 self.layer_front(l, &mut ws, n, ns, 0, &inp, &tab, comp, 0)?;
                 if let Some(t) = &spill {
                     self.spill_layer(&seqs[0], l, t, new_len[0])?;
@@ -605,7 +609,8 @@ impl GpuModel {
                         (Some(kc), true) => Some(dptr(&gpu, kc)),
                         _ => None,
                     };
-                    self.gpu_select(l, &ws, n, 0, 0, 0, &inp, &tab, &sel_geo, shared_kc)?;
+                    open =
+                        self.gpu_select(l, &ws, n, 0, 0, 0, &inp, &tab, &sel_geo, shared_kc, open)?;
                     if any_dense_in_sparse {
                         self.fill_dense_rows(&ws, n, inp.lens, s_max, 0, 0)?;
                     }
@@ -614,19 +619,8 @@ impl GpuModel {
                     self.record_forward_layer(l, &ws, rows, any_sparse, s_max)?;
                 }
                 self.capture_layer(l, &ws, rows)?;
-                let sp = self.layer_back(
-                    l,
-                    &mut ws,
-                    n,
-                    0,
-                    0,
-                    0,
-                    &inp,
-                    &tab,
-                    &attn_geo,
-                    None,
-                    SpanId::NONE,
-                )?;
+                let sp =
+                    self.layer_back(l, &mut ws, n, 0, 0, 0, &inp, &tab, &attn_geo, None, open)?;
                 self.tspan_end(self.gpu.stream(), sp)?;
             }
             Ok(())

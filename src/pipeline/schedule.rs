@@ -109,8 +109,19 @@ impl GpuModel {
                                 lists,
                             )?;
                         } else if any_sparse {
-                            self.gpu_select(
-                                l, &st.ws, n, qkv_off, sel_off, nsel_off, &inp, &tab, &st.sel, None,
+                            // (this step's own "select" span is open: none in, none back)
+                            let _ = self.gpu_select(
+                                l,
+                                &st.ws,
+                                n,
+                                qkv_off,
+                                sel_off,
+                                nsel_off,
+                                &inp,
+                                &tab,
+                                &st.sel,
+                                None,
+                                SpanId::NONE,
                             )?;
                         }
                         if fill_dense && !st.key.host_selection {

@@ -4,18 +4,21 @@
 
 use super::*;
 use crate::cuda::ops::select::{
-    launch_window_logits, launch_window_scores, qa_logits_shared_kc, ScoreDims,
+    launch_row_scores, launch_window_logits, launch_window_scores, qa_logits_shared_kc, ScoreDims,
 };
 
 impl GpuModel {
     /// GPU block selection of every row (spec §4) of layer `l` through the
     /// per-row tables: window logits over up to `geo.mc` windows (grids sized
-    /// by it; each row scores the Mc(pos+1) windows it sees) — with
-    /// `qa_window_logits`, or, when every row reads the one Kc at
-    /// `shared_kc` (a prefill chunk), with cuBLAS ([`qa_logits_shared_kc`],
-    /// queries widened into `ws.qa_qf`) — then `qa_window_scores`, then
+    /// by it; each row scores the Mc(pos+1) windows it sees) and window
+    /// scores — with `qa_window_logits` and `qa_window_scores`, or, when
+    /// every row reads the one Kc at `shared_kc` (a prefill chunk), with
+    /// cuBLAS ([`qa_logits_shared_kc`], queries widened into `ws.qa_qf`)
+    /// and `qa_row_scores` (the same scores of the same logits) — then
     /// `select_blocks` over up to `geo.nb_cap` blocks into the lists at
-    /// `sel_off` / `nsel_off` (width `geo.s_max`).
+    /// `sel_off` / `nsel_off` (width `geo.s_max`). `span` (a traced
+    /// prefill's open span, else [`SpanId::NONE`]) is ended and followed by
+    /// one span per phase; the last one open is returned.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gpu_select(
         &self,
@@ -29,8 +32,19 @@ impl GpuModel {
         tab: &Tables,
         geo: &SelGeometry,
         shared_kc: Option<u64>,
-    ) -> Result<()> {
+        span: SpanId,
+    ) -> Result<SpanId> {
         let gpu = &*self.gpu;
+        // A traced prefill passes its open span: the phases then follow as
+        // "window_logits", "window_scores", "select" (the decode step's
+        // caller keeps its own single "select" span and passes NONE).
+        let mut span = span;
+        let mut phase = |name: &'static str| -> Result<()> {
+            if !span.is_none() {
+                span = self.tspan_next(gpu.stream(), span, name, l)?;
+            }
+            Ok(())
+        };
         let cfg = &self.config;
         let (hq, hk, dh) = (
             cfg.num_attention_heads,
@@ -52,6 +66,8 @@ impl GpuModel {
                 w_stride: geo.w_stride,
                 budget: self.plan.budget,
             };
+            phase("window_logits")?;
+            let rows_share_kc = shared_kc.is_some();
             match shared_kc {
                 // Rows of one sequence (a prefill chunk): cuBLAS reads each Kc tile once.
                 Some(kc) => qa_logits_shared_kc(
@@ -66,11 +82,17 @@ impl GpuModel {
                 )?,
                 None => launch_window_logits(gpu, &dims, qp, self.qkv_cols, dh, tab.kc)?,
             }
-            launch_window_scores(gpu, &dims)?;
+            phase("window_scores")?;
+            if rows_share_kc {
+                launch_row_scores(gpu, &dims)?;
+            } else {
+                launch_window_scores(gpu, &dims)?;
+            }
         }
         if !self.on(StepPart::Select) {
-            return Ok(());
+            return Ok(span);
         }
+        phase("select")?;
         self.select_from_scores(
             l,
             ws,
@@ -82,7 +104,8 @@ impl GpuModel {
             0,
             geo,
             "select_blocks",
-        )
+        )?;
+        Ok(span)
     }
 
     /// `select_blocks` (spec §4 steps 2–6) of n rows from the window scores
