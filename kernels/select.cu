@@ -156,9 +156,8 @@ extern "C" __global__ void qa_window_logits(const bf16_t* __restrict__ q, int q_
 // logits come from cuBLAS: per KV head h, an SGEMM of the rows' f32 queries of its G query
 // heads against Kc[:, h] (src/cuda/ops/select.rs qa_logits_shared_kc), written where
 // qa_window_logits writes them (and past each row's Mc too: those entries are never read).
-// qa_q_f32 widens the queries for it; qa_row_scores then computes the tile statistics from
-// the logits, as qa_window_logits does (windows w >= Mc of the row count as -inf), and the
-// scores, as qa_window_scores does.
+// qa_q_f32 widens the queries for it and qa_tile_stats computes the tile statistics from
+// the logits, as qa_window_logits does (windows w >= Mc of the row count as -inf).
 //
 // qa_q_f32: qf[(b*H*D) + j] = q[b*q_stride + j] for j < H*D, rows b < n. Any 1-D grid
 // (grid-stride loop).
@@ -172,13 +171,20 @@ extern "C" __global__ void qa_q_f32(const bf16_t* __restrict__ q, int q_stride, 
     }
 }
 
-// The tile statistics of row (b, h) = `row`, tile `tile` (windows [w0, w0 + nwin) of Mc),
-// one warp per query head g (warps stride over G): stats[((row*G + g)*ntiles + tile)*2] =
-// (max, sum exp(logit - max)), for qa_row_scores.
-__device__ __forceinline__ void tile_stats_of(const float* __restrict__ logits, float* __restrict__ stats,
-                                              u64 row, int G, int w_stride, int ntiles, int tile, int nwin) {
+// qa_tile_stats: stats[((b*hkv + h)*G + g)*ntiles + tile] = (max, sum exp(logit - max)) over
+// the windows w < Mc of the tile, from logits laid out as qa_window_logits writes them.
+// Grid (tiles, hkv, B), a multiple of 32 threads (128 used); no shared memory.
+extern "C" __global__ void qa_tile_stats(const float* __restrict__ logits, const int* __restrict__ lens,
+                                         float* __restrict__ stats, int H, int hkv, int w_stride, int ntiles,
+                                         int stride, int ksize) {
+    const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int G = H / hkv;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int Mc = sel_windows(lens[b], stride, ksize);
     const int w0 = tile * QA_TILE;
+    if (w0 >= Mc) return;  // uniform over the block
+    const int nwin = min(QA_TILE, Mc - w0);
+    const u64 row = (u64)b * hkv + h;
     for (int g = warp; g < G; g += nw) {
         const float* lg = logits + (row * G + g) * w_stride + w0;
         float m = -INFINITY;
@@ -196,12 +202,24 @@ __device__ __forceinline__ void tile_stats_of(const float* __restrict__ logits, 
     }
 }
 
-// (M_g, L_g) of row `row` into sM[g], sL[g]: the tile statistics of the `used` tiles combined
-// (the softmax over all existing windows per query head), one warp per g. The caller
-// synchronises the block before reading them.
-__device__ __forceinline__ void combine_stats_of(const float* __restrict__ stats, u64 row, int G, int ntiles,
-                                                 int used, float* sM, float* sL) {
+// Step 1b: s[b, h, w] = sum over g (ascending) of exp(logit[g, w] - M_g) / L_g, where
+// (M_g, L_g) combine the tile statistics of query head g over all windows (the softmax
+// over all existing windows, per query head, no mask). Grid (tiles, hkv, B), QA_TILE to
+// 4*QA_TILE threads (a multiple of QA_TILE); dynamic shared memory: 2*G floats.
+extern "C" __global__ void qa_window_scores(const float* __restrict__ logits, const float* __restrict__ stats,
+                                            const int* __restrict__ lens, float* __restrict__ s_out, int H,
+                                            int hkv, int w_stride, int ntiles, int stride, int ksize) {
+    extern __shared__ float qs_sh[];
+    const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int G = H / hkv;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int Mc = sel_windows(lens[b], stride, ksize);
+    const int w0 = tile * QA_TILE;
+    if (w0 >= Mc) return;  // uniform over the block
+    const int used = (Mc + QA_TILE - 1) / QA_TILE;
+    const u64 row = (u64)b * hkv + h;
+    float* sM = qs_sh;
+    float* sL = qs_sh + G;
     for (int g = warp; g < G; g += nw) {
         const float* st = stats + (row * G + g) * ntiles * 2;
         float m = -INFINITY;
@@ -218,19 +236,14 @@ __device__ __forceinline__ void combine_stats_of(const float* __restrict__ stats
             sL[g] = l;
         }
     }
-}
-
-// s[row, w] for the windows w < Mc of tile `tile` from sM / sL: thread (wi, part) takes window
-// wi and query heads [part*gp, (part+1)*gp); the parts' sums are added in ascending order
-// (blockDim a multiple of QA_TILE, at most 4*QA_TILE). Every thread of the block calls it.
-__device__ __forceinline__ void scores_tile_of(const float* __restrict__ logits, float* __restrict__ s_out,
-                                               u64 row, int G, int w_stride, int Mc, int tile, const float* sM,
-                                               const float* sL) {
+    __syncthreads();
+    // Thread (wi, part): window wi, query heads [part*gp, (part+1)*gp); the parts' sums are
+    // added in ascending order (blockDim a multiple of QA_TILE, at most 4*QA_TILE).
     __shared__ float qs_part[4 * QA_TILE];
     const int nparts = blockDim.x / QA_TILE;
     const int wi = threadIdx.x % QA_TILE, part = threadIdx.x / QA_TILE;
     const int gp = (G + nparts - 1) / nparts;
-    const int w = tile * QA_TILE + wi;
+    const int w = w0 + wi;
     float acc = 0.0f;
     if (w < Mc) {
         const int ga = part * gp, gb = min(G, ga + gp);
@@ -245,51 +258,6 @@ __device__ __forceinline__ void scores_tile_of(const float* __restrict__ logits,
         for (int p = 1; p < nparts; ++p) tot += qs_part[p * QA_TILE + wi];
         s_out[row * w_stride + w] = tot;
     }
-    __syncthreads();  // qs_part is reused by the next tile
-}
-
-// Step 1b: s[b, h, w] = sum over g (ascending) of exp(logit[g, w] - M_g) / L_g, where
-// (M_g, L_g) combine the tile statistics of query head g over all windows (the softmax
-// over all existing windows, per query head, no mask). Grid (tiles, hkv, B), QA_TILE to
-// 4*QA_TILE threads (a multiple of QA_TILE); dynamic shared memory: 2*G floats.
-extern "C" __global__ void qa_window_scores(const float* __restrict__ logits, const float* __restrict__ stats,
-                                            const int* __restrict__ lens, float* __restrict__ s_out, int H,
-                                            int hkv, int w_stride, int ntiles, int stride, int ksize) {
-    extern __shared__ float qs_sh[];
-    const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const int G = H / hkv;
-    const int Mc = sel_windows(lens[b], stride, ksize);
-    if (tile * QA_TILE >= Mc) return;  // uniform over the block
-    const int used = (Mc + QA_TILE - 1) / QA_TILE;
-    const u64 row = (u64)b * hkv + h;
-    combine_stats_of(stats, row, G, ntiles, used, qs_sh, qs_sh + G);
-    __syncthreads();
-    scores_tile_of(logits, s_out, row, G, w_stride, Mc, tile, qs_sh, qs_sh + G);
-}
-
-// Steps 1a's statistics and 1b in one launch, for logits written without them (the cuBLAS
-// logits of a prefill chunk's rows): block (b = blockIdx.x, h = blockIdx.y) writes the tile
-// statistics of all its Mc windows (as qa_tile_stats, into `stats`), combines them and
-// writes s for every tile (as qa_window_scores): the same values, bit for bit, in one block
-// per (row, KV head) instead of two launches of one block per (tile, KV head, row).
-// Grid (B, hkv), QA_TILE to 4*QA_TILE threads (a multiple of QA_TILE; 128 used); dynamic
-// shared memory: 2*G floats.
-extern "C" __global__ void qa_row_scores(const float* __restrict__ logits, const int* __restrict__ lens,
-                                         float* __restrict__ stats, float* __restrict__ s_out, int H, int hkv,
-                                         int w_stride, int ntiles, int stride, int ksize) {
-    extern __shared__ float qr_sh[];
-    const int b = blockIdx.x, h = blockIdx.y;
-    const int G = H / hkv;
-    const int Mc = sel_windows(lens[b], stride, ksize);
-    if (Mc <= 0) return;  // uniform over the block
-    const int used = (Mc + QA_TILE - 1) / QA_TILE;
-    const u64 row = (u64)b * hkv + h;
-    for (int t = 0; t < used; ++t)
-        tile_stats_of(logits, stats, row, G, w_stride, ntiles, t, min(QA_TILE, Mc - t * QA_TILE));
-    __syncthreads();  // the block's statistics (device memory) before they are combined
-    combine_stats_of(stats, row, G, ntiles, used, qr_sh, qr_sh + G);
-    __syncthreads();
-    for (int t = 0; t < used; ++t) scores_tile_of(logits, s_out, row, G, w_stride, Mc, t, qr_sh, qr_sh + G);
 }
 
 // ---- block selection -------------------------------------------------------------------------

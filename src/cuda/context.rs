@@ -146,8 +146,8 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         functions: &[
             "qa_window_logits",
             "qa_q_f32",
+            "qa_tile_stats",
             "qa_window_scores",
-            "qa_row_scores",
             "select_blocks",
         ],
     },

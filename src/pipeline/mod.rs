@@ -133,8 +133,11 @@ pub(crate) use workspace::{
 
 /// Prompt tokens per prefill forward call at most (fewer when the attention
 /// partials of a long context would exceed [`PARTIALS_BUDGET_BYTES`]), by
-/// default ([`prefill_chunk`]).
-pub const PREFILL_CHUNK: usize = 512;
+/// default ([`prefill_chunk`]). 1024: NOSA-8B at 32K on the H200 prefilled
+/// 5 % faster (sparse) and 3 % faster (dense) than in chunks of 512, and
+/// chunks of 2048 were no faster (benches/results/
+/// prefill_window_scoring_breakdown_32k_sparse_h200_2026-12-02_0da804e/).
+pub const PREFILL_CHUNK: usize = 1024;
 
 /// The environment variable that sets the prefill chunk for experiments
 /// ([`prefill_chunk`]).

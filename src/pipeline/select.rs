@@ -4,18 +4,17 @@
 
 use super::*;
 use crate::cuda::ops::select::{
-    launch_row_scores, launch_window_logits, launch_window_scores, qa_logits_shared_kc, ScoreDims,
+    launch_window_logits, launch_window_scores, qa_logits_shared_kc, ScoreDims,
 };
 
 impl GpuModel {
     /// GPU block selection of every row (spec §4) of layer `l` through the
     /// per-row tables: window logits over up to `geo.mc` windows (grids sized
-    /// by it; each row scores the Mc(pos+1) windows it sees) and window
-    /// scores — with `qa_window_logits` and `qa_window_scores`, or, when
-    /// every row reads the one Kc at `shared_kc` (a prefill chunk), with
-    /// cuBLAS ([`qa_logits_shared_kc`], queries widened into `ws.qa_qf`)
-    /// and `qa_row_scores` (the same scores of the same logits) — then
-    /// `select_blocks` over up to `geo.nb_cap` blocks into the lists at
+    /// by it; each row scores the Mc(pos+1) windows it sees) — with
+    /// `qa_window_logits`, or, when every row reads the one Kc at
+    /// `shared_kc` (a prefill chunk), with cuBLAS ([`qa_logits_shared_kc`],
+    /// queries widened into `ws.qa_qf`, then the tile statistics) — then
+    /// `qa_window_scores`, then `select_blocks` over up to `geo.nb_cap` blocks into the lists at
     /// `sel_off` / `nsel_off` (width `geo.s_max`). `span` (a traced
     /// prefill's open span, else [`SpanId::NONE`]) is ended and followed by
     /// one span per phase; the last one open is returned.
@@ -67,7 +66,6 @@ impl GpuModel {
                 budget: self.plan.budget,
             };
             phase("window_logits")?;
-            let rows_share_kc = shared_kc.is_some();
             match shared_kc {
                 // Rows of one sequence (a prefill chunk): cuBLAS reads each Kc tile once.
                 Some(kc) => qa_logits_shared_kc(
@@ -83,11 +81,7 @@ impl GpuModel {
                 None => launch_window_logits(gpu, &dims, qp, self.qkv_cols, dh, tab.kc)?,
             }
             phase("window_scores")?;
-            if rows_share_kc {
-                launch_row_scores(gpu, &dims)?;
-            } else {
-                launch_window_scores(gpu, &dims)?;
-            }
+            launch_window_scores(gpu, &dims)?;
         }
         if !self.on(StepPart::Select) {
             return Ok(span);

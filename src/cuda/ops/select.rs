@@ -798,7 +798,7 @@ pub fn window_scores_shared_kc(
         mc,
         dptr_mut(gpu, &mut qf),
     )?;
-    launch_row_scores(gpu, &dims)?;
+    launch_window_scores(gpu, &dims)?;
     // the uploads and scratch live until the kernels that read them are done
     gpu.synchronize()
 }
@@ -951,10 +951,10 @@ pub fn shared_kc_scratch_f32(rows: usize, heads: usize, head_dim: usize) -> usiz
 /// chunk, spec §4.1): logits[b, h, g, w] = (q_g · Kc[w, h]) / √D for the
 /// windows w < `mc` (the most any row has; a row's entries past its own Mc
 /// are computed but never read), as one GEMM per KV head over its G query
-/// heads (cuBLAS, strided batched): an f32 SGEMM on the widened queries,
-/// no TF32. Same values as `qa_window_logits` up to the summation order of
-/// the dot products; no tile statistics ([`launch_row_scores`] computes
-/// them with the scores). (A bf16 tensor-core GEMM over the query three times against
+/// heads (cuBLAS, strided batched), then the tile statistics
+/// (`qa_tile_stats`): an f32 SGEMM on the widened queries, no TF32. Same
+/// values as `qa_window_logits` up to the summation order of the dot
+/// products. (A bf16 tensor-core GEMM over the query three times against
 /// Kc split into three exact bf16 parts passed the same checks and was
 /// 3.6–5.6 % slower in NOSA-8B sparse prefill on the H200:
 /// benches/results/prefill_qa_logits_bf16x3_vs_f32_nosa8b_b1_h200_2026-12-01_b4c5685/.)
@@ -1040,43 +1040,31 @@ pub(crate) fn qa_logits_shared_kc(
             d.rows
         ))?;
     }
-    Ok(())
+    qa_tile_stats(gpu, d)
 }
 
-/// Steps 1a's tile statistics and 1b on logits written without them (those
-/// of [`qa_logits_shared_kc`]): `qa_row_scores` (kernels/select.cu), one
-/// block per (row, KV head) over all the row's windows, writing `d.stats`
-/// and `d.scores` with the values `qa_window_logits` and `qa_window_scores`
-/// give for the same logits, bit for bit.
-///
-/// Errors: [`Error::Input`] when a dimension exceeds i32; [`Error::Cuda`] on
-/// a launch failure.
-pub(crate) fn launch_row_scores(gpu: &Gpu, d: &ScoreDims) -> Result<()> {
+/// The tile statistics of the logits just written (`qa_tile_stats`).
+fn qa_tile_stats(gpu: &Gpu, d: &ScoreDims) -> Result<()> {
     let [h_, hk_, wst, nt, st, ks] = d.i32s()?;
-    let g = d.heads / d.kv_heads.max(1);
-    let f = gpu.function("qa_row_scores")?;
-    let smem = ensure_smem(gpu, f, 2 * g * 4, 0, "qa_row_scores")?;
-    let cfg = LaunchConfig {
-        grid_dim: (grid(d.rows, "rows")?, grid(d.kv_heads, "Hkv")?, 1),
+    let f1 = gpu.function("qa_tile_stats")?;
+    let cfg1 = LaunchConfig {
+        grid_dim: d.grid()?,
         block_dim: (128, 1, 1),
-        shared_mem_bytes: smem,
+        shared_mem_bytes: 0,
     };
-    let mut l = gpu.stream().launch_builder(f);
-    l.arg(&d.logits)
+    let mut l1 = gpu.stream().launch_builder(f1);
+    l1.arg(&d.logits)
         .arg(&d.lens)
         .arg(&d.stats)
-        .arg(&d.scores)
         .arg(&h_)
         .arg(&hk_)
         .arg(&wst)
         .arg(&nt)
         .arg(&st)
         .arg(&ks);
-    // SAFETY: argument list matches qa_row_scores in kernels/select.cu; it
-    // reads the logits of windows < Mc of each row and writes the stats and
-    // scores of those windows; the caller sized the buffers as ScoreDims
-    // documents.
-    unsafe { l.launch(cfg) }.cuda("qa_row_scores").map(drop)
+    // SAFETY: argument list matches qa_tile_stats in kernels/select.cu; it
+    // reads the logits just written for windows < Mc of each row.
+    unsafe { l1.launch(cfg1) }.cuda("qa_tile_stats").map(drop)
 }
 
 /// Pooled block scores as the selection saw them, before forcing (for
