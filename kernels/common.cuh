@@ -30,6 +30,12 @@ __device__ __forceinline__ float round_bf(float f) { return bf2f(f2bf(f)); }
 // The bf16 bits of a quiet NaN, written where an input was invalid so the error shows.
 #define BF16_NAN ((bf16_t)0x7fc0u)
 
+// Mc(T): the compressed-key windows of T tokens, (T - ksize) / stride + 1 for T >= ksize,
+// else 0 (nosa-model.md §3; select.cu, qa_prefill.cu).
+__device__ __forceinline__ int sel_windows(int T, int stride, int ksize) {
+    return T >= ksize ? (T - ksize) / stride + 1 : 0;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

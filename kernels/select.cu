@@ -4,7 +4,7 @@
 //
 // Shared conventions:
 //   lens[b] = T (tokens of sequence b, the current one included);
-//   Mc(T) = (T-ksize)/stride + 1 windows for T >= ksize, else 0;
+//   Mc(T) = (T-ksize)/stride + 1 windows for T >= ksize, else 0 (common.cuh sel_windows);
 //   kcptr[b] -> f32 Kc [cap, hkv, D]; pptr[b] -> f32 p [cap, hkv];
 //   q: bf16, sequence b's H*D query values at b*q_stride, query head g of KV head h at
 //      (h*G + g)*D (G = H/hkv);
@@ -12,9 +12,6 @@
 
 #define QA_TILE 64   // windows per thread block in the scoring kernels
 
-__device__ __forceinline__ int sel_windows(int T, int stride, int ksize) {
-    return T >= ksize ? (T - ksize) / stride + 1 : 0;
-}
 
 // Step 1a: logits[b, h, g, w] = (q_g . Kc[w, h]) * scale for the windows w of tile
 // blockIdx.x, plus the tile's softmax statistics per query head:

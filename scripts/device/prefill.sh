@@ -21,20 +21,25 @@
 #   scripts/device/prefill.sh long-dense   OUT   the same, dense prefill
 #   scripts/device/prefill.sh baseline     OUT   transformers SDPA prefill at 4K … 128K
 #   scripts/device/prefill.sh chunks       OUT   32K and 128K (as 127K), B = 1, KV on GPU, dense and sparse
-#                                                prefill with SPARDA_PREFILL_CHUNK 512 (the default),
-#                                                1024 and 2048 (CHUNKS to choose): one process each
+#                                                prefill with SPARDA_PREFILL_CHUNK 512, 1024 (the default)
+#                                                and 2048 (CHUNKS to choose): one process each
 #   scripts/device/prefill.sh ab           OUT   the binary at BASE (default .device/bin/sparda_base: an
 #                                                earlier commit's build, carried beside this one) against
 #                                                this one, alternating over ROUNDS (default 2): 32K B = 1
 #                                                dense and sparse prefill, KV on GPU, then the B = 1 4K
 #                                                decode step (dense and sparse attention); one process
 #                                                each (about 35 s), files *_base_<r>.json / *_new_<r>.json
+#   scripts/device/prefill.sh scores       OUT   the sparse prefill window-scoring kernels: gpu-check's kernel
+#                                                cases (qa_prefill_scores among them) and gpu-check-e2e with
+#                                                SPARDA_PREFILL_SCORES=tensor-core, then sparse prefill at
+#                                                CONTEXT (default 32K,128K) with cublas and tensor-core,
+#                                                one process each (about 3 minutes in all)
 # Then, here: sparda report OUT/prefill_*.json OUT/transformers_sdpa_prefill.json \
 #   --out benches/results/prefill_nosa8b_h200_<date>_<commit>   (a table and PREFIX.prefill.svg)
 # Env: SPARDA (default .device/bin/sparda), SPARDA_COMMIT, BATCH (default 1,4),
 #      PREFILL_ATTENTION (extra `--prefill-attention` value when the binary has it).
 set -uo pipefail
-phase=${1:?phase: check|perf|short-sparse|short-dense|long-sparse|long-dense|baseline|chunks|ab}; out=${2:?out dir}; mkdir -p "$out"
+phase=${1:?phase: check|perf|short-sparse|short-dense|long-sparse|long-dense|baseline|chunks|ab|scores}; out=${2:?out dir}; mkdir -p "$out"
 SPARDA=${SPARDA:-.device/bin/sparda}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 tok=${TOKENIZER:-.device/bin/tokenizer.json}
@@ -87,6 +92,17 @@ ab)
       "$bin" bench --model synth:nosa-8b --tokenizer "$tok" --attention dense,sparse --batch 1 --context 4K \
         --steps 64 --json "$out/decode_b1_4k_${v}_$r.json" 2>&1 | grep -E "B=1 L=4K|sparse +gpu" | sed "s/^/$v $r: /"
     done
+  done
+  ;;
+scores)
+  SPARDA_PREFILL_SCORES=tensor-core SPARDA_CHECK_ONLY=kernels "$SPARDA" gpu-check \
+    --json "$out/gpu_check_kernels_tensor_core_scores.json" 2>&1 | grep -E "FAIL|error:|qa_|cases" | tail -12
+  SPARDA_PREFILL_SCORES=tensor-core "$SPARDA" gpu-check-e2e ${MODEL:+--model "$MODEL"} \
+    --json "$out/gpu_check_e2e_tensor_core_scores.json" --steps 48 2>&1 | grep -E "fail|FAIL|passed" | tail -6
+  for k in cublas tensor-core; do
+    SPARDA_PREFILL_SCORES=$k "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
+      --steps 0 --attention sparse --kv gpu --batch 1 --context "${CONTEXT:-32K,128K}" --prefill sparse \
+      --json "$out/prefill_sparse_scores_$k.json" 2>&1 | grep -E "prefill only" | sed "s/^/$k: /"
   done
   ;;
 baseline)

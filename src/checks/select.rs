@@ -32,8 +32,9 @@ use crate::config::SparseConfig;
 use crate::cpu::ops as cpu_ops;
 use crate::cuda::device_error::DeviceErrors;
 use crate::cuda::ops::select::{
-    compress_append, compress_prefill, select_from_scores, window_scores, window_scores_shared_kc,
-    PooledScores, SelectBatch, SelectWorkspace, SeqSelectState,
+    compress_append, compress_prefill, prefill_scores_tc_supported, select_from_scores,
+    window_scores, window_scores_shared_kc, PooledScores, PrefillScores, SelectBatch,
+    SelectWorkspace, SeqSelectState,
 };
 use crate::cuda::{Bf16, Gpu};
 use crate::model::select::{self as msel, Budget, SelectionRule};
@@ -757,8 +758,10 @@ fn pipeline_case(
 
 /// The rows of a prefill chunk: one sequence of `t0 + n` tokens, its Kc
 /// built by `compress_prefill`, and `n` query rows at positions t0 … t0+n−1
-/// scored together through the cuBLAS logits (`window_scores_shared_kc`),
-/// each row's window scores against the CPU reference's at its own length.
+/// scored together by each of the prefill kernels (`window_scores_shared_kc`
+/// with the cuBLAS logits, and with `qa_prefill_scores` on the tensor cores
+/// where it takes the head dim), each row's window scores against the CPU
+/// reference's at its own length.
 #[allow(clippy::too_many_arguments)]
 fn shared_kc_case(
     gpu: &Gpu,
@@ -777,7 +780,17 @@ fn shared_kc_case(
         m.insert("prefill_rows".into(), json!(n));
         m.insert("first_row_tokens".into(), json!(t0 + 1));
     }
-    let r = (|| -> Result<()> {
+    let mut kernels = vec![(
+        PrefillScores::Cublas,
+        "qa_window_scores (prefill rows, cuBLAS logits)",
+    )];
+    if prefill_scores_tc_supported(d, g) {
+        kernels.push((
+            PrefillScores::TensorCore,
+            "qa_prefill_scores (prefill rows, tensor cores)",
+        ));
+    }
+    let r = (|| -> Result<Vec<(&str, Vec<f32>, Vec<f32>)>> {
         let budget = st.budget();
         let nosa = st.rule == SelectionRule::Nosa;
         let mut seqs = vec![make_seq(gpu, rnd, &budget, t0 + n, hk, d, 2, true)?];
@@ -789,37 +802,45 @@ fn shared_kc_case(
         let (qb, qf) = rnd.bf16(n * hq * d, 1.5);
         let q = gpu.upload(&qb)?;
         let mc = budget.windows(t0 + n);
-        let mut ws = SelectWorkspace::new(gpu, n, hk, g, mc)?;
-        window_scores_shared_kc(gpu, &q, hq, &seqs[0].kc, hk, d, &lens, &budget, &mut ws)?;
-        let got = gpu.download(ws.scores())?;
-        let w = ws.w_stride();
-        let (mut sg, mut sc) = (Vec::new(), Vec::new());
         let kv = &seqs[0].kv;
+        // The CPU reference's scores of every row's windows, row by row.
+        let mut sc = Vec::new();
         for (b, &len) in lens.iter().enumerate() {
-            let mcb = budget.windows(len);
             for h in 0..hk {
                 let qh = &qf[(b * hq + h * g) * d..(b * hq + (h + 1) * g) * d];
                 let (s, _, _) = cpu_row(&budget, kv, qh, d, h, len);
-                let row = b * hk + h;
-                sg.extend_from_slice(&got[row * w..row * w + mcb]);
                 sc.extend(s);
             }
         }
-        rep.l2(
-            "qa_window_scores (prefill rows, cuBLAS logits)",
-            shape.clone(),
-            &sg,
-            &sc,
-            None,
-        );
-        Ok(())
+        let mut out = Vec::new();
+        for &(k, name) in &kernels {
+            let mut ws = SelectWorkspace::new(gpu, n, hk, g, mc)?;
+            window_scores_shared_kc(gpu, &q, hq, &seqs[0].kc, hk, d, &lens, &budget, k, &mut ws)?;
+            let got = gpu.download(ws.scores())?;
+            let w = ws.w_stride();
+            let mut sg = Vec::new();
+            for (b, &len) in lens.iter().enumerate() {
+                let mcb = budget.windows(len);
+                for h in 0..hk {
+                    let row = b * hk + h;
+                    sg.extend_from_slice(&got[row * w..row * w + mcb]);
+                }
+            }
+            out.push((name, sg, sc.clone()));
+        }
+        Ok(out)
     })();
-    if let Err(e) = r {
-        rep.failed(
-            "qa_window_scores (prefill rows, cuBLAS logits)",
-            shape,
-            e.to_string(),
-        );
+    match r {
+        Ok(out) => {
+            for (name, sg, sc) in out {
+                rep.l2(name, shape.clone(), &sg, &sc, None);
+            }
+        }
+        Err(e) => {
+            for &(_, name) in &kernels {
+                rep.failed(name, shape.clone(), e.to_string());
+            }
+        }
     }
 }
 

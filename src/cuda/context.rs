@@ -152,6 +152,16 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         ],
     },
     KernelSource {
+        file: "qa_prefill.cu",
+        text: include_str!("../../kernels/qa_prefill.cu"),
+        preludes: &[MMA_PRELUDE],
+        functions: &[
+            "qa_prefill_scores_d64",
+            "qa_prefill_scores_d80",
+            "qa_prefill_scores_d128",
+        ],
+    },
+    KernelSource {
         file: "gemv.cu",
         text: include_str!("../../kernels/gemv.cu"),
         preludes: &[],

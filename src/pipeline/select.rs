@@ -4,7 +4,8 @@
 
 use super::*;
 use crate::cuda::ops::select::{
-    launch_window_logits, launch_window_scores, qa_logits_shared_kc, ScoreDims,
+    launch_prefill_scores, launch_window_logits, launch_window_scores, prefill_scores,
+    prefill_scores_tc_supported, qa_logits_shared_kc, PrefillScores, ScoreDims,
 };
 
 impl GpuModel {
@@ -14,7 +15,9 @@ impl GpuModel {
     /// `qa_window_logits`, or, when every row reads the one Kc at
     /// `shared_kc` (a prefill chunk), with cuBLAS ([`qa_logits_shared_kc`],
     /// queries widened into `ws.qa_qf`, then the tile statistics) — then
-    /// `qa_window_scores`, then `select_blocks` over up to `geo.nb_cap` blocks into the lists at
+    /// `qa_window_scores`; or, for a prefill chunk under
+    /// `SPARDA_PREFILL_SCORES=tensor-core` ([`prefill_scores`]), all three in
+    /// `qa_prefill_scores`; then `select_blocks` over up to `geo.nb_cap` blocks into the lists at
     /// `sel_off` / `nsel_off` (width `geo.s_max`). `span` (a traced
     /// prefill's open span, else [`SpanId::NONE`]) is ended and followed by
     /// one span per phase; the last one open is returned.
@@ -65,23 +68,38 @@ impl GpuModel {
                 w_stride: geo.w_stride,
                 budget: self.plan.budget,
             };
-            phase("window_logits")?;
+            let tc = prefill_scores() == PrefillScores::TensorCore
+                && prefill_scores_tc_supported(dh, hq / hk.max(1));
             match shared_kc {
-                // Rows of one sequence (a prefill chunk): cuBLAS reads each Kc tile once.
-                Some(kc) => qa_logits_shared_kc(
-                    gpu,
-                    &dims,
-                    qp,
-                    self.qkv_cols,
-                    dh,
-                    kc,
-                    geo.mc,
-                    dptr(gpu, &ws.qa_qf),
-                )?,
-                None => launch_window_logits(gpu, &dims, qp, self.qkv_cols, dh, tab.kc)?,
+                // Rows of one sequence (a prefill chunk) on the tensor cores:
+                // logits, softmax and scores in one kernel.
+                Some(kc) if tc => {
+                    phase("window_scores")?;
+                    launch_prefill_scores(gpu, &dims, qp, self.qkv_cols, dh, kc)?;
+                }
+                // Rows of one sequence: cuBLAS reads each Kc tile once.
+                Some(kc) => {
+                    phase("window_logits")?;
+                    qa_logits_shared_kc(
+                        gpu,
+                        &dims,
+                        qp,
+                        self.qkv_cols,
+                        dh,
+                        kc,
+                        geo.mc,
+                        dptr(gpu, &ws.qa_qf),
+                    )?;
+                    phase("window_scores")?;
+                    launch_window_scores(gpu, &dims)?;
+                }
+                None => {
+                    phase("window_logits")?;
+                    launch_window_logits(gpu, &dims, qp, self.qkv_cols, dh, tab.kc)?;
+                    phase("window_scores")?;
+                    launch_window_scores(gpu, &dims)?;
+                }
             }
-            phase("window_scores")?;
-            launch_window_scores(gpu, &dims)?;
         }
         if !self.on(StepPart::Select) {
             return Ok(span);

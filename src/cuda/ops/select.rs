@@ -704,17 +704,21 @@ pub fn window_scores<Q: DevicePtr<Bf16>>(
 
 /// Query-aware window scores (spec §4.1) of `lens.len()` query rows that
 /// all read one sequence's `kc` — the rows of a prefill chunk, row b's query
-/// seeing the first `lens[b]` tokens — through the cuBLAS logits
-/// (`qa_logits_shared_kc`): the values [`window_scores`] gives for the
-/// same rows, up to the summation order of the dot products, written to
-/// `ws.scores()` (row b at b·Hkv·w_stride).
+/// seeing the first `lens[b]` tokens — with the prefill kernels `kernels`
+/// chooses ([`PrefillScores`]: the cuBLAS logits of `qa_logits_shared_kc`
+/// and `qa_window_scores`, or `qa_prefill_scores` on the tensor cores):
+/// the values [`window_scores`] gives for the same rows, up to the
+/// summation order of the dot products, written to `ws.scores()` (row b at
+/// b·Hkv·w_stride).
 ///
 /// - `q`: bf16 [rows, H, D] post-RoPE queries (contiguous rows);
 /// - `kc`: f32 [≥ Mc(max lens), Hkv, D] compressed keys.
 ///
 /// Errors: [`Error::Input`] when H is not a multiple of Hkv, `q` or `kc` is
-/// too short, a length exceeds i32, or `ws` does not fit (rows, Hkv, G, max
-/// Mc); [`Error::Cuda`] on an allocation, launch or cuBLAS failure.
+/// too short, a length exceeds i32, `ws` does not fit (rows, Hkv, G, max
+/// Mc), or the tensor-core kernel does not take the shape
+/// ([`prefill_scores_tc_supported`]); [`Error::Cuda`] on an allocation,
+/// launch or cuBLAS failure.
 #[allow(clippy::too_many_arguments)]
 pub fn window_scores_shared_kc(
     gpu: &Gpu,
@@ -725,6 +729,7 @@ pub fn window_scores_shared_kc(
     head_dim: usize,
     lens: &[usize],
     budget: &Budget,
+    kernels: PrefillScores,
     ws: &mut SelectWorkspace,
 ) -> Result<()> {
     const OP: &str = "window_scores_shared_kc";
@@ -770,12 +775,6 @@ pub fn window_scores_shared_kc(
         .map(|&l| i32_dim(l, "length"))
         .collect::<Result<Vec<_>>>()?;
     let lens_dev = gpu.upload(&lens_i32)?;
-    // SAFETY: written by qa_q_f32 before the GEMMs read it.
-    let mut qf = unsafe {
-        gpu.stream()
-            .alloc::<f32>(shared_kc_scratch_f32(n, heads, d))
-    }
-    .cuda(OP)?;
     let dims = ScoreDims {
         logits: dptr_mut(gpu, &mut ws.logits),
         stats: dptr_mut(gpu, &mut ws.stats),
@@ -788,6 +787,17 @@ pub fn window_scores_shared_kc(
         w_stride: ws.w_stride,
         budget: *budget,
     };
+    if kernels == PrefillScores::TensorCore {
+        launch_prefill_scores(gpu, &dims, dptr(gpu, q), heads * d, d, dptr(gpu, kc))?;
+        // the uploads live until the kernel that reads them is done
+        return gpu.synchronize();
+    }
+    // SAFETY: written by qa_q_f32 before the GEMMs read it.
+    let mut qf = unsafe {
+        gpu.stream()
+            .alloc::<f32>(shared_kc_scratch_f32(n, heads, d))
+    }
+    .cuda(OP)?;
     qa_logits_shared_kc(
         gpu,
         &dims,
@@ -932,6 +942,141 @@ pub(crate) fn launch_window_scores(gpu: &Gpu, d: &ScoreDims) -> Result<()> {
     unsafe { l2.launch(cfg2) }
         .cuda("qa_window_scores")
         .map(drop)
+}
+
+/// Which kernels score the windows of a prefill chunk's rows (rows that
+/// share one Kc, spec §4.1): read once from `SPARDA_PREFILL_SCORES`
+/// ([`prefill_scores`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillScores {
+    /// `cublas` (the default): the f32 logits of all rows and windows as
+    /// SGEMMs into device memory (`qa_logits_shared_kc`), then the tile
+    /// statistics and `qa_window_scores` over them.
+    Cublas,
+    /// `tensor-core`: `qa_prefill_scores` (kernels/qa_prefill.cu), the
+    /// logits on the tensor cores from Kc split into three exact bf16 parts
+    /// and the softmax and scores in the same kernel, with no logits in
+    /// device memory; head dims 64, 80 and 128 (others take `Cublas`).
+    TensorCore,
+}
+
+/// The environment variable that chooses [`PrefillScores`].
+pub const ENV_PREFILL_SCORES: &str = "SPARDA_PREFILL_SCORES";
+
+/// Reads a [`ENV_PREFILL_SCORES`] value: `cublas` or `tensor-core`.
+///
+/// Errors: [`Error::Input`] naming the variable, the value and the choices.
+pub fn parse_prefill_scores(v: &str) -> Result<PrefillScores> {
+    match v.trim() {
+        "cublas" => Ok(PrefillScores::Cublas),
+        "tensor-core" => Ok(PrefillScores::TensorCore),
+        _ => Err(Error::Input(format!(
+            "{ENV_PREFILL_SCORES}={v}: give cublas or tensor-core (the kernels that score a prefill chunk's windows)"
+        ))),
+    }
+}
+
+/// The prefill window-scoring kernels of this process: `$SPARDA_PREFILL_SCORES`
+/// when set to a valid value ([`parse_prefill_scores`]), else
+/// [`PrefillScores::Cublas`]; another value is refused with a one-line
+/// warning.
+pub fn prefill_scores() -> PrefillScores {
+    static CHOICE: std::sync::OnceLock<PrefillScores> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var(ENV_PREFILL_SCORES) {
+        Err(_) => PrefillScores::Cublas,
+        Ok(v) => parse_prefill_scores(&v).unwrap_or_else(|e| {
+            eprintln!("warning: {e}; scoring prefill windows with cublas");
+            PrefillScores::Cublas
+        }),
+    })
+}
+
+/// Whether `qa_prefill_scores` takes head dim `head_dim` and `group` query
+/// heads per KV head: D of 64, 80 or 128 (its entry points) and 1 ≤ G ≤ 64
+/// (the (row, head) pairs of a block).
+pub fn prefill_scores_tc_supported(head_dim: usize, group: usize) -> bool {
+    matches!(head_dim, 64 | 80 | 128) && (1..=QP_BM).contains(&group)
+}
+
+/// (row, query head) pairs per `qa_prefill_scores` block.
+const QP_BM: usize = 64;
+
+/// Dynamic shared memory of `qa_prefill_scores` at head dim `d`, bytes: the
+/// three bf16 part tiles of 64 windows (rows of d + 8) and the f32 P tile
+/// [64, 65] (kernels/qa_prefill.cu).
+pub fn qa_prefill_smem_bytes(d: usize) -> usize {
+    3 * 64 * (d + 8) * 2 + QP_BM * 65 * 4
+}
+
+/// Steps 1a and 1b for `d.rows` rows that all read one Kc (a prefill
+/// chunk) on the tensor cores: `qa_prefill_scores` (kernels/qa_prefill.cu)
+/// writes `d.scores` (the windows below each row's Mc) from the bf16
+/// queries at `q` (row b at b·`q_stride`) and the f32 Kc at `kc` (≥ max
+/// Mc windows of Hkv·`head_dim`); `d.logits` and `d.stats` are not used.
+///
+/// Errors: [`Error::Input`] when the shape is not one the kernel takes
+/// ([`prefill_scores_tc_supported`]), `q_stride` is odd, `kc` is not
+/// 16-byte aligned, a dimension exceeds i32 or the shared memory does not
+/// fit; [`Error::Cuda`] on a launch failure.
+pub(crate) fn launch_prefill_scores(
+    gpu: &Gpu,
+    d: &ScoreDims,
+    q: u64,
+    q_stride: usize,
+    head_dim: usize,
+    kc: u64,
+) -> Result<()> {
+    const OP: &str = "qa_prefill_scores";
+    let g = d.heads / d.kv_heads.max(1);
+    if d.kv_heads == 0
+        || !d.heads.is_multiple_of(d.kv_heads)
+        || !prefill_scores_tc_supported(head_dim, g)
+    {
+        return Err(Error::Input(format!(
+            "{OP}: H {} / Hkv {} at head dim {head_dim}: the kernel takes head dims 64, 80, 128 and 1 ≤ G ≤ {QP_BM} query heads per KV head",
+            d.heads, d.kv_heads
+        )));
+    }
+    if !q_stride.is_multiple_of(2) || !kc.is_multiple_of(16) {
+        return Err(Error::Input(format!(
+            "{OP}: q stride {q_stride} (need even) / Kc address {kc:#x} (need 16-byte aligned)"
+        )));
+    }
+    if d.rows == 0 {
+        return Ok(());
+    }
+    let [h_, hk_, wst, _, st, ks] = d.i32s()?;
+    let f = gpu.function(&format!("{OP}_d{head_dim}"))?;
+    let smem = ensure_smem(gpu, &f, qa_prefill_smem_bytes(head_dim), QP_BM * 4, OP)?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            grid(d.rows.div_ceil(QP_BM / g), "row blocks")?,
+            grid(d.kv_heads, "Hkv")?,
+            1,
+        ),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let (qs, rows) = (i32_dim(q_stride, "q_stride")?, i32_dim(d.rows, "rows")?);
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let mut l = gpu.stream().launch_builder(&f);
+    l.arg(&q)
+        .arg(&qs)
+        .arg(&kc)
+        .arg(&d.lens)
+        .arg(&d.scores)
+        .arg(&rows)
+        .arg(&h_)
+        .arg(&hk_)
+        .arg(&wst)
+        .arg(&st)
+        .arg(&ks)
+        .arg(&scale);
+    // SAFETY: argument list matches qa_prefill_scores_d* in
+    // kernels/qa_prefill.cu; q holds rows rows of H·D bf16 at q_stride, Kc
+    // the windows below every row's Mc, the scores rows·Hkv·w_stride f32
+    // with w_stride ≥ every row's Mc (the caller's contract, ScoreDims).
+    unsafe { l.launch(cfg) }.cuda(OP).map(drop)
 }
 
 /// Rows of one sequence from which window scoring computes its logits with
@@ -1264,4 +1409,51 @@ pub fn select_decode<Q: DevicePtr<Bf16>>(
         gpu, batch, budget, rule, &ws.scores, w_stride, &mut sel, &mut nsel, s_max, None, err,
     )?;
     BlockSelection::from_device(sel, nsel, b, hk, s_max)
+}
+
+#[cfg(test)]
+mod prefill_scores_tests {
+    use super::*;
+
+    #[test]
+    fn prefill_scores_values_and_errors() {
+        assert_eq!(parse_prefill_scores("cublas").unwrap(), PrefillScores::Cublas);
+        assert_eq!(
+            parse_prefill_scores(" tensor-core ").unwrap(),
+            PrefillScores::TensorCore
+        );
+        for bad in ["", "tc", "TENSOR-CORE", "cuBLAS"] {
+            let e = parse_prefill_scores(bad).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("{ENV_PREFILL_SCORES}={bad}"))
+                    && e.contains("cublas or tensor-core"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn tensor_core_scores_take_the_kernel_head_dims_and_groups() {
+        for d in [64, 80, 128] {
+            for g in [1, 3, 4, 8, 16, 64] {
+                assert!(prefill_scores_tc_supported(d, g), "D {d} G {g}");
+            }
+            assert!(!prefill_scores_tc_supported(d, 0));
+            assert!(!prefill_scores_tc_supported(d, 65));
+        }
+        for d in [0, 32, 96, 112, 256] {
+            assert!(!prefill_scores_tc_supported(d, 4), "D {d}");
+        }
+    }
+
+    #[test]
+    fn tensor_core_scores_fit_three_blocks_per_h200_sm() {
+        // 228 KB of shared memory per SM on the H100/H200, 1 KB reserved per
+        // block, the kernel's 256 bytes of static Mc values.
+        for d in [64, 80, 128] {
+            let per_block = qa_prefill_smem_bytes(d) + 1024 + 256;
+            assert!(3 * per_block <= 228 * 1024, "D {d}: {per_block} bytes");
+        }
+        assert_eq!(qa_prefill_smem_bytes(128), 3 * 64 * 136 * 2 + 64 * 65 * 4);
+    }
 }
