@@ -1417,7 +1417,10 @@ mod prefill_scores_tests {
 
     #[test]
     fn prefill_scores_values_and_errors() {
-        assert_eq!(parse_prefill_scores("cublas").unwrap(), PrefillScores::Cublas);
+        assert_eq!(
+            parse_prefill_scores("cublas").unwrap(),
+            PrefillScores::Cublas
+        );
         assert_eq!(
             parse_prefill_scores(" tensor-core ").unwrap(),
             PrefillScores::TensorCore
