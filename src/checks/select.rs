@@ -790,7 +790,8 @@ fn shared_kc_case(
             "qa_prefill_scores (prefill rows, tensor cores)",
         ));
     }
-    let r = (|| -> Result<Vec<(&str, Vec<f32>, Vec<f32>)>> {
+    // The CPU reference's scores, then each kernel's (in `kernels` order).
+    let r = (|| -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
         let budget = st.budget();
         let nosa = st.rule == SelectionRule::Nosa;
         let mut seqs = vec![make_seq(gpu, rnd, &budget, t0 + n, hk, d, 2, true)?];
@@ -813,7 +814,7 @@ fn shared_kc_case(
             }
         }
         let mut out = Vec::new();
-        for &(k, name) in &kernels {
+        for &(k, _) in &kernels {
             let mut ws = SelectWorkspace::new(gpu, n, hk, g, mc)?;
             window_scores_shared_kc(gpu, &q, hq, &seqs[0].kc, hk, d, &lens, &budget, k, &mut ws)?;
             let got = gpu.download(ws.scores())?;
@@ -826,14 +827,14 @@ fn shared_kc_case(
                     sg.extend_from_slice(&got[row * w..row * w + mcb]);
                 }
             }
-            out.push((name, sg, sc.clone()));
+            out.push(sg);
         }
-        Ok(out)
+        Ok((sc, out))
     })();
     match r {
-        Ok(out) => {
-            for (name, sg, sc) in out {
-                rep.l2(name, shape.clone(), &sg, &sc, None);
+        Ok((sc, out)) => {
+            for (&(_, name), sg) in kernels.iter().zip(&out) {
+                rep.l2(name, shape.clone(), sg, &sc, None);
             }
         }
         Err(e) => {

@@ -1047,7 +1047,7 @@ pub(crate) fn launch_prefill_scores(
     }
     let [h_, hk_, wst, _, st, ks] = d.i32s()?;
     let f = gpu.function(&format!("{OP}_d{head_dim}"))?;
-    let smem = ensure_smem(gpu, &f, qa_prefill_smem_bytes(head_dim), QP_BM * 4, OP)?;
+    let smem = ensure_smem(gpu, f, qa_prefill_smem_bytes(head_dim), QP_BM * 4, OP)?;
     let cfg = LaunchConfig {
         grid_dim: (
             grid(d.rows.div_ceil(QP_BM / g), "row blocks")?,
@@ -1059,7 +1059,7 @@ pub(crate) fn launch_prefill_scores(
     };
     let (qs, rows) = (i32_dim(q_stride, "q_stride")?, i32_dim(d.rows, "rows")?);
     let scale = 1.0 / (head_dim as f32).sqrt();
-    let mut l = gpu.stream().launch_builder(&f);
+    let mut l = gpu.stream().launch_builder(f);
     l.arg(&q)
         .arg(&qs)
         .arg(&kc)
