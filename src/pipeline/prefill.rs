@@ -201,12 +201,34 @@ impl GpuModel {
                 .div_ceil(crate::cuda::ops::select::QA_TILE)
                 * crate::cuda::ops::select::QA_TILE;
             let tiles = w_stride / crate::cuda::ops::select::QA_TILE;
-            // (+ the queries widened for the cuBLAS logits)
-            per_row += (c.num_attention_heads * (w_stride + 2 * tiles + c.head_dim)
-                + c.num_key_value_heads * w_stride)
-                * 4;
+            per_row += if self.prefill_scores_tc() {
+                // the window scores only (qa_prefill_scores keeps the logits on chip)
+                c.num_key_value_heads * w_stride * 4
+            } else {
+                // (+ the queries widened for the cuBLAS logits)
+                (c.num_attention_heads * (w_stride + 2 * tiles + c.head_dim)
+                    + c.num_key_value_heads * w_stride)
+                    * 4
+            };
         }
         (PARTIALS_BUDGET_BYTES / per_row.max(1)).clamp(1, prefill_chunk())
+    }
+
+    /// Whether this model's prefill chunks score their windows with
+    /// `qa_prefill_scores` (GPU selection, `SPARDA_PREFILL_SCORES=tensor-core`
+    /// and a head dim and group the kernel takes; a chunk of fewer than
+    /// `QA_GEMM_MIN_ROWS` rows still takes `qa_window_logits`).
+    pub(crate) fn prefill_scores_tc(&self) -> bool {
+        use crate::cuda::ops::select::{
+            prefill_scores, prefill_scores_tc_supported, PrefillScores,
+        };
+        let c = &self.config;
+        self.selection == SelectionPath::Gpu
+            && prefill_scores() == PrefillScores::TensorCore
+            && prefill_scores_tc_supported(
+                c.head_dim,
+                c.num_attention_heads / c.num_key_value_heads.max(1),
+            )
     }
 
     /// Fills the empty sequence `seq` with `len` tokens of synthetic state
@@ -502,12 +524,14 @@ impl GpuModel {
             if ws.seq_lens.len() < ns {
                 ws.seq_lens = unsafe { s.alloc(ns) }.cuda("allocating sequence lengths")?;
             }
+            // (qa_prefill_scores keeps the logits and statistics on chip)
+            let logits_in_memory = !(shared_kc_rows && self.prefill_scores_tc());
             if any_sparse && path == SelectionPath::Gpu {
-                if ws.qa_logits.len() < n * hq * w_stride {
+                if logits_in_memory && ws.qa_logits.len() < n * hq * w_stride {
                     ws.qa_logits = unsafe { s.alloc(n * hq * w_stride) }
                         .cuda("allocating the window-score workspace")?;
                 }
-                if ws.qa_stats.len() < n * hq * ntiles * 2 {
+                if logits_in_memory && ws.qa_stats.len() < n * hq * ntiles * 2 {
                     ws.qa_stats = unsafe { s.alloc(n * hq * ntiles * 2) }
                         .cuda("allocating the window-score workspace")?;
                 }
@@ -516,7 +540,7 @@ impl GpuModel {
                         .cuda("allocating the window-score workspace")?;
                 }
                 let scratch = crate::cuda::ops::select::shared_kc_scratch_f32(n, hq, dh);
-                if shared_kc_rows && ws.qa_qf.len() < scratch {
+                if shared_kc_rows && logits_in_memory && ws.qa_qf.len() < scratch {
                     ws.qa_qf = unsafe { s.alloc(scratch) }
                         .cuda("allocating the window-score workspace")?;
                 }

@@ -4,8 +4,8 @@
 
 use super::*;
 use crate::cuda::ops::select::{
-    launch_prefill_scores, launch_window_logits, launch_window_scores, prefill_scores,
-    prefill_scores_tc_supported, qa_logits_shared_kc, PrefillScores, ScoreDims,
+    launch_prefill_scores, launch_window_logits, launch_window_scores, qa_logits_shared_kc,
+    ScoreDims,
 };
 
 impl GpuModel {
@@ -16,7 +16,7 @@ impl GpuModel {
     /// `shared_kc` (a prefill chunk), with cuBLAS ([`qa_logits_shared_kc`],
     /// queries widened into `ws.qa_qf`, then the tile statistics) — then
     /// `qa_window_scores`; or, for a prefill chunk under
-    /// `SPARDA_PREFILL_SCORES=tensor-core` ([`prefill_scores`]), all three in
+    /// `SPARDA_PREFILL_SCORES=tensor-core` ([`GpuModel::prefill_scores_tc`]), all three in
     /// `qa_prefill_scores`; then `select_blocks` over up to `geo.nb_cap` blocks into the lists at
     /// `sel_off` / `nsel_off` (width `geo.s_max`). `span` (a traced
     /// prefill's open span, else [`SpanId::NONE`]) is ended and followed by
@@ -68,8 +68,7 @@ impl GpuModel {
                 w_stride: geo.w_stride,
                 budget: self.plan.budget,
             };
-            let tc = prefill_scores() == PrefillScores::TensorCore
-                && prefill_scores_tc_supported(dh, hq / hk.max(1));
+            let tc = self.prefill_scores_tc();
             match shared_kc {
                 // Rows of one sequence (a prefill chunk) on the tensor cores:
                 // logits, softmax and scores in one kernel.
