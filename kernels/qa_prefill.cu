@@ -229,18 +229,26 @@ __device__ __forceinline__ void qa_prefill_scores_impl(const bf16_t* __restrict_
                 s_out[((u64)(b0 + i) * hkv + h) * w_stride + w] = acc;
             }
         }
-        __syncthreads();  // the part tiles and the P tile are rewritten by the next tile
+        // No barrier here: every warp read the part tiles before the barrier above, so the
+        // next tile may overwrite them, and the P tile is rewritten only after the next
+        // tile's first barrier, which every warp reaches after this sum.
     }
 }
 
-#define QA_PREFILL_ENTRY(D)                                                                              \
-    extern "C" __global__ __launch_bounds__(QP_THREADS) void qa_prefill_scores_d##D(                     \
-        const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc,                        \
-        const int* __restrict__ lens, float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, \
-        int stride, int ksize, float scale) {                                                            \
-        qa_prefill_scores_impl<D>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize,   \
-                                  scale);                                                                \
-    }
-QA_PREFILL_ENTRY(64)
-QA_PREFILL_ENTRY(80)
-QA_PREFILL_ENTRY(128)
+extern "C" __global__ __launch_bounds__(QP_THREADS) void qa_prefill_scores_d64(
+    const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens,
+    float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) {
+    qa_prefill_scores_impl<64>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
+}
+
+extern "C" __global__ __launch_bounds__(QP_THREADS) void qa_prefill_scores_d80(
+    const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens,
+    float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) {
+    qa_prefill_scores_impl<80>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
+}
+
+extern "C" __global__ __launch_bounds__(QP_THREADS) void qa_prefill_scores_d128(
+    const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens,
+    float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) {
+    qa_prefill_scores_impl<128>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
+}

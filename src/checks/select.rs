@@ -236,14 +236,27 @@ impl Report {
         want: &[f32],
         extra_error: Option<String>,
     ) {
+        self.l2_within(kernel, shape, got, want, extra_error, TOLERANCE_BF16);
+    }
+
+    /// [`Report::l2`] against tolerance `tol` (relative L2).
+    fn l2_within(
+        &mut self,
+        kernel: &str,
+        shape: Value,
+        got: &[f32],
+        want: &[f32],
+        extra_error: Option<String>,
+        tol: f64,
+    ) {
         let (e, mx) = rel_l2(got, want);
         self.push(CaseResult {
             kernel: kernel.into(),
             shape,
             rel_l2: e,
             max_abs_err: mx,
-            tolerance: TOLERANCE_BF16,
-            pass: e.is_finite() && e <= TOLERANCE_BF16 && extra_error.is_none(),
+            tolerance: tol,
+            pass: e.is_finite() && e <= tol && extra_error.is_none(),
             error: extra_error,
         });
     }
@@ -756,6 +769,12 @@ fn pipeline_case(
     }
 }
 
+/// Relative-L2 tolerance of the prefill window scores: f32 dot products and
+/// softmax on both sides (the cuBLAS path measured ≤ 2.3e-7 on the H200,
+/// 2026-12-02), so a scale or indexing fault that the bf16 tolerance would
+/// let through fails here.
+const TOLERANCE_F32_SCORES: f64 = 1e-5;
+
 /// The rows of a prefill chunk: one sequence of `t0 + n` tokens, its Kc
 /// built by `compress_prefill`, and `n` query rows at positions t0 … t0+n−1
 /// scored together by each of the prefill kernels (`window_scores_shared_kc`
@@ -834,7 +853,7 @@ fn shared_kc_case(
     match r {
         Ok((sc, out)) => {
             for (&(_, name), sg) in kernels.iter().zip(&out) {
-                rep.l2(name, shape.clone(), sg, &sc, None);
+                rep.l2_within(name, shape.clone(), sg, &sc, None, TOLERANCE_F32_SCORES);
             }
         }
         Err(e) => {

@@ -1015,8 +1015,8 @@ pub fn qa_prefill_smem_bytes(d: usize) -> usize {
 /// Mc windows of Hkv·`head_dim`); `d.logits` and `d.stats` are not used.
 ///
 /// Errors: [`Error::Input`] when the shape is not one the kernel takes
-/// ([`prefill_scores_tc_supported`]), `q_stride` is odd, `kc` is not
-/// 16-byte aligned, a dimension exceeds i32 or the shared memory does not
+/// ([`prefill_scores_tc_supported`]), `q_stride` is odd, `q` is not 4-byte
+/// or `kc` not 16-byte aligned, a dimension exceeds i32 or the shared memory does not
 /// fit; [`Error::Cuda`] on a launch failure.
 pub(crate) fn launch_prefill_scores(
     gpu: &Gpu,
@@ -1037,9 +1037,9 @@ pub(crate) fn launch_prefill_scores(
             d.heads, d.kv_heads
         )));
     }
-    if !q_stride.is_multiple_of(2) || !kc.is_multiple_of(16) {
+    if !q_stride.is_multiple_of(2) || !q.is_multiple_of(4) || !kc.is_multiple_of(16) {
         return Err(Error::Input(format!(
-            "{OP}: q stride {q_stride} (need even) / Kc address {kc:#x} (need 16-byte aligned)"
+            "{OP}: q stride {q_stride} (need even), q address {q:#x} (need 4-byte aligned), Kc address {kc:#x} (need 16-byte aligned)"
         )));
     }
     if d.rows == 0 {

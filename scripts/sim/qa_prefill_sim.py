@@ -1,0 +1,627 @@
+#!/usr/bin/env python3
+"""Lane-level simulation of kernels/qa_prefill.cu (qa_prefill_scores_d{64,80,128}), to check
+the kernel without a GPU. It re-implements the kernel step by step: change it with the kernel.
+Run: python3 scripts/sim/qa_prefill_sim.py (numpy; about 20 s). Exit 1 on any error.
+
+Every block of the grid (ceil(rows / (64/G)), hkv) is simulated with its 128 threads held as
+numpy vectors indexed by tid (lane = tid & 31, warp = tid >> 5); warp-collective instructions
+(ldmatrix.x4, mma.sync.m16n8k16, shfl.xor) are simulated per warp from the per-lane registers
+with the PTX ISA fragment layouts. Shared memory is a byte array with the kernel's exact layout
+(three bf16 part tiles of 64 rows of RS = D + 8, then the f32 P tile [64][65]); the static
+qp_mc[64] is a separate 256-byte array. Every shared access is checked for bounds, alignment,
+reads of never-written bytes and cross-thread races inside one barrier epoch; every global
+access for bounds/alignment and for the block's limits (Kc windows < the block's max Mc, q rows
+< n); every output write for (row < n, w < Mc(row), right head, exactly once). Barriers check
+that all 128 threads arrive.
+"""
+import sys
+import numpy as np
+
+F32 = np.float32
+NEG_INF = F32(-np.inf)
+
+
+# ---------------------------------------------------------------- bf16 helpers (exact)
+def f2bf_bits(x):
+    """f32 -> bf16 bits, round to nearest even (cvt.rn.bf16 / f2bf for finite x)."""
+    u = np.asarray(x, dtype=F32).view(np.uint32).astype(np.uint64)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    r = np.where(nan, ((u >> 16) | 0x40) & 0xFFFF, r)
+    return r.astype(np.uint32)
+
+
+def bf_bits_to_f32(b):
+    return (np.asarray(b, dtype=np.uint32) << 16).astype(np.uint32).view(F32)
+
+
+def cvt_rn_bf16x2_f32(a, b):
+    """PTX cvt.rn.bf16x2.f32 d, a, b: d = {bf16(a) in the upper half, bf16(b) in the lower}."""
+    return ((f2bf_bits(a) << 16) | f2bf_bits(b)).astype(np.uint32)
+
+
+def pack_bf2_rn(lo, hi):
+    # asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)) -> a = hi, b = lo
+    return cvt_rn_bf16x2_f32(hi, lo)
+
+
+def bf2_lo(x):
+    return (np.asarray(x, np.uint32) << 16).astype(np.uint32).view(F32)
+
+
+def bf2_hi(x):
+    return (np.asarray(x, np.uint32) & np.uint32(0xFFFF0000)).astype(np.uint32).view(F32)
+
+
+def qp_split2(x0, x1):
+    x0 = np.asarray(x0, F32)
+    x1 = np.asarray(x1, F32)
+    a = pack_bf2_rn(x0, x1)
+    r0 = (x0 - bf2_lo(a)).astype(F32)
+    r1 = (x1 - bf2_hi(a)).astype(F32)
+    b = pack_bf2_rn(r0, r1)
+    c = pack_bf2_rn((r0 - bf2_lo(b)).astype(F32), (r1 - bf2_hi(b)).astype(F32))
+    return a, b, c
+
+
+def u32_lo_hi_f(x):
+    """bf16x2 register -> (low-half value, high-half value) as float64."""
+    x = np.asarray(x, np.uint32)
+    return bf2_lo(x).astype(np.float64), bf2_hi(x).astype(np.float64)
+
+
+# ---------------------------------------------------------------- error log
+class Log:
+    def __init__(self):
+        self.errors = []
+
+    def err(self, msg):
+        if len(self.errors) < 200:
+            self.errors.append(msg)
+
+
+LOG = Log()
+
+
+def check(cond, msg):
+    if not cond:
+        LOG.err(msg)
+    return cond
+
+
+# ---------------------------------------------------------------- shared memory model
+class Shared:
+    """Byte-addressed shared memory with bounds/alignment/uninitialised/race checks."""
+
+    def __init__(self, nbytes, name, rng):
+        self.n = nbytes
+        self.name = name
+        self.mem = rng.integers(0, 256, nbytes, dtype=np.uint8)  # garbage, as on a GPU
+        self.init = np.zeros(nbytes, bool)
+        self.wmask = np.zeros((nbytes, 2), np.uint64)  # writers in this barrier epoch
+        self.rmask = np.zeros((nbytes, 2), np.uint64)  # readers in this barrier epoch
+        self.max_byte = -1
+
+    def barrier(self):
+        self.wmask[:] = 0
+        self.rmask[:] = 0
+
+    def _idx(self, tids, addrs, width, align, what):
+        addrs = np.asarray(addrs, np.int64)
+        tids = np.asarray(tids, np.int64)
+        if addrs.size == 0:
+            return None
+        bad = addrs % align != 0
+        check(not bad.any(), f"{self.name}: misaligned {what} ({width} B, align {align}) at byte {addrs[bad][:4]}")
+        oob = (addrs < 0) | (addrs + width > self.n)
+        check(not oob.any(), f"{self.name}: out-of-bounds {what} at byte {addrs[oob][:4]} (size {self.n})")
+        if oob.any():
+            raise RuntimeError("shared OOB")
+        self.max_byte = max(self.max_byte, int((addrs + width - 1).max()))
+        idx = addrs[:, None] + np.arange(width)[None, :]
+        word = np.broadcast_to((tids >> 6)[:, None], idx.shape)
+        bit = np.broadcast_to((np.uint64(1) << (tids & 63).astype(np.uint64))[:, None], idx.shape)
+        return idx, word, bit
+
+    def _others(self, mask, idx, word, bit):
+        own = mask[idx, word]
+        other_w = mask[idx, 1 - word]
+        return ((own & ~bit) != 0) | (other_w != 0)
+
+    def write(self, tids, addrs, data, align, what):
+        r = self._idx(tids, addrs, data.shape[1], align, what)
+        if r is None:
+            return
+        idx, word, bit = r
+        np.bitwise_or.at(self.wmask, (idx.ravel(), word.ravel()), bit.ravel())
+        waw = self._others(self.wmask, idx, word, bit)
+        war = self._others(self.rmask, idx, word, bit)
+        check(not waw.any(), f"{self.name}: write-write race in one barrier epoch ({what}) at bytes {idx[waw][:4]}")
+        check(not war.any(), f"{self.name}: read-then-write race in one barrier epoch ({what}) at bytes {idx[war][:4]}")
+        self.mem[idx] = data
+        self.init[idx] = True
+
+    def read(self, tids, addrs, width, align, what):
+        r = self._idx(tids, addrs, width, align, what)
+        if r is None:
+            return np.zeros((0, width), np.uint8)
+        idx, word, bit = r
+        np.bitwise_or.at(self.rmask, (idx.ravel(), word.ravel()), bit.ravel())
+        raw = self._others(self.wmask, idx, word, bit)
+        check(not raw.any(), f"{self.name}: write-then-read race in one barrier epoch ({what}) at bytes {idx[raw][:4]}")
+        un = ~self.init[idx]
+        check(not un.any(), f"{self.name}: read of never-written bytes ({what}) at {idx[un][:4]}")
+        return self.mem[idx].copy()
+
+
+def as_bytes_u32(v):  # (N,) u32 -> (N,4) bytes, little endian
+    return np.ascontiguousarray(np.asarray(v, '<u4')).view(np.uint8).reshape(-1, 4)
+
+
+def as_bytes_u32x2(a, b):  # uint2 {x=a, y=b}
+    return np.ascontiguousarray(np.stack([np.asarray(a, '<u4'), np.asarray(b, '<u4')], 1)).view(np.uint8).reshape(-1, 8)
+
+
+def bytes_to_u32(b):
+    return np.ascontiguousarray(b).view('<u4').reshape(b.shape[0], b.shape[1] // 4)
+
+
+# ---------------------------------------------------------------- warp collectives
+def ldmatrix_x4(sh, tids_all, addr):
+    """ldmatrix.sync.aligned.m8n8.x4.shared.b16 for every warp of the block.
+    addr: (128,) byte address supplied by each lane. Lanes 8i..8i+7 give rows 0..7 of matrix i;
+    result register i of lane L = word L%4 (columns 2*(L%4), +1) of row L/4 of matrix i."""
+    nthr = addr.shape[0]
+    rows = sh.read(tids_all, addr, 16, 16, "ldmatrix row")  # (128, 16) bytes
+    words = bytes_to_u32(rows)  # (128, 4): word j of the row that thread tid addressed
+    return words[LDSM_SRC[:nthr], LDSM_WORD[:nthr]]
+
+
+# ldmatrix.x4 result map: register i of thread (warp wp, lane L) = word L%4 of the row addressed
+# by lane 8i + L/4 of the same warp.
+LDSM_SRC = np.zeros((128, 4), int)
+LDSM_WORD = np.zeros((128, 4), int)
+for _wp in range(4):
+    for _Ln in range(32):
+        for _i in range(4):
+            LDSM_SRC[_wp * 32 + _Ln, _i] = _wp * 32 + 8 * _i + (_Ln >> 2)
+            LDSM_WORD[_wp * 32 + _Ln, _i] = _Ln & 3
+
+
+# Index maps of mma.m16n8k16 .bf16 fragments (PTX ISA 9.7.14.5.8), as arrays over lanes.
+_L = np.arange(32)
+_g, _t = _L >> 2, _L & 3
+# A: reg r, half e -> (row, col); element i = 2r + e
+A_ROW = np.zeros((32, 4, 2), int)
+A_COL = np.zeros((32, 4, 2), int)
+for r in range(4):
+    for e in range(2):
+        i = 2 * r + e
+        A_ROW[:, r, e] = _g if (i < 2 or 4 <= i < 6) else _g + 8
+        A_COL[:, r, e] = _t * 2 + (i & 1) + (8 if i >= 4 else 0)
+# B: reg r, half e -> (k row, n col); element i = 2r + e
+B_ROW = np.zeros((32, 2, 2), int)
+B_COL = np.zeros((32, 2, 2), int)
+for r in range(2):
+    for e in range(2):
+        i = 2 * r + e
+        B_ROW[:, r, e] = _t * 2 + (i & 1) + (8 if i >= 2 else 0)
+        B_COL[:, r, e] = _g
+# C/D: element i -> (row, col)
+C_ROW = np.zeros((32, 4), int)
+C_COL = np.zeros((32, 4), int)
+for i in range(4):
+    C_ROW[:, i] = _g if i < 2 else _g + 8
+    C_COL[:, i] = _t * 2 + (i & 1)
+
+
+def _bijective():
+    a = np.zeros((16, 16), int)
+    np.add.at(a, (A_ROW.ravel(), A_COL.ravel()), 1)
+    b = np.zeros((16, 8), int)
+    np.add.at(b, (B_ROW.ravel(), B_COL.ravel()), 1)
+    c = np.zeros((16, 8), int)
+    np.add.at(c, (C_ROW.ravel(), C_COL.ravel()), 1)
+    assert (a == 1).all() and (b == 1).all() and (c == 1).all()
+
+
+_bijective()
+
+
+def mma_bf16(c, a, b0, b1):
+    """mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 for every warp.
+    c: (128,4) f32, a: (128,4) u32, b0,b1: (128,) u32. Returns new c (products exact, sum in f64,
+    rounded to f32 once)."""
+    nw = c.shape[0] // 32
+    out = np.empty_like(c)
+    for wp in range(nw):
+        sl = slice(wp * 32, wp * 32 + 32)
+        A = np.zeros((16, 16))
+        alo, ahi = u32_lo_hi_f(a[sl])  # (32,4)
+        A[A_ROW[:, :, 0], A_COL[:, :, 0]] = alo
+        A[A_ROW[:, :, 1], A_COL[:, :, 1]] = ahi
+        B = np.zeros((16, 8))
+        bb = np.stack([b0[sl], b1[sl]], 1)
+        blo, bhi = u32_lo_hi_f(bb)
+        B[B_ROW[:, :, 0], B_COL[:, :, 0]] = blo
+        B[B_ROW[:, :, 1], B_COL[:, :, 1]] = bhi
+        Cm = np.zeros((16, 8))
+        Cm[C_ROW, C_COL] = c[sl].astype(np.float64)
+        Dm = Cm + A @ B
+        out[sl] = Dm[C_ROW, C_COL].astype(F32)
+    return out
+
+
+def shfl_xor(v, m):
+    """__shfl_xor_sync(FULL_MASK, v, m) over full warps (all lanes active)."""
+    tid = np.arange(v.shape[0])
+    return v[(tid & ~31) | ((tid & 31) ^ m)]
+
+
+# ---------------------------------------------------------------- the kernel
+QP_BM, QP_BN, QP_WARPS, QP_PAD = 64, 64, 4, 8
+QP_THREADS = 32 * QP_WARPS
+QP_PS = QP_BN + 1
+
+
+def smem_bytes(D):  # src/cuda/ops/select.rs qa_prefill_smem_bytes
+    return 3 * 64 * (D + 8) * 2 + QP_BM * 65 * 4
+
+
+def sel_windows(T, stride, ksize):
+    T = np.asarray(T, np.int64)
+    return np.where(T >= ksize, (T - ksize) // stride + 1, 0)
+
+
+class Globals:
+    def __init__(self, q, q_stride, kc, lens, s_out, rows, hkv, w_stride, D, stride, ksize):
+        self.q, self.q_stride, self.kc, self.lens, self.s = q, q_stride, kc, lens, s_out
+        self.rows, self.hkv, self.w_stride, self.D = rows, hkv, w_stride, D
+        self.mc_rows = sel_windows(lens, stride, ksize)
+        self.written = np.zeros(s_out.shape, np.int64)
+        self.max_q_row = -1
+        self.max_kc_w = -1
+
+
+def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
+    D = gl.D
+    RS = D + QP_PAD
+    NK = D // 16
+    F4 = D // 4
+    PART = QP_BN * RS
+    hkv, rows, w_stride = gl.hkv, gl.rows, gl.w_stride
+    tid = np.arange(QP_THREADS)
+    lane, warp = tid & 31, tid >> 5
+    dyn = Shared(smem_bytes(D), "dynamic smem", rng)
+    mcs = Shared(QP_BM * 4, "qp_mc[64]", rng)
+    shareds = (dyn, mcs)
+    nbar = [0]
+
+    def syncthreads(arriving):
+        check(arriving.all(), f"block ({bx},{h}): __syncthreads reached by {arriving.sum()}/128 threads")
+        nbar[0] += 1
+        for s in shareds:
+            s.barrier()
+
+    G = H // hkv
+    R = QP_BM // G
+    b0 = bx * R
+    nr = min(R, rows - b0)
+    if nr <= 0:
+        return 0  # uniform
+    # block's true limits (for the global-read checks)
+    blk_rows = np.arange(b0, b0 + nr)
+    blk_mc = int(gl.mc_rows[blk_rows].max())
+
+    # for (i = tid; i < nr; i += 128) qp_mc[i] = sel_windows(lens[b0 + i], ...)
+    for it in range((QP_BM + QP_THREADS - 1) // QP_THREADS + 1):
+        x = tid + it * QP_THREADS
+        act = x < nr
+        if not act.any():
+            break
+        li = b0 + x[act]
+        check(((li >= 0) & (li < gl.lens.size)).all(), "lens read out of bounds")
+        mc = sel_windows(gl.lens[li], stride, ksize).astype('<i4')
+        mcs.write(tid[act], 4 * x[act], np.ascontiguousarray(mc).view(np.uint8).reshape(-1, 4), 4, "qp_mc store")
+    syncthreads(np.ones(128, bool))
+    # int mc_max = 0; for (i < nr) mc_max = max(mc_max, qp_mc[i]);  (per thread)
+    mc_max = np.zeros(128, np.int64)
+    for i in range(nr):
+        v = bytes_to_u32(mcs.read(tid, np.full(128, 4 * i), 4, 4, "qp_mc load")).view('<i4')[:, 0]
+        mc_max = np.maximum(mc_max, v)
+    check((mc_max == mc_max[0]).all(), "mc_max not uniform over the block")
+    if (mc_max == 0).all():
+        return nbar[0]
+    check(not (mc_max == 0).any(), "early return taken by part of the block (divergent barrier)")
+    check(mc_max[0] == blk_mc, f"mc_max {mc_max[0]} != block max Mc {blk_mc}")
+
+    # ---- Q fragments
+    ti = np.zeros((128, 2), np.int64)
+    mcr = np.zeros((128, 2), np.int64)
+    qr = np.full((128, 2), -1, np.int64)  # element offset into q, -1 = nullptr
+    for k in range(2):
+        m = warp * 16 + (lane >> 2) + 8 * k
+        i = m // G
+        ok = i < nr
+        ti[:, k] = np.where(ok, i, -1)
+        v = bytes_to_u32(mcs.read(tid[ok], 4 * i[ok], 4, 4, "qp_mc load (mcr)")).view('<i4')[:, 0]
+        mcr[ok, k] = v
+        qr[ok, k] = (b0 + i[ok]) * gl.q_stride + (h * G + (m[ok] - i[ok] * G)) * D
+    qc = (lane & 3) * 2
+    qa = np.zeros((128, NK, 4), np.uint32)
+
+    def load_q_u32(base, off):
+        ok = base >= 0
+        e = base[ok] + off[ok]
+        out = np.zeros(128, np.uint32)
+        check(((2 * e) % 4 == 0).all(), "q u32 load misaligned")
+        check(((e >= 0) & (e + 1 < gl.q.size)).all(), "q load out of bounds")
+        rowi = e // gl.q_stride
+        check((rowi < gl.rows).all(), "q load past row n-1")
+        gl.max_q_row = max(gl.max_q_row, int(rowi.max()) if rowi.size else -1)
+        out[ok] = gl.q[e].astype(np.uint32) | (gl.q[e + 1].astype(np.uint32) << 16)
+        return out
+
+    for kk in range(NK):
+        c0 = kk * 16 + qc
+        qa[:, kk, 0] = load_q_u32(qr[:, 0], c0)
+        qa[:, kk, 1] = load_q_u32(qr[:, 1], c0)
+        qa[:, kk, 2] = load_q_u32(qr[:, 0], c0 + 8)
+        qa[:, kk, 3] = load_q_u32(qr[:, 1], c0 + 8)
+
+    KS = 0  # byte offset of Ks in the dynamic window
+    PS = KS + 2 * 3 * PART  # Ps = (float*)(Ks + 3*PART)
+    check(PS % 16 == 0, "Ps not 16-byte aligned")
+
+    def ldsm_k_lane(l, rs):
+        return ((l & 7) + (l >> 4) * 8) * rs + ((l >> 3) & 1) * 8
+
+    ks_lane = KS + 2 * ldsm_k_lane(lane, RS)
+    kc_row = hkv * D
+    Kh = h * D
+    ntiles = (int(mc_max[0]) + QP_BN - 1) // QP_BN
+
+    def load_tile(w0):
+        for it in range((QP_BN * F4 + QP_THREADS - 1) // QP_THREADS):
+            x = tid + it * QP_THREADS
+            act = x < QP_BN * F4
+            xa, ta = x[act], tid[act]
+            row = xa // F4
+            c4 = xa - row * F4
+            w = w0 + row
+            v = np.zeros((xa.size, 4), F32)
+            ld = w < mc_max[ta]
+            if ld.any():
+                e = Kh + w[ld] * kc_row + c4[ld] * 4
+                check((e % 4 == 0).all(), "Kc float4 load misaligned")
+                check(((e >= 0) & (e + 3 < gl.kc.size)).all(), "Kc load out of allocation")
+                check((w[ld] < blk_mc).all(), "Kc read past the block's max Mc")
+                gl.max_kc_w = max(gl.max_kc_w, int(w[ld].max()))
+                v[ld] = gl.kc[e[:, None] + np.arange(4)[None, :]]
+            a0, b0_, c0 = qp_split2(v[:, 0], v[:, 1])
+            a1, b1, c1 = qp_split2(v[:, 2], v[:, 3])
+            o = row * RS + c4 * 4  # bf16 elements
+            dyn.write(ta, KS + 2 * o, as_bytes_u32x2(a0, a1), 8, "uint2 store hi")
+            dyn.write(ta, KS + 2 * (PART + o), as_bytes_u32x2(b0_, b1), 8, "uint2 store mid")
+            dyn.write(ta, KS + 2 * (2 * PART + o), as_bytes_u32x2(c0, c1), 8, "uint2 store lo")
+
+    cb = (lane & 3) * 2
+
+    def tile_logits(w0):
+        s = np.zeros((128, 8, 4), F32)
+        for p in range(3):
+            for nb in range(4):
+                for kk in range(NK):
+                    b = ldmatrix_x4(dyn, tid, ks_lane + (p * PART + nb * 16 * RS + kk * 16) * 2)
+                    s[:, 2 * nb] = mma_bf16(s[:, 2 * nb], qa[:, kk], b[:, 0], b[:, 1])
+                    s[:, 2 * nb + 1] = mma_bf16(s[:, 2 * nb + 1], qa[:, kk], b[:, 2], b[:, 3])
+        for c in range(8):
+            for e in range(2):
+                w = w0 + cb + 8 * c + e
+                for k in range(2):
+                    v = (s[:, c, 2 * k + e] * F32(scale)).astype(F32)
+                    s[:, c, 2 * k + e] = np.where(w < mcr[:, k], v, NEG_INF)
+        return s
+
+    # ---- pass 1
+    mr = np.full((128, 2), NEG_INF, F32)
+    lr = np.zeros((128, 2), F32)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for t in range(ntiles):
+            w0 = t * QP_BN
+            load_tile(w0)
+            syncthreads(np.ones(128, bool))
+            s = tile_logits(w0)
+            for k in range(2):
+                mx = np.full(128, NEG_INF, F32)
+                for c in range(8):
+                    mx = np.fmax(mx, np.fmax(s[:, c, 2 * k], s[:, c, 2 * k + 1]))
+                mx = np.fmax(mx, shfl_xor(mx, 1))
+                mx = np.fmax(mx, shfl_xor(mx, 2))
+                mn = np.fmax(mr[:, k], mx)
+                upd = mn != NEG_INF
+                l = np.where(mr[:, k] != NEG_INF, lr[:, k] * np.exp((mr[:, k] - mn).astype(F32)), F32(0)).astype(F32)
+                for c in range(8):
+                    l = (l + np.exp((s[:, c, 2 * k] - mn).astype(F32))).astype(F32)
+                    l = (l + np.exp((s[:, c, 2 * k + 1] - mn).astype(F32))).astype(F32)
+                lr[:, k] = np.where(upd, l, lr[:, k])
+                mr[:, k] = np.where(upd, mn, mr[:, k])
+            syncthreads(np.ones(128, bool))
+        il = np.zeros((128, 2), F32)
+        for k in range(2):
+            l = lr[:, k].copy()
+            l = (l + shfl_xor(l, 1)).astype(F32)
+            l = (l + shfl_xor(l, 2)).astype(F32)
+            il[:, k] = np.where(l > 0, (F32(1) / l).astype(F32), F32(0))
+        # consistency: the four lanes of a fragment row hold the same maximum
+        for k in range(2):
+            check((mr[:, k] == shfl_xor(mr[:, k], 1)).all() and (mr[:, k] == shfl_xor(mr[:, k], 2)).all(),
+                  "row maximum differs over the row's four lanes")
+
+        # ---- pass 2
+        for t in range(ntiles):
+            w0 = t * QP_BN
+            load_tile(w0)
+            syncthreads(np.ones(128, bool))
+            s = tile_logits(w0)
+            for k in range(2):
+                prow = warp * 16 + (lane >> 2) + 8 * k
+                for c in range(8):
+                    for e in range(2):
+                        v = s[:, c, 2 * k + e]
+                        pv = np.where(v != NEG_INF, (np.exp((v - mr[:, k]).astype(F32)) * il[:, k]).astype(F32), F32(0)).astype(F32)
+                        addr = PS + 4 * (prow * QP_PS + cb + 8 * c + e)
+                        dyn.write(tid, addr, as_bytes_u32(pv.view(np.uint32)), 4, "P store")
+            syncthreads(np.ones(128, bool))
+            for it in range((QP_BM * QP_BN + QP_THREADS - 1) // QP_THREADS):
+                x = tid + it * QP_THREADS
+                act = x < nr * QP_BN
+                if not act.any():
+                    continue
+                xa, ta = x[act], tid[act]
+                i = xa // QP_BN
+                col = xa - i * QP_BN
+                w = w0 + col
+                mci = bytes_to_u32(mcs.read(ta, 4 * i, 4, 4, "qp_mc load (sum)")).view('<i4')[:, 0]
+                wr = w < mci
+                if not wr.any():
+                    continue
+                ia, ca, wa, tw = i[wr], col[wr], w[wr], ta[wr]
+                acc = np.zeros(ia.size, F32)
+                for g in range(G):
+                    addr = PS + 4 * (ia * G * QP_PS + ca + g * QP_PS)
+                    pv = bytes_to_u32(dyn.read(tw, addr, 4, 4, "P load")).view(F32)[:, 0]
+                    acc = (acc + pv).astype(F32)
+                brow = b0 + ia
+                idx = (brow * hkv + h) * w_stride + wa
+                ok = (idx >= 0) & (idx < gl.s.size)
+                check(ok.all(), "s_out write out of allocation")
+                check((brow < gl.rows).all(), "s_out write to row >= n")
+                check((wa < gl.mc_rows[np.minimum(brow, gl.rows - 1)]).all(), "s_out write at w >= Mc(row)")
+                check((wa < w_stride).all(), "s_out write at w >= w_stride")
+                gl.s[idx[ok]] = acc[ok]
+                np.add.at(gl.written, idx[ok], 1)
+            # (no barrier at the end of a pass-2 tile: the kernel has none)
+    stats['ps_max_byte'] = max(stats.get('ps_max_byte', -1), dyn.max_byte)
+    return nbar[0]
+
+
+def run_kernel(q, H, kc, lens, hkv, D, w_stride, stride, ksize, rng):
+    rows = lens.size
+    G = H // hkv
+    s_out = np.full(rows * hkv * w_stride, np.nan, F32)
+    gl = Globals(q, H * D, kc, lens, s_out, rows, hkv, w_stride, D, stride, ksize)
+    scale = F32(1.0) / F32(np.sqrt(F32(D)))  # Rust: 1.0 / (head_dim as f32).sqrt()
+    gx = -(-rows // (QP_BM // G))
+    stats = {}
+    for h in range(hkv):
+        for bx in range(gx):
+            simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats)
+    return gl, stats
+
+
+def reference(q_bits, H, kc, lens, hkv, D, stride, ksize):
+    rows = lens.size
+    G = H // hkv
+    qf = bf_bits_to_f32(q_bits).astype(np.float64).reshape(rows, H, D)
+    mc = sel_windows(lens, stride, ksize)
+    M = int(mc.max())
+    K = kc.astype(np.float64).reshape(-1, hkv, D)
+    out = {}
+    for b in range(rows):
+        if mc[b] == 0:
+            continue
+        for h in range(hkv):
+            acc = np.zeros(mc[b])
+            for g in range(G):
+                lg = K[:mc[b], h, :] @ qf[b, h * G + g] / np.sqrt(D)
+                lg = np.exp(lg - lg.max())
+                acc += lg / lg.sum()
+            out[(b, h)] = acc
+    return out, mc, M
+
+
+def split_exactness_test(rng, n=2_000_000):
+    mag = 10.0 ** rng.uniform(-3, 3, n)
+    x = (mag * rng.choice([-1.0, 1.0], n)).astype(F32)
+    x0, x1 = x[0::2], x[1::2]
+    a, b, c = qp_split2(x0, x1)
+    s0 = (bf2_lo(a) + bf2_lo(b) + bf2_lo(c)).astype(F32)  # f32 sums
+    s1 = (bf2_hi(a) + bf2_hi(b) + bf2_hi(c)).astype(F32)
+    ex0 = bf2_lo(a).astype(np.float64) + bf2_lo(b) + bf2_lo(c)  # exact sums in f64
+    ex1 = bf2_hi(a).astype(np.float64) + bf2_hi(b) + bf2_hi(c)
+    # also check RNE against an independent rounding (float64 -> nearest bf16 with ties even)
+    hi_ref = f2bf_bits(x0)
+    ok_f32 = (s0 == x0).all() and (s1 == x1).all()
+    ok_exact = (ex0 == x0.astype(np.float64)).all() and (ex1 == x1.astype(np.float64)).all()
+    ok_pack = ((a & 0xFFFF) == hi_ref).all() and ((a >> 16) == f2bf_bits(x1)).all()
+    # tie check: 0x3F808000 (1.00390625) is a tie between 1.0 and 1.0078125 -> even: 1.0
+    tie = f2bf_bits(np.array([np.uint32(0x3F808000)]).view(F32))[0] == 0x3F80
+    tie2 = f2bf_bits(np.array([np.uint32(0x3F818000)]).view(F32))[0] == 0x3F82
+    return ok_f32, ok_exact, ok_pack, tie and tie2
+
+
+def run_shape(G, hkv, D, t0, n, seed, stride=16, ksize=32, label=None):
+    rng = np.random.default_rng(seed)
+    H = G * hkv
+    lens = (t0 + np.arange(n) + 1).astype(np.int32)
+    mc = sel_windows(lens, stride, ksize)
+    M = int(mc.max())
+    w_stride = max(64, -(-M // 64) * 64)
+    q = f2bf_bits(rng.normal(0, 1.5, n * H * D).astype(F32)).astype(np.uint16)
+    kc = rng.normal(0, 1, max(M, 0) * hkv * D).astype(F32)  # exactly max Mc windows: OOB reads would fault
+    LOG.errors.clear()
+    gl, stats = run_kernel(q, H, kc, lens, hkv, D, w_stride, stride, ksize, rng)
+    ref, mcr, _ = reference(q, H, kc, lens, hkv, D, stride, ksize)
+    s = gl.s.reshape(n, hkv, w_stride)
+    num = den = 0.0
+    maxrel = 0.0
+    for (b, h), r in ref.items():
+        got = s[b, h, :mcr[b]].astype(np.float64)
+        num += ((got - r) ** 2).sum()
+        den += (r ** 2).sum()
+        maxrel = max(maxrel, float(np.max(np.abs(got - r) / np.maximum(np.abs(r), 1e-30))))
+    rel_l2 = np.sqrt(num / den) if den > 0 else 0.0
+    # every (b, h, w < Mc(b)) written exactly once, nothing else
+    want = np.zeros((n, hkv, w_stride), np.int64)
+    for b in range(n):
+        want[b, :, :mcr[b]] = 1
+    wr = gl.written.reshape(n, hkv, w_stride)
+    cover_ok = (wr == want).all()
+    if not cover_ok:
+        LOG.err(f"written-once map mismatch: {(wr != want).sum()} entries")
+    # P tile region bound
+    dyn_bytes = smem_bytes(D)
+    name = label or f"G={G} hkv={hkv} D={D} t0={t0} n={n}"
+    print(f"{name:42s} maxMc={M:4d} windows={int(mcr.sum())*hkv:7d} relL2={rel_l2:.3e} "
+          f"max elem rel={maxrel:.3e} coverage={'ok' if cover_ok else 'BAD'} "
+          f"q rows<= {gl.max_q_row} kc w<= {gl.max_kc_w} smem max byte {stats.get('ps_max_byte', -1)}/{dyn_bytes - 1} "
+          f"errors={len(LOG.errors)}")
+    for e in LOG.errors[:10]:
+        print("   ERROR:", e)
+    return rel_l2, list(LOG.errors)
+
+
+if __name__ == "__main__":
+    rng = np.random.default_rng(1)
+    print("split hi+mid+lo == x  (f32 sum, exact sum, pack halves, RNE ties):", split_exactness_test(rng))
+    shapes = [
+        (3, 2, 64, 0, 20), (8, 2, 80, 17, 64), (16, 2, 128, 1000, 100), (4, 8, 128, 3990, 37),
+        (4, 2, 128, 0, 200),
+    ]
+    extra = [
+        (3, 2, 64, 20, 50),     # R = 21 (63 of 64 M-rows), blocks mixing Mc = 0 and Mc > 0
+        (5, 1, 80, 40, 30),     # R = 12, 60 M-rows; Mc = 0 rows in block 0
+        (1, 2, 64, 1100, 70),   # G = 1, R = 64, two row blocks, 3 tiles
+        (64, 1, 128, 200, 3),   # G = 64, R = 1
+        (2, 3, 80, 1050, 10),   # Mc crosses a tile edge inside one block (64 -> 65)
+        (7, 2, 128, 31, 20),    # R = 9 (63 M-rows); first row has Mc = 1
+    ]
+    worst = 0.0
+    allerr = []
+    for i, sh in enumerate(shapes + extra):
+        r, e = run_shape(*sh, seed=100 + i)
+        worst = max(worst, r)
+        allerr += e
+    print(f"worst relL2 {worst:.3e}; total errors {len(allerr)}")
+    sys.exit(1 if allerr or worst > 1e-5 else 0)
