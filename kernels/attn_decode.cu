@@ -38,14 +38,6 @@
 // Grid: (nsplit, hkv*ngroups, rows), ngroups = ceil(G/16); block ATT_THREADS threads;
 // dynamic shared memory attn_smem_bytes(D) = 4*64*(D+8)*2 + 2*64*8 bytes.
 //
-// Fused combine (counters != null): after writing its partial, each block adds 1 to
-// counters[r*gridDim.y + blockIdx.y]; the block that brings it to nsplit (the last split of
-// its row and head group to finish) resets it to 0 and merges the nsplit partials of its
-// gc heads as kernels/attn_combine.cu does (M = max m_s, w_s = e^(m_s - M), 0 for empty
-// splits; L = sum l_s w_s; only splits before the last non-empty one are read), writing
-// out[r*out_stride + (h*G + g0 + i)*D + d] = bf16(sum_s o_s[d] w_s / L) (0 when L = 0).
-// The counters start at zero and are left at zero. Needs 16*nsplit + 32 floats of the
-// dynamic shared memory (nsplit <= 128 fits every supported D).
 // cta_log: null, or u64 [gridDim.z][gridDim.y][gridDim.x][3] per-CTA timeline (common.cuh
 // cta_log_start), for the timing study of bench --cta-timeline; it changes no result.
 // The tensor-core helpers (cp.async, ldmatrix, mma.sync) come from mma.cuh, a prelude.
@@ -55,114 +47,11 @@
 #define ATT_THREADS (32 * ATT_WARPS)
 #define ATT_PAD 8
 
-// The fused split-K combine of attn_partial (see the header): every thread of the block calls
-// it after the block's partial is written. sh: 16*nsplit + 32 floats of shared memory.
-// Thread t owns dims 4*(t % (D/4)) .. +3 of heads t / (D/4) + k*hpp (hpp = ATT_THREADS/(D/4),
-// at most 4 heads each for D <= 128), and keeps 4 splits x 4 heads of 16-byte loads in flight.
-__device__ void attn_fused_combine(const float* part_o, const float* part_ml, bf16_t* out, int out_stride,
-                                   u32* counters, int r, int H, int G, int h, int g0, int gc, int D,
-                                   int nsplit, float* sh) {
-    __shared__ u32 last_sh;
-    __threadfence();  // this block's partial is visible before its count
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const u64 ci = (u64)r * gridDim.y + blockIdx.y;
-        const u32 prev = atomicAdd(&counters[ci], 1u);
-        const bool last = prev + 1u == (u32)nsplit;
-        if (last) counters[ci] = 0u;
-        last_sh = last ? 1u : 0u;
-    }
-    __syncthreads();
-    if (last_sh == 0u) return;
-    __threadfence();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float* wsh = sh;                // [16][nsplit] split weights
-    float* Lsh = sh + 16 * nsplit;  // [16]
-    int* nvs = (int*)(Lsh + 16);    // [16] splits to read
-    const u64 slot_h = (u64)r * H + (u64)h * G + g0;  // head g0+i: slots (slot_h + i)*nsplit + s
-    for (int gi = warp; gi < gc; gi += ATT_WARPS) {
-        const float* ml = part_ml + (slot_h + gi) * nsplit * 2;
-        float m = -INFINITY;
-        int lastv = -1;
-        for (int s = lane; s < nsplit; s += 32) {
-            const float ms = __ldcg(ml + 2 * s);
-            m = fmaxf(m, ms);
-            if (ms != -INFINITY) lastv = s;
-        }
-        m = warp_max(m);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) lastv = max(lastv, __shfl_xor_sync(FULL_MASK, lastv, o));
-        float l = 0.0f;
-        for (int s = lane; s < nsplit; s += 32) {
-            const float ms = __ldcg(ml + 2 * s);
-            const float w = ms != -INFINITY ? expf(ms - m) : 0.0f;
-            wsh[gi * nsplit + s] = w;
-            if (ms != -INFINITY) l += __ldcg(ml + 2 * s + 1) * w;
-        }
-        l = warp_sum(l);
-        if (lane == 0) {
-            Lsh[gi] = l;
-            nvs[gi] = lastv + 1;
-        }
-    }
-    __syncthreads();
-    const int d4 = D >> 2;
-    const int hpp = ATT_THREADS / d4;
-    const int c4 = threadIdx.x % d4, hs = threadIdx.x / d4;
-    if (hs >= hpp) return;
-    int nv[4], gis[4];
-    int nmax = 0;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        gis[k] = hs + k * hpp;
-        nv[k] = gis[k] < gc ? nvs[gis[k]] : 0;
-        nmax = max(nmax, nv[k]);
-    }
-    float4 acc[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) acc[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int s0 = 0; s0 < nmax; s0 += 4) {
-        float4 v[4][4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const int s = s0 + j;
-                v[j][k] = s < nv[k] ? __ldcg((const float4*)(part_o + ((slot_h + gis[k]) * nsplit + s) * D) + c4)
-                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const int s = s0 + j;
-                const float w = s < nv[k] ? wsh[gis[k] * nsplit + s] : 0.0f;
-                acc[k].x += v[j][k].x * w;
-                acc[k].y += v[j][k].y * w;
-                acc[k].z += v[j][k].z * w;
-                acc[k].w += v[j][k].w * w;
-            }
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        if (gis[k] < gc) {
-            const float L = Lsh[gis[k]];
-            bf16_t* o = out + (u64)r * out_stride + ((u64)h * G + g0 + gis[k]) * D + 4 * c4;
-            const float a[4] = {acc[k].x, acc[k].y, acc[k].z, acc[k].w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[e] = f2bf(L > 0.0f ? a[e] / L : 0.0f);
-        }
-    }
-}
-
 extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const bf16_t* __restrict__ q, int q_stride, const u64* __restrict__ kptr,
                  const u64* __restrict__ vptr, const u64* __restrict__ cptr, const int* __restrict__ lens,
                  const int* __restrict__ sel, const int* __restrict__ nsel, int s_max, int block_size, int span,
                  float* __restrict__ part_o, float* __restrict__ part_ml, int H, int hkv, int D, int nsplit,
-                 float scale, bf16_t* __restrict__ out, int out_stride, u32* __restrict__ counters,
-                 const int* __restrict__ slot_list, const u64* __restrict__ pool_ptr, int pool_slots, int ring,
+                 float scale, const int* __restrict__ slot_list, const u64* __restrict__ pool_ptr, int pool_slots, int ring,
                  u64* __restrict__ cta_log) {
     extern __shared__ __align__(16) unsigned char att_sh[];
     cta_log_start(cta_log);
@@ -216,9 +105,6 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
             part_ml[2 * slot] = -INFINITY;
             part_ml[2 * slot + 1] = 0.0f;
         }
-        if (counters != nullptr)
-            attn_fused_combine(part_o, part_ml, out, out_stride, counters, r, H, G, h, g0, gc, D, nsplit,
-                               (float*)att_sh);
         cta_log_end(cta_log);
         return;
     }
@@ -436,11 +322,6 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
             part_ml[2 * slot] = M;
             part_ml[2 * slot + 1] = L;
         }
-    }
-    if (counters != nullptr) {
-        __syncthreads();  // the merge's shared memory is read; it is reused below
-        attn_fused_combine(part_o, part_ml, out, out_stride, counters, r, H, G, h, g0, gc, D, nsplit,
-                           (float*)att_sh);
     }
     cta_log_end(cta_log);
 }

@@ -257,18 +257,15 @@ dmaprefetch)
   ;;
 b1)
   # GPU-resident decode: the B=1 4K dense step against the split-K cap (64 one-tile
-  # splits by default at 4K: 512 CTAs, more than one wave at 3 per SM) and the fused
-  # combine (about 150 s)
+  # splits by default at 4K: 512 CTAs, more than one wave at 3 per SM; about 90 s)
   b1run() {  # name, then env assignments
     local name=$1; shift
     env "$@" $bin bench --model synth:nosa-8b --attention dense,sparse --batch 1 --context 4K --steps 64 \
       --tokenizer "$tok" --json "$out/bench_b1_$name.json" 2>&1 | tail -3 || true
   }
   b1run default
-  b1run fused SPARDA_FUSED_COMBINE=1
   b1run splits32 SPARDA_ATTN_MAX_SPLITS=32
   b1run splits16 SPARDA_ATTN_MAX_SPLITS=16
-  b1run splits16_fused SPARDA_ATTN_MAX_SPLITS=16 SPARDA_FUSED_COMBINE=1
   ;;
 graphs)
   # offloaded steps as CUDA graphs: identity first (tiny sm/dma/split, layer 0

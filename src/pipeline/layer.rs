@@ -193,7 +193,6 @@ impl GpuModel {
             scale: cfg.attn_scale(),
             out: dptr(gpu, &ws.attn),
             out_stride: hq * dh,
-            counters: 0,
             slot_list: slots.map_or(0, |s| s.0),
             pool_ptr: slots.map_or(0, |s| s.1),
             pool_slots: slots.map_or(0, |s| s.2),
@@ -203,13 +202,6 @@ impl GpuModel {
                 l,
                 geo.nsplit * ops::attn_head_blocks(hq, hk) * n,
             ),
-        };
-        // The split-K combine runs inside the attention kernel when asked
-        // (SPARDA_FUSED_COMBINE=1); its time then counts as Attention.
-        let fused = ops::attn_fused_combine(geo.nsplit, dh);
-        let args = AttnArgs {
-            counters: if fused { dptr(gpu, &ws.attn_count) } else { 0 },
-            ..args
         };
         let cs = gpu.stream();
         let sp = self.tspan_next(cs, open, "attention", l)?;
@@ -254,7 +246,7 @@ impl GpuModel {
         } else if self.on(StepPart::Attention) {
             ops::launch_attn_partial(gpu, &args)?;
         }
-        if geo.prefill_tiles.is_none() && !fused && self.on(StepPart::Combine) {
+        if geo.prefill_tiles.is_none() && self.on(StepPart::Combine) {
             ops::launch_attn_combine(
                 gpu,
                 part_o,

@@ -290,10 +290,10 @@ pub enum StepPart {
     WindowScores,
     /// Block pooling and top-k selection.
     Select,
-    /// Split-K attention partials (and their combine when it is fused
-    /// into the attention kernel: [`ops::attn_fused_combine`]).
+    /// Split-K attention partials (prefill chunks on the tensor cores: the
+    /// whole attention).
     Attention,
-    /// Split-K combine as its own kernel (not timed when fused).
+    /// Split-K combine (`attn_combine`).
     Combine,
     /// O projection (+bias).
     OProj,

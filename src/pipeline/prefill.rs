@@ -497,12 +497,6 @@ impl GpuModel {
             if ws.part_ml.len() < part * 2 {
                 ws.part_ml = unsafe { s.alloc(part * 2) }.cuda("allocating attention partials")?;
             }
-            let counts = n * ops::attn_head_blocks(hq, hk);
-            if ws.attn_count.len() < counts {
-                ws.attn_count = s
-                    .alloc_zeros(counts)
-                    .cuda("allocating attention counters")?;
-            }
             if let (Some((_, ntiles)), true) = (&tc_tiles, union_cap > 0) {
                 let (entries, what) = (ntiles * hk * union_cap, "allocating sparse prefill unions");
                 if ws.union_blk.len() < entries {

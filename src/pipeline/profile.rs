@@ -57,15 +57,12 @@ impl GpuModel {
         let gpu = self.gpu.clone();
         let sparse = st.attn.sparse;
         let gpu_sel = self.gpu_selection();
-        let fused_combine = ops::attn_fused_combine(st.attn.nsplit, self.config.head_dim);
         let mut out = Vec::new();
         for part in StepPart::ALL {
             let applies = match part {
                 StepPart::Argmax => false,
                 StepPart::Compress => gpu_sel,
                 StepPart::WindowScores | StepPart::Select => sparse,
-                // Fused into Attention: nothing of its own to time.
-                StepPart::Combine => !fused_combine,
                 _ => true,
             };
             if !applies {

@@ -41,9 +41,6 @@ pub(crate) struct Workspace {
     pub(crate) part_o: CudaSlice<f32>,
     /// Split-K partial (max, sum) pairs, f32.
     pub(crate) part_ml: CudaSlice<f32>,
-    /// Arrival counters of the fused split-K combine, u32 [rows · head
-    /// blocks], zero between launches (the kernel leaves them at zero).
-    pub(crate) attn_count: CudaSlice<u32>,
     /// Selected block ids, i32 [layers, rows, Hkv, s_max].
     pub(crate) sel: CudaSlice<i32>,
     /// Selected counts, i32 [layers, rows, Hkv].
@@ -191,9 +188,6 @@ impl GpuModel {
                     .cuda(&what)?,
                 part_o: s.alloc(1).cuda(&what)?,
                 part_ml: s.alloc(1).cuda(&what)?,
-                attn_count: s
-                    .alloc_zeros((rows * ops::attn_head_blocks(hq, hk)).max(1))
-                    .cuda(&what)?,
                 sel: s.alloc((layers * rows * hk * s_max).max(1)).cuda(&what)?,
                 nsel: s.alloc(layers * rows * hk).cuda(&what)?,
                 dense: s.alloc(rows).cuda(&what)?,

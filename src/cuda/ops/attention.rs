@@ -359,14 +359,11 @@ pub(crate) struct AttnArgs {
     pub kv_heads: usize,
     pub head_dim: usize,
     pub scale: f32,
-    /// Output of the fused combine (bf16 [rows, H, D], rows at `out_stride`);
-    /// used only when `counters` is set.
+    /// The attention output, bf16 [rows, H, D] with rows at `out_stride`
+    /// elements: written by `attn_combine` from the partials, or directly by
+    /// the tensor-core prefill kernels (`attn_partial` writes partials only).
     pub out: u64,
     pub out_stride: usize,
-    /// Zeroed u32 [rows · head blocks] arrival counters: set, the kernel
-    /// merges the splits itself (no `attn_combine` launch); 0, it only
-    /// writes the partials.
-    pub counters: u64,
     /// Offloaded rows (kv/mod.rs): i32 [rows, Hkv, s_max] slot of
     /// each list entry (−1: the tail ring), or 0 for GPU-resident rows.
     pub slot_list: u64,
@@ -382,20 +379,6 @@ pub(crate) struct AttnArgs {
     /// end ns, SM id: kernels/common.cuh `cta_log_start`), or 0 (none, the
     /// default; [`crate::trace::cta`]).
     pub cta_log: u64,
-}
-
-/// Whether the split-K combine runs inside `attn_partial` (its last block
-/// per row and head group merges the splits) for `nsplit` splits at head
-/// dim `d`: only when `SPARDA_FUSED_COMBINE=1` asks for it and the splits'
-/// weights fit the kernel's shared memory. Off by default: on the H200
-/// (2026-11-30, dense B = 1, 4K) the fused tail made Attention 1.19 ms per
-/// step against 0.43 ms + 0.25 ms for the two kernels (one block merging
-/// 16 heads' splits is bound by L2 latency).
-pub fn attn_fused_combine(nsplit: usize, d: usize) -> bool {
-    static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let fused =
-        *FUSED.get_or_init(|| std::env::var("SPARDA_FUSED_COMBINE").is_ok_and(|v| v == "1"));
-    fused && nsplit <= ATTN_MAX_SPLITS && (16 * nsplit + 32) * 4 <= attn_smem_bytes(d)
 }
 
 /// Enqueues `attn_partial` (no host work beyond the launch, so it can be
@@ -414,13 +397,6 @@ pub(crate) fn launch_attn_partial(gpu: &Gpu, a: &AttnArgs) -> Result<()> {
     }
     if a.rows == 0 {
         return Ok(());
-    }
-    let os = i32_dim(a.out_stride, "out_stride")?;
-    if a.counters != 0 && !attn_fused_combine(a.nsplit, a.head_dim) {
-        return Err(Error::Input(format!(
-            "{OP}: {} splits at head dim {} cannot be combined inside the kernel",
-            a.nsplit, a.head_dim
-        )));
     }
     let (qs, sm, bs, sp, h_, hk, d_, ns) = (
         i32_dim(a.q_stride, "q_stride")?,
@@ -471,9 +447,6 @@ pub(crate) fn launch_attn_partial(gpu: &Gpu, a: &AttnArgs) -> Result<()> {
         .arg(&d_)
         .arg(&ns)
         .arg(&a.scale)
-        .arg(&a.out)
-        .arg(&os)
-        .arg(&a.counters)
         .arg(&a.slot_list)
         .arg(&a.pool_ptr)
         .arg(&ps)
@@ -652,7 +625,6 @@ where
         scale,
         out: 0,
         out_stride: 0,
-        counters: 0,
         slot_list: 0,
         pool_ptr: 0,
         pool_slots: 0,
@@ -663,8 +635,8 @@ where
 }
 
 /// Launches the split-K partial attention for `args` and merges the splits
-/// into `out` (bf16 [rows, H, D], rows at `out_stride`): in the kernel itself
-/// when [`attn_fused_combine`] says so, else with `attn_combine`. Shared by
+/// into `out` (bf16 [rows, H, D], rows at `out_stride`) with `attn_combine`.
+/// Shared by
 /// [`attention_dense_decode`] and [`attention_sparse_decode`]; the partial
 /// buffers that `args` points to must outlive the launches (the callers own
 /// them; frees are stream-ordered).
@@ -674,21 +646,10 @@ fn launch_attention<O: DevicePtrMut<Bf16>>(
     out: &mut O,
     out_stride: usize,
 ) -> Result<()> {
-    let fused = attn_fused_combine(args.nsplit, args.head_dim);
-    let counters = if fused {
-        Some(
-            gpu.stream()
-                .alloc_zeros::<u32>(args.rows * attn_head_blocks(args.heads, args.kv_heads))
-                .cuda("allocating attention counters")?,
-        )
-    } else {
-        None
-    };
     let op = dptr_mut(gpu, out);
     let args = AttnArgs {
         out: op,
         out_stride,
-        counters: counters.as_ref().map_or(0, |c| dptr(gpu, c)),
         slot_list: 0,
         pool_ptr: 0,
         pool_slots: 0,
@@ -696,9 +657,6 @@ fn launch_attention<O: DevicePtrMut<Bf16>>(
         ..args
     };
     launch_attn_partial(gpu, &args)?;
-    if fused {
-        return Ok(());
-    }
     launch_attn_combine(
         gpu,
         args.part_o,
@@ -774,7 +732,6 @@ where
         scale,
         out: 0,
         out_stride: 0,
-        counters: 0,
         slot_list: 0,
         pool_ptr: 0,
         pool_slots: 0,
