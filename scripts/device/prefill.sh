@@ -30,7 +30,7 @@
 #                                                decode step (dense and sparse attention); one process
 #                                                each (about 35 s), files *_base_<r>.json / *_new_<r>.json
 #   scripts/device/prefill.sh scores       OUT   the sparse prefill window-scoring kernels: gpu-check's kernel
-#                                                cases (qa_prefill_scores among them) and gpu-check-e2e with
+#                                                and selection cases (qa_prefill_scores among them) and gpu-check-e2e with
 #                                                SPARDA_PREFILL_SCORES=tensor-core, then sparse prefill at
 #                                                CONTEXT (default 32K,128K) with cublas and tensor-core,
 #                                                one process each (about 3 minutes in all)
@@ -95,8 +95,9 @@ ab)
   done
   ;;
 scores)
-  SPARDA_PREFILL_SCORES=tensor-core SPARDA_CHECK_ONLY=kernels "$SPARDA" gpu-check \
-    --json "$out/gpu_check_kernels_tensor_core_scores.json" 2>&1 | grep -E "FAIL|error:|qa_|cases" | tail -12
+  # (the select group holds both prefill scoring kernels' cases against the CPU reference)
+  SPARDA_CHECK_ONLY=kernels,select "$SPARDA" gpu-check \
+    --json "$out/gpu_check_kernels_select.json" 2>&1 | grep -E "FAIL|error:|qa_|attention|cases" | tail -14
   SPARDA_PREFILL_SCORES=tensor-core "$SPARDA" gpu-check-e2e ${MODEL:+--model "$MODEL"} \
     --json "$out/gpu_check_e2e_tensor_core_scores.json" --steps 48 2>&1 | grep -E "fail|FAIL|passed" | tail -6
   for k in cublas tensor-core; do

@@ -1078,15 +1078,16 @@ pub fn gpu_check_e2e(
             prefill_attention: PrefillAttention::Rowwise,
         },
         // Dense prefill on the tensor cores (kernels/attn_prefill.cu): a
-        // 700-token prompt crosses a 512-row chunk, so its second chunk
-        // starts at T0 = 512; then sparse decode after a dense prefill.
+        // 1,300-token prompt crosses a 1,024-row chunk (PREFILL_CHUNK), so
+        // its second chunk starts at T0 = 1024; then sparse decode after a
+        // dense prefill.
         CaseSpec {
             name: "tiny-dense-tc-prefill",
             ckpt: &tiny,
             opts: opts(ov(Some(false), None), PrefillMode::Auto),
             path: SelectionPath::Gpu,
             inputs: Inputs::Random {
-                prompt_lens: vec![5, 77, 700],
+                prompt_lens: vec![5, 77, 1300],
                 seed: 19,
             },
             min_steps: 0,
@@ -1106,7 +1107,10 @@ pub fn gpu_check_e2e(
         },
         // Sparse prefill on the tensor cores (attn_prefill_sparse_d*): each
         // tile's union of its rows' block lists, built on the device; the
-        // 700-token prompt's second chunk starts at T0 = 512; a 20-token
+        // 1,300-token prompt's second chunk starts at T0 = 1024, the
+        // 1,029-token prompt's second chunk is 5 rows (fewer than
+        // QA_GEMM_MIN_ROWS: per-row window logits after a chunk scored from
+        // the shared Kc, whichever SPARDA_PREFILL_SCORES says); a 20-token
         // prompt has no window yet (forced blocks only).
         CaseSpec {
             name: "tiny-nosa-sparse-tc-prefill",
@@ -1114,7 +1118,7 @@ pub fn gpu_check_e2e(
             opts: opts(ov(None, None), PrefillMode::Auto),
             path: SelectionPath::Gpu,
             inputs: Inputs::Random {
-                prompt_lens: vec![20, 150, 700],
+                prompt_lens: vec![20, 150, 1029, 1300],
                 seed: 21,
             },
             min_steps: 0,
@@ -1146,7 +1150,7 @@ pub fn gpu_check_e2e(
             path: SelectionPath::Gpu,
             inputs: Inputs::Text {
                 ids,
-                spans: vec![(0, 40), (6_000, 700)],
+                spans: vec![(0, 40), (6_000, 1_100)],
             },
             min_steps: FIXTURE_STEPS,
             prefill_attention: PrefillAttention::Rowwise,
@@ -1172,8 +1176,8 @@ pub fn gpu_check_e2e(
             prefill_attention: PrefillAttention::Rowwise,
         });
         // Both again on the tensor-core prefill kernels: dense (the long
-        // prompt is two chunks, the second at T0 = 512) and sparse past the
-        // budget (four chunks, the last at T0 = 1536). Same inputs: they
+        // prompt is two chunks, the second at T0 = 1024) and sparse past the
+        // budget (two chunks, the second at T0 = 1024). Same inputs: they
         // share the CPU references.
         let tc: Vec<CaseSpec<'_>> = specs[specs.len() - 2..]
             .iter()

@@ -1050,8 +1050,9 @@ fn check_sparse_prefill_attention(c: &mut Checker<'_>) {
 /// ([`super::offload`]), `guards` (kernel guards provoked on purpose,
 /// [`super::guards`]).
 ///
-/// Returns whether every case passed (relative L2 ≤ [`TOLERANCE_BF16`],
-/// finite, fully written).
+/// Returns whether every case passed (relative L2 within its tolerance —
+/// [`TOLERANCE_BF16`] unless the case says otherwise — finite, fully
+/// written).
 ///
 /// Errors: [`Error::Cuda`] when CUDA is absent (never a panic) or the
 /// context cannot be set up; [`Error::Io`] when the report cannot be

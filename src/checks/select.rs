@@ -833,8 +833,9 @@ fn shared_kc_case(
             }
         }
         let mut out = Vec::new();
-        for &(k, _) in &kernels {
+        for &(k, name) in &kernels {
             let mut ws = SelectWorkspace::new(gpu, n, hk, g, mc)?;
+            ws.fill_scores(gpu, f32::NAN)?;
             window_scores_shared_kc(gpu, &q, hq, &seqs[0].kc, hk, d, &lens, &budget, k, &mut ws)?;
             let got = gpu.download(ws.scores())?;
             let w = ws.w_stride();
@@ -844,6 +845,16 @@ fn shared_kc_case(
                 for h in 0..hk {
                     let row = b * hk + h;
                     sg.extend_from_slice(&got[row * w..row * w + mcb]);
+                    // nothing written past the row's own windows
+                    if let Some(i) = got[row * w + mcb..(row + 1) * w]
+                        .iter()
+                        .position(|x| !x.is_nan())
+                    {
+                        return Err(crate::Error::Input(format!(
+                            "{name}: row {b} KV head {h} has {mcb} windows, but entry {} was written",
+                            mcb + i
+                        )));
+                    }
                 }
             }
             out.push(sg);
@@ -1194,6 +1205,13 @@ pub fn check_selection(gpu: &Gpu, rng: &mut SmallRng) -> Vec<CaseResult> {
     }
     shared_kc_case(gpu, &mut rnd, &mut rep, dflt(nosa), 4, 8, 128, 12_000, 512);
     shared_kc_case(gpu, &mut rnd, &mut rep, dflt(infl), 16, 2, 80, 4_000, 200);
+    // The NOSA-8B shape (G 16, Hkv 2) at a full 1,024-row chunk, and the
+    // group sizes at the ends of what the tensor-core kernel takes: 64 rows
+    // per block (G 1), one row per block (G 64), two (G 32).
+    shared_kc_case(gpu, &mut rnd, &mut rep, dflt(nosa), 16, 2, 128, 8_000, 1024);
+    shared_kc_case(gpu, &mut rnd, &mut rep, small(nosa), 1, 2, 64, 1_100, 70);
+    shared_kc_case(gpu, &mut rnd, &mut rep, small(nosa), 64, 1, 128, 200, 3);
+    shared_kc_case(gpu, &mut rnd, &mut rep, small(infl), 32, 1, 80, 1_050, 10);
     // Decode steps: token by token across 16- and 64-token boundaries and
     // across the budget (q + 1 = S → S + 1).
     decode_steps_case(

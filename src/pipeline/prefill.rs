@@ -474,10 +474,13 @@ impl GpuModel {
             s_max,
         };
         // Rows of one sequence score their windows with cuBLAS (one Kc for all).
+        // (every layer's Kc present: the selection path guarantees it, and the
+        // workspace below is sized on this, so the layer loop must agree)
         let shared_kc_rows = any_sparse
             && path == SelectionPath::Gpu
             && ns == 1
-            && n >= crate::cuda::ops::select::QA_GEMM_MIN_ROWS;
+            && n >= crate::cuda::ops::select::QA_GEMM_MIN_ROWS
+            && seqs[0].layers.iter().all(|sl| sl.kc.is_some());
         let gpu = self.gpu.clone();
         let s = gpu.stream().clone();
         let per_layer = PTRS_PER_ROW * n + PTRS_PER_SEQ * ns;

@@ -624,6 +624,18 @@ impl SelectWorkspace {
         &self.scores
     }
 
+    /// Sets every entry of [`SelectWorkspace::scores`] to `v` (a check fills
+    /// it with NaN to see that a kernel writes nothing past each row's Mc).
+    ///
+    /// Errors: [`Error::Cuda`] on a copy failure.
+    pub fn fill_scores(&mut self, gpu: &Gpu, v: f32) -> Result<()> {
+        let host = vec![v; self.scores.len()];
+        gpu.stream()
+            .memcpy_htod(&host, &mut self.scores)
+            .cuda("filling the window scores")?;
+        gpu.synchronize()
+    }
+
     /// Entries per (sequence, KV head) row of [`SelectWorkspace::scores`]
     /// (a multiple of [`QA_TILE`]).
     pub fn w_stride(&self) -> usize {
