@@ -33,7 +33,8 @@
 #                                                and selection cases (qa_prefill_scores among them) and gpu-check-e2e with
 #                                                SPARDA_PREFILL_SCORES=tensor-core, then sparse prefill at
 #                                                CONTEXT (default 32K,128K) with cublas and tensor-core,
-#                                                one process each (about 3 minutes in all)
+#                                                one process each, and a traced 32K prefill with each
+#                                                (its phases; about 4 minutes in all)
 # Then, here: sparda report OUT/prefill_*.json OUT/transformers_sdpa_prefill.json \
 #   --out benches/results/prefill_nosa8b_h200_<date>_<commit>   (a table and PREFIX.prefill.svg)
 # Env: SPARDA (default .device/bin/sparda), SPARDA_COMMIT, BATCH (default 1,4),
@@ -104,6 +105,15 @@ scores)
     SPARDA_PREFILL_SCORES=$k "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
       --steps 0 --attention sparse --kv gpu --batch 1 --context "${CONTEXT:-32K,128K}" --prefill sparse \
       --json "$out/prefill_sparse_scores_$k.json" 2>&1 | grep -E "prefill only" | sed "s/^/$k: /"
+  done
+  # where the time goes: a traced 32K sparse prefill with each (phases qkv, window_logits,
+  # window_scores, select, attention, o_proj, ffn; about 35 s each)
+  for k in cublas tensor-core; do
+    SPARDA_PREFILL_SCORES=$k "$SPARDA" generate --model synth:nosa-8b --tokenizer "$tok" \
+      --prompt-file data/texts/hamlet.txt --prompt-tokens 32768 --max-new-tokens 2 --backend cuda \
+      --prefill sparse --trace "$out/trace_$k.json" 2>&1 | grep "^prefill" | sed "s/^/$k: /"
+    "$SPARDA" trace summarize "$out/trace_$k.json" 2>&1 | head -14 > "$out/trace_sparse_32k_$k.txt"
+    cat "$out/trace_sparse_32k_$k.txt"; rm -f "$out/trace_$k.json"
   done
   ;;
 baseline)
