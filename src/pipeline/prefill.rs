@@ -160,58 +160,20 @@ impl GpuModel {
     }
 
     /// Rows per prefill chunk so the attention partials of a context of up
-    /// to `t_len` tokens stay within [`PARTIALS_BUDGET_BYTES`] (counted at
-    /// the finest split, one per [`ops::ATTN_TILE`] tokens); dense chunks on
-    /// the tensor cores ([`PrefillAttention::TensorCore`]) have no partials
-    /// and take [`prefill_chunk`] rows at any context; sparse chunks on the
-    /// tensor cores count their union lists instead of partials (and the
-    /// selection workspace either way).
+    /// to `t_len` tokens stay within [`PARTIALS_BUDGET_BYTES`]
+    /// ([`prefill_rows_for`] with this model's configuration, budget,
+    /// prefill attention, selection path and window-scoring kernels).
     pub(crate) fn prefill_rows(&self, t_len: usize, sparse: bool) -> usize {
-        let tc = self.prefill_attention == PrefillAttention::TensorCore;
-        if !sparse && tc {
-            return prefill_chunk();
-        }
-        let c = &self.config;
-        let mut per_row = if sparse && tc {
-            // A tile of 64 (row, head) pairs serves 64 / G rows: about G / 64
-            // union lists per row of min(blocks, 64·S) entries per KV head.
-            let budget = &self.plan.budget;
-            let g = c.num_attention_heads / c.num_key_value_heads.max(1);
-            let cap = budget
-                .blocks(t_len)
-                .min(ops::PREFILL_TILE_M * budget.attended.max(1));
-            (c.num_key_value_heads * ops::PREFILL_UNION_ENTRY_BYTES * cap * g)
-                .div_ceil(ops::PREFILL_TILE_M)
-        } else {
-            let nsplit = if sparse {
-                self.plan.budget.attended
-            } else {
-                t_len.div_ceil(ops::ATTN_TILE)
-            }
-            .max(1);
-            c.num_attention_heads * nsplit * (c.head_dim + 2) * 4
-        };
-        if sparse && self.selection == SelectionPath::Gpu {
-            // Query-aware logits, tile statistics and window scores.
-            let w_stride = self
-                .plan
-                .budget
-                .windows(t_len)
-                .max(1)
-                .div_ceil(crate::cuda::ops::select::QA_TILE)
-                * crate::cuda::ops::select::QA_TILE;
-            let tiles = w_stride / crate::cuda::ops::select::QA_TILE;
-            per_row += if self.prefill_scores_tc() {
-                // the window scores only (qa_prefill_scores keeps the logits on chip)
-                c.num_key_value_heads * w_stride * 4
-            } else {
-                // (+ the queries widened for the cuBLAS logits)
-                (c.num_attention_heads * (w_stride + 2 * tiles + c.head_dim)
-                    + c.num_key_value_heads * w_stride)
-                    * 4
-            };
-        }
-        (PARTIALS_BUDGET_BYTES / per_row.max(1)).clamp(1, prefill_chunk())
+        prefill_rows_for(
+            &self.config,
+            &self.plan.budget,
+            t_len,
+            sparse,
+            self.prefill_attention,
+            self.selection == SelectionPath::Gpu,
+            self.prefill_scores_tc(),
+            prefill_chunk(),
+        )
     }
 
     /// Whether this model's prefill chunks score their windows with
@@ -732,5 +694,153 @@ impl GpuModel {
             })
             .collect();
         Ok(())
+    }
+}
+
+/// Rows per prefill chunk of a model `c` with selection budget `budget`, for
+/// a context of up to `t_len` tokens, at most `chunk`: the rows whose
+/// attention and selection workspaces fit [`PARTIALS_BUDGET_BYTES`]. Dense
+/// chunks on the tensor cores ([`PrefillAttention::TensorCore`]) have no
+/// partials and take `chunk` rows at any context; rowwise chunks count their
+/// split-K partials (at the finest split, one per [`ops::ATTN_TILE`] tokens,
+/// or one per attended block); sparse chunks on the tensor cores count their
+/// union lists instead; sparse chunks with GPU selection add the window-score
+/// workspace — f32 logits, tile statistics, widened queries and scores for
+/// the cuBLAS path, the scores alone when `tc_scores` (`qa_prefill_scores`
+/// keeps the logits on chip).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn prefill_rows_for(
+    c: &crate::config::ModelConfig,
+    budget: &crate::model::select::Budget,
+    t_len: usize,
+    sparse: bool,
+    attention: PrefillAttention,
+    gpu_selection: bool,
+    tc_scores: bool,
+    chunk: usize,
+) -> usize {
+    let tc = attention == PrefillAttention::TensorCore;
+    if !sparse && tc {
+        return chunk;
+    }
+    let mut per_row = if sparse && tc {
+        // A tile of 64 (row, head) pairs serves 64 / G rows: about G / 64
+        // union lists per row of min(blocks, 64·S) entries per KV head.
+        let g = c.num_attention_heads / c.num_key_value_heads.max(1);
+        let cap = budget
+            .blocks(t_len)
+            .min(ops::PREFILL_TILE_M * budget.attended.max(1));
+        (c.num_key_value_heads * ops::PREFILL_UNION_ENTRY_BYTES * cap * g)
+            .div_ceil(ops::PREFILL_TILE_M)
+    } else {
+        let nsplit = if sparse {
+            budget.attended
+        } else {
+            t_len.div_ceil(ops::ATTN_TILE)
+        }
+        .max(1);
+        c.num_attention_heads * nsplit * (c.head_dim + 2) * 4
+    };
+    if sparse && gpu_selection {
+        let qa_tile = crate::cuda::ops::select::QA_TILE;
+        let w_stride = budget.windows(t_len).max(1).div_ceil(qa_tile) * qa_tile;
+        let tiles = w_stride / qa_tile;
+        per_row += if tc_scores {
+            c.num_key_value_heads * w_stride * 4
+        } else {
+            (c.num_attention_heads * (w_stride + 2 * tiles + c.head_dim)
+                + c.num_key_value_heads * w_stride)
+                * 4
+        };
+    }
+    (PARTIALS_BUDGET_BYTES / per_row.max(1)).clamp(1, chunk)
+}
+
+#[cfg(test)]
+mod chunk_rows_tests {
+    use super::*;
+    use crate::model::select::Budget;
+
+    fn nosa8b() -> (crate::config::ModelConfig, Budget) {
+        let c = crate::synth::Preset::Nosa8b.config();
+        let b = Budget::new(c.sparse.as_ref().expect("NOSA-8B is sparse"));
+        (c, b)
+    }
+
+    #[test]
+    fn dense_tensor_core_chunks_take_the_whole_chunk_at_any_context() {
+        let (c, b) = nosa8b();
+        for t in [4096, 130_048, 1 << 20] {
+            let r = prefill_rows_for(
+                &c,
+                &b,
+                t,
+                false,
+                PrefillAttention::TensorCore,
+                true,
+                false,
+                1024,
+            );
+            assert_eq!(r, 1024, "t {t}");
+        }
+    }
+
+    #[test]
+    fn sparse_rows_at_127k_shrink_with_the_cublas_logits_and_not_with_tensor_core_scores() {
+        let (c, b) = nosa8b();
+        let t = 130_048 + 1024;
+        let rows = |tc_scores| {
+            prefill_rows_for(
+                &c,
+                &b,
+                t,
+                true,
+                PrefillAttention::TensorCore,
+                true,
+                tc_scores,
+                1024,
+            )
+        };
+        // cuBLAS path: 32 heads of f32 logits over ~8.2K windows per row
+        // (≈ 1.1 MB) bound the chunk well below 1024 rows.
+        // (8,192 windows: 32·(8192 + 256 + 128)·4 + 2·8192·4 bytes, plus
+        // 12 KB of union lists: 456 rows)
+        let cublas = rows(false);
+        assert!((400..=500).contains(&cublas), "{cublas}");
+        // Tensor-core scores keep only Hkv score rows per query row.
+        assert_eq!(rows(true), 1024);
+        // At 32K both fit a whole chunk of 1024 rows.
+        let r32 = prefill_rows_for(
+            &c,
+            &b,
+            32_768,
+            true,
+            PrefillAttention::TensorCore,
+            true,
+            false,
+            1024,
+        );
+        assert_eq!(r32, 1024);
+    }
+
+    #[test]
+    fn rowwise_dense_rows_fall_with_the_context_and_never_reach_zero() {
+        let (c, b) = nosa8b();
+        let mut last = usize::MAX;
+        for t in [1024, 8192, 32_768, 130_048, 1 << 22] {
+            let r = prefill_rows_for(
+                &c,
+                &b,
+                t,
+                false,
+                PrefillAttention::Rowwise,
+                true,
+                false,
+                1024,
+            );
+            assert!(r >= 1 && r <= last, "t {t}: {r} after {last}");
+            last = r;
+        }
+        assert_eq!(last, 1);
     }
 }
