@@ -31,7 +31,7 @@ __device__ __forceinline__ float round_bf(float f) { return bf2f(f2bf(f)); }
 #define BF16_NAN ((bf16_t)0x7fc0u)
 
 // Mc(T): the compressed-key windows of T tokens, (T - ksize) / stride + 1 for T >= ksize,
-// else 0 (nosa-model.md §3; select.cu, qa_prefill.cu).
+// else 0 (nosa-model.md §3; compress.cu, select.cu, qa_prefill.cu).
 __device__ __forceinline__ int sel_windows(int T, int stride, int ksize) {
     return T >= ksize ? (T - ksize) / stride + 1 : 0;
 }

@@ -2,7 +2,7 @@
 //
 // Window i of a sequence covers tokens [stride*i, stride*i + ksize) and exists
 // once the sequence holds T >= stride*i + ksize tokens, so Mc(T) = (T-ksize)/stride + 1
-// windows for T >= ksize, else 0. For each window the kernel writes
+// windows for T >= ksize, else 0 (common.cuh sel_windows). For each window the kernel writes
 //   Kc[i, h, :] = inv * sum over the window's tokens t (ascending) of K[t, h, :]   (f32)
 //   p[i, h]     = inv * sum over the window's tokens t (ascending) of c[t, h]      (f32)
 // with inv = 1/ksize passed from the host: the same additions in the same order
@@ -21,10 +21,6 @@
 // Grid: (x, B); block x handles windows Mc(T - n_new) + x, + gridDim.x, ... (grid-stride),
 // its threads stride over the hkv*D elements of a window row.
 
-__device__ __forceinline__ int cmp_windows(int T, int stride, int ksize) {
-    return T >= ksize ? (T - ksize) / stride + 1 : 0;
-}
-
 extern "C" __global__ void compress_windows(const u64* __restrict__ kptr, const u64* __restrict__ cptr,
                                             const u64* __restrict__ kcptr, const u64* __restrict__ pptr,
                                             const int* __restrict__ lens, int n_new, int hkv, int D, int stride,
@@ -32,8 +28,8 @@ extern "C" __global__ void compress_windows(const u64* __restrict__ kptr, const 
     const int b = blockIdx.y;
     const int T = lens[b];
     const int T0 = T > n_new ? T - n_new : 0;
-    const int w_lo = cmp_windows(T0, stride, ksize);
-    const int w_hi = cmp_windows(T, stride, ksize);
+    const int w_lo = sel_windows(T0, stride, ksize);
+    const int w_hi = sel_windows(T, stride, ksize);
     const int kvd = hkv * D;
     const bf16_t* K = (const bf16_t*)kptr[b];
     float* Kc = (float*)kcptr[b];
