@@ -110,19 +110,36 @@ __device__ __forceinline__ void qa_prefill_scores_impl(const bf16_t* __restrict_
     const int ntiles = (mc_max + QP_BN - 1) / QP_BN;
 
     // Kc windows w0 .. w0+63 of head h into the three part tiles (windows >= mc_max as 0).
+    // Thread tid takes float4 chunks tid + i*QP_THREADS (row x / F4, column chunk x % F4); the
+    // loads of a batch are all issued before the first is used, so a tile costs about one
+    // L2 latency per batch instead of one per chunk.
+    constexpr int LD_ITERS = QP_BN * F4 / QP_THREADS;  // 8, 10, 16 for D = 64, 80, 128
+    static_assert(QP_BN * F4 % QP_THREADS == 0, "whole load passes");
+    constexpr int LD_BATCH = LD_ITERS >= 10 ? LD_ITERS / 2 : LD_ITERS;
+    static_assert(LD_ITERS % LD_BATCH == 0, "whole load batches");
     auto load_tile = [&](int w0) {
-        for (int x = tid; x < QP_BN * F4; x += QP_THREADS) {
-            const int row = x / F4, c4 = x - row * F4;
-            const int w = w0 + row;
-            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (w < mc_max) v = *(const float4*)(Kh + (u64)w * kc_row + c4 * 4);
-            u32 a0, b0_, c0, a1, b1, c1;
-            qp_split2(v.x, v.y, a0, b0_, c0);
-            qp_split2(v.z, v.w, a1, b1, c1);
-            const int o = row * RS + c4 * 4;
-            *(uint2*)(Ks + o) = make_uint2(a0, a1);
-            *(uint2*)(Ks + PART + o) = make_uint2(b0_, b1);
-            *(uint2*)(Ks + 2 * PART + o) = make_uint2(c0, c1);
+#pragma unroll
+        for (int i0 = 0; i0 < LD_ITERS; i0 += LD_BATCH) {
+            float4 v[LD_BATCH];
+#pragma unroll
+            for (int j = 0; j < LD_BATCH; ++j) {
+                const int x = tid + (i0 + j) * QP_THREADS;
+                const int row = x / F4, c4 = x - row * F4;
+                v[j] = w0 + row < mc_max ? *(const float4*)(Kh + (u64)(w0 + row) * kc_row + c4 * 4)
+                                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int j = 0; j < LD_BATCH; ++j) {
+                const int x = tid + (i0 + j) * QP_THREADS;
+                const int row = x / F4, c4 = x - row * F4;
+                u32 a0, b0_, c0, a1, b1, c1;
+                qp_split2(v[j].x, v[j].y, a0, b0_, c0);
+                qp_split2(v[j].z, v[j].w, a1, b1, c1);
+                const int o = row * RS + c4 * 4;
+                *(uint2*)(Ks + o) = make_uint2(a0, a1);
+                *(uint2*)(Ks + PART + o) = make_uint2(b0_, b1);
+                *(uint2*)(Ks + 2 * PART + o) = make_uint2(c0, c1);
+            }
         }
     };
     // S = Q.Kc^T of the tile in shared memory, scaled, -inf at windows w >= the row's Mc:
