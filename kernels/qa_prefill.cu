@@ -25,8 +25,8 @@
 // Layouts: q bf16, row b's H*D post-RoPE query values at b*q_stride, head g at g*D; kc f32
 // [>= max Mc, hkv, D]; lens i32 [rows] (row b's query sees lens[b] tokens); s f32, row (b, h)
 // at (b*hkv + h)*w_stride (w_stride >= every row's Mc). Grid (ceil(rows / R), hkv); block
-// QP_THREADS threads; dynamic shared memory qa_prefill_smem_bytes(D) (src/cuda/ops/select.rs:
-// 3*64*(D+8)*2 + 64*(64+1)*4 bytes). G <= 64; D a template parameter (64, 80, 128: the entry
+// QP_THREADS threads; dynamic shared memory qa_prefill_smem_bytes(D, NP) (src/cuda/ops/select.rs:
+// NP*64*(D+8)*2 + 64*(64+1)*4 bytes, NP the Kc parts below). G <= 64; D a template parameter (64, 80, 128: the entry
 // points at the end).
 
 #define QP_BM 64   // (row, query head) M-rows per block
@@ -45,7 +45,10 @@ __device__ __forceinline__ void qp_split2(float x0, float x1, u32& a, u32& b, u3
     c = pack_bf2_rn(r0 - bf2_lo(b), r1 - bf2_hi(b));
 }
 
-template <int D>
+// NP: the Kc parts summed, 3 (hi + mid + lo = x, the accuracy of an f32 dot product) or 2
+// (hi + mid, within 2^-16 |x| of x: the qa_prefill_scores_bf16x2_d* entry points, an
+// experiment in trading accuracy for a third fewer tensor-core products).
+template <int D, int NP>
 __device__ __forceinline__ void qa_prefill_scores_impl(const bf16_t* __restrict__ q, int q_stride,
                                                        const float* __restrict__ kc, const int* __restrict__ lens,
                                                        float* __restrict__ s_out, int rows, int H, int hkv,
@@ -102,8 +105,8 @@ __device__ __forceinline__ void qa_prefill_scores_impl(const bf16_t* __restrict_
         }
     }
 
-    bf16_t* Ks = (bf16_t*)qp_sh;           // [3][QP_BN][RS]: hi, mid, lo
-    float* Ps = (float*)(Ks + 3 * PART);   // [QP_BM][QP_PS]
+    bf16_t* Ks = (bf16_t*)qp_sh;           // [NP][QP_BN][RS]: hi, mid (, lo)
+    float* Ps = (float*)(Ks + NP * PART);  // [QP_BM][QP_PS]
     const u32 ks_lane = smem_addr(Ks + ldsm_k_lane(lane, RS));
     const u64 kc_row = (u64)hkv * D;       // f32 elements per window of Kc
     const float* Kh = kc + (u64)h * D;
@@ -138,7 +141,7 @@ __device__ __forceinline__ void qa_prefill_scores_impl(const bf16_t* __restrict_
                 const int o = row * RS + c4 * 4;
                 *(uint2*)(Ks + o) = make_uint2(a0, a1);
                 *(uint2*)(Ks + PART + o) = make_uint2(b0_, b1);
-                *(uint2*)(Ks + 2 * PART + o) = make_uint2(c0, c1);
+                if (NP == 3) *(uint2*)(Ks + 2 * PART + o) = make_uint2(c0, c1);
             }
         }
     };
@@ -148,7 +151,7 @@ __device__ __forceinline__ void qa_prefill_scores_impl(const bf16_t* __restrict_
 #pragma unroll
         for (int c = 0; c < 8; ++c) s[c][0] = s[c][1] = s[c][2] = s[c][3] = 0.0f;
 #pragma unroll
-        for (int p = 0; p < 3; ++p) {
+        for (int p = 0; p < NP; ++p) {
 #pragma unroll
             for (int nb = 0; nb < 4; ++nb) {
 #pragma unroll
@@ -255,17 +258,35 @@ __device__ __forceinline__ void qa_prefill_scores_impl(const bf16_t* __restrict_
 extern "C" __global__ __launch_bounds__(QP_THREADS) void qa_prefill_scores_d64(
     const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens,
     float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) {
-    qa_prefill_scores_impl<64>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
+    qa_prefill_scores_impl<64, 3>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
 }
 
 extern "C" __global__ __launch_bounds__(QP_THREADS) void qa_prefill_scores_d80(
     const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens,
     float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) {
-    qa_prefill_scores_impl<80>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
+    qa_prefill_scores_impl<80, 3>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
 }
 
 extern "C" __global__ __launch_bounds__(QP_THREADS) void qa_prefill_scores_d128(
     const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens,
     float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) {
-    qa_prefill_scores_impl<128>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
+    qa_prefill_scores_impl<128, 3>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
+}
+
+extern "C" __global__ __launch_bounds__(QP_THREADS) void qa_prefill_scores_bf16x2_d64(
+    const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens,
+    float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) {
+    qa_prefill_scores_impl<64, 2>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
+}
+
+extern "C" __global__ __launch_bounds__(QP_THREADS) void qa_prefill_scores_bf16x2_d80(
+    const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens,
+    float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) {
+    qa_prefill_scores_impl<80, 2>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
+}
+
+extern "C" __global__ __launch_bounds__(QP_THREADS) void qa_prefill_scores_bf16x2_d128(
+    const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens,
+    float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) {
+    qa_prefill_scores_impl<128, 2>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
 }

@@ -31,10 +31,11 @@
 #                                                each (about 35 s), files *_base_<r>.json / *_new_<r>.json
 #   scripts/device/prefill.sh scores       OUT   the sparse prefill window-scoring kernels: gpu-check's kernel
 #                                                and selection cases (qa_prefill_scores among them) and gpu-check-e2e with
-#                                                SPARDA_PREFILL_SCORES=tensor-core, then sparse prefill at
-#                                                CONTEXT (default 32K,128K) with cublas and tensor-core,
-#                                                one process each, and a traced 32K prefill with each
-#                                                (its phases; about 4 minutes in all)
+#                                                SPARDA_PREFILL_SCORES=tensor-core and tensor-core-bf16x2, then
+#                                                sparse prefill at CONTEXT (default 32K,128K) with cublas,
+#                                                tensor-core and tensor-core-bf16x2, one process each, and a
+#                                                traced 32K prefill with cublas and tensor-core (its phases;
+#                                                about 6 minutes in all)
 # Then, here: sparda report OUT/prefill_*.json OUT/transformers_sdpa_prefill.json \
 #   --out benches/results/prefill_nosa8b_h200_<date>_<commit>   (a table and PREFIX.prefill.svg)
 # Env: SPARDA (default .device/bin/sparda), SPARDA_COMMIT, BATCH (default 1,4),
@@ -99,9 +100,11 @@ scores)
   # (the select group holds both prefill scoring kernels' cases against the CPU reference)
   SPARDA_CHECK_ONLY=kernels,select "$SPARDA" gpu-check \
     --json "$out/gpu_check_kernels_select.json" 2>&1 | grep -E "FAIL|error:|qa_|attention|cases" | tail -14
-  SPARDA_PREFILL_SCORES=tensor-core "$SPARDA" gpu-check-e2e ${MODEL:+--model "$MODEL"} \
-    --json "$out/gpu_check_e2e_tensor_core_scores.json" --steps 48 2>&1 | grep -E "fail|FAIL|passed" | tail -6
-  for k in cublas tensor-core; do
+  for k in tensor-core tensor-core-bf16x2; do
+    SPARDA_PREFILL_SCORES=$k "$SPARDA" gpu-check-e2e ${MODEL:+--model "$MODEL"} \
+      --json "$out/gpu_check_e2e_scores_$k.json" --steps 48 2>&1 | grep -E "fail|FAIL|passed|sparse-tc" | sed "s/^/$k: /" | tail -6
+  done
+  for k in cublas tensor-core tensor-core-bf16x2; do
     SPARDA_PREFILL_SCORES=$k "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
       --steps 0 --attention sparse --kv gpu --batch 1 --context "${CONTEXT:-32K,128K}" --prefill sparse \
       --json "$out/prefill_sparse_scores_$k.json" 2>&1 | grep -E "prefill only" | sed "s/^/$k: /"

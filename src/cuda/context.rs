@@ -159,6 +159,9 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
             "qa_prefill_scores_d64",
             "qa_prefill_scores_d80",
             "qa_prefill_scores_d128",
+            "qa_prefill_scores_bf16x2_d64",
+            "qa_prefill_scores_bf16x2_d80",
+            "qa_prefill_scores_bf16x2_d128",
         ],
     },
     KernelSource {

@@ -186,7 +186,7 @@ impl GpuModel {
         };
         let c = &self.config;
         self.selection == SelectionPath::Gpu
-            && prefill_scores() == PrefillScores::TensorCore
+            && prefill_scores() != PrefillScores::Cublas
             && prefill_scores_tc_supported(
                 c.head_dim,
                 c.num_attention_heads / c.num_key_value_heads.max(1),

@@ -74,7 +74,8 @@ impl GpuModel {
                 // logits, softmax and scores in one kernel.
                 Some(kc) if tc => {
                     phase("window_scores")?;
-                    launch_prefill_scores(gpu, &dims, qp, self.qkv_cols, dh, kc)?;
+                    let parts = crate::cuda::ops::select::prefill_scores().kc_parts();
+                    launch_prefill_scores(gpu, &dims, qp, self.qkv_cols, dh, kc, parts)?;
                 }
                 // Rows of one sequence: cuBLAS reads each Kc tile once.
                 Some(kc) => {

@@ -799,8 +799,9 @@ pub fn window_scores_shared_kc(
         w_stride: ws.w_stride,
         budget: *budget,
     };
-    if kernels == PrefillScores::TensorCore {
-        launch_prefill_scores(gpu, &dims, dptr(gpu, q), heads * d, d, dptr(gpu, kc))?;
+    if kernels != PrefillScores::Cublas {
+        let parts = kernels.kc_parts();
+        launch_prefill_scores(gpu, &dims, dptr(gpu, q), heads * d, d, dptr(gpu, kc), parts)?;
         // the uploads live until the kernel that reads them is done
         return gpu.synchronize();
     }
@@ -970,20 +971,38 @@ pub enum PrefillScores {
     /// and the softmax and scores in the same kernel, with no logits in
     /// device memory; head dims 64, 80 and 128 (others take `Cublas`).
     TensorCore,
+    /// `tensor-core-bf16x2`: the same kernel on two bf16 parts of Kc (within
+    /// 2^-16 of each value instead of exact; a third fewer tensor-core
+    /// products): an experiment, whose selections and quality are to be
+    /// measured against the exact kernels before any use.
+    TensorCoreBf16x2,
+}
+
+impl PrefillScores {
+    /// Kc parts the tensor-core kernel sums (0 for [`PrefillScores::Cublas`]).
+    pub fn kc_parts(self) -> usize {
+        match self {
+            PrefillScores::Cublas => 0,
+            PrefillScores::TensorCore => 3,
+            PrefillScores::TensorCoreBf16x2 => 2,
+        }
+    }
 }
 
 /// The environment variable that chooses [`PrefillScores`].
 pub const ENV_PREFILL_SCORES: &str = "SPARDA_PREFILL_SCORES";
 
-/// Reads a [`ENV_PREFILL_SCORES`] value: `cublas` or `tensor-core`.
+/// Reads a [`ENV_PREFILL_SCORES`] value: `cublas`, `tensor-core` or
+/// `tensor-core-bf16x2`.
 ///
 /// Errors: [`Error::Input`] naming the variable, the value and the choices.
 pub fn parse_prefill_scores(v: &str) -> Result<PrefillScores> {
     match v.trim() {
         "cublas" => Ok(PrefillScores::Cublas),
         "tensor-core" => Ok(PrefillScores::TensorCore),
+        "tensor-core-bf16x2" => Ok(PrefillScores::TensorCoreBf16x2),
         _ => Err(Error::Input(format!(
-            "{ENV_PREFILL_SCORES}={v}: give cublas or tensor-core (the kernels that score a prefill chunk's windows)"
+            "{ENV_PREFILL_SCORES}={v}: give cublas, tensor-core or tensor-core-bf16x2 (the kernels that score a prefill chunk's windows)"
         ))),
     }
 }
@@ -1013,15 +1032,18 @@ pub fn prefill_scores_tc_supported(head_dim: usize, group: usize) -> bool {
 /// (row, query head) pairs per `qa_prefill_scores` block.
 const QP_BM: usize = 64;
 
-/// Dynamic shared memory of `qa_prefill_scores` at head dim `d`, bytes: the
-/// three bf16 part tiles of 64 windows (rows of d + 8) and the f32 P tile
-/// [64, 65] (kernels/qa_prefill.cu).
-pub fn qa_prefill_smem_bytes(d: usize) -> usize {
-    3 * 64 * (d + 8) * 2 + QP_BM * 65 * 4
+/// Dynamic shared memory of `qa_prefill_scores` at head dim `d` with
+/// `parts` Kc parts (3, or 2 for the bf16x2 entry points), bytes: the bf16
+/// part tiles of 64 windows (rows of d + 8) and the f32 P tile [64, 65]
+/// (kernels/qa_prefill.cu).
+pub fn qa_prefill_smem_bytes(d: usize, parts: usize) -> usize {
+    parts * 64 * (d + 8) * 2 + QP_BM * 65 * 4
 }
 
 /// Steps 1a and 1b for `d.rows` rows that all read one Kc (a prefill
-/// chunk) on the tensor cores: `qa_prefill_scores` (kernels/qa_prefill.cu)
+/// chunk) on the tensor cores, summing `parts` bf16 parts of Kc (3: exact,
+/// `qa_prefill_scores_d*`; 2: `qa_prefill_scores_bf16x2_d*`):
+/// `qa_prefill_scores` (kernels/qa_prefill.cu)
 /// writes `d.scores` (the windows below each row's Mc) from the bf16
 /// queries at `q` (row b at b·`q_stride`) and the f32 Kc at `kc` (≥ max
 /// Mc windows of Hkv·`head_dim`); `d.logits` and `d.stats` are not used.
@@ -1037,8 +1059,18 @@ pub(crate) fn launch_prefill_scores(
     q_stride: usize,
     head_dim: usize,
     kc: u64,
+    parts: usize,
 ) -> Result<()> {
     const OP: &str = "qa_prefill_scores";
+    let entry = match parts {
+        3 => OP.to_string(),
+        2 => format!("{OP}_bf16x2"),
+        _ => {
+            return Err(Error::Input(format!(
+                "{OP}: {parts} Kc parts (the kernel sums 2 or 3)"
+            )))
+        }
+    };
     let g = d.heads / d.kv_heads.max(1);
     if d.kv_heads == 0
         || !d.heads.is_multiple_of(d.kv_heads)
@@ -1058,8 +1090,14 @@ pub(crate) fn launch_prefill_scores(
         return Ok(());
     }
     let [h_, hk_, wst, _, st, ks] = d.i32s()?;
-    let f = gpu.function(&format!("{OP}_d{head_dim}"))?;
-    let smem = ensure_smem(gpu, f, qa_prefill_smem_bytes(head_dim), QP_BM * 4, OP)?;
+    let f = gpu.function(&format!("{entry}_d{head_dim}"))?;
+    let smem = ensure_smem(
+        gpu,
+        f,
+        qa_prefill_smem_bytes(head_dim, parts),
+        QP_BM * 4,
+        OP,
+    )?;
     let cfg = LaunchConfig {
         grid_dim: (
             grid(d.rows.div_ceil(QP_BM / g), "row blocks")?,
@@ -1437,11 +1475,17 @@ mod prefill_scores_tests {
             parse_prefill_scores(" tensor-core ").unwrap(),
             PrefillScores::TensorCore
         );
-        for bad in ["", "tc", "TENSOR-CORE", "cuBLAS"] {
+        assert_eq!(
+            parse_prefill_scores("tensor-core-bf16x2").unwrap(),
+            PrefillScores::TensorCoreBf16x2
+        );
+        assert_eq!(PrefillScores::TensorCore.kc_parts(), 3);
+        assert_eq!(PrefillScores::TensorCoreBf16x2.kc_parts(), 2);
+        for bad in ["", "tc", "TENSOR-CORE", "cuBLAS", "tensor-core-bf16x3"] {
             let e = parse_prefill_scores(bad).unwrap_err().to_string();
             assert!(
                 e.contains(&format!("{ENV_PREFILL_SCORES}={bad}"))
-                    && e.contains("cublas or tensor-core"),
+                    && e.contains("cublas, tensor-core or tensor-core-bf16x2"),
                 "{bad}: {e}"
             );
         }
@@ -1466,9 +1510,14 @@ mod prefill_scores_tests {
         // 228 KB of shared memory per SM on the H100/H200, 1 KB reserved per
         // block, the kernel's 256 bytes of static Mc values.
         for d in [64, 80, 128] {
-            let per_block = qa_prefill_smem_bytes(d) + 1024 + 256;
-            assert!(3 * per_block <= 228 * 1024, "D {d}: {per_block} bytes");
+            for parts in [2, 3] {
+                let per_block = qa_prefill_smem_bytes(d, parts) + 1024 + 256;
+                assert!(3 * per_block <= 228 * 1024, "D {d}: {per_block} bytes");
+            }
         }
-        assert_eq!(qa_prefill_smem_bytes(128), 3 * 64 * 136 * 2 + 64 * 65 * 4);
+        assert_eq!(
+            qa_prefill_smem_bytes(128, 3),
+            3 * 64 * 136 * 2 + 64 * 65 * 4
+        );
     }
 }
