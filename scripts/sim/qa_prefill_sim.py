@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Lane-level simulation of kernels/qa_prefill.cu (qa_prefill_scores_d{64,80,128}), to check
 the kernel without a GPU. It re-implements the kernel step by step: change it with the kernel.
-Run: python3 scripts/sim/qa_prefill_sim.py (numpy; about 20 s). Exit 1 on any error.
+Run: python3 scripts/sim/qa_prefill_sim.py [--parts 2|3] (numpy; about 20 s): the three-part
+entry points (qa_prefill_scores_d*) by default, --parts 2 the bf16x2 ones. Exit 1 on any error
+or a relative L2 above 1e-5 (three parts) / 1e-4 (two).
 
 Every block of the grid (ceil(rows / (64/G)), hkv) is simulated with its 128 threads held as
 numpy vectors indexed by tid (lane = tid & 31, warp = tid >> 5); warp-collective instructions
@@ -264,8 +266,11 @@ QP_THREADS = 32 * QP_WARPS
 QP_PS = QP_BN + 1
 
 
-def smem_bytes(D):  # src/cuda/ops/select.rs qa_prefill_smem_bytes
-    return 3 * 64 * (D + 8) * 2 + QP_BM * 65 * 4
+NP = 3  # Kc parts summed (kernel template parameter NP; --parts)
+
+
+def smem_bytes(D):  # src/cuda/ops/select.rs qa_prefill_smem_bytes(D, NP)
+    return NP * 64 * (D + 8) * 2 + QP_BM * 65 * 4
 
 
 def sel_windows(T, stride, ksize):
@@ -370,7 +375,7 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
         qa[:, kk, 3] = load_q_u32(qr[:, 1], c0 + 8)
 
     KS = 0  # byte offset of Ks in the dynamic window
-    PS = KS + 2 * 3 * PART  # Ps = (float*)(Ks + 3*PART)
+    PS = KS + 2 * NP * PART  # Ps = (float*)(Ks + NP*PART)
     check(PS % 16 == 0, "Ps not 16-byte aligned")
 
     def ldsm_k_lane(l, rs):
@@ -403,13 +408,14 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
             o = row * RS + c4 * 4  # bf16 elements
             dyn.write(ta, KS + 2 * o, as_bytes_u32x2(a0, a1), 8, "uint2 store hi")
             dyn.write(ta, KS + 2 * (PART + o), as_bytes_u32x2(b0_, b1), 8, "uint2 store mid")
-            dyn.write(ta, KS + 2 * (2 * PART + o), as_bytes_u32x2(c0, c1), 8, "uint2 store lo")
+            if NP == 3:
+                dyn.write(ta, KS + 2 * (2 * PART + o), as_bytes_u32x2(c0, c1), 8, "uint2 store lo")
 
     cb = (lane & 3) * 2
 
     def tile_logits(w0):
         s = np.zeros((128, 8, 4), F32)
-        for p in range(3):
+        for p in range(NP):
             for nb in range(4):
                 for kk in range(NK):
                     b = ldmatrix_x4(dyn, tid, ks_lane + (p * PART + nb * 16 * RS + kk * 16) * 2)
@@ -603,6 +609,9 @@ def run_shape(G, hkv, D, t0, n, seed, stride=16, ksize=32, label=None):
 
 
 if __name__ == "__main__":
+    if "--parts" in sys.argv:
+        NP = int(sys.argv[sys.argv.index("--parts") + 1])
+        assert NP in (2, 3), "--parts 2 or 3"
     rng = np.random.default_rng(1)
     print("split hi+mid+lo == x  (f32 sum, exact sum, pack halves, RNE ties):", split_exactness_test(rng))
     shapes = [
@@ -624,4 +633,4 @@ if __name__ == "__main__":
         worst = max(worst, r)
         allerr += e
     print(f"worst relL2 {worst:.3e}; total errors {len(allerr)}")
-    sys.exit(1 if allerr or worst > 1e-5 else 0)
+    sys.exit(1 if allerr or worst > (1e-5 if NP == 3 else 1e-4) else 0)
