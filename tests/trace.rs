@@ -1156,6 +1156,11 @@ fn compute_phases_are_split_by_a_concurrent_fetch() {
     let resident = summary_of(&[span(Track::Compute, "attention", 0.0, 1.0, 0, 0, None)]);
     assert!(resident.beside_fetch.is_empty());
     assert!(!resident.to_text().contains("beside a fetch"));
+    // ... and no per-layer transfer table of zeros (KV on the GPU, a prefill),
+    // which the offloaded trace above prints.
+    assert!(!resident.layers.is_empty());
+    assert!(!resident.to_text().contains("h2d ms"));
+    assert!(text.contains("h2d ms"), "{text}");
 }
 
 /// `GpuTimeline::host_cost` keeps the spans recorded before it and drops its

@@ -949,7 +949,13 @@ impl Summary {
                 );
             }
         }
-        if !self.layers.is_empty() {
+        // The per-layer transfer table, when some layer fetched or waited (a
+        // trace with KV on the GPU, a prefill, would print only zeros).
+        let any_transfer = self
+            .layers
+            .values()
+            .any(|s| s.h2d_ms > 0.0 || s.wait_ms > 0.0 || s.bytes > 0);
+        if any_transfer {
             let _ = writeln!(
                 o,
                 "{:>6} {:>10} {:>10} {:>12} {:>10}",
