@@ -15,6 +15,10 @@
 #            its kernels first).
 #   table-cpu  CPU vs GPU on one chunk of hamlet (the CPU reference prefills 8K tokens in
 #            about 80 s on 16 cores; about 100 s per CPU run)
+#   scores   the sparse prefill window-scoring kernels (SPARDA_PREFILL_SCORES): InfLLM-V2
+#            budget 64 at 8K on hamlet with the cuBLAS logits (the base, against dense too),
+#            then tensor-core and tensor-core-bf16x2 scored against it (KL, top-1, Δ perplexity:
+#            what each kernel's selections cost; the exact kernels should be near zero)
 # Then: python3 scripts/quality_table.py OUT_DIR > OUT_DIR.md
 # Env: SPARDA (binary, default .device/bin/sparda), SPARDA_COMMIT, CHUNKS (per text, default 2),
 #      SCORE (scored tokens per chunk, default 1024), CPU_SCORE (default 64).
@@ -39,7 +43,7 @@ e2e)
   "$SPARDA" gpu-check-e2e --model "$FX" --text data/texts/hamlet.txt \
     --json "$out/gpu_check_e2e.json"
   ;;
-table|table-cpu)
+table|table-cpu|scores)
   CHUNKS=${CHUNKS:-2}; SCORE=${SCORE:-1024}; CPU_SCORE=${CPU_SCORE:-64}
   TEXTS_DIR=${TEXTS_DIR:-.device/texts}
   common=(--model "$FX" --context 8192 --score "$SCORE" --max-chunks "$CHUNKS")
@@ -53,6 +57,19 @@ table|table-cpu)
       || { echo "FAILED: $name"; tail -5 "$out/$t/$name.log"; }
     tail -3 "$out/$t/$name.log"
   }
+  if [[ "$phase" == scores ]]; then
+    t=hamlet_scores; mkdir -p "$out/$t"; L="$out/$t"
+    g=("${common[@]}" --text data/texts/hamlet.txt --backend cuda)
+    ppl dense "${g[@]}" --save-logits "$L/dense.logits"
+    SPARDA_PREFILL_SCORES=cublas ppl infllmv2_b64_s16_cublas_scores "${g[@]}" "${b64[@]}" \
+      --kl-base "$L/dense.logits" --save-logits "$L/cublas.logits"
+    for k in tensor-core tensor-core-bf16x2; do
+      SPARDA_PREFILL_SCORES=$k ppl "infllmv2_b64_s16_${k//-/_}_scores_vs_cublas" "${g[@]}" "${b64[@]}" \
+        --kl-base "$L/cublas.logits"
+    done
+    rm -f "$L"/*.logits
+    exit 0
+  fi
   [[ "$phase" == table ]] && for text in data/texts/hamlet.txt "$TEXTS_DIR/paradise_lost.txt"; do
     t=$(basename "$text" .txt); mkdir -p "$out/$t"; L="$out/$t"
     g=("${common[@]}" --text "$text" --backend cuda)
