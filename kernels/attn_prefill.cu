@@ -336,16 +336,7 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
             float s[8][4];
 #pragma unroll
             for (int c = 0; c < 8; ++c) s[c][0] = s[c][1] = s[c][2] = s[c][3] = 0.0f;
-#pragma unroll
-            for (int nb = 0; nb < 4; ++nb) {
-#pragma unroll
-                for (int kk = 0; kk < NK; ++kk) {
-                    u32 b[4];
-                    ldsm_x4_at(b, ks + (nb * 16 * RS + kk * 16) * 2);
-                    mma_bf16(s[2 * nb], qa[kk], b[0], b[1]);
-                    mma_bf16(s[2 * nb + 1], qa[kk], b[2], b[3]);
-                }
-            }
+            mma_qk_tile64<NK, RS>(s, qa, ks);
             // Logits in log2 units. Dense: causal mask where some row of the warp ends inside
             // the tile. Sparse: the bias on the scaled logit, -inf for rows that did not
             // select the block, keys past the row's position and keys past the block.

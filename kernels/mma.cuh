@@ -68,6 +68,24 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// s += Q.K^T for one warp's 16 M-rows against a tile of 64 K rows in shared memory (bf16 rows
+// RS elements apart; `ks` this lane's ldmatrix address of the tile, smem_addr of the tile plus
+// ldsm_k_lane): s[c] holds K rows 8c .. 8c+7 in the mma C layout, qa the NK k-steps of Q as A
+// fragments. The S tile of attn_prefill.cu and qa_prefill.cu.
+template <int NK, int RS>
+__device__ __forceinline__ void mma_qk_tile64(float (&s)[8][4], const u32 (&qa)[NK][4], u32 ks) {
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb) {
+#pragma unroll
+        for (int kk = 0; kk < NK; ++kk) {
+            u32 b[4];
+            ldsm_x4_at(b, ks + (nb * 16 * RS + kk * 16) * 2);
+            mma_bf16(s[2 * nb], qa[kk], b[0], b[1]);
+            mma_bf16(s[2 * nb + 1], qa[kk], b[2], b[3]);
+        }
+    }
+}
+
 // Two f32 values rounded to bf16 (nearest even) in one bf16x2 register, lo in the low half:
 // one conversion instruction, the same bits as f2bf for every finite value.
 __device__ __forceinline__ u32 pack_bf2_rn(float lo, float hi) {

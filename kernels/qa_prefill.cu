@@ -151,18 +151,7 @@ __device__ __forceinline__ void qa_prefill_scores_impl(const bf16_t* __restrict_
 #pragma unroll
         for (int c = 0; c < 8; ++c) s[c][0] = s[c][1] = s[c][2] = s[c][3] = 0.0f;
 #pragma unroll
-        for (int p = 0; p < NP; ++p) {
-#pragma unroll
-            for (int nb = 0; nb < 4; ++nb) {
-#pragma unroll
-                for (int kk = 0; kk < NK; ++kk) {
-                    u32 b[4];
-                    ldsm_x4_at(b, ks_lane + (p * PART + nb * 16 * RS + kk * 16) * 2);
-                    mma_bf16(s[2 * nb], qa[kk], b[0], b[1]);
-                    mma_bf16(s[2 * nb + 1], qa[kk], b[2], b[3]);
-                }
-            }
-        }
+        for (int p = 0; p < NP; ++p) mma_qk_tile64<NK, RS>(s, qa, ks_lane + p * PART * 2);
         const int cb = (lane & 3) * 2;
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
