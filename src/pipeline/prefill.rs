@@ -801,10 +801,9 @@ mod chunk_rows_tests {
                 1024,
             )
         };
-        // cuBLAS path: 32 heads of f32 logits over ~8.2K windows per row
-        // (≈ 1.1 MB) bound the chunk well below 1024 rows.
-        // (8,192 windows: 32·(8192 + 256 + 128)·4 + 2·8192·4 bytes, plus
-        // 12 KB of union lists: 456 rows)
+        // cuBLAS path: 32 heads of f32 logits over 8,192 windows per row,
+        // 32·(8192 + 256 + 128)·4 + 2·8192·4 bytes plus 12 KB of union lists
+        // (≈ 1.2 MB): 456 rows.
         let cublas = rows(false);
         assert!((400..=500).contains(&cublas), "{cublas}");
         // Tensor-core scores keep only Hkv score rows per query row.

@@ -15,10 +15,11 @@ impl GpuModel {
     /// `qa_window_logits`, or, when every row reads the one Kc at
     /// `shared_kc` (a prefill chunk), with cuBLAS ([`qa_logits_shared_kc`],
     /// queries widened into `ws.qa_qf`, then the tile statistics) — then
-    /// `qa_window_scores`; or, for a prefill chunk under
-    /// `SPARDA_PREFILL_SCORES=tensor-core` ([`GpuModel::prefill_scores_tc`]), all three in
-    /// `qa_prefill_scores`; then `select_blocks` over up to `geo.nb_cap` blocks into the lists at
-    /// `sel_off` / `nsel_off` (width `geo.s_max`). `span` (a traced
+    /// `qa_window_scores`; or, for a prefill chunk under a tensor-core
+    /// `SPARDA_PREFILL_SCORES` ([`GpuModel::prefill_scores_tc`]), all three
+    /// in `qa_prefill_scores`; then `select_blocks` over up to `geo.nb_cap`
+    /// blocks into the lists at `sel_off` / `nsel_off` (width `geo.s_max`).
+    /// `span` (a traced
     /// prefill's open span, else [`SpanId::NONE`]) is ended and followed by
     /// one span per phase; the last one open is returned.
     #[allow(clippy::too_many_arguments)]
@@ -74,8 +75,8 @@ impl GpuModel {
                 // logits, softmax and scores in one kernel.
                 Some(kc) if tc => {
                     phase("window_scores")?;
-                    let parts = crate::cuda::ops::select::prefill_scores().kc_parts();
-                    launch_prefill_scores(gpu, &dims, qp, self.qkv_cols, dh, kc, parts)?;
+                    let kernels = crate::cuda::ops::select::prefill_scores();
+                    launch_prefill_scores(gpu, &dims, qp, self.qkv_cols, dh, kc, kernels)?;
                 }
                 // Rows of one sequence: cuBLAS reads each Kc tile once.
                 Some(kc) => {

@@ -636,8 +636,7 @@ where
 
 /// Launches the split-K partial attention for `args` and merges the splits
 /// into `out` (bf16 [rows, H, D], rows at `out_stride`) with `attn_combine`.
-/// Shared by
-/// [`attention_dense_decode`] and [`attention_sparse_decode`]; the partial
+/// Shared by [`attention_dense_decode`] and [`attention_sparse_decode`]; the partial
 /// buffers that `args` points to must outlive the launches (the callers own
 /// them; frees are stream-ordered).
 fn launch_attention<O: DevicePtrMut<Bf16>>(

@@ -800,8 +800,15 @@ pub fn window_scores_shared_kc(
         budget: *budget,
     };
     if kernels != PrefillScores::Cublas {
-        let parts = kernels.kc_parts();
-        launch_prefill_scores(gpu, &dims, dptr(gpu, q), heads * d, d, dptr(gpu, kc), parts)?;
+        launch_prefill_scores(
+            gpu,
+            &dims,
+            dptr(gpu, q),
+            heads * d,
+            d,
+            dptr(gpu, kc),
+            kernels,
+        )?;
         // the uploads live until the kernel that reads them is done
         return gpu.synchronize();
     }
@@ -1041,17 +1048,19 @@ pub fn qa_prefill_smem_bytes(d: usize, parts: usize) -> usize {
 }
 
 /// Steps 1a and 1b for `d.rows` rows that all read one Kc (a prefill
-/// chunk) on the tensor cores, summing `parts` bf16 parts of Kc (3: exact,
-/// `qa_prefill_scores_d*`; 2: `qa_prefill_scores_bf16x2_d*`):
-/// `qa_prefill_scores` (kernels/qa_prefill.cu)
-/// writes `d.scores` (the windows below each row's Mc) from the bf16
-/// queries at `q` (row b at b·`q_stride`) and the f32 Kc at `kc` (≥ max
-/// Mc windows of Hkv·`head_dim`); `d.logits` and `d.stats` are not used.
+/// chunk) on the tensor cores, with the kernels `kernels` names
+/// (`qa_prefill_scores_d*` for [`PrefillScores::TensorCore`],
+/// `qa_prefill_scores_bf16x2_d*` for [`PrefillScores::TensorCoreBf16x2`];
+/// kernels/qa_prefill.cu): writes `d.scores` (the windows below each row's
+/// Mc) from the bf16 queries at `q` (row b at b·`q_stride`) and the f32 Kc
+/// at `kc` (≥ max Mc windows of Hkv·`head_dim`); `d.logits` and `d.stats`
+/// are not used.
 ///
-/// Errors: [`Error::Input`] when the shape is not one the kernel takes
-/// ([`prefill_scores_tc_supported`]), `q_stride` is odd, `q` is not 4-byte
-/// or `kc` not 16-byte aligned, a dimension exceeds i32 or the shared memory does not
-/// fit; [`Error::Cuda`] on a launch failure.
+/// Errors: [`Error::Input`] for [`PrefillScores::Cublas`], when the shape
+/// is not one the kernel takes ([`prefill_scores_tc_supported`]),
+/// `q_stride` is odd, `q` is not 4-byte or `kc` not 16-byte aligned, a
+/// dimension exceeds i32 or the shared memory does not fit;
+/// [`Error::Cuda`] on a launch failure.
 pub(crate) fn launch_prefill_scores(
     gpu: &Gpu,
     d: &ScoreDims,
@@ -1059,18 +1068,19 @@ pub(crate) fn launch_prefill_scores(
     q_stride: usize,
     head_dim: usize,
     kc: u64,
-    parts: usize,
+    kernels: PrefillScores,
 ) -> Result<()> {
     const OP: &str = "qa_prefill_scores";
-    let entry = match parts {
-        3 => OP.to_string(),
-        2 => format!("{OP}_bf16x2"),
-        _ => {
+    let entry = match kernels {
+        PrefillScores::TensorCore => OP,
+        PrefillScores::TensorCoreBf16x2 => "qa_prefill_scores_bf16x2",
+        PrefillScores::Cublas => {
             return Err(Error::Input(format!(
-                "{OP}: {parts} Kc parts (the kernel sums 2 or 3)"
+                "{OP}: {kernels:?} is not a tensor-core choice (tensor-core or tensor-core-bf16x2)"
             )))
         }
     };
+    let parts = kernels.kc_parts();
     let g = d.heads / d.kv_heads.max(1);
     if d.kv_heads == 0
         || !d.heads.is_multiple_of(d.kv_heads)
