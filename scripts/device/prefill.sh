@@ -31,7 +31,7 @@
 #                                                each (about 35 s), files *_base_<r>.json / *_new_<r>.json
 #   scripts/device/prefill.sh scores       OUT   the sparse prefill window-scoring kernels: gpu-check's kernel
 #                                                and selection cases (qa_prefill_scores among them) and gpu-check-e2e with
-#                                                SPARDA_PREFILL_SCORES=tensor-core and tensor-core-bf16x2, then
+#                                                SPARDA_PREFILL_SCORES=cublas, tensor-core and tensor-core-bf16x2, then
 #                                                sparse prefill at CONTEXT (default 32K,128K) with cublas,
 #                                                tensor-core and tensor-core-bf16x2, one process each, and a
 #                                                traced 32K prefill with cublas and tensor-core (its phases;
@@ -100,7 +100,7 @@ scores)
   # (the select group holds both prefill scoring kernels' cases against the CPU reference)
   SPARDA_CHECK_ONLY=kernels,select "$SPARDA" gpu-check \
     --json "$out/gpu_check_kernels_select.json" 2>&1 | grep -E "FAIL|error:|qa_|attention|cases" | tail -14
-  for k in tensor-core tensor-core-bf16x2; do
+  for k in cublas tensor-core tensor-core-bf16x2; do
     SPARDA_PREFILL_SCORES=$k "$SPARDA" gpu-check-e2e ${MODEL:+--model "$MODEL"} \
       --json "$out/gpu_check_e2e_scores_$k.json" --steps 48 2>&1 | grep -E "fail|FAIL|passed|sparse-tc" | sed "s/^/$k: /" | tail -6
   done

@@ -177,8 +177,8 @@ impl GpuModel {
     }
 
     /// Whether this model's prefill chunks score their windows with
-    /// `qa_prefill_scores` (GPU selection, `SPARDA_PREFILL_SCORES=tensor-core`
-    /// and a head dim and group the kernel takes; a chunk of fewer than
+    /// `qa_prefill_scores` (GPU selection, `SPARDA_PREFILL_SCORES` other than
+    /// `cublas`, and a head dim and group the kernel takes; a chunk of fewer than
     /// `QA_GEMM_MIN_ROWS` rows still takes `qa_window_logits`).
     pub(crate) fn prefill_scores_tc(&self) -> bool {
         use crate::cuda::ops::select::{

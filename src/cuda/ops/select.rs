@@ -969,14 +969,16 @@ pub(crate) fn launch_window_scores(gpu: &Gpu, d: &ScoreDims) -> Result<()> {
 /// ([`prefill_scores`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PrefillScores {
-    /// `cublas` (the default): the f32 logits of all rows and windows as
-    /// SGEMMs into device memory (`qa_logits_shared_kc`), then the tile
-    /// statistics and `qa_window_scores` over them.
+    /// `cublas`: the f32 logits of all rows and windows as SGEMMs into
+    /// device memory (`qa_logits_shared_kc`), then the tile statistics and
+    /// `qa_window_scores` over them; the path of head dims and groups the
+    /// tensor-core kernel does not take.
     Cublas,
-    /// `tensor-core`: `qa_prefill_scores` (kernels/qa_prefill.cu), the
-    /// logits on the tensor cores from Kc split into three exact bf16 parts
-    /// and the softmax and scores in the same kernel, with no logits in
-    /// device memory; head dims 64, 80 and 128 (others take `Cublas`).
+    /// `tensor-core` (the default): `qa_prefill_scores`
+    /// (kernels/qa_prefill.cu), the logits on the tensor cores from Kc split
+    /// into three exact bf16 parts and the softmax and scores in the same
+    /// kernel, with no logits in device memory; head dims 64, 80 and 128 and
+    /// 1 ≤ G ≤ 64 (others take `Cublas`).
     TensorCore,
     /// `tensor-core-bf16x2`: the same kernel on two bf16 parts of Kc (within
     /// 2^-16 of each value instead of exact; a third fewer tensor-core
@@ -1016,15 +1018,15 @@ pub fn parse_prefill_scores(v: &str) -> Result<PrefillScores> {
 
 /// The prefill window-scoring kernels of this process: `$SPARDA_PREFILL_SCORES`
 /// when set to a valid value ([`parse_prefill_scores`]), else
-/// [`PrefillScores::Cublas`]; another value is refused with a one-line
+/// [`PrefillScores::TensorCore`]; another value is refused with a one-line
 /// warning.
 pub fn prefill_scores() -> PrefillScores {
     static CHOICE: std::sync::OnceLock<PrefillScores> = std::sync::OnceLock::new();
     *CHOICE.get_or_init(|| match std::env::var(ENV_PREFILL_SCORES) {
-        Err(_) => PrefillScores::Cublas,
+        Err(_) => PrefillScores::TensorCore,
         Ok(v) => parse_prefill_scores(&v).unwrap_or_else(|e| {
-            eprintln!("warning: {e}; scoring prefill windows with cublas");
-            PrefillScores::Cublas
+            eprintln!("warning: {e}; scoring prefill windows with tensor-core");
+            PrefillScores::TensorCore
         }),
     })
 }
@@ -1033,15 +1035,20 @@ pub fn prefill_scores() -> PrefillScores {
 /// heads per KV head: D of 64, 80 or 128 (its entry points) and 1 ≤ G ≤ 64
 /// (the (row, head) pairs of a block).
 pub fn prefill_scores_tc_supported(head_dim: usize, group: usize) -> bool {
-    matches!(head_dim, 64 | 80 | 128) && (1..=QP_BM).contains(&group)
+    matches!(head_dim, 64 | 80 | 128) && (1..=QP_MAX_G).contains(&group)
 }
 
-/// (row, query head) pairs per `qa_prefill_scores` block.
-const QP_BM: usize = 64;
+/// (row, query head) pairs per `qa_prefill_scores` block (8 warps of 16).
+const QP_BM: usize = 128;
+/// Threads per `qa_prefill_scores` block.
+const QP_THREADS: u32 = 256;
+/// The most query heads per KV head `qa_prefill_scores` takes (a block
+/// holds at least 2 rows).
+const QP_MAX_G: usize = 64;
 
 /// Dynamic shared memory of `qa_prefill_scores` at head dim `d` with
 /// `parts` Kc parts (3, or 2 for the bf16x2 entry points), bytes: the bf16
-/// part tiles of 64 windows (rows of d + 8) and the f32 P tile [64, 65]
+/// part tiles of 64 windows (rows of d + 8) and the f32 P tile [128, 65]
 /// (kernels/qa_prefill.cu).
 pub fn qa_prefill_smem_bytes(d: usize, parts: usize) -> usize {
     parts * 64 * (d + 8) * 2 + QP_BM * 65 * 4
@@ -1087,7 +1094,7 @@ pub(crate) fn launch_prefill_scores(
         || !prefill_scores_tc_supported(head_dim, g)
     {
         return Err(Error::Input(format!(
-            "{OP}: H {} / Hkv {} at head dim {head_dim}: the kernel takes head dims 64, 80, 128 and 1 ≤ G ≤ {QP_BM} query heads per KV head",
+            "{OP}: H {} / Hkv {} at head dim {head_dim}: the kernel takes head dims 64, 80, 128 and 1 ≤ G ≤ {QP_MAX_G} query heads per KV head",
             d.heads, d.kv_heads
         )));
     }
@@ -1114,7 +1121,7 @@ pub(crate) fn launch_prefill_scores(
             grid(d.kv_heads, "Hkv")?,
             1,
         ),
-        block_dim: (128, 1, 1),
+        block_dim: (QP_THREADS, 1, 1),
         shared_mem_bytes: smem,
     };
     let (qs, rows) = (i32_dim(q_stride, "q_stride")?, i32_dim(d.rows, "rows")?);
@@ -1516,18 +1523,21 @@ mod prefill_scores_tests {
     }
 
     #[test]
-    fn tensor_core_scores_fit_three_blocks_per_h200_sm() {
+    fn tensor_core_scores_fit_two_blocks_per_h200_sm() {
         // 228 KB of shared memory per SM on the H100/H200, 1 KB reserved per
-        // block, the kernel's 256 bytes of static Mc values.
+        // block, the kernel's 512 bytes of static Mc values; and 2 blocks of
+        // QP_THREADS at the 128 registers __launch_bounds__(QP_THREADS, 2)
+        // allows fill the 64K-register file.
         for d in [64, 80, 128] {
             for parts in [2, 3] {
-                let per_block = qa_prefill_smem_bytes(d, parts) + 1024 + 256;
-                assert!(3 * per_block <= 228 * 1024, "D {d}: {per_block} bytes");
+                let per_block = qa_prefill_smem_bytes(d, parts) + 1024 + QP_BM * 4;
+                assert!(2 * per_block <= 228 * 1024, "D {d}: {per_block} bytes");
             }
         }
+        assert_eq!(2 * QP_THREADS as usize * 128, 65536);
         assert_eq!(
             qa_prefill_smem_bytes(128, 3),
-            3 * 64 * 136 * 2 + 64 * 65 * 4
+            3 * 64 * 136 * 2 + 128 * 65 * 4
         );
     }
 }
