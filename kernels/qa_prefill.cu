@@ -119,7 +119,7 @@ __device__ __forceinline__ void qa_prefill_scores_impl(const bf16_t* __restrict_
     // Thread tid takes float4 chunks tid + i*QP_THREADS (row x / F4, column chunk x % F4); the
     // loads of a batch are all issued before the first is used, so a tile costs about one
     // L2 latency per batch instead of one per chunk.
-    constexpr int LD_ITERS = QP_BN * F4 / QP_THREADS;  // 8, 10, 16 for D = 64, 80, 128
+    constexpr int LD_ITERS = QP_BN * F4 / QP_THREADS;  // 4, 5, 8 for D = 64, 80, 128
     static_assert(QP_BN * F4 % QP_THREADS == 0, "whole load passes");
     constexpr int LD_BATCH = LD_ITERS >= 10 ? LD_ITERS / 2 : LD_ITERS;
     static_assert(LD_ITERS % LD_BATCH == 0, "whole load batches");

@@ -1,26 +1,34 @@
 #!/usr/bin/env python3
 """Lane-level simulation of kernels/qa_prefill.cu (qa_prefill_scores_d{64,80,128}), to check
 the kernel without a GPU. It re-implements the kernel step by step: change it with the kernel.
-Run: python3 scripts/sim/qa_prefill_sim.py [--parts 2|3] (numpy; about 20 s): the three-part
+Run: python3 scripts/sim/qa_prefill_sim.py [--parts 2|3] (numpy; about 35 s, 25 s with --parts 2): the three-part
 entry points (qa_prefill_scores_d*) by default, --parts 2 the bf16x2 ones. Exit 1 on any error
 or a relative L2 above 1e-5 (three parts) / 1e-4 (two).
 
-Every block of the grid (ceil(rows / (64/G)), hkv) is simulated with its 128 threads held as
-numpy vectors indexed by tid (lane = tid & 31, warp = tid >> 5); warp-collective instructions
-(ldmatrix.x4, mma.sync.m16n8k16, shfl.xor) are simulated per warp from the per-lane registers
-with the PTX ISA fragment layouts. Shared memory is a byte array with the kernel's exact layout
-(three bf16 part tiles of 64 rows of RS = D + 8, then the f32 P tile [64][65]); the static
-qp_mc[64] is a separate 256-byte array. Every shared access is checked for bounds, alignment,
+Blocks of QP_BM = 128 (row, query head) M-rows, QP_WARPS = 8 warps, QP_THREADS = 256 threads
+(the kernel's #defines, copied below). Every block of the grid (ceil(rows / (QP_BM/G)), hkv) is
+simulated with its QP_THREADS threads held as numpy vectors indexed by tid (lane = tid & 31,
+warp = tid >> 5); warp-collective instructions (ldmatrix.x4, mma.sync.m16n8k16, shfl.xor) are
+simulated per warp from the per-lane registers with the PTX ISA fragment layouts. Shared memory
+is a byte array with the kernel's exact layout (NP bf16 part tiles of 64 rows of RS = D + 8,
+then the f32 P tile [QP_BM][65] = [128][65]); the static qp_mc[QP_BM] = qp_mc[128] is a
+separate 512-byte array. Every shared access is checked for bounds, alignment,
 reads of never-written bytes and cross-thread races inside one barrier epoch; every global
 access for bounds/alignment and for the block's limits (Kc windows < the block's max Mc, q rows
 < n); every output write for (row < n, w < Mc(row), right head, exactly once). Barriers check
-that all 128 threads arrive.
+that all QP_THREADS threads arrive.
 """
 import sys
 import numpy as np
 
 F32 = np.float32
 NEG_INF = F32(-np.inf)
+
+# kernels/qa_prefill.cu #defines
+QP_BM, QP_BN, QP_WARPS, QP_PAD = 128, 64, 8, 8
+QP_THREADS = 32 * QP_WARPS
+QP_PS = QP_BN + 1
+assert QP_BM == 16 * QP_WARPS  # warp w owns M-rows 16w .. 16w+15
 
 
 # ---------------------------------------------------------------- bf16 helpers (exact)
@@ -100,8 +108,9 @@ class Shared:
         self.name = name
         self.mem = rng.integers(0, 256, nbytes, dtype=np.uint8)  # garbage, as on a GPU
         self.init = np.zeros(nbytes, bool)
-        self.wmask = np.zeros((nbytes, 2), np.uint64)  # writers in this barrier epoch
-        self.rmask = np.zeros((nbytes, 2), np.uint64)  # readers in this barrier epoch
+        self.nw = -(-QP_THREADS // 64)  # u64 thread-bitmask words per byte (tid >> 6, bit tid & 63)
+        self.wmask = np.zeros((nbytes, self.nw), np.uint64)  # writers in this barrier epoch
+        self.rmask = np.zeros((nbytes, self.nw), np.uint64)  # readers in this barrier epoch
         self.max_byte = -1
 
     def barrier(self):
@@ -120,15 +129,19 @@ class Shared:
         if oob.any():
             raise RuntimeError("shared OOB")
         self.max_byte = max(self.max_byte, int((addrs + width - 1).max()))
+        if not check(((tids >= 0) & (tids < QP_THREADS)).all(), f"{self.name}: thread id out of range ({what})"):
+            raise RuntimeError("thread id out of range")
         idx = addrs[:, None] + np.arange(width)[None, :]
         word = np.broadcast_to((tids >> 6)[:, None], idx.shape)
         bit = np.broadcast_to((np.uint64(1) << (tids & 63).astype(np.uint64))[:, None], idx.shape)
         return idx, word, bit
 
     def _others(self, mask, idx, word, bit):
-        own = mask[idx, word]
-        other_w = mask[idx, 1 - word]
-        return ((own & ~bit) != 0) | (other_w != 0)
+        """Per byte: does any thread other than the accessing one hold a bit in mask?"""
+        m = mask[idx]  # (..., nw)
+        own = word[..., None] == np.arange(self.nw)
+        m = np.where(own, m & ~bit[..., None], m)
+        return (m != 0).any(-1)
 
     def write(self, tids, addrs, data, align, what):
         r = self._idx(tids, addrs, data.shape[1], align, what)
@@ -171,19 +184,19 @@ def bytes_to_u32(b):
 # ---------------------------------------------------------------- warp collectives
 def ldmatrix_x4(sh, tids_all, addr):
     """ldmatrix.sync.aligned.m8n8.x4.shared.b16 for every warp of the block.
-    addr: (128,) byte address supplied by each lane. Lanes 8i..8i+7 give rows 0..7 of matrix i;
+    addr: (QP_THREADS,) byte address supplied by each lane. Lanes 8i..8i+7 give rows 0..7 of matrix i;
     result register i of lane L = word L%4 (columns 2*(L%4), +1) of row L/4 of matrix i."""
     nthr = addr.shape[0]
-    rows = sh.read(tids_all, addr, 16, 16, "ldmatrix row")  # (128, 16) bytes
-    words = bytes_to_u32(rows)  # (128, 4): word j of the row that thread tid addressed
+    rows = sh.read(tids_all, addr, 16, 16, "ldmatrix row")  # (QP_THREADS, 16) bytes
+    words = bytes_to_u32(rows)  # (QP_THREADS, 4): word j of the row that thread tid addressed
     return words[LDSM_SRC[:nthr], LDSM_WORD[:nthr]]
 
 
 # ldmatrix.x4 result map: register i of thread (warp wp, lane L) = word L%4 of the row addressed
 # by lane 8i + L/4 of the same warp.
-LDSM_SRC = np.zeros((128, 4), int)
-LDSM_WORD = np.zeros((128, 4), int)
-for _wp in range(4):
+LDSM_SRC = np.zeros((QP_THREADS, 4), int)
+LDSM_WORD = np.zeros((QP_THREADS, 4), int)
+for _wp in range(QP_WARPS):
     for _Ln in range(32):
         for _i in range(4):
             LDSM_SRC[_wp * 32 + _Ln, _i] = _wp * 32 + 8 * _i + (_Ln >> 2)
@@ -232,7 +245,7 @@ _bijective()
 
 def mma_bf16(c, a, b0, b1):
     """mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 for every warp.
-    c: (128,4) f32, a: (128,4) u32, b0,b1: (128,) u32. Returns new c (products exact, sum in f64,
+    c: (QP_THREADS,4) f32, a: (QP_THREADS,4) u32, b0,b1: (QP_THREADS,) u32. Returns new c (products exact, sum in f64,
     rounded to f32 once)."""
     nw = c.shape[0] // 32
     out = np.empty_like(c)
@@ -261,16 +274,11 @@ def shfl_xor(v, m):
 
 
 # ---------------------------------------------------------------- the kernel
-QP_BM, QP_BN, QP_WARPS, QP_PAD = 64, 64, 4, 8
-QP_THREADS = 32 * QP_WARPS
-QP_PS = QP_BN + 1
-
-
 NP = 3  # Kc parts summed (kernel template parameter NP; --parts)
 
 
 def smem_bytes(D):  # src/cuda/ops/select.rs qa_prefill_smem_bytes(D, NP)
-    return NP * 64 * (D + 8) * 2 + QP_BM * 65 * 4
+    return NP * 64 * (D + 8) * 2 + QP_BM * 65 * 4  # NP part tiles [64][D+8] bf16 + P [QP_BM][65] f32
 
 
 def sel_windows(T, stride, ksize):
@@ -298,12 +306,12 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
     tid = np.arange(QP_THREADS)
     lane, warp = tid & 31, tid >> 5
     dyn = Shared(smem_bytes(D), "dynamic smem", rng)
-    mcs = Shared(QP_BM * 4, "qp_mc[64]", rng)
+    mcs = Shared(QP_BM * 4, f"qp_mc[{QP_BM}]", rng)
     shareds = (dyn, mcs)
     nbar = [0]
 
     def syncthreads(arriving):
-        check(arriving.all(), f"block ({bx},{h}): __syncthreads reached by {arriving.sum()}/128 threads")
+        check(arriving.all(), f"block ({bx},{h}): __syncthreads reached by {arriving.sum()}/{QP_THREADS} threads")
         nbar[0] += 1
         for s in shareds:
             s.barrier()
@@ -318,7 +326,7 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
     blk_rows = np.arange(b0, b0 + nr)
     blk_mc = int(gl.mc_rows[blk_rows].max())
 
-    # for (i = tid; i < nr; i += 128) qp_mc[i] = sel_windows(lens[b0 + i], ...)
+    # for (i = tid; i < nr; i += QP_THREADS) qp_mc[i] = sel_windows(lens[b0 + i], ...)
     for it in range((QP_BM + QP_THREADS - 1) // QP_THREADS + 1):
         x = tid + it * QP_THREADS
         act = x < nr
@@ -328,11 +336,11 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
         check(((li >= 0) & (li < gl.lens.size)).all(), "lens read out of bounds")
         mc = sel_windows(gl.lens[li], stride, ksize).astype('<i4')
         mcs.write(tid[act], 4 * x[act], np.ascontiguousarray(mc).view(np.uint8).reshape(-1, 4), 4, "qp_mc store")
-    syncthreads(np.ones(128, bool))
+    syncthreads(np.ones(QP_THREADS, bool))
     # int mc_max = 0; for (i < nr) mc_max = max(mc_max, qp_mc[i]);  (per thread)
-    mc_max = np.zeros(128, np.int64)
+    mc_max = np.zeros(QP_THREADS, np.int64)
     for i in range(nr):
-        v = bytes_to_u32(mcs.read(tid, np.full(128, 4 * i), 4, 4, "qp_mc load")).view('<i4')[:, 0]
+        v = bytes_to_u32(mcs.read(tid, np.full(QP_THREADS, 4 * i), 4, 4, "qp_mc load")).view('<i4')[:, 0]
         mc_max = np.maximum(mc_max, v)
     check((mc_max == mc_max[0]).all(), "mc_max not uniform over the block")
     if (mc_max == 0).all():
@@ -341,9 +349,9 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
     check(mc_max[0] == blk_mc, f"mc_max {mc_max[0]} != block max Mc {blk_mc}")
 
     # ---- Q fragments
-    ti = np.zeros((128, 2), np.int64)
-    mcr = np.zeros((128, 2), np.int64)
-    qr = np.full((128, 2), -1, np.int64)  # element offset into q, -1 = nullptr
+    ti = np.zeros((QP_THREADS, 2), np.int64)
+    mcr = np.zeros((QP_THREADS, 2), np.int64)
+    qr = np.full((QP_THREADS, 2), -1, np.int64)  # element offset into q, -1 = nullptr
     for k in range(2):
         m = warp * 16 + (lane >> 2) + 8 * k
         i = m // G
@@ -353,12 +361,12 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
         mcr[ok, k] = v
         qr[ok, k] = (b0 + i[ok]) * gl.q_stride + (h * G + (m[ok] - i[ok] * G)) * D
     qc = (lane & 3) * 2
-    qa = np.zeros((128, NK, 4), np.uint32)
+    qa = np.zeros((QP_THREADS, NK, 4), np.uint32)
 
     def load_q_u32(base, off):
         ok = base >= 0
         e = base[ok] + off[ok]
-        out = np.zeros(128, np.uint32)
+        out = np.zeros(QP_THREADS, np.uint32)
         check(((2 * e) % 4 == 0).all(), "q u32 load misaligned")
         check(((e >= 0) & (e + 1 < gl.q.size)).all(), "q load out of bounds")
         rowi = e // gl.q_stride
@@ -414,7 +422,7 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
     cb = (lane & 3) * 2
 
     def tile_logits(w0):
-        s = np.zeros((128, 8, 4), F32)
+        s = np.zeros((QP_THREADS, 8, 4), F32)
         for p in range(NP):
             for nb in range(4):
                 for kk in range(NK):
@@ -430,16 +438,16 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
         return s
 
     # ---- pass 1
-    mr = np.full((128, 2), NEG_INF, F32)
-    lr = np.zeros((128, 2), F32)
+    mr = np.full((QP_THREADS, 2), NEG_INF, F32)
+    lr = np.zeros((QP_THREADS, 2), F32)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         for t in range(ntiles):
             w0 = t * QP_BN
             load_tile(w0)
-            syncthreads(np.ones(128, bool))
+            syncthreads(np.ones(QP_THREADS, bool))
             s = tile_logits(w0)
             for k in range(2):
-                mx = np.full(128, NEG_INF, F32)
+                mx = np.full(QP_THREADS, NEG_INF, F32)
                 for c in range(8):
                     mx = np.fmax(mx, np.fmax(s[:, c, 2 * k], s[:, c, 2 * k + 1]))
                 mx = np.fmax(mx, shfl_xor(mx, 1))
@@ -452,8 +460,8 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
                     l = (l + np.exp((s[:, c, 2 * k + 1] - mn).astype(F32))).astype(F32)
                 lr[:, k] = np.where(upd, l, lr[:, k])
                 mr[:, k] = np.where(upd, mn, mr[:, k])
-            syncthreads(np.ones(128, bool))
-        il = np.zeros((128, 2), F32)
+            syncthreads(np.ones(QP_THREADS, bool))
+        il = np.zeros((QP_THREADS, 2), F32)
         for k in range(2):
             l = lr[:, k].copy()
             l = (l + shfl_xor(l, 1)).astype(F32)
@@ -468,7 +476,7 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
         for t in range(ntiles):
             w0 = t * QP_BN
             load_tile(w0)
-            syncthreads(np.ones(128, bool))
+            syncthreads(np.ones(QP_THREADS, bool))
             s = tile_logits(w0)
             for k in range(2):
                 prow = warp * 16 + (lane >> 2) + 8 * k
@@ -478,7 +486,7 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
                         pv = np.where(v != NEG_INF, (np.exp((v - mr[:, k]).astype(F32)) * il[:, k]).astype(F32), F32(0)).astype(F32)
                         addr = PS + 4 * (prow * QP_PS + cb + 8 * c + e)
                         dyn.write(tid, addr, as_bytes_u32(pv.view(np.uint32)), 4, "P store")
-            syncthreads(np.ones(128, bool))
+            syncthreads(np.ones(QP_THREADS, bool))
             for it in range((QP_BM * QP_BN + QP_THREADS - 1) // QP_THREADS):
                 x = tid + it * QP_THREADS
                 act = x < nr * QP_BN
@@ -619,12 +627,12 @@ if __name__ == "__main__":
         (4, 2, 128, 0, 200),
     ]
     extra = [
-        (3, 2, 64, 20, 50),     # R = 21 (63 of 64 M-rows), blocks mixing Mc = 0 and Mc > 0
-        (5, 1, 80, 40, 30),     # R = 12, 60 M-rows; Mc = 0 rows in block 0
-        (1, 2, 64, 1100, 70),   # G = 1, R = 64, two row blocks, 3 tiles
-        (64, 1, 128, 200, 3),   # G = 64, R = 1
+        (3, 2, 64, 20, 50),     # R = 42 (126 of 128 M-rows), block 0 mixing Mc = 0 and Mc > 0
+        (5, 1, 80, 40, 30),     # R = 25, 125 M-rows; a last block of 5 rows (25 M-rows: warps 2-7 idle)
+        (1, 2, 64, 1100, 140),  # G = 1, R = 128, two row blocks (128 + 12 rows), 2 tiles
+        (64, 1, 128, 200, 3),   # G = 64, R = 2; last block 1 row (warps 4-7 without M-rows)
         (2, 3, 80, 1050, 10),   # Mc crosses a tile edge inside one block (64 -> 65)
-        (7, 2, 128, 31, 20),    # R = 9 (63 M-rows); first row has Mc = 1
+        (7, 2, 128, 31, 20),    # R = 18 (126 M-rows); first row has Mc = 1
     ]
     worst = 0.0
     allerr = []
