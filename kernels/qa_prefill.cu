@@ -17,13 +17,14 @@
 // of 8 owns M-rows 16w .. 16w+15 (Q as mma A fragments in registers). Every Kc tile a block
 // reads and splits serves 128 M-rows: the L2 reads and the splitting per tensor-core product
 // are half those of a 64-row block (2 blocks of 8 warps fit an SM, against 3 of 4; on the
-// H200 NOSA-8B sparse prefill went from 19,600 to 21,050 tokens/s at 32K).
-// Windows in tiles of 64: each tile of Kc[w0 .. w0+63, h, :] is read from device memory (f32, 16-byte loads), split and stored
-// as three bf16 tiles in shared memory, and S = Q.Kc^T computed from them. Two passes over the
-// tiles: the first keeps each M-row's running maximum and sum of exp (online softmax, expf,
-// windows w >= Mc of the row masked); the second recomputes S, writes P = exp(S - M) / L to a
-// shared tile and sums it over each row's G query heads into s (windows w >= Mc of a row are
-// not written: select_blocks reads the first Mc).
+// H200 NOSA-8B sparse prefill went from 19,600 to 21,050 tokens/s at 32K). Windows in
+// tiles of 64: each tile of Kc[w0 .. w0+63, h, :] is read from device memory (f32, 16-byte
+// loads), split and stored as three bf16 tiles in shared memory, and S = Q.Kc^T computed
+// from them. Two passes over the tiles: the first keeps each M-row's running maximum and
+// sum of exp (online softmax, expf, windows w >= Mc of the row masked); the second
+// recomputes S, writes P = exp(S - M) / L to a shared tile and sums it over each row's G
+// query heads into s (windows w >= Mc of a row are not written: select_blocks reads the
+// first Mc).
 //
 // Layouts: q bf16, row b's H*D post-RoPE query values at b*q_stride, head g at g*D; kc f32
 // [>= max Mc, hkv, D]; lens i32 [rows] (row b's query sees lens[b] tokens); s f32, row (b, h)

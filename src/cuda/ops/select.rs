@@ -1033,15 +1033,16 @@ pub fn prefill_scores() -> PrefillScores {
 
 /// Whether `qa_prefill_scores` takes head dim `head_dim` and `group` query
 /// heads per KV head: D of 64, 80 or 128 (its entry points) and 1 ≤ G ≤ 64
-/// (the (row, head) pairs of a block).
+/// (`QP_MAX_G`: at least two rows per block).
 pub fn prefill_scores_tc_supported(head_dim: usize, group: usize) -> bool {
     matches!(head_dim, 64 | 80 | 128) && (1..=QP_MAX_G).contains(&group)
 }
 
 /// (row, query head) pairs per `qa_prefill_scores` block (8 warps of 16).
 const QP_BM: usize = 128;
-/// Threads per `qa_prefill_scores` block.
-const QP_THREADS: u32 = 256;
+/// Threads per `qa_prefill_scores` block: a warp per 16 M-rows, as the
+/// kernel's QP_THREADS = 32 * QP_WARPS.
+const QP_THREADS: u32 = (QP_BM / 16 * 32) as u32;
 /// The most query heads per KV head `qa_prefill_scores` takes (a block
 /// holds at least 2 rows).
 const QP_MAX_G: usize = 64;
