@@ -210,9 +210,12 @@ extern "C" __global__ __launch_bounds__(SD_THREADS) void slot_diff(
 #define FETCH_SMEM_INTS (FETCH_SCAN + 1 + 32)
 
 // The persistent UVA fetch (runtime.md §2, §4): a small fixed grid of CTAs
-// striding over the (row, head, i < nfetch) copy tasks, one task at a time per
-// CTA with all its threads; task k of the concatenation of every (row, head)'s
-// nfetch tasks goes to CTA k % gridDim.x. Each task copies one (block, head)
+// striding over the (row, head, i < nfetch) copy tasks. A CTA is
+// blockDim.x / FETCH_THREADS task groups of FETCH_THREADS threads (1 to 4:
+// more groups keep more bytes in flight on one SM), one task at a time per
+// group; task k of the concatenation of every (row, head)'s nfetch tasks goes
+// to task stream s = k % (gridDim.x * groups), stream s being group s % groups
+// of CTA s / groups. Each task copies one (block, head)
 // K+V chunk (2 * B * D * 2 bytes) from host_tab[r] + block * block_bytes +
 // h * 2 * tile_bytes to pool_tab[r] + ((h * S + slot) * 2) * tile_bytes, with
 // 16-byte loads, FETCH_UNROLL loads in flight per thread before the stores.
@@ -225,9 +228,10 @@ extern "C" __global__ __launch_bounds__(SD_THREADS) void slot_diff(
 // host_tab, pool_tab: u64 [rows] (device-visible addresses, 16-byte aligned).
 // cta_log: null, or u64 [gridDim.x][3] per-CTA timeline (common.cuh cta_log_start).
 // Requires D * 2 * B a multiple of 16 (D a multiple of 8).
-// Grid (N CTAs), FETCH_THREADS threads, at least FETCH_SMEM_INTS * 4 bytes of dynamic
-// shared memory (no static shared memory: with whole SMs the launch asks for all of it).
-extern "C" __global__ __launch_bounds__(FETCH_THREADS) void kv_fetch_sm(
+// Grid (N CTAs), FETCH_THREADS * groups threads (groups 1 to 4), at least
+// FETCH_SMEM_INTS * 4 bytes of dynamic shared memory (no static shared memory: with whole
+// SMs the launch asks for all of it).
+extern "C" __global__ __launch_bounds__(FETCH_THREADS * 4) void kv_fetch_sm(
     const int* __restrict__ fetch, const int* __restrict__ nfetch, int S, int rows, int hkv,
     const u64* __restrict__ host_tab, const u64* __restrict__ pool_tab, int B, int D,
     u64* __restrict__ cta_log) {
@@ -238,12 +242,15 @@ extern "C" __global__ __launch_bounds__(FETCH_THREADS) void kv_fetch_sm(
     const u64 tile_bytes = (u64)B * D * 2;
     const u64 block_bytes = (u64)hkv * 2 * tile_bytes;
     const int n16 = (int)(2 * tile_bytes / 16);  // uint4 per chunk
-    const int G = gridDim.x, me = blockIdx.x, tid = threadIdx.x;
+    // task streams: G = CTAs x groups; this thread's group is stream `me`, its lane in it `tid`
+    const int groups = blockDim.x / FETCH_THREADS;
+    const int G = gridDim.x * groups, me = blockIdx.x * groups + threadIdx.x / FETCH_THREADS;
+    const int tid = threadIdx.x % FETCH_THREADS;
     long long base = 0;  // tasks of the (row, head) pairs before this chunk
     const int nrh = rows * hkv;
     for (int c0 = 0; c0 < nrh; c0 += FETCH_SCAN) {
         const int cnt = min(FETCH_SCAN, nrh - c0);
-        const int j0 = 2 * tid, j1 = j0 + 1;
+        const int j0 = 2 * (int)threadIdx.x, j1 = j0 + 1;
         const int v0 = j0 < cnt ? min(max(nfetch[c0 + j0], 0), S) : 0;
         const int v1 = j1 < cnt ? min(max(nfetch[c0 + j1], 0), S) : 0;
         int total;

@@ -43,6 +43,9 @@
 #                                          `batch`, then (only if all passed) `bound` over CONTEXTS
 #   scripts/device/offload.sh longctas OUT forecast + prefetch at 127K B16 with the copy kernel on 8/16/24
 #                                          whole SMs (does the 32K/64K fetch table hold at 127K?)
+#   scripts/device/offload.sh groups OUT   task groups per copy CTA (SPARDA_FETCH_GROUPS 1, 2, 4) with the
+#                                          copy kernel on 4 and 8 whole SMs, prefetch on and off, fetch
+#                                          timed alone (BATCH, default 16; CONTEXT, 64K), one traced run
 #   scripts/device/offload.sh ctas OUT     SM fetch kernel under prefetch: 16 vs 8 persistent CTAs vs 264
 #                                          short CTAs behind a high-priority compute stream (BATCH, CONTEXT)
 set -euo pipefail
@@ -166,6 +169,25 @@ balanced)
     $bin trace summarize "$out/trace_balanced_$n.json" > "$out/trace_balanced_${n}_summary.txt" 2>&1 || true
     gzip -f "$out/trace_balanced_$n.json"
   done
+  ;;
+groups)
+  # does one whole-SM copy CTA with several 256-thread task groups (more chunks in flight)
+  # fetch faster than one group, so that fewer SMs leave the compute reach the PCIe ceiling?
+  mkdir -p "$out"
+  for g in 1 2 4; do
+    SPARDA_FETCH_GROUPS=$g $bin bench --model synth:nosa-8b --attention sparse --kv offload \
+      --fetch sm:4,sm:8 --fetch-whole-sms --forecast synth:1 --prefetch on,off --sync on \
+      --batch "${BATCH:-16}" --context "${CONTEXT:-64K}" --steps 16 --fetch-timing-steps 8 \
+      --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" --json "$out/bench_groups_$g.json" 2>&1 \
+      | grep -E "sparse|skip|fetch" | sed "s/^/groups $g: /" || true
+  done
+  SPARDA_FETCH_GROUPS=4 $bin bench --model synth:nosa-8b --attention sparse --kv offload --fetch sm:8 \
+    --fetch-whole-sms --forecast synth:1 --prefetch on --sync off --batch "${BATCH:-16}" \
+    --context "${CONTEXT:-64K}" --steps 16 --fetch-timing-steps 0 --ceiling-reps 0 --profile-reps 0 \
+    --tokenizer "$tok" --cta-timeline --trace "$out/trace_groups_4.json" --trace-steps 4 \
+    --json "$out/bench_groups_4_traced.json" 2>&1 | grep -E "sparse|skip|CTA timeline" || true
+  $bin trace summarize "$out/trace_groups_4.json" > "$out/trace_groups_4_summary.txt" 2>&1 || true
+  gzip -f "$out/trace_groups_4.json"
   ;;
 engines)
   # the beside-a-fetch table per fetch engine: copy engines (no SMs), SM kernel on 8 whole SMs,

@@ -175,6 +175,32 @@ pub struct FetchArgs {
     pub cta_log: u64,
 }
 
+/// Environment variable: task groups of 256 threads per `kv_fetch_sm` CTA,
+/// 1 (the default) to 4; each group copies its own (block, head) chunks, so
+/// one CTA keeps up to 4 × 32 KiB in flight (an experiment: whole-SM copy
+/// CTAs reach more of the PCIe ceiling on fewer SMs?).
+pub const ENV_FETCH_GROUPS: &str = "SPARDA_FETCH_GROUPS";
+
+/// The task groups per `kv_fetch_sm` CTA ([`ENV_FETCH_GROUPS`], read once).
+///
+/// Errors: [`Error::Input`] for a value that is not 1 to 4.
+fn fetch_groups() -> Result<u32> {
+    static GROUPS: std::sync::OnceLock<std::result::Result<u32, String>> =
+        std::sync::OnceLock::new();
+    GROUPS
+        .get_or_init(|| match std::env::var(ENV_FETCH_GROUPS) {
+            Err(_) => Ok(1),
+            Ok(v) => match v.trim().parse::<u32>() {
+                Ok(g @ 1..=4) => Ok(g),
+                _ => Err(format!(
+                    "{ENV_FETCH_GROUPS}={v}: task groups per fetch CTA must be 1 to 4"
+                )),
+            },
+        })
+        .clone()
+        .map_err(Error::Input)
+}
+
 /// Launches `kv_fetch_sm` on `stream`: `ctas` CTAs × 256 threads striding
 /// over the (row, head, i < nfetch) tasks, each copying one (block, head) K+V
 /// chunk (2·B·D·2 bytes) from pinned host memory into its slot through UVA
@@ -241,7 +267,7 @@ pub fn kv_fetch_sm(
     };
     let cfg = LaunchConfig {
         grid_dim: (grid(ctas, "ctas")?, 1, 1),
-        block_dim: (FETCH_THREADS, 1, 1),
+        block_dim: (FETCH_THREADS * fetch_groups()?, 1, 1),
         shared_mem_bytes: smem,
     };
     let mut b = stream.launch_builder(f);
