@@ -51,6 +51,7 @@
 set -euo pipefail
 phase=${1:?phase}
 out=${2:?out dir}
+mkdir -p "$out"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 bin=.device/bin/sparda
 tok=.device/bin/tokenizer.json
@@ -173,7 +174,6 @@ balanced)
 groups)
   # does one whole-SM copy CTA with several 256-thread task groups (more chunks in flight)
   # fetch faster than one group, so that fewer SMs leave the compute reach the PCIe ceiling?
-  mkdir -p "$out"
   for g in 1 2 4; do
     SPARDA_FETCH_GROUPS=$g $bin bench --model synth:nosa-8b --attention sparse --kv offload \
       --fetch sm:4,sm:8 --fetch-whole-sms --forecast synth:1 --prefetch on,off --sync on \

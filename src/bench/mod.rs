@@ -598,8 +598,15 @@ fn run_case(
         );
         v["offload"] = j;
     }
+    // the configuration `--fetch auto` resolved to, so a log shows which table entry ran
+    let resolved = if offload.is_some() {
+        let whole = if model.fetch_on_whole_sms(batch) { " on whole SMs" } else { "" };
+        format!(" ({}{whole})", model.fetch_engine(batch).label())
+    } else {
+        String::new()
+    };
     eprintln!(
-        "  {:>6} {} B={batch:<3} L={context:<6} step {:.3} ms (median {:.3}; host issues one step in {:.3} from idle), {:.1} tokens/s, graph {graph}, {:.1} GiB in use",
+        "  {:>6} {}{resolved} B={batch:<3} L={context:<6} step {:.3} ms (median {:.3}; host issues one step in {:.3} from idle), {:.1} tokens/s, graph {graph}, {:.1} GiB in use",
         if sparse { "sparse" } else { "dense" },
         kv_name(&offload),
         total_ms / spec.steps as f64,
