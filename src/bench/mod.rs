@@ -600,7 +600,11 @@ fn run_case(
     }
     // the configuration `--fetch auto` resolved to, so a log shows which table entry ran
     let resolved = if offload.is_some() {
-        let whole = if model.fetch_on_whole_sms(batch) { " on whole SMs" } else { "" };
+        let whole = if model.fetch_on_whole_sms(batch) {
+            " on whole SMs"
+        } else {
+            ""
+        };
         format!(" ({}{whole})", model.fetch_engine(batch).label())
     } else {
         String::new()

@@ -780,7 +780,10 @@ mod smem_tests {
         assert_eq!(super::parse_fetch_groups(" 4 "), Ok(4));
         for bad in ["0", "5", "two", ""] {
             let e = super::parse_fetch_groups(bad).unwrap_err();
-            assert!(e.contains("SPARDA_FETCH_GROUPS") && e.contains("1 to 4"), "{e}");
+            assert!(
+                e.contains("SPARDA_FETCH_GROUPS") && e.contains("1 to 4"),
+                "{e}"
+            );
         }
         assert_eq!(super::fetch_groups_default(true), 4);
         assert_eq!(super::fetch_groups_default(false), 1);
