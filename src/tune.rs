@@ -110,12 +110,32 @@ pub struct SweepCell {
     pub batch: usize,
     /// `sm:N`, `sm-whole:N`, `dma` or `split:N:P` ([`FetchChoice::label`]).
     pub config: String,
-    /// Median over rounds of the round's median step time, ms.
+    /// Median over rounds of the round's figure ([`SweepCell::round_stat`]), ms.
     pub step_ms: f64,
-    /// max − min of the round medians, ms.
+    /// max − min of the round figures, ms.
     pub spread_ms: f64,
-    /// Each round's median step time, ms.
+    /// Each round's figure, ms.
     pub rounds_ms: Vec<f64>,
+    /// What a round's figure is: `"mean"` of its timed steps (sweeps since
+    /// 2026-12-03: a configuration whose steps alternate between fast and
+    /// slow is charged its slow steps, as a user's tokens/s is) or
+    /// `"median"` (earlier sweeps; the default when the field is absent).
+    #[serde(default = "median_stat")]
+    pub round_stat: String,
+}
+
+/// [`SweepCell::round_stat`] of cells written before the field existed.
+fn median_stat() -> String {
+    "median".into()
+}
+
+/// A round's figure: the mean of its timed step times, ms (0 for none).
+pub fn round_figure(step_ms: &[f64]) -> f64 {
+    if step_ms.is_empty() {
+        0.0
+    } else {
+        step_ms.iter().sum::<f64>() / step_ms.len() as f64
+    }
 }
 
 /// SM time a configuration takes from compute, in CTA·% of the misses:
@@ -498,6 +518,7 @@ pub fn run(
                         step_ms: median(r),
                         spread_ms: hi - lo,
                         rounds_ms: r.clone(),
+                        round_stat: "mean".into(),
                     };
                     line.push(format!("{} {:.2}", cell.config, cell.step_ms));
                     cells.push(cell);
@@ -517,7 +538,7 @@ pub fn run(
 /// The table's protocol line: how `spec` measures.
 fn protocol(spec: &TuneSpec) -> String {
     format!(
-        "sparda tune-ctas on {}: synthetic KV (runtime.md §5), NOSA selection; prefetch mode with random forecast projections (synth:{}); contexts {:?}; per configuration and round {} warm-up + {} timed decode steps (CUDA events), {} rounds in rotated order; figure = median of round medians, spread = max - min{}{}",
+        "sparda tune-ctas on {}: synthetic KV (runtime.md §5), NOSA selection; prefetch mode with random forecast projections (synth:{}); contexts {:?}; per configuration and round {} warm-up + {} timed decode steps (CUDA events), {} rounds in rotated order; figure = median of round means (mean step time per round), spread = max - min{}{}",
         spec.model, spec.seed, spec.contexts, spec.warmup, spec.steps, spec.repeats,
         if spec.split_pcts.is_empty() {
             String::new()
@@ -534,8 +555,9 @@ fn protocol(spec: &TuneSpec) -> String {
 
 /// Times `configs` on the filled batch `seqs`: `spec.repeats` rounds, each
 /// over every configuration in an order rotated by the round (set, warm up,
-/// time `spec.steps` steps). Returns per configuration its round medians,
-/// ms, in the order of `configs`. `what` names the round for an interrupt.
+/// time `spec.steps` steps). Returns per configuration its round figures
+/// ([`round_figure`]: the mean step time), ms, in the order of `configs`.
+/// `what` names the round for an interrupt.
 ///
 /// Errors: a failing decode step; an interrupt.
 fn measure(
@@ -561,7 +583,7 @@ fn measure(
             for _ in 2..spec.warmup {
                 model.decode_greedy(seqs)?;
             }
-            rounds[i].push(median(&time_step_ms(model, seqs, spec.steps)?));
+            rounds[i].push(round_figure(&time_step_ms(model, seqs, spec.steps)?));
         }
     }
     model.set_fetch_whole_sms(false);
@@ -689,9 +711,10 @@ pub fn cells_of(t: &FetchTable, origin: &str) -> Result<Vec<SweepCell>> {
 }
 
 /// `new` with the sweep of `old` (a table of the same GPU, e.g. an earlier
-/// device call's part of the grid) merged in: cells `new` measured replace
-/// `old`'s of the same (mode, context, batch, configuration), the others
-/// are kept, and the choices are made again over all cells (configurations:
+/// device call's part of the grid) merged in: every (mode, context, batch)
+/// `new` measured replaces all of `old`'s cells there (whatever
+/// configurations they were), the others are kept, and the choices are made
+/// again over all cells (configurations:
 /// the union of both sweeps'). `new`'s metadata stays; the protocol notes
 /// the merge.
 ///
@@ -704,10 +727,12 @@ pub fn merge(old: &FetchTable, new: FetchTable, origin: &str) -> Result<FetchTab
         )));
     }
     let fresh = cells_of(&new, "this sweep")?;
-    let key = |c: &SweepCell| (c.mode, c.context, c.batch, c.config.clone());
+    // a (mode, context, B) the new sweep measured is replaced whole: the
+    // configurations compared at one context always come from one run
+    let group = |c: &SweepCell| (c.mode, c.context, c.batch);
     let mut cells: Vec<SweepCell> = cells_of(old, origin)?
         .into_iter()
-        .filter(|o| !fresh.iter().any(|f| key(f) == key(o)))
+        .filter(|o| !fresh.iter().any(|f| group(f) == group(o)))
         .collect();
     cells.extend(fresh);
     let mut labels: Vec<String> = Vec::new();
@@ -861,7 +886,25 @@ mod tests {
             step_ms: ms,
             spread_ms: spread,
             rounds_ms: vec![ms],
+            round_stat: "mean".into(),
         }
+    }
+
+    #[test]
+    fn a_round_is_charged_its_slow_steps() {
+        // steps alternating between 10 and 13 ms: the median of 5 says 10,
+        // the mean (a user's tokens/s) 11.2
+        let steps = [10.0, 13.0, 10.0, 13.0, 10.0];
+        assert_eq!(median(&steps), 10.0);
+        assert!((round_figure(&steps) - 11.2).abs() < 1e-12);
+        assert_eq!(round_figure(&[]), 0.0);
+        // cells written before the field say how their rounds were summarised
+        let old: SweepCell = serde_json::from_value(json!({
+            "mode": "sync", "context": 32768, "batch": 8, "config": "sm:8",
+            "step_ms": 13.8, "spread_ms": 0.1, "rounds_ms": [13.8, 13.7]
+        }))
+        .unwrap();
+        assert_eq!(old.round_stat, "median");
     }
 
     #[test]
@@ -1032,6 +1075,16 @@ mod tests {
         assert_eq!(c(8), FetchChoice::Sm { ctas: 4 }); // kept from the old sweep
         assert_eq!(c(16), FetchChoice::Dma); // chosen again over the new cells
         assert_eq!(cells_of(&m, "m").unwrap().len(), 5);
+        // a re-measured (mode, context, B) replaces every old cell there, even
+        // of configurations the new sweep did not run: sm:8 at B 8 (old, 11.0)
+        // is gone once B 8 is measured again with sm:4 only
+        let again = table(vec![at(8, "sm:4", 10.5)], &["sm:4"]);
+        let m2 = merge(&m, again, "m.json").unwrap();
+        let cells = cells_of(&m2, "m2").unwrap();
+        let b8: Vec<&SweepCell> = cells.iter().filter(|c| c.batch == 8).collect();
+        assert_eq!(b8.len(), 1);
+        assert_eq!((b8[0].config.as_str(), b8[0].step_ms), ("sm:4", 10.5));
+        assert_eq!(cells.iter().filter(|c| c.batch == 16).count(), 3);
         assert!(m.protocol.contains("merged with the sweep of old.json"));
         let mut other = old.clone();
         other.gpu = "NVIDIA A100-SXM4-80GB".into();
