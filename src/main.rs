@@ -751,7 +751,7 @@ struct TuneCtasArgs {
     no_split: bool,
     /// CTA counts of the whole-SM configurations `sm-whole:N` (copy CTAs on
     /// whole SMs, GEMMs on every SM), measured in prefetch mode
-    /// (default 4,8,16; --quick: 8).
+    /// (default 2,4,8,12,16; --quick: 8).
     #[arg(long, value_delimiter = ',', num_args = 1.., allow_negative_numbers = true)]
     whole_ctas: Option<Vec<usize>>,
     /// Leave the whole-SM configurations out of the sweep.

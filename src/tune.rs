@@ -93,8 +93,10 @@ pub const DEFAULT_SPLIT_PCTS: [usize; 3] = [25, 50, 75];
 /// The default CTA counts of the whole-SM configurations (`sm-whole:N`),
 /// measured in prefetch mode: on the H200 at B = 16 they beat shared SMs by
 /// 6–11 % at 8 and 16 CTAs, 32K and 64K (benches/results/,
-/// `whole_sm_fetch_vs_shared_prefetch_32k_64k_b16_h200_2026-12-01_e2f09b4`).
-pub const DEFAULT_WHOLE_CTAS: [usize; 3] = [4, 8, 16];
+/// `whole_sm_fetch_vs_shared_prefetch_32k_64k_b16_h200_2026-12-01_e2f09b4`);
+/// with 4 task groups per copy CTA the H200 re-sweep of 2026-12-03 chose 2
+/// whole SMs at B 1 and 4 and 12 at B 8 and 32, hence 2 and 12 too.
+pub const DEFAULT_WHOLE_CTAS: [usize; 5] = [2, 4, 8, 12, 16];
 
 /// The default CTA counts swept: 2 … 32.
 pub const DEFAULT_CTAS: [usize; 8] = [2, 4, 6, 8, 12, 16, 24, 32];
