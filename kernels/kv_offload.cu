@@ -204,7 +204,7 @@ extern "C" __global__ __launch_bounds__(SD_THREADS) void slot_diff(
 
 #define FETCH_THREADS 256
 #define FETCH_UNROLL 8
-#define FETCH_SCAN 512  // (row, head) pairs per scan chunk: 2 per thread
+#define FETCH_SCAN 512  // (row, head) pairs per scan chunk: 2 per thread of the first 256
 // Dynamic shared memory kv_fetch_sm needs, ints: the chunk's prefix (FETCH_SCAN + 1) and the
 // block scan's 32 warp sums (src/cuda/ops/offload.rs FETCH_SMEM_BYTES = this * 4).
 #define FETCH_SMEM_INTS (FETCH_SCAN + 1 + 32)

@@ -12,7 +12,9 @@
 //! SMs (`sm-whole:N`; the GEMMs keep every SM) — is set, warmed up (the
 //! step is rebuilt) and timed over `steps` real decode steps (CUDA events
 //! per step). A configuration's figure is the median over rounds of each
-//! round's median step time; its spread is max − min of the round medians.
+//! round's mean step time ([`round_figure`]); its spread is max − min of
+//! the round figures. (Tables swept before this rule, the H200 table's
+//! cells among them, hold round medians: [`SweepCell::round_stat`].)
 //!
 //! Split configurations (`split:N:P`, [`crate::kv::split`]): after those
 //! rounds, at each (mode, B) the SM kernel's CTA count N is the one that
@@ -118,10 +120,11 @@ pub struct SweepCell {
     pub spread_ms: f64,
     /// Each round's figure, ms.
     pub rounds_ms: Vec<f64>,
-    /// What a round's figure is: `"mean"` of its timed steps (sweeps since
-    /// 2026-12-03: a configuration whose steps alternate between fast and
-    /// slow is charged its slow steps, as a user's tokens/s is) or
-    /// `"median"` (earlier sweeps; the default when the field is absent).
+    /// What a round's figure is: `"mean"` of its timed steps (sweeps by this
+    /// version: a configuration whose steps alternate between fast and slow
+    /// is charged its slow steps, as a user's tokens/s is) or `"median"`
+    /// (earlier sweeps, every cell of the committed H200 table among them;
+    /// the default when the field is absent).
     #[serde(default = "median_stat")]
     pub round_stat: String,
 }

@@ -10,7 +10,8 @@
 # into the binary).
 # Protocol (TUNE_FLAGS replaces it): SM kernel at 2,4,8,12,16,32 CTAs, the copy engines, split:N:50
 # at the cell's fastest CTA count, and (prefetch mode) sm-whole:2/4/8/12/16; 2 rounds × (3 warm-up +
-# 12 timed steps) per configuration: about 75 s per (context, B) at B ≤ 8.
+# 12 timed steps) per configuration: about 75 s per (context, B) at B ≤ 8 with sm-whole:4/8/16
+# (2026-12-01); the two more whole-SM counts add a few seconds per prefetch cell.
 # Env: SPARDA (binary, default .device/bin/sparda), SPARDA_COMMIT, TUNE_FLAGS, TABLE,
 # LIMIT (seconds before the sweep stops itself, default 550).
 set -uo pipefail

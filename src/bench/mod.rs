@@ -407,6 +407,8 @@ fn run_case(
         "fetch_whole_sms": spec.fetch_whole_sms,
         // whole SMs in force this run: the flag, or the fetch table's choice
         "fetch_on_whole_sms": model.fetch_on_whole_sms(batch),
+        // task groups per SM copy CTA (kernels/kv_offload.cu kv_fetch_sm)
+        "fetch_task_groups": crate::cuda::ops::offload::fetch_groups(model.fetch_on_whole_sms(batch)).ok(),
         "cta_timeline": spec.cta_timeline,
         "prompt_origin": source.origins_json(batch),
     });
@@ -600,12 +602,20 @@ fn run_case(
     }
     // the configuration `--fetch auto` resolved to, so a log shows which table entry ran
     let resolved = if offload.is_some() {
-        let whole = if model.fetch_on_whole_sms(batch) {
-            " on whole SMs"
-        } else {
-            ""
+        let on_whole = model.fetch_on_whole_sms(batch);
+        let engine = model.fetch_engine(batch);
+        let whole = if on_whole { " on whole SMs" } else { "" };
+        let groups = match engine {
+            crate::pipeline::FetchEngine::Sm { .. }
+            | crate::pipeline::FetchEngine::Split { .. } => {
+                format!(
+                    ", {} task groups per CTA",
+                    crate::cuda::ops::offload::fetch_groups(on_whole)?
+                )
+            }
+            _ => String::new(),
         };
-        format!(" ({}{whole})", model.fetch_engine(batch).label())
+        format!(" ({}{whole}{groups})", engine.label())
     } else {
         String::new()
     };

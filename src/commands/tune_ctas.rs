@@ -211,7 +211,7 @@ fn show(gpu: Option<&str>) -> Result<()> {
             );
             print!("{}", choices(&t));
             println!(
-                "\nthe sweep: median step ms ± half the spread of the round medians; * the table's choice (the fastest over the contexts, ties within the spread going to the one taking fewer SMs)"
+                "\nthe sweep: step ms (median over rounds of each round's figure, its round_stat) ± half the spread of the round figures; * the table's choice (the fastest over the contexts, ties within the spread going to the one taking fewer SMs)"
             );
             print!("{}", sparda::tune::sweep_table(&t));
         }

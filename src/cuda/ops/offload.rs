@@ -17,7 +17,7 @@ const SLOT_DIFF_THREADS: u32 = 128;
 pub const SLOT_DIFF_MAX_SLOTS: usize = 1024;
 /// Largest selection list width `slot_diff` handles.
 pub const SLOT_DIFF_MAX_SEL: usize = 1024;
-/// Threads per CTA of `kv_fetch_sm` (`FETCH_THREADS`).
+/// Threads per task group of `kv_fetch_sm` (`FETCH_THREADS`; a CTA is 1 to 4 groups).
 const FETCH_THREADS: u32 = 256;
 /// Dynamic shared memory of `kv_fetch_sm`, bytes (`FETCH_SMEM_INTS` × 4:
 /// the prefix of one chunk of 512 (row, head) fetch counts and the block
@@ -183,9 +183,12 @@ pub const ENV_FETCH_GROUPS: &str = "SPARDA_FETCH_GROUPS";
 
 /// Task groups per `kv_fetch_sm` CTA when [`ENV_FETCH_GROUPS`] is unset: 4
 /// on whole SMs (the SM holds nothing else; H200, 64K B 16, forecast +
-/// prefetch on 8 whole SMs: 11.70 ms per step with 1 group, 10.74 with 2,
-/// 10.56 with 4, the fetch beside compute 1.18 → 1.09 × its time alone),
-/// 1 on SMs shared with compute blocks (256 threads leave them the rest).
+/// prefetch on 8 whole SMs, median step: 11.69 ms with 1 group, 10.73 with
+/// 2, 10.54 with 4; the prefetched step over max(P, C) of forecast without
+/// prefetch 1.18 → 1.09), 1 on SMs shared with compute blocks (256 threads
+/// leave them the rest). [`ENV_FETCH_GROUPS`] = 4 on shared SMs takes a
+/// whole SM's registers per copy CTA (64 a thread × 1024), so no compute
+/// block can share it.
 pub fn fetch_groups_default(whole_sms: bool) -> u32 {
     if whole_sms {
         4
@@ -198,7 +201,7 @@ pub fn fetch_groups_default(whole_sms: bool) -> u32 {
 /// or [`fetch_groups_default`].
 ///
 /// Errors: [`Error::Input`] for a value that is not 1 to 4.
-fn fetch_groups(whole_sms: bool) -> Result<u32> {
+pub fn fetch_groups(whole_sms: bool) -> Result<u32> {
     static GROUPS: std::sync::OnceLock<std::result::Result<Option<u32>, String>> =
         std::sync::OnceLock::new();
     let env = GROUPS
