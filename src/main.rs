@@ -727,6 +727,17 @@ struct TuneCtasArgs {
     /// With --show: the GPU name (as nvidia-smi prints it) instead of GPU 0's.
     #[arg(long, requires = "show")]
     gpu: Option<String>,
+    /// Check a table's choices against a second, separate sweep (this file,
+    /// written by `tune-ctas --out`): per (mode, context, B) the choice's
+    /// step time there against that sweep's fastest, within 2 % or the
+    /// measured spread; measures nothing, needs no GPU.
+    #[arg(long, value_name = "SECOND_SWEEP", conflicts_with = "show")]
+    compare: Option<PathBuf>,
+    /// With --compare: the table whose choices are checked (default: the
+    /// table `--fetch auto` uses for the second sweep's GPU: $SPARDA_FETCH_TABLE
+    /// or the built-in one).
+    #[arg(long, requires = "compare")]
+    table: Option<PathBuf>,
     /// Model: a sparse checkpoint directory or `synth:PRESET[:SEED]`.
     #[arg(long, default_value = "synth:nosa-8b")]
     model: String,

@@ -715,6 +715,127 @@ pub fn cells_of(t: &FetchTable, origin: &str) -> Result<Vec<SweepCell>> {
         .map_err(|e| Error::Input(format!("fetch table {origin}: its sweep cells: {e}")))
 }
 
+/// One (mode, context, B) of a second sweep, against a table's choice
+/// ([`compare`]): is the choice within the tolerance of the best
+/// configuration that sweep measured there?
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CompareRow {
+    /// Synchronous fetch or forecast prefetch.
+    pub mode: FetchMode,
+    /// Context length, tokens.
+    pub context: usize,
+    /// Batch size.
+    pub batch: usize,
+    /// The table's choice for (mode, B) ([`FetchTable::choose`]), as a label.
+    pub choice: String,
+    /// The choice's step time in the second sweep, ms (`None`: that sweep
+    /// did not measure it here).
+    pub choice_ms: Option<f64>,
+    /// The second sweep's fastest configuration here, and its step time, ms.
+    pub best: String,
+    /// Step time of [`CompareRow::best`], ms.
+    pub best_ms: f64,
+    /// choice_ms / best_ms (`None` when the choice was not measured).
+    pub ratio: Option<f64>,
+    /// The tolerance, relative: the larger of 2 % and the relative spreads
+    /// of the two cells (issue target: "within 2 %, or within the measured
+    /// spread if larger").
+    pub tolerance: f64,
+    /// ratio ≤ 1 + tolerance.
+    pub within: bool,
+}
+
+/// Checks `table`'s choices against a second, separate sweep of the same
+/// GPU (`second`, e.g. `tune-ctas --out second.json` of a later run): one
+/// row per (mode, context, B) the second sweep measured, in its order
+/// (mode, then B, then context). A choice the second sweep did not measure
+/// is reported, not within.
+///
+/// Errors: tables of different GPUs (both named); an unreadable sweep.
+pub fn compare(table: &FetchTable, second: &FetchTable) -> Result<Vec<CompareRow>> {
+    if table.gpu != second.gpu {
+        return Err(Error::Input(format!(
+            "tune-ctas --compare: the table is the {}'s, the second sweep ran on the {}",
+            table.gpu, second.gpu
+        )));
+    }
+    let cells = cells_of(second, "the second sweep")?;
+    let mut groups: Vec<(FetchMode, usize, usize)> =
+        cells.iter().map(|c| (c.mode, c.batch, c.context)).collect();
+    groups.sort_by_key(|&(m, b, l)| (m == FetchMode::Prefetch, b, l));
+    groups.dedup();
+    let mut rows = Vec::new();
+    for (mode, batch, context) in groups {
+        let here: Vec<&SweepCell> = cells
+            .iter()
+            .filter(|c| (c.mode, c.batch, c.context) == (mode, batch, context))
+            .collect();
+        let Some(best) = here.iter().min_by(|a, b| a.step_ms.total_cmp(&b.step_ms)) else {
+            continue;
+        };
+        let choice = table.choose(mode, batch).label();
+        let mine = here.iter().find(|c| c.config == choice);
+        let rel = |c: &SweepCell| {
+            if c.step_ms > 0.0 {
+                c.spread_ms / c.step_ms
+            } else {
+                0.0
+            }
+        };
+        let tolerance = mine.map_or(rel(best), |m| rel(m).max(rel(best))).max(0.02);
+        let ratio = mine.map(|m| m.step_ms / best.step_ms);
+        rows.push(CompareRow {
+            mode,
+            context,
+            batch,
+            choice,
+            choice_ms: mine.map(|m| m.step_ms),
+            best: best.config.clone(),
+            best_ms: best.step_ms,
+            ratio,
+            tolerance,
+            within: ratio.is_some_and(|r| r <= 1.0 + tolerance),
+        });
+    }
+    Ok(rows)
+}
+
+/// [`compare`]'s rows as a text table, with a last line counting those
+/// within their tolerance.
+pub fn compare_table(rows: &[CompareRow]) -> String {
+    let mut s = format!(
+        "{:<9} {:>8} {:>5}  {:<13} {:>9}  {:<13} {:>9}  {:>7} {:>6}  verdict\n",
+        "mode", "context", "B", "table", "ms", "best", "ms", "ratio", "tol"
+    );
+    for r in rows {
+        s += &format!(
+            "{:<9} {:>8} {:>5}  {:<13} {:>9}  {:<13} {:>9.2}  {:>7} {:>5.1}%  {}\n",
+            format!("{:?}", r.mode).to_lowercase(),
+            r.context,
+            r.batch,
+            r.choice,
+            r.choice_ms.map_or("–".into(), |v| format!("{v:.2}")),
+            r.best,
+            r.best_ms,
+            r.ratio.map_or("–".into(), |v| format!("{v:.3}")),
+            r.tolerance * 100.0,
+            if r.within {
+                "within"
+            } else if r.ratio.is_none() {
+                "not measured"
+            } else {
+                "OUTSIDE"
+            }
+        );
+    }
+    s += &format!(
+        "{} of {} (mode, context, B) within their tolerance\n",
+        rows.iter().filter(|r| r.within).count(),
+        rows.len()
+    );
+    s
+}
+
 /// `new` with the sweep of `old` (a table of the same GPU, e.g. an earlier
 /// device call's part of the grid) merged in: every (mode, context, batch)
 /// `new` measured replaces all of `old`'s cells there (whatever
@@ -1095,6 +1216,91 @@ mod tests {
         other.gpu = "NVIDIA A100-SXM4-80GB".into();
         let e = merge(&other, m, "a100.json").unwrap_err().to_string();
         assert!(e.contains("A100") && e.contains("H200"), "{e}");
+    }
+
+    #[test]
+    fn a_second_sweep_checks_the_choices_within_2_percent_or_the_spread() {
+        let table = |cells: Vec<SweepCell>, gpu: &str| {
+            let configs: Vec<FetchChoice> = ["sm:4", "sm:8", "sm:16"]
+                .iter()
+                .map(|l| FetchChoice::parse_label(l).unwrap())
+                .collect();
+            let (sync, prefetch) = entries_of(&cells, &configs).unwrap();
+            FetchTable {
+                format: FORMAT,
+                gpu: gpu.into(),
+                sm_count: 132,
+                pcie: "Gen5 x16".into(),
+                driver: "580".into(),
+                date_utc: "2026-12-01T00:00:00Z".into(),
+                commit: None,
+                protocol: "p".into(),
+                sync,
+                prefetch,
+                sweep: json!({"cells": cells, "skipped": [], "configs": ["sm:4", "sm:8", "sm:16"]}),
+            }
+        };
+        let at = |b, cfg: &str, ms, spread| SweepCell {
+            batch: b,
+            ..cell(32768, cfg, ms, spread)
+        };
+        // the table: sm:4 at B 8, sm:8 at B 16
+        let first = table(
+            vec![
+                at(8, "sm:4", 10.0, 0.0),
+                at(8, "sm:8", 11.0, 0.0),
+                at(16, "sm:8", 19.0, 0.0),
+                at(16, "sm:16", 20.0, 0.0),
+            ],
+            "NVIDIA H200",
+        );
+        // second run: at B 8 sm:8 is now 1.5 % faster (within 2 %); at B 16
+        // sm:16 is 5 % faster (outside, spreads small); at B 16 of a third
+        // context nothing but sm:16 was measured
+        let second = table(
+            vec![
+                at(8, "sm:4", 10.15, 0.01),
+                at(8, "sm:8", 10.0, 0.01),
+                at(16, "sm:8", 21.0, 0.02),
+                at(16, "sm:16", 20.0, 0.02),
+                SweepCell {
+                    batch: 16,
+                    ..cell(65536, "sm:16", 25.0, 0.0)
+                },
+            ],
+            "NVIDIA H200",
+        );
+        let rows = compare(&first, &second).unwrap();
+        assert_eq!(rows.len(), 3);
+        let (b8, b16, b16_64k) = (&rows[0], &rows[1], &rows[2]);
+        assert_eq!(
+            (b8.batch, b8.choice.as_str(), b8.best.as_str()),
+            (8, "sm:4", "sm:8")
+        );
+        assert!((b8.ratio.unwrap() - 1.015).abs() < 1e-9 && b8.within);
+        assert_eq!((b16.choice.as_str(), b16.best.as_str()), ("sm:8", "sm:16"));
+        assert!((b16.ratio.unwrap() - 1.05).abs() < 1e-9 && !b16.within);
+        assert_eq!(
+            (b16_64k.context, b16_64k.choice_ms, b16_64k.within),
+            (65536, None, false)
+        );
+        let text = compare_table(&rows);
+        assert!(
+            text.contains("OUTSIDE") && text.contains("not measured"),
+            "{text}"
+        );
+        assert!(text.contains("1 of 3"), "{text}");
+        // a spread larger than 2 % widens the tolerance: 5 % slower, 6 % spread
+        let wide = table(
+            vec![at(16, "sm:8", 21.0, 1.26), at(16, "sm:16", 20.0, 0.1)],
+            "NVIDIA H200",
+        );
+        let r = &compare(&first, &wide).unwrap()[0];
+        assert!((r.tolerance - 0.06).abs() < 1e-9 && r.within);
+        // another GPU's sweep is refused with both names
+        let other = table(vec![at(8, "sm:4", 10.0, 0.0)], "NVIDIA A100-SXM4-80GB");
+        let e = compare(&first, &other).unwrap_err().to_string();
+        assert!(e.contains("H200") && e.contains("A100"), "{e}");
     }
 
     #[test]

@@ -3,7 +3,10 @@
 # one table (sparda tune-ctas --append: each finished cell is written at once, cells already in
 # the table are skipped, so a part cut at the time limit resumes when called again):
 #   scripts/device/tune.sh PART OUT_DIR     PART: 1 (B 1,4,8 at 32K and 64K), 2 (B 16,32),
-#                                                 3 (B 64,128: 64K where host memory allows)
+#                                                 3 (B 64,128: 64K where host memory allows),
+#                                                 second (a second, separate sweep at 32K, B 1-64,
+#                                                 into OUT_DIR/second_sweep.json, then the table in
+#                                                 use checked against it: tune-ctas --compare)
 # The table grows in $TABLE (default .device/tune/fetch_nvidia_h200.json, carried with
 # `carry: [".device/binz", ".device/tune"]`); the call copies it to OUT_DIR: copy it back into
 # .device/tune/ before the next call. Then commit it as tuning/fetch_nvidia_h200.json (built
@@ -21,6 +24,13 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 table=${TABLE:-.device/tune/fetch_nvidia_h200.json}
 mkdir -p "$(dirname "$table")"
 flags=${TUNE_FLAGS:---ctas 2,4,8,12,16,32 --split-pct 50 --repeats 2 --steps 12}
+if [[ $part == second ]]; then
+  # shellcheck disable=SC2086 # flags is a list of flags
+  timeout -s INT "${LIMIT:-550}" "$SPARDA" tune-ctas --batch 1,4,8,16,32,64 --context 32K $flags \
+    --out "$out/second_sweep.json" 2>&1 | tee "$out/tune_second.log"
+  "$SPARDA" tune-ctas --compare "$out/second_sweep.json" 2>&1 | tee "$out/compare.txt"
+  exit 0
+fi
 case "$part" in
 1) batches=1,4,8 ;;
 2) batches=16,32 ;;

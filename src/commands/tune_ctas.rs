@@ -12,6 +12,9 @@ pub(crate) fn cmd_tune_ctas(a: TuneCtasArgs) -> Result<()> {
     if a.show {
         return show(a.gpu.as_deref());
     }
+    if let Some(second) = &a.compare {
+        return compare(second, a.table.as_deref());
+    }
     let quick = a.quick;
     let contexts = match (&a.context, quick) {
         (Some(c), _) => c
@@ -176,6 +179,43 @@ fn choices(t: &FetchTable) -> String {
         );
     }
     s
+}
+
+/// `--compare`: `table`'s choices (default: the one in use for the second
+/// sweep's GPU) against the second sweep at `second`.
+fn compare(second: &std::path::Path, table: Option<&std::path::Path>) -> Result<()> {
+    let s = FetchTable::load(second)?;
+    let (t, from) = match table {
+        Some(p) => (FetchTable::load(p)?, p.display().to_string()),
+        None => {
+            let env = std::env::var_os(ENV_TABLE).map(PathBuf::from);
+            match FetchTable::for_gpu(&s.gpu, env.as_deref())? {
+                Some((t, TableSource::BuiltIn(f))) => (t, format!("built in from {f}")),
+                Some((t, TableSource::File(f))) => (t, format!("{ENV_TABLE}={f}")),
+                Some((_, TableSource::Rule)) | None => {
+                    return Err(Error::Input(format!(
+                        "tune-ctas --compare {}: no fetch table for the {} to check (give --table FILE)",
+                        second.display(),
+                        s.gpu
+                    )))
+                }
+            }
+        }
+    };
+    println!(
+        "the {} table ({from}; {}, commit {}) against the sweep of {} ({}, commit {}):",
+        t.gpu,
+        t.date_utc,
+        t.commit.as_deref().unwrap_or("?"),
+        second.display(),
+        s.date_utc,
+        s.commit.as_deref().unwrap_or("?")
+    );
+    print!(
+        "{}",
+        sparda::tune::compare_table(&sparda::tune::compare(&t, &s)?)
+    );
+    Ok(())
 }
 
 /// `--show`: the table in use for this GPU (or `gpu`) and where it came from.
