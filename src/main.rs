@@ -792,6 +792,11 @@ struct TuneCtasArgs {
     /// several runs; a run cut short resumes where it stopped).
     #[arg(long)]
     append: bool,
+    /// With --append: measure again the (mode, context, B) cells asked for
+    /// whose figures are round medians (tables swept before round means),
+    /// replacing them; called again after a cut, it resumes.
+    #[arg(long, requires = "append")]
+    remeasure_medians: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]

@@ -715,6 +715,27 @@ pub fn cells_of(t: &FetchTable, origin: &str) -> Result<Vec<SweepCell>> {
         .map_err(|e| Error::Input(format!("fetch table {origin}: its sweep cells: {e}")))
 }
 
+/// `--remeasure-medians`: drops from `done` (the cells of a table being
+/// appended to) every (mode, context, B) among those `spec` asks for whose
+/// cells hold round medians ([`SweepCell::round_stat`]), so that they are
+/// measured again on round means; a run cut short and called again resumes
+/// (the cells it wrote hold means). Returns how many cells were dropped.
+pub fn drop_median_cells(done: &mut Vec<SweepCell>, spec: &TuneSpec) -> usize {
+    let asked = |c: &SweepCell| {
+        spec.modes.contains(&c.mode)
+            && spec.contexts.contains(&c.context)
+            && spec.batches.contains(&c.batch)
+    };
+    let stale: Vec<(FetchMode, usize, usize)> = done
+        .iter()
+        .filter(|c| asked(c) && c.round_stat == "median")
+        .map(|c| (c.mode, c.context, c.batch))
+        .collect();
+    let before = done.len();
+    done.retain(|c| !stale.contains(&(c.mode, c.context, c.batch)));
+    before - done.len()
+}
+
 /// One (mode, context, B) of a second sweep, against a table's choice
 /// ([`compare`]): is the choice within the tolerance of the best
 /// configuration that sweep measured there?
@@ -1216,6 +1237,43 @@ mod tests {
         other.gpu = "NVIDIA A100-SXM4-80GB".into();
         let e = merge(&other, m, "a100.json").unwrap_err().to_string();
         assert!(e.contains("A100") && e.contains("H200"), "{e}");
+    }
+
+    #[test]
+    fn median_cells_asked_for_are_dropped_for_remeasurement() {
+        let spec = TuneSpec {
+            model: "synth:nosa-8b".into(),
+            batches: vec![8, 16],
+            contexts: vec![32768],
+            configs: vec![FetchChoice::Sm { ctas: 8 }],
+            modes: vec![FetchMode::Prefetch],
+            repeats: 2,
+            steps: 12,
+            warmup: 3,
+            seed: 1,
+            split_pcts: Vec::new(),
+            done: Vec::new(),
+        };
+        let c = |mode, l, b, stat: &str| SweepCell {
+            mode,
+            batch: b,
+            round_stat: stat.into(),
+            ..cell(l, "sm:8", 10.0, 0.0)
+        };
+        let mut done = vec![
+            c(FetchMode::Prefetch, 32768, 8, "median"), // asked, medians: dropped
+            c(FetchMode::Prefetch, 32768, 16, "mean"),  // asked, means: kept
+            c(FetchMode::Prefetch, 65536, 8, "median"), // context not asked: kept
+            c(FetchMode::Sync, 32768, 8, "median"),     // mode not asked: kept
+            c(FetchMode::Prefetch, 32768, 32, "median"), // B not asked: kept
+        ];
+        assert_eq!(drop_median_cells(&mut done, &spec), 1);
+        assert_eq!(done.len(), 4);
+        assert!(!done
+            .iter()
+            .any(|x| (x.mode, x.context, x.batch) == (FetchMode::Prefetch, 32768, 8)));
+        // nothing left to drop: a resumed run keeps what it measured
+        assert_eq!(drop_median_cells(&mut done, &spec), 0);
     }
 
     #[test]

@@ -119,6 +119,14 @@ pub(crate) fn cmd_tune_ctas(a: TuneCtasArgs) -> Result<()> {
                 )));
             }
             spec.done = sparda::tune::cells_of(&t, &p.display().to_string())?;
+            if a.remeasure_medians {
+                let mut done = std::mem::take(&mut spec.done);
+                let n = sparda::tune::drop_median_cells(&mut done, &spec);
+                spec.done = done;
+                eprintln!(
+                    "tune-ctas: --remeasure-medians: {n} cells on round medians will be measured again"
+                );
+            }
             let mut keys: Vec<String> = spec
                 .done
                 .iter()
