@@ -4,6 +4,9 @@
 # the table are skipped, so a part cut at the time limit resumes when called again):
 #   scripts/device/tune.sh PART OUT_DIR     PART: 1 (B 1,4,8 at 32K and 64K), 2 (B 16,32),
 #                                                 3 (B 64,128: 64K where host memory allows),
+#                                                 prefetch-means (prefetch cells of B 1-32 at 32K and
+#                                                 64K still on round medians measured again on round
+#                                                 means: SM kernel 4-16 CTAs, sm-whole:2-16; about 4 min),
 #                                                 second (a second, separate sweep at 32K, B 1-64,
 #                                                 into OUT_DIR/second_sweep.json, then the table in
 #                                                 use checked against it: tune-ctas --compare)
@@ -24,6 +27,13 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 table=${TABLE:-.device/tune/fetch_nvidia_h200.json}
 mkdir -p "$(dirname "$table")"
 flags=${TUNE_FLAGS:---ctas 2,4,8,12,16,32 --split-pct 50 --repeats 2 --steps 12}
+if [[ $part == prefetch-means ]]; then
+  timeout -s INT "${LIMIT:-550}" "$SPARDA" tune-ctas --mode prefetch --batch 1,4,8,16,32 --context 32K,64K \
+    --ctas 4,8,12,16 --no-dma --no-split --repeats 2 --steps 16 --append --remeasure-medians \
+    --out "$table" 2>&1 | tee "$out/tune_prefetch_means.log"
+  cp "$table" "$out/" 2>/dev/null || echo "no table written"
+  exit 0
+fi
 if [[ $part == second ]]; then
   # shellcheck disable=SC2086 # flags is a list of flags
   timeout -s INT "${LIMIT:-550}" "$SPARDA" tune-ctas --batch 1,4,8,16,32,64 --context 32K $flags \
