@@ -26,6 +26,11 @@ SPARDA=${SPARDA:-.device/bin/sparda}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 table=${TABLE:-.device/tune/fetch_nvidia_h200.json}
 mkdir -p "$(dirname "$table")"
+# appending starts from the committed table of that name when none was carried
+if [[ ! -f $table && -f tuning/$(basename "$table") ]]; then
+  cp "tuning/$(basename "$table")" "$table"
+  echo "tune.sh: starting from tuning/$(basename "$table")"
+fi
 flags=${TUNE_FLAGS:---ctas 2,4,8,12,16,32 --split-pct 50 --repeats 2 --steps 12}
 if [[ $part == prefetch-means ]]; then
   timeout -s INT "${LIMIT:-550}" "$SPARDA" tune-ctas --mode prefetch --batch 1,4,8,16,32 --context 32K,64K \
