@@ -26,8 +26,9 @@ SPARDA=${SPARDA:-.device/bin/sparda}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 table=${TABLE:-.device/tune/fetch_nvidia_h200.json}
 mkdir -p "$(dirname "$table")"
-# appending starts from the committed table of that name when none was carried
-if [[ ! -f $table && -f tuning/$(basename "$table") ]]; then
+# prefetch-means appends to the committed table of that name when none was carried
+# (parts 1-3 start a table of their own)
+if [[ $part == prefetch-means && ! -f $table && -f tuning/$(basename "$table") ]]; then
   cp "tuning/$(basename "$table")" "$table"
   echo "tune.sh: starting from tuning/$(basename "$table")"
 fi
