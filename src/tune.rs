@@ -1037,6 +1037,29 @@ mod tests {
         }
     }
 
+    /// A table of `gpu` from `cells` over the configurations `labels`, its
+    /// entries chosen as a sweep's are.
+    fn table_from(cells: Vec<SweepCell>, labels: &[&str], gpu: &str) -> FetchTable {
+        let configs: Vec<FetchChoice> = labels
+            .iter()
+            .map(|l| FetchChoice::parse_label(l).unwrap())
+            .collect();
+        let (sync, prefetch) = entries_of(&cells, &configs).unwrap();
+        FetchTable {
+            format: FORMAT,
+            gpu: gpu.into(),
+            sm_count: 132,
+            pcie: "Gen5 x16".into(),
+            driver: "580".into(),
+            date_utc: "2026-12-01T00:00:00Z".into(),
+            commit: Some("abc".into()),
+            protocol: "p".into(),
+            sync,
+            prefetch,
+            sweep: json!({"cells": cells, "skipped": [], "configs": labels}),
+        }
+    }
+
     #[test]
     fn a_round_is_charged_its_slow_steps() {
         // steps alternating between 10 and 13 ms: the median of 5 says 10,
@@ -1175,26 +1198,7 @@ mod tests {
 
     #[test]
     fn merged_sweeps_keep_the_other_batches_and_choose_again() {
-        let table = |cells: Vec<SweepCell>, configs: &[&str]| {
-            let parsed: Vec<FetchChoice> = configs
-                .iter()
-                .map(|l| FetchChoice::parse_label(l).unwrap())
-                .collect();
-            let (sync, prefetch) = entries_of(&cells, &parsed).unwrap();
-            FetchTable {
-                format: FORMAT,
-                gpu: "NVIDIA H200".into(),
-                sm_count: 132,
-                pcie: "Gen5 x16".into(),
-                driver: "580".into(),
-                date_utc: "2026-12-01T00:00:00Z".into(),
-                commit: Some("abc".into()),
-                protocol: "p".into(),
-                sync,
-                prefetch,
-                sweep: json!({"cells": cells, "skipped": [], "configs": configs}),
-            }
-        };
+        let table = |cells, configs: &[&str]| table_from(cells, configs, "NVIDIA H200");
         let at = |b, cfg: &str, ms| SweepCell {
             batch: b,
             ..cell(32768, cfg, ms, 0.0)
@@ -1278,26 +1282,7 @@ mod tests {
 
     #[test]
     fn a_second_sweep_checks_the_choices_within_2_percent_or_the_spread() {
-        let table = |cells: Vec<SweepCell>, gpu: &str| {
-            let configs: Vec<FetchChoice> = ["sm:4", "sm:8", "sm:16"]
-                .iter()
-                .map(|l| FetchChoice::parse_label(l).unwrap())
-                .collect();
-            let (sync, prefetch) = entries_of(&cells, &configs).unwrap();
-            FetchTable {
-                format: FORMAT,
-                gpu: gpu.into(),
-                sm_count: 132,
-                pcie: "Gen5 x16".into(),
-                driver: "580".into(),
-                date_utc: "2026-12-01T00:00:00Z".into(),
-                commit: None,
-                protocol: "p".into(),
-                sync,
-                prefetch,
-                sweep: json!({"cells": cells, "skipped": [], "configs": ["sm:4", "sm:8", "sm:16"]}),
-            }
-        };
+        let table = |cells, gpu| table_from(cells, &["sm:4", "sm:8", "sm:16"], gpu);
         let at = |b, cfg: &str, ms, spread| SweepCell {
             batch: b,
             ..cell(32768, cfg, ms, spread)
@@ -1460,24 +1445,7 @@ mod tests {
             at(16, "split:8:50", 22.0),
         ];
         let labels = ["sm:4", "sm:8", "split:4:50", "split:8:50"];
-        let configs: Vec<FetchChoice> = labels
-            .iter()
-            .map(|l| FetchChoice::parse_label(l).unwrap())
-            .collect();
-        let (sync, prefetch) = entries_of(&cells, &configs).unwrap();
-        let t = FetchTable {
-            format: FORMAT,
-            gpu: "NVIDIA H200".into(),
-            sm_count: 132,
-            pcie: "Gen5 x16".into(),
-            driver: "580".into(),
-            date_utc: "2026-12-01T00:00:00Z".into(),
-            commit: None,
-            protocol: "p".into(),
-            sync,
-            prefetch,
-            sweep: json!({"cells": cells, "skipped": [], "configs": labels}),
-        };
+        let t = table_from(cells, &labels, "NVIDIA H200");
         // the table reads back through its JSON with the split entry
         let t = FetchTable::parse(&serde_json::to_string(&t).unwrap(), "t").unwrap();
         assert_eq!(
