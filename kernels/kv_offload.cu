@@ -25,6 +25,9 @@
 #define SD_MAX_SLOTS 1024
 #define SD_MAX_SEL 1024
 #define SD_THREADS 128
+// aged reuse keys: a slot that is not free, and an empty slot (before every age key -age)
+#define SD_NOT_FREE 0x7fffffff
+#define SD_EMPTY_KEY (-0x7fffffff - 1)
 
 // Exclusive prefix sum of v over the thread block (blockDim.x a multiple of 32,
 // at most 1024); *total gets the sum. shm holds at least 32 ints. Every thread
@@ -73,7 +76,13 @@ __device__ __forceinline__ int block_excl_scan(int v, int* shm, int* total) {
 //   included), stats[1] += fetched blocks (locality = 1 - stats[1] / stats[0]).
 // Rule: hits keep their slot; misses (blocks < ring_first with no slot), in
 //   ascending block order, take the free slots (empty, or holding a block not in
-//   the selection) in ascending slot order. More misses than free slots (the
+//   the selection) in ascending slot order, or, with aged != 0 (a pool with cache
+//   slots beyond the budget, kv::plan_slots_lru), empty slots first (ascending),
+//   then the least recently selected (largest age; ties: lower slot). The ages,
+//   i32 [hkv][S] steps since each slot's block was last selected, follow the slot
+//   map in the same buffer (slot_tab[r] + hkv * S ints) and are updated in place:
+//   0 for a slot whose block is selected after the step (hit or fetched) and for
+//   an empty slot, else age + 1 (at most 2^30). More misses than free slots (the
 //   caller sized S too small; plan_slots errors) leaves the excess at slot -1,
 //   unfetched, and is reported to the device error record err (nullable;
 //   common.cuh): DEVERR_SLOT_DIFF, row r, `layer`, KV head h, value misses,
@@ -83,8 +92,11 @@ extern "C" __global__ __launch_bounds__(SD_THREADS) void slot_diff(
     const int* __restrict__ sel, const int* __restrict__ nsel, int s_max, const int* __restrict__ lens,
     const u64* __restrict__ slot_tab, int S, int block_size, int hkv, int* __restrict__ slot_list,
     int* __restrict__ fetch, int* __restrict__ nfetch, unsigned long long* __restrict__ stats,
-    int* __restrict__ err, int layer) {
+    int* __restrict__ err, int layer, int aged) {
     __shared__ int smap[SD_MAX_SLOTS];      // slot map before the step
+    __shared__ int sage[SD_MAX_SLOTS];      // aged: slot ages before the step
+    __shared__ int fkey[SD_MAX_SLOTS];      // aged: reuse key of a free slot, SD_NOT_FREE if not free
+    __shared__ int frank[SD_MAX_SLOTS];     // aged: a free slot's place in the reuse order
     __shared__ int free_list[SD_MAX_SLOTS]; // free slots, ascending
     __shared__ int cb[SD_MAX_SEL];          // valid selected blocks, ascending
     __shared__ int ci[SD_MAX_SEL];          // their index in sel
@@ -102,7 +114,11 @@ extern "C" __global__ __launch_bounds__(SD_THREADS) void slot_diff(
     int* lrow = slot_list + rh * s_max;
     int* frow = fetch + rh * S * 2;
 
-    for (int s = tid; s < S; s += nt) smap[s] = map[s];
+    int* ages = aged ? (int*)slot_tab[r] + (u64)hkv * S + (u64)h * S : nullptr;
+    for (int s = tid; s < S; s += nt) {
+        smap[s] = map[s];
+        if (aged) sage[s] = ages[s];
+    }
     // Compact the valid entries (>= 0) of sel, keeping their order.
     const int cs = (n + nt - 1) / nt;
     const int c0 = min(tid * cs, n), c1 = min(c0 + cs, n);
@@ -141,21 +157,38 @@ extern "C" __global__ __launch_bounds__(SD_THREADS) void slot_diff(
             }
         }
         nfree_mine += !found;
+        // reuse order key: empty slots first, then the largest age
+        if (aged) fkey[s] = found ? SD_NOT_FREE : (b < 0 ? SD_EMPTY_KEY : -sage[s]);
     }
     int nfree;
-    int foff = block_excl_scan(nfree_mine, scan_shm, &nfree);
-    for (int s = s0; s < s1; s++) {
-        const int b = smap[s];
-        bool found = false;
-        if (b >= 0) {
-            int lo = 0, hi = nv;
-            while (lo < hi) {
-                const int mid = (lo + hi) >> 1;
-                if (cb[mid] < b) lo = mid + 1; else hi = mid;
+    int foff = block_excl_scan(nfree_mine, scan_shm, &nfree);  // syncs: fkey complete
+    if (aged) {
+        // a free slot's rank among the free slots by (key, slot)
+        for (int s = s0; s < s1; s++) {
+            const int key = fkey[s];
+            if (key == SD_NOT_FREE) continue;
+            int rank = 0;
+            for (int t = 0; t < S; t++) {
+                const int kt = fkey[t];
+                rank += kt != SD_NOT_FREE && (kt < key || (kt == key && t < s));
             }
-            found = lo < nv && cb[lo] == b;
+            frank[s] = rank;
+            free_list[rank] = s;
         }
-        if (!found) free_list[foff++] = s;
+    } else {
+        for (int s = s0; s < s1; s++) {
+            const int b = smap[s];
+            bool found = false;
+            if (b >= 0) {
+                int lo = 0, hi = nv;
+                while (lo < hi) {
+                    const int mid = (lo + hi) >> 1;
+                    if (cb[mid] < b) lo = mid + 1; else hi = mid;
+                }
+                found = lo < nv && cb[lo] == b;
+            }
+            if (!found) free_list[foff++] = s;
+        }
     }
     __syncthreads();  // hit[] and free_list[] complete
 
@@ -187,6 +220,16 @@ extern "C" __global__ __launch_bounds__(SD_THREADS) void slot_diff(
     // Entries < 0 inside nsel: absent.
     for (int i = c0; i < c1; i++)
         if (srow[i] < 0) lrow[i] = -1;
+    if (aged) {
+        // the free slots ranked below the misses were filled this step
+        const int filled = min(nmiss, nfree);
+        for (int s = s0; s < s1; s++) {
+            const int key = fkey[s];
+            int a = 0;
+            if (key != SD_NOT_FREE && frank[s] >= filled && smap[s] >= 0) a = min(sage[s] + 1, 1 << 30);
+            ages[s] = a;
+        }
+    }
     if (tid == 0) {
         const int nf = min(nmiss, nfree);
         nfetch[rh] = nf;

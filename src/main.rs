@@ -661,6 +661,13 @@ struct OffloadArgs {
     /// their last bits (the default keeps them bitwise equal).
     #[arg(long)]
     reserve_fetch_sms: bool,
+    /// GPU cache slots per (sequence, offloaded layer, KV head) beyond the
+    /// attended budget: blocks that leave the selection stay on the GPU, the
+    /// least recently selected replaced first, so a block selected again is
+    /// a hit instead of a PCIe fetch. Each slot costs 2·block·head_dim·2 bytes
+    /// per (sequence, layer, KV head), 32 KiB on NOSA-8B (0: the pool holds the budget only).
+    #[arg(long, default_value_t = 0)]
+    cache_slots: usize,
 }
 
 impl OffloadArgs {
@@ -671,6 +678,7 @@ impl OffloadArgs {
             || self.offload_layer0
             || self.fetch_whole_sms
             || self.reserve_fetch_sms
+            || self.cache_slots > 0
     }
 
     /// Where the SM copy kernel's CTAs run ([`sparda::pipeline::GpuModel::set_fetch_whole_sms`],
@@ -706,6 +714,7 @@ impl OffloadArgs {
                     (FetchArg::Split { ctas, ce_pct }, _) => FetchEngine::Split { ctas, ce_pct },
                 },
                 offload_layer0: self.offload_layer0,
+                cache_slots: self.cache_slots,
             })
             .collect()
     }

@@ -104,6 +104,9 @@ pub struct Workload {
     /// With offloaded KV: the layers kept resident on the GPU (layer 0
     /// unless `--offload-layer0`); `None`: all KV on the GPU.
     pub offload_resident_layers: Option<usize>,
+    /// With offloaded KV: GPU cache slots per (sequence, offloaded layer,
+    /// KV head) beside the attended budget (`--cache-slots`).
+    pub cache_slots: usize,
     /// The run prefills for real (its chunk buffers exist beside the
     /// decode step's); false for synthetic fills.
     pub prefill: bool,
@@ -162,7 +165,7 @@ pub fn estimate(cfg: &ModelConfig, kv: &KvLayout, w: &Workload) -> Need {
         Some(resident) => {
             let f = Footprint::new(
                 cfg,
-                kv.budget.attended,
+                kv.budget.attended + w.cache_slots,
                 resident,
                 w.batch,
                 w.capacity_tokens,
@@ -314,6 +317,7 @@ mod tests {
             batch,
             capacity_tokens: cap,
             offload_resident_layers: offload,
+            cache_slots: 0,
             prefill,
             prefill_chunk: 512,
             partials_budget_bytes: 512 << 20,
@@ -354,6 +358,18 @@ mod tests {
         let f = Footprint::new(&cfg, kv.budget.attended, 1, 16, 65_536);
         assert_eq!(off.host_pinned, f.host_pinned_bytes);
         assert!(off.kv > f.gpu_kv_bytes && off.kv < 16 * kv.sequence_bytes(65_536));
+        // 32 cache slots: 32 more (block, head) K+V chunks of 32 KiB per
+        // (sequence, offloaded layer, KV head) on the GPU, nothing more pinned
+        let cached = estimate(
+            &cfg,
+            &kv,
+            &Workload {
+                cache_slots: 32,
+                ..workload(16, 65_536, Some(1), false)
+            },
+        );
+        assert_eq!(cached.kv - off.kv, 16 * 31 * 8 * 32 * (32 << 10));
+        assert_eq!(cached.host_pinned, off.host_pinned);
         // NOSA-8B in bf16: ≈ 8.19 B parameters → ≈ 16.4 GB
         let w = weights_bytes(&cfg, true);
         assert!((16_000_000_000..17_000_000_000).contains(&w), "{w}");

@@ -410,7 +410,7 @@ pub fn run(
                 }
                 let off = OffloadOptions {
                     fetch: spec.configs[0].engine(),
-                    offload_layer0: false,
+                    ..OffloadOptions::default()
                 };
                 model.set_forecast(None, false)?;
                 model.set_offload(Some(off))?;
@@ -582,7 +582,7 @@ fn measure(
             model.set_fetch_whole_sms(configs[i].whole_sms());
             model.set_offload(Some(OffloadOptions {
                 fetch: configs[i].engine(),
-                offload_layer0: false,
+                ..OffloadOptions::default()
             }))?;
             model.decode(seqs, &first)?;
             for _ in 2..spec.warmup {

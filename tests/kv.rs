@@ -4,7 +4,9 @@
 //! generation.
 
 use sparda::cpu::{CpuModel, EngineOptions};
-use sparda::kv::{plan_slots, ring_first, Footprint, HostLayout, Kv, EMPTY, RING_BLOCKS};
+use sparda::kv::{
+    plan_slots, plan_slots_lru, ring_first, Footprint, HostLayout, Kv, EMPTY, MAX_AGE, RING_BLOCKS,
+};
 use sparda::synth::{self, Preset};
 
 #[test]
@@ -145,15 +147,37 @@ fn slot_pool_follows_real_selections_over_a_long_generation() {
     let mut seq = model.new_sequence();
     let mut logits = model.prefill(&mut seq, &prompt, |_, _| {}).unwrap();
     let mut pools = vec![vec![vec![EMPTY; s]; heads]; layers];
+    // the same selections through a pool with s / 2 cache slots (LRU reuse)
+    let cache = s / 2;
+    let mut cached = vec![vec![(vec![EMPTY; s + cache], vec![0u32; s + cache]); heads]; layers];
+    let mut fetched_cached = 0usize;
     let (mut hits, mut selected, mut fetched) = (0usize, 0usize, 0usize);
     for _ in 0..2_500 {
         let tok = sparda::sample::argmax(&logits);
         logits = model.decode(&mut seq, tok).unwrap();
         let first = ring_first(seq.len(), 64);
         let tail = ((seq.len() - 1) / 64) as u32;
-        for (layer_pools, layer_sel) in pools.iter_mut().zip(&seq.selections) {
-            for (pool, head_sel) in layer_pools.iter_mut().zip(layer_sel) {
+        for ((layer_pools, layer_cached), layer_sel) in
+            pools.iter_mut().zip(cached.iter_mut()).zip(&seq.selections)
+        {
+            for ((pool, (cmap, cages)), head_sel) in layer_pools
+                .iter_mut()
+                .zip(layer_cached.iter_mut())
+                .zip(layer_sel)
+            {
                 let sel: Vec<u32> = head_sel.iter().map(|&b| b as u32).collect();
+                let c = plan_slots_lru(cmap, cages, &sel, first).unwrap();
+                for (&b, &s) in sel.iter().zip(&c.slot_list) {
+                    if s >= 0 {
+                        assert_eq!(
+                            c.slots[s as usize], b,
+                            "cached pool: slot {s} does not hold {b}"
+                        );
+                    }
+                }
+                fetched_cached += c.fetches.len();
+                *cmap = c.slots;
+                *cages = c.ages;
                 let before = pool.clone();
                 assert!(sel.contains(&tail), "current block {tail} not attended");
                 let p = plan_slots(&before, &sel, first).unwrap();
@@ -184,4 +208,51 @@ fn slot_pool_follows_real_selections_over_a_long_generation() {
     eprintln!("tiny NOSA, 2,500 steps: locality γ = {gamma:.3}, {fetched} block fetches");
     // consecutive steps pick mostly the same blocks (NOSA's premise)
     assert!(gamma > 0.5 && gamma < 1.0, "γ = {gamma}");
+    // blocks come back after leaving the selection: cache slots turn some
+    // of those returns into hits
+    eprintln!("budget {s} + {cache} cache slots: {fetched_cached} block fetches");
+    assert!(fetched_cached < fetched, "{fetched_cached} ≥ {fetched}");
+}
+
+#[test]
+fn cache_slots_keep_left_blocks_and_reuse_the_least_recently_selected() {
+    // budget 2 + 2 cache slots, ring from block 100
+    let (mut map, mut ages) = (vec![EMPTY; 4], vec![0u32; 4]);
+    for (sel, want_fetch) in [
+        (vec![0u32, 1], vec![(0u32, 0u32), (1, 1)]),
+        // 0 and 1 leave: the empty slots 2, 3 are taken first
+        (vec![2, 3], vec![(2, 2), (3, 3)]),
+        // 0 returns: a hit in slot 0 (a fetch without cache slots); 4 takes
+        // slot 1, whose block left the selection a step before 2 and 3 did
+        (vec![0, 4], vec![(1, 4)]),
+    ] {
+        let p = plan_slots_lru(&map, &ages, &sel, 100).unwrap();
+        assert_eq!(p.fetches, want_fetch, "selection {sel:?}");
+        map = p.slots;
+        ages = p.ages;
+    }
+    assert_eq!(map, vec![0, 4, 2, 3]);
+    // 0 and 4 selected now (age 0); 2 and 3 left one step ago (age 1)
+    assert_eq!(ages, vec![0, 0, 1, 1]);
+    // empty slots first, then the largest age, ties by the lower slot:
+    // slot 2, then 0 and 3 (age 5), then 1 (age 2)
+    let map = vec![7, 8, EMPTY, 9];
+    let ages = vec![5, 2, 9, 5];
+    let p = plan_slots_lru(&map, &ages, &[1, 2, 3], 100).unwrap();
+    assert_eq!(p.fetches, vec![(2, 1), (0, 2), (3, 3)]);
+    assert_eq!(p.slots, vec![2, 8, 1, 3]);
+    assert_eq!(p.ages, vec![0, 3, 0, 0]);
+    // ages stop at MAX_AGE; an empty slot's age is 0
+    let p = plan_slots_lru(&[7, EMPTY], &[MAX_AGE, 4], &[], 100).unwrap();
+    assert_eq!(p.ages, vec![MAX_AGE, 0]);
+    // without cache slots the same fetches as plan_slots, whatever the ages
+    let slots = [9, 3, 0, 7, 5, 4];
+    let sel = [0, 1, 2, 3, 6, 7, 10, 11];
+    let a = plan_slots(&slots, &sel, 10).unwrap();
+    let b = plan_slots_lru(&slots, &[0, 1, 2, 3, 4, 5], &sel, 10).unwrap();
+    assert_eq!(a.fetches.len(), b.fetches.len());
+    assert_eq!(a.hits, b.hits);
+    // ages of another length are an error naming both lengths
+    let e = plan_slots_lru(&[EMPTY; 3], &[0; 2], &[0], 100).unwrap_err();
+    assert!(e.to_string().contains("2 ages for 3 slots"), "{e}");
 }

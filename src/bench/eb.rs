@@ -136,17 +136,25 @@ pub fn cell_key(
 }
 
 /// Name of a KV placement in reports: `gpu`, `offload-sm16`, `offload-dma`,
-/// `offload-split8-50` (8 CTAs, 50 % through the copy engines), `offload-auto`.
+/// `offload-split8-50` (8 CTAs, 50 % through the copy engines), `offload-auto`;
+/// with cache slots a `-cacheN` suffix (`offload-auto-cache32`).
 pub fn kv_name(kv: &Option<OffloadOptions>) -> String {
     match kv {
         None => "gpu".into(),
-        Some(o) => match o.fetch {
-            crate::pipeline::FetchEngine::Sm { ctas } => format!("offload-sm{ctas}"),
-            crate::pipeline::FetchEngine::Dma => "offload-dma".into(),
-            crate::pipeline::FetchEngine::Split { ctas, ce_pct } => {
-                format!("offload-split{ctas}-{ce_pct}")
+        Some(o) => {
+            let engine = match o.fetch {
+                crate::pipeline::FetchEngine::Sm { ctas } => format!("offload-sm{ctas}"),
+                crate::pipeline::FetchEngine::Dma => "offload-dma".into(),
+                crate::pipeline::FetchEngine::Split { ctas, ce_pct } => {
+                    format!("offload-split{ctas}-{ce_pct}")
+                }
+                crate::pipeline::FetchEngine::Auto => "offload-auto".into(),
+            };
+            if o.cache_slots > 0 {
+                format!("{engine}-cache{}", o.cache_slots)
+            } else {
+                engine
             }
-            crate::pipeline::FetchEngine::Auto => "offload-auto".into(),
-        },
+        }
     }
 }

@@ -1321,8 +1321,14 @@ mod tests {
         let o = OffloadOptions {
             fetch: FetchEngine::Sm { ctas: 16 },
             offload_layer0: false,
+            cache_slots: 0,
         };
         assert_eq!(kv_name(&Some(o)), "offload-sm16");
+        let c = OffloadOptions {
+            cache_slots: 32,
+            ..o
+        };
+        assert_eq!(kv_name(&Some(c)), "offload-sm16-cache32");
         let o = OffloadOptions {
             fetch: FetchEngine::Dma,
             ..o

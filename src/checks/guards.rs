@@ -401,6 +401,7 @@ fn slot_diff_guard(gpu: &Gpu) -> Result<Asserts> {
         nfetch: dptr(gpu, &nfetch),
         stats: 0,
         err: errs.sink(layer),
+        aged: false,
     };
     offload::slot_diff(gpu, gpu.stream(), &a)?;
     gpu.synchronize()?;

@@ -138,10 +138,12 @@ fn distinct_sorted(rng: &mut SmallRng, n: usize, k: usize) -> Vec<usize> {
     v
 }
 
-/// One (row, head)'s inputs: slot map (i32, −1 empty), selection row
+/// One (row, head)'s inputs: slot map (i32, −1 empty), slot ages (empty:
+/// ascending reuse, kv::plan_slots; else kv::plan_slots_lru), selection row
 /// (s_max entries: nsel valid-or-negative, then garbage), nsel.
 struct Unit {
     map: Vec<i32>,
+    ages: Vec<i32>,
     sel: Vec<i32>,
     nsel: usize,
 }
@@ -213,14 +215,17 @@ fn gen_unit(rng: &mut SmallRng, s: usize, s_max: usize, len: usize, fill: bool) 
     }
     Unit {
         map: held,
+        ages: Vec::new(),
         sel: list,
         nsel,
     }
 }
 
-/// What slot_diff must produce for one unit (from kv::plan_slots).
+/// What slot_diff must produce for one unit (from kv::plan_slots, or
+/// kv::plan_slots_lru with the ages after the step).
 struct Want {
     map: Vec<i32>,
+    ages: Vec<i32>,
     slot_list: Vec<i32>,
     fetch: Vec<(i32, i32)>,
     selected: usize,
@@ -239,7 +244,13 @@ fn oracle(u: &Unit, len: usize, s_max: usize) -> Result<Want> {
         .map(|(i, &b)| (i, b as u32))
         .collect();
     let selected: Vec<u32> = valid.iter().map(|&(_, b)| b).collect();
-    let plan = kv::plan_slots(&slots, &selected, kv::ring_first(len, B))?;
+    let rf = kv::ring_first(len, B);
+    let plan = if u.ages.is_empty() {
+        kv::plan_slots(&slots, &selected, rf)?
+    } else {
+        let ages: Vec<u32> = u.ages.iter().map(|&a| a as u32).collect();
+        kv::plan_slots_lru(&slots, &ages, &selected, rf)?
+    };
     let mut slot_list = vec![-1i32; s_max];
     for (k, &(i, _)) in valid.iter().enumerate() {
         slot_list[i] = plan.slot_list[k];
@@ -250,6 +261,7 @@ fn oracle(u: &Unit, len: usize, s_max: usize) -> Result<Want> {
             .iter()
             .map(|&b| if b == EMPTY { -1 } else { b as i32 })
             .collect(),
+        ages: plan.ages.iter().map(|&a| a as i32).collect(),
         slot_list,
         fetch: plan
             .fetches
@@ -261,9 +273,11 @@ fn oracle(u: &Unit, len: usize, s_max: usize) -> Result<Want> {
 }
 
 /// Device state of one slot_diff batch: slot maps (one buffer, rows in
-/// reverse order so the row table matters) and outputs.
+/// reverse order so the row table matters; with ages, each row's map
+/// followed by its ages, as the engine lays them out) and outputs.
 struct DiffDev {
     maps: CudaSlice<i32>,
+    aged: bool,
     tab: CudaSlice<u64>,
     slot_list: CudaSlice<i32>,
     fetch: CudaSlice<i32>,
@@ -283,14 +297,29 @@ impl DiffDev {
         s: usize,
         s_max: usize,
         maps: &[i32],
+        ages: &[i32],
     ) -> Result<Self> {
-        let maps = gpu.upload(&Self::reorder(maps, rows, hkv * s))?;
+        let aged = !ages.is_empty();
+        let per = hkv * s * if aged { 2 } else { 1 };
+        let rows_buf: Vec<i32> = (0..rows)
+            .flat_map(|r| {
+                let m = &maps[r * hkv * s..(r + 1) * hkv * s];
+                let a = if aged {
+                    &ages[r * hkv * s..(r + 1) * hkv * s]
+                } else {
+                    &[][..]
+                };
+                m.iter().chain(a).copied().collect::<Vec<_>>()
+            })
+            .collect();
+        let maps = gpu.upload(&Self::reorder(&rows_buf, rows, per))?;
         let base = dptr(gpu, &maps);
         let tab: Vec<u64> = (0..rows)
-            .map(|r| base + ((rows - 1 - r) * hkv * s * 4) as u64)
+            .map(|r| base + ((rows - 1 - r) * per * 4) as u64)
             .collect();
         Ok(DiffDev {
             maps,
+            aged,
             tab: gpu.upload(&tab)?,
             slot_list: gpu.upload(&vec![POISON; rows * hkv * s_max])?,
             fetch: gpu.upload(&vec![POISON; rows * hkv * s * 2])?,
@@ -336,6 +365,7 @@ impl DiffDev {
             nfetch: dptr(gpu, &self.nfetch),
             stats: if stats { dptr(gpu, &self.stats) } else { 0 },
             err: self.errs.sink(0),
+            aged: self.aged,
         };
         offload::slot_diff(gpu, gpu.stream(), &a)?;
         gpu.synchronize()?;
@@ -343,8 +373,8 @@ impl DiffDev {
     }
 }
 
-/// Compares one batch's device outputs with the oracle's; returns the maps
-/// the GPU now holds (row-major).
+/// Compares one batch's device outputs with the oracle's (with ages, the
+/// ages too); returns the maps the GPU now holds (row-major), and the ages.
 #[allow(clippy::too_many_arguments)]
 fn compare_diff(
     gpu: &Gpu,
@@ -356,8 +386,15 @@ fn compare_diff(
     s_max: usize,
     x: &mut Exact,
     tag: &str,
-) -> Result<Vec<i32>> {
-    let maps = DiffDev::reorder(&gpu.download(&dev.maps)?, rows, hkv * s);
+) -> Result<(Vec<i32>, Vec<i32>)> {
+    let per = hkv * s * if dev.aged { 2 } else { 1 };
+    let both = DiffDev::reorder(&gpu.download(&dev.maps)?, rows, per);
+    let mut maps = Vec::with_capacity(rows * hkv * s);
+    let mut ages = Vec::new();
+    for row in both.chunks(per) {
+        maps.extend_from_slice(&row[..hkv * s]);
+        ages.extend_from_slice(&row[hkv * s..]);
+    }
     let sl = gpu.download(&dev.slot_list)?;
     let fe = gpu.download(&dev.fetch)?;
     let nf = gpu.download(&dev.nfetch)?;
@@ -372,7 +409,15 @@ fn compare_diff(
         };
         let got_sl = &sl[rh * s_max..(rh + 1) * s_max];
         let got_map = &maps[rh * s..(rh + 1) * s];
-        let ok = got_fetch == w.fetch && got_sl == w.slot_list && got_map == w.map;
+        let got_ages = if dev.aged {
+            &ages[rh * s..(rh + 1) * s]
+        } else {
+            &[][..]
+        };
+        let ok = got_fetch == w.fetch
+            && got_sl == w.slot_list
+            && got_map == w.map
+            && got_ages == &w.ages[..];
         x.unit(ok, || {
             format!(
                 "{tag} (row {}, head {}): fetch {:?} want {:?}; slot_list {:?} want {:?}; map {:?} want {:?}",
@@ -384,13 +429,35 @@ fn compare_diff(
                 &w.slot_list[..w.slot_list.len().min(24)],
                 &got_map[..got_map.len().min(24)],
                 &w.map[..w.map.len().min(24)]
-            )
+            ) + &if dev.aged {
+                format!(
+                    "; ages {:?} want {:?}",
+                    &got_ages[..got_ages.len().min(24)],
+                    &w.ages[..w.ages.len().min(24)]
+                )
+            } else {
+                String::new()
+            }
         });
     }
-    Ok(maps)
+    Ok((maps, ages))
 }
 
-/// Random batches at one (S, s_max, hkv) over `lens`.
+/// Random slot ages: small (many ties), sometimes at the cap.
+fn gen_ages(rng: &mut SmallRng, s: usize) -> Vec<i32> {
+    (0..s)
+        .map(|_| {
+            if rng.random_bool(0.05) {
+                kv::MAX_AGE as i32
+            } else {
+                rng.random_range(0..8)
+            }
+        })
+        .collect()
+}
+
+/// Random batches at one (S, s_max, hkv) over `lens`; `aged`: with random
+/// slot ages (least-recently-selected reuse).
 #[allow(clippy::too_many_arguments)]
 fn slot_diff_case(
     gpu: &Gpu,
@@ -401,25 +468,31 @@ fn slot_diff_case(
     lens: &[usize],
     trials: usize,
     fill: bool,
+    aged: bool,
 ) -> Result<Exact> {
     let rows = lens.len();
     let mut x = Exact::new();
     for t in 0..trials {
         let mut maps = Vec::new();
+        let mut ages = Vec::new();
         let mut sel = Vec::new();
         let mut nsel = Vec::new();
         let mut wants = Vec::new();
         for &len in lens {
             for _ in 0..hkv {
-                let u = gen_unit(rng, s, s_max, len, fill);
+                let mut u = gen_unit(rng, s, s_max, len, fill);
+                if aged {
+                    u.ages = gen_ages(rng, s);
+                }
                 wants.push(oracle(&u, len, s_max)?);
                 maps.extend_from_slice(&u.map);
+                ages.extend_from_slice(&u.ages);
                 sel.extend_from_slice(&u.sel);
                 nsel.push(u.nsel as i32);
             }
         }
         let lens_i: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
-        let mut dev = DiffDev::new(gpu, rows, hkv, s, s_max, &maps)?;
+        let mut dev = DiffDev::new(gpu, rows, hkv, s, s_max, &maps, &ages)?;
         dev.run(gpu, &sel, &nsel, &lens_i, rows, hkv, s, s_max, true)?;
         compare_diff(
             gpu,
@@ -443,23 +516,32 @@ fn slot_diff_case(
     Ok(x)
 }
 
-/// A decode of `steps` tokens: each step a new selection that keeps most of
-/// the previous one, the slot maps carried on the GPU (in place) and on the
-/// CPU (plan_slots), every step compared.
+/// A decode of `steps` tokens: each step a new selection of up to `budget`
+/// pooled blocks that keeps most of the previous one, the slot maps carried
+/// on the GPU (in place) and on the CPU (plan_slots; `cache` > 0: S =
+/// budget + cache slots, plan_slots_lru with the ages carried too), every
+/// step compared.
 fn slot_diff_decode(
     gpu: &Gpu,
     rng: &mut SmallRng,
-    s: usize,
+    budget: usize,
+    cache: usize,
     hkv: usize,
     start: &[usize],
     steps: usize,
 ) -> Result<Exact> {
     let rows = start.len();
-    let s_max = s + 2;
+    let s = budget + cache;
+    let s_max = budget + 2;
     let mut x = Exact::new();
     let mut cpu_maps = vec![-1i32; rows * hkv * s];
+    let mut cpu_ages = if cache > 0 {
+        vec![0i32; rows * hkv * s]
+    } else {
+        Vec::new()
+    };
     let mut prev: Vec<Vec<usize>> = vec![Vec::new(); rows * hkv];
-    let mut dev = DiffDev::new(gpu, rows, hkv, s, s_max, &cpu_maps)?;
+    let mut dev = DiffDev::new(gpu, rows, hkv, s, s_max, &cpu_maps, &cpu_ages)?;
     let (mut tot_sel, mut tot_fetch) = (0usize, 0usize);
     for step in 0..steps {
         let lens: Vec<usize> = start.iter().map(|&l| l + step).collect();
@@ -470,7 +552,7 @@ fn slot_diff_decode(
             let len = lens[rh / hkv];
             let nb = (len - 1) / B + 1;
             let rf = kv::ring_first(len, B) as usize;
-            let target = s.min(rf);
+            let target = budget.min(rf);
             let mut chosen: std::collections::BTreeSet<usize> = p
                 .iter()
                 .copied()
@@ -490,6 +572,11 @@ fn slot_diff_decode(
             row.resize(s_max, -1);
             let u = Unit {
                 map: cpu_maps[rh * s..(rh + 1) * s].to_vec(),
+                ages: if cache > 0 {
+                    cpu_ages[rh * s..(rh + 1) * s].to_vec()
+                } else {
+                    Vec::new()
+                },
                 sel: row,
                 nsel: n,
             };
@@ -497,6 +584,9 @@ fn slot_diff_decode(
             tot_sel += w.selected;
             tot_fetch += w.fetch.len();
             cpu_maps[rh * s..(rh + 1) * s].copy_from_slice(&w.map);
+            if cache > 0 {
+                cpu_ages[rh * s..(rh + 1) * s].copy_from_slice(&w.ages);
+            }
             sel.extend_from_slice(&u.sel);
             nsel.push(n as i32);
             wants.push(w);
@@ -546,18 +636,30 @@ fn check_slot_diff(gpu: &Gpu, rng: &mut SmallRng, out: &mut Vec<CaseResult>) {
         (256, 512, 8, long, 4, true),
         (128, 130, 3, mixed, 4, true),
     ];
-    for &(s, s_max, hkv, lens, trials, fill) in cfgs {
-        let shape = json!({"S": s, "s_max": s_max, "Hkv": hkv, "B": B, "lens": lens, "trials": trials, "fill_pool": fill});
-        let r = slot_diff_case(gpu, rng, s, s_max, hkv, lens, trials, fill);
-        push(out, gpu, "slot_diff", shape, r);
+    for aged in [false, true] {
+        for &(s, s_max, hkv, lens, trials, fill) in cfgs {
+            let shape = json!({"S": s, "s_max": s_max, "Hkv": hkv, "B": B, "lens": lens, "trials": trials, "fill_pool": fill, "aged": aged});
+            let r = slot_diff_case(gpu, rng, s, s_max, hkv, lens, trials, fill, aged);
+            push(out, gpu, "slot_diff", shape, r);
+        }
     }
-    for &(s, hkv, start, steps) in &[
-        (16usize, 2usize, &[1usize, 60, 120, 250, 1000][..], 300usize),
-        (64, 2, &[4000, 4090, 130][..], 200),
-        (3, 1, &[100, 190][..], 150),
+    // (budget, cache slots, Hkv, start lengths, steps)
+    for &(budget, cache, hkv, start, steps) in &[
+        (
+            16usize,
+            0usize,
+            2usize,
+            &[1usize, 60, 120, 250, 1000][..],
+            300usize,
+        ),
+        (64, 0, 2, &[4000, 4090, 130][..], 200),
+        (3, 0, 1, &[100, 190][..], 150),
+        (16, 16, 2, &[1, 60, 120, 250, 1000][..], 300),
+        (64, 32, 2, &[4000, 4090, 130][..], 200),
+        (3, 5, 1, &[100, 190][..], 150),
     ] {
-        let shape = json!({"S": s, "Hkv": hkv, "B": B, "start_lens": start, "steps": steps, "decode": true});
-        let r = slot_diff_decode(gpu, rng, s, hkv, start, steps);
+        let shape = json!({"budget": budget, "cache_slots": cache, "S": budget + cache, "Hkv": hkv, "B": B, "start_lens": start, "steps": steps, "decode": true});
+        let r = slot_diff_decode(gpu, rng, budget, cache, hkv, start, steps);
         push(out, gpu, "slot_diff (decode)", shape, r);
     }
 }

@@ -139,6 +139,9 @@ pub struct SlotPlan {
     /// block. This is the list the GPU attention kernel reads beside the
     /// block list (`slot_diff` in kernels/kv_offload.cu writes the same).
     pub slot_list: Vec<i32>,
+    /// [`plan_slots_lru`] only (else empty): per slot, steps since its block
+    /// was last selected, after this step.
+    pub ages: Vec<u32>,
 }
 
 impl SlotPlan {
@@ -173,6 +176,46 @@ impl SlotPlan {
 /// Errors: more non-ring selected blocks than slots, a selection that is
 /// not strictly ascending, or a block held by two slots.
 pub fn plan_slots(slots: &[u32], selected: &[u32], ring_first: u32) -> Result<SlotPlan> {
+    plan(slots, None, selected, ring_first)
+}
+
+/// Largest slot age [`plan_slots_lru`] (and `slot_diff`) count to: 2^30 steps.
+pub const MAX_AGE: u32 = 1 << 30;
+
+/// [`plan_slots`] for a pool with cache slots beyond the attended budget
+/// (`OffloadOptions::cache_slots`): the same hits, ring blocks and
+/// ascending-block assignment of misses, but misses take empty slots first
+/// (ascending), then the slots whose blocks were selected least recently
+/// (largest age; ties: lower slot), so a block that leaves the selection
+/// stays on the GPU as long as the cache allows and a return to it is a hit.
+///
+/// `ages`: per slot, steps since its block was last selected (same length
+/// as `slots`). The returned plan's `ages` are those after the step: 0 for
+/// a slot whose block is selected (hit or fetched) and for an empty slot,
+/// else age + 1, at most [`MAX_AGE`]. `slot_diff` with `aged` computes the
+/// same. Errors: those of [`plan_slots`], and `ages` of another length.
+pub fn plan_slots_lru(
+    slots: &[u32],
+    ages: &[u32],
+    selected: &[u32],
+    ring_first: u32,
+) -> Result<SlotPlan> {
+    if ages.len() != slots.len() {
+        return Err(Error::Input(format!(
+            "slot pool: {} ages for {} slots",
+            ages.len(),
+            slots.len()
+        )));
+    }
+    plan(slots, Some(ages), selected, ring_first)
+}
+
+fn plan(
+    slots: &[u32],
+    ages: Option<&[u32]>,
+    selected: &[u32],
+    ring_first: u32,
+) -> Result<SlotPlan> {
     if selected.windows(2).any(|w| w[0] >= w[1]) {
         return Err(Error::Input(
             "slot pool: selection must be strictly ascending block ids".into(),
@@ -210,12 +253,24 @@ pub fn plan_slots(slots: &[u32], selected: &[u32], ring_first: u32) -> Result<Sl
         slots: slots.to_vec(),
         ..Default::default()
     };
-    // slots free for reuse: empty, or holding a block that left the selection
-    let mut free = slots
+    // slots free for reuse: empty, or holding a block that left the selection;
+    // with ages, empty ones first, then the least recently selected
+    let mut free: Vec<u32> = slots
         .iter()
         .enumerate()
         .filter(|(_, &b)| b == EMPTY || !is_selected[b as usize])
-        .map(|(s, _)| s as u32);
+        .map(|(s, _)| s as u32)
+        .collect();
+    if let Some(a) = ages {
+        free.sort_by_key(|&s| {
+            (
+                slots[s as usize] != EMPTY,
+                std::cmp::Reverse(a[s as usize]),
+                s,
+            )
+        });
+    }
+    let mut free = free.into_iter();
     for &b in selected {
         if b >= ring_first {
             out.ring.push(b);
@@ -239,6 +294,20 @@ pub fn plan_slots(slots: &[u32], selected: &[u32], ring_first: u32) -> Result<Sl
         out.slots[s as usize] = b;
         out.fetches.push((s, b));
         out.slot_list.push(s as i32);
+    }
+    if let Some(a) = ages {
+        out.ages = out
+            .slots
+            .iter()
+            .zip(a)
+            .map(|(&b, &age)| {
+                if b == EMPTY || (b as usize) < is_selected.len() && is_selected[b as usize] {
+                    0
+                } else {
+                    age.saturating_add(1).min(MAX_AGE)
+                }
+            })
+            .collect();
     }
     Ok(out)
 }

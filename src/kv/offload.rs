@@ -5,10 +5,12 @@
 //! - a tail ring of [`RING_BLOCKS`] blocks (token-major, token t at row
 //!   t mod ring) that the append writes, the compression reads and the
 //!   write-back copies from;
-//! - a slot pool of S = the attended budget slots per KV head,
+//! - a slot pool of S = the attended budget (plus the cache slots of
+//!   [`OffloadOptions::cache_slots`]) slots per KV head,
 //!   bf16 [Hkv, S, 2, block, D] (a slot's K tile then its V tile, so one
 //!   (block, head) miss is one contiguous chunk on both sides);
-//! - the slot map i32 [Hkv, S] (block id or −1);
+//! - the slot map i32 [Hkv, S] (block id or −1), with cache slots followed
+//!   by the slot ages i32 [Hkv, S] (least-recently-selected reuse);
 //! - c, Kc and p in full (small; selection reads them, never offloaded).
 //!
 //! A decode step per offloaded layer: append into the ring → compression →
@@ -49,6 +51,13 @@ pub struct OffloadOptions {
     pub fetch: FetchEngine,
     /// Offload layer 0 too (default: resident, runtime.md §2 decision).
     pub offload_layer0: bool,
+    /// Cache slots: GPU slots per (sequence, offloaded layer, KV head)
+    /// beyond the attended budget S (`--cache-slots`, default 0). Blocks
+    /// that leave the selection stay in them, least recently selected
+    /// reused first ([`crate::kv::plan_slots_lru`]), so a block selected
+    /// again soon is a hit instead of a fetch; each slot costs
+    /// 2 · block_size · head_dim · 2 bytes per (sequence, layer, KV head).
+    pub cache_slots: usize,
 }
 
 impl Default for OffloadOptions {
@@ -56,6 +65,7 @@ impl Default for OffloadOptions {
         OffloadOptions {
             fetch: FetchEngine::Sm { ctas: 16 },
             offload_layer0: false,
+            cache_slots: 0,
         }
     }
 }
@@ -116,7 +126,8 @@ impl OffloadStats {
 pub(crate) struct OffloadLayer {
     /// bf16 [Hkv, S, 2, block, D].
     pub(crate) pool: CudaSlice<Bf16>,
-    /// i32 [Hkv, S]: block id or −1.
+    /// i32 [Hkv, S]: block id or −1; with cache slots followed by the
+    /// slot ages i32 [Hkv, S] (`slot_diff`'s `aged`).
     pub(crate) slots: CudaSlice<i32>,
     /// Device-visible address of block 0 of this (sequence, layer) in the
     /// pinned store.
@@ -131,6 +142,9 @@ pub(crate) struct SeqOffload {
     pub(crate) blocks: usize,
     /// Per layer; None for resident layers.
     pub(crate) layers: Vec<Option<OffloadLayer>>,
+    /// Slots per (layer, KV head) of its pools, S (the budget plus the cache
+    /// slots in force when it was offloaded).
+    pub(crate) pool_slots: usize,
 }
 
 impl SeqOffload {
@@ -359,10 +373,11 @@ impl GpuModel {
                 "config.json (with --budget-blocks / --dense-len applied)",
             ))?;
             let b = &self.plan.budget;
-            if b.attended > crate::cuda::ops::offload::SLOT_DIFF_MAX_SLOTS {
+            if b.attended + o.cache_slots > crate::cuda::ops::offload::SLOT_DIFF_MAX_SLOTS {
                 return Err(Error::Input(format!(
-                    "--kv offload: {} attended blocks exceed the slot pool limit {}",
+                    "--kv offload: {} attended blocks + {} cache slots (--cache-slots) exceed the slot pool limit {}",
                     b.attended,
+                    o.cache_slots,
                     crate::cuda::ops::offload::SLOT_DIFF_MAX_SLOTS
                 )));
             }
@@ -452,6 +467,17 @@ impl GpuModel {
         self.offload
     }
 
+    /// Slots per (sequence, offloaded layer, KV head): the attended budget
+    /// plus the cache slots ([`OffloadOptions::cache_slots`]).
+    pub fn pool_slots(&self) -> usize {
+        self.plan.budget.attended.max(1) + self.cache_slots()
+    }
+
+    /// Cache slots beyond the budget (0 without offload).
+    pub(crate) fn cache_slots(&self) -> usize {
+        self.offload.map_or(0, |o| o.cache_slots)
+    }
+
     /// First offloaded layer (0 with `--offload-layer0`, else 1).
     pub(crate) fn first_offloaded(&self) -> usize {
         match self.offload {
@@ -467,7 +493,7 @@ impl GpuModel {
     pub fn offload_footprint(&self, batch: usize, capacity_tokens: usize) -> Footprint {
         Footprint::new(
             &self.config,
-            self.plan.budget.attended,
+            self.pool_slots(),
             self.first_offloaded(),
             batch,
             capacity_tokens,
@@ -512,7 +538,7 @@ impl GpuModel {
         let (hk, dh) = (c.num_key_value_heads, c.head_dim);
         let kvd = hk * dh;
         let bs = self.plan.budget.block_size;
-        let s_slots = self.plan.budget.attended.max(1);
+        let s_slots = self.pool_slots();
         let first = self.first_offloaded();
         let nl = self.layers.len();
         let blocks = capacity_tokens.div_ceil(bs);
@@ -608,7 +634,13 @@ impl GpuModel {
             let pool = s.alloc_zeros(hk * s_slots * 2 * bs * dh).cuda(&format!(
                 "allocating layer {l}'s slot pool of {hk} KV heads × {s_slots} slots × {bs} tokens (K and V, D = {dh})"
             ))?;
-            let slots = gpu.upload(&vec![-1i32; hk * s_slots])?;
+            // the slot map (every slot empty), then, with cache slots, the
+            // slot ages slot_diff keeps for least-recently-selected reuse
+            let mut map = vec![-1i32; hk * s_slots];
+            if self.cache_slots() > 0 {
+                map.resize(2 * hk * s_slots, 0);
+            }
+            let slots = gpu.upload(&map)?;
             layers.push(Some(OffloadLayer {
                 pool,
                 slots,
@@ -620,6 +652,7 @@ impl GpuModel {
             _store: store,
             blocks,
             layers,
+            pool_slots: s_slots,
         });
         seq.generation += 1;
         self.step = None;

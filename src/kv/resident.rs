@@ -183,6 +183,7 @@ impl GpuModel {
                 batch,
                 capacity_tokens,
                 offload_resident_layers: resident,
+                cache_slots: offload.map_or(0, |o| o.cache_slots),
                 prefill,
                 prefill_chunk: crate::pipeline::prefill_chunk(),
                 partials_budget_bytes: crate::pipeline::PARTIALS_BUDGET_BYTES,

@@ -19,7 +19,7 @@ impl GpuModel {
         let c = &self.config;
         let (hk, nl) = (c.num_key_value_heads, c.num_hidden_layers);
         let n = seqs.len();
-        let slots = self.plan.budget.attended.max(1);
+        let slots = self.pool_slots();
         let offloaded: Vec<bool> = (0..nl)
             .map(|l| seqs[0].off.as_ref().is_some_and(|o| o.layers[l].is_some()))
             .collect();
@@ -34,6 +34,14 @@ impl GpuModel {
                 return Err(Error::Input(
                     "decode: a batch must be all offloaded (with the same layers) or all GPU-resident".into(),
                 ));
+            }
+            if let Some(o) = sq.off.as_ref().filter(|o| o.pool_slots != slots) {
+                return Err(Error::Input(format!(
+                    "decode: a sequence was offloaded with {} pool slots per KV head, the settings now give {slots} (budget {} + {} cache slots): offload it again",
+                    o.pool_slots,
+                    self.plan.budget.attended,
+                    self.cache_slots()
+                )));
             }
         }
         let mut tabs = vec![0u64; nl * 3 * n];
@@ -161,6 +169,8 @@ impl GpuModel {
             i32_dim(hk, "Hkv")?,
         );
         let (err, layer) = (self.device_errors.device_ptr(), i32_dim(l, "layer")?);
+        // with cache slots each slot map is followed by its ages (LRU reuse)
+        let aged = i32::from(self.cache_slots() > 0);
         let f = gpu.function("slot_diff")?;
         let mut b = gpu.stream().launch_builder(f);
         b.arg(&sel)
@@ -176,7 +186,8 @@ impl GpuModel {
             .arg(&nfetch)
             .arg(&stats)
             .arg(&err)
-            .arg(&layer);
+            .arg(&layer)
+            .arg(&aged);
         let cfg = LaunchConfig {
             grid_dim: (grid(n, "rows")?, grid(hk, "Hkv")?, 1),
             block_dim: (128, 1, 1),

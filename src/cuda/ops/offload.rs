@@ -31,7 +31,8 @@ pub const DEFAULT_FETCH_CTAS: usize = 16;
 /// Device addresses and geometry of one `slot_diff` launch: the set
 /// difference between each (row, KV head)'s new selection and its slot map,
 /// exactly [`kv::plan_slots`](crate::kv::plan_slots)`(slots, selected,
-/// ring_first(len))` per (row, head).
+/// ring_first(len))` per (row, head), or with `aged`
+/// [`kv::plan_slots_lru`](crate::kv::plan_slots_lru) (a pool with cache slots).
 #[derive(Debug, Clone, Copy)]
 pub struct SlotDiffArgs {
     /// i32 \[rows\]\[kv_heads\]\[s_max\]: selected block ids, strictly ascending
@@ -69,6 +70,12 @@ pub struct SlotDiffArgs {
     /// Where more misses than free slots are reported (the excess stays
     /// unfetched, slot −1, either way); [`ErrorSink::NONE`] reports nothing.
     pub err: ErrorSink,
+    /// Least-recently-selected reuse ([`kv::plan_slots_lru`](crate::kv::plan_slots_lru)):
+    /// each slot map buffer is followed by its ages i32 \[kv_heads\]\[slots\]
+    /// (steps since the slot's block was last selected), updated in place;
+    /// false: free slots are reused in ascending order
+    /// ([`kv::plan_slots`](crate::kv::plan_slots)) and no ages exist.
+    pub aged: bool,
 }
 
 /// Launches `slot_diff` (grid (rows, kv_heads), 128 threads) on `stream`.
@@ -121,6 +128,7 @@ pub fn slot_diff(gpu: &Gpu, stream: &CudaStream, a: &SlotDiffArgs) -> Result<()>
         i32_dim(a.kv_heads, "kv_heads")?,
     );
     let layer = a.err.layer_arg()?;
+    let aged = i32::from(a.aged);
     let f = gpu.function(OP)?;
     let cfg = LaunchConfig {
         grid_dim: (grid(a.rows, "rows")?, grid(a.kv_heads, "kv_heads")?, 1),
@@ -141,7 +149,8 @@ pub fn slot_diff(gpu: &Gpu, stream: &CudaStream, a: &SlotDiffArgs) -> Result<()>
         .arg(&a.nfetch)
         .arg(&a.stats)
         .arg(&a.err.record)
-        .arg(&layer);
+        .arg(&layer)
+        .arg(&aged);
     // SAFETY: argument list matches kernels/kv_offload.cu slot_diff; the caller
     // passes buffers of the documented shapes; limits checked above.
     unsafe { b.launch(cfg) }.cuda(OP).map(drop)
