@@ -359,7 +359,8 @@ mod tests {
         assert_eq!(off.host_pinned, f.host_pinned_bytes);
         assert!(off.kv > f.gpu_kv_bytes && off.kv < 16 * kv.sequence_bytes(65_536));
         // 32 cache slots: 32 more (block, head) K+V chunks of 32 KiB per
-        // (sequence, offloaded layer, KV head) on the GPU, nothing more pinned
+        // (sequence, offloaded layer, KV head: 2 on NOSA-8B) on the GPU,
+        // nothing more pinned
         let cached = estimate(
             &cfg,
             &kv,
@@ -368,7 +369,7 @@ mod tests {
                 ..workload(16, 65_536, Some(1), false)
             },
         );
-        assert_eq!(cached.kv - off.kv, 16 * 31 * 8 * 32 * (32 << 10));
+        assert_eq!(cached.kv - off.kv, 16 * 31 * 2 * 32 * (32 << 10));
         assert_eq!(cached.host_pinned, off.host_pinned);
         // NOSA-8B in bf16: ≈ 8.19 B parameters → ≈ 16.4 GB
         let w = weights_bytes(&cfg, true);
