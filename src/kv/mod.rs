@@ -262,10 +262,12 @@ fn plan(
         .map(|(s, _)| s as u32)
         .collect();
     if let Some(a) = ages {
+        // an empty slot's age plays no part: empty slots go in slot order
         free.sort_by_key(|&s| {
+            let held = slots[s as usize] != EMPTY;
             (
-                slots[s as usize] != EMPTY,
-                std::cmp::Reverse(a[s as usize]),
+                held,
+                std::cmp::Reverse(if held { a[s as usize] } else { 0 }),
                 s,
             )
         });
