@@ -666,8 +666,9 @@ struct OffloadArgs {
     /// least recently selected replaced first, so a block selected again is
     /// a hit instead of a PCIe fetch. Each slot costs 2·block·head_dim·2 bytes
     /// per (sequence, layer, KV head), 32 KiB on NOSA-8B (0: the pool holds the budget only).
-    #[arg(long, default_value_t = 0)]
-    cache_slots: usize,
+    /// bench and offload-check take a list (every fetch engine runs with each).
+    #[arg(long, value_delimiter = ',', num_args = 1.., default_value = "0")]
+    cache_slots: Vec<usize>,
 }
 
 impl OffloadArgs {
@@ -678,7 +679,7 @@ impl OffloadArgs {
             || self.offload_layer0
             || self.fetch_whole_sms
             || self.reserve_fetch_sms
-            || self.cache_slots > 0
+            || self.cache_slots != [0]
     }
 
     /// Where the SM copy kernel's CTAs run ([`sparda::pipeline::GpuModel::set_fetch_whole_sms`],
@@ -700,9 +701,10 @@ impl OffloadArgs {
 
     fn options(&self) -> Vec<sparda::pipeline::OffloadOptions> {
         use sparda::pipeline::{FetchEngine, OffloadOptions};
-        self.fetch
+        self.cache_slots
             .iter()
-            .map(|f| OffloadOptions {
+            .flat_map(|&cache_slots| self.fetch.iter().map(move |f| (f, cache_slots)))
+            .map(|(f, cache_slots)| OffloadOptions {
                 fetch: match (*f, self.prefetch_ctas) {
                     (FetchArg::Auto, None) => FetchEngine::Auto,
                     (FetchArg::Auto | FetchArg::Sm(None), Some(ctas)) => FetchEngine::Sm { ctas },
@@ -714,7 +716,7 @@ impl OffloadArgs {
                     (FetchArg::Split { ctas, ce_pct }, _) => FetchEngine::Split { ctas, ce_pct },
                 },
                 offload_layer0: self.offload_layer0,
-                cache_slots: self.cache_slots,
+                cache_slots,
             })
             .collect()
     }

@@ -83,18 +83,23 @@ fn offload_flags_without_offloaded_kv_are_refused() {
     assert!(!ok);
     assert!(
         err.contains(
-            "--fetch, --prefetch-ctas, --offload-layer0, --fetch-whole-sms and --reserve-fetch-sms apply to offloaded KV"
+            "--fetch, --prefetch-ctas, --offload-layer0, --fetch-whole-sms, --reserve-fetch-sms and --cache-slots apply to offloaded KV"
         ),
         "{err}"
     );
-    // the SM residency flags too, for generate and perplexity alike
-    for flag in ["--fetch-whole-sms", "--reserve-fetch-sms"] {
+    // the SM residency flags and cache slots too, for generate and perplexity alike
+    for flag in [
+        &["--fetch-whole-sms"][..],
+        &["--reserve-fetch-sms"],
+        &["--cache-slots", "16"],
+    ] {
         let mut a = TINY.to_vec();
-        a.extend(["cpu", flag]);
+        a.push("cpu");
+        a.extend(flag);
         let (ok, err) = sparda(&a);
         assert!(
             !ok && err.contains("apply to offloaded KV"),
-            "{flag}: {err}"
+            "{flag:?}: {err}"
         );
     }
     let mut a = TINY.to_vec();
@@ -280,6 +285,21 @@ fn more_than_one_fetch_engine_for_generate_fails_before_the_model_is_built() {
     let (ok, err, _) = sparda_within(&a, FAST);
     assert!(
         !ok && err.contains("generate: give one --fetch engine (got --fetch sm,dma)"),
+        "{err}"
+    );
+    // a list of cache-slot counts is for bench and offload-check
+    let mut a = NOSA_8B.to_vec();
+    a.extend([
+        "--kv",
+        "offload",
+        "--backend",
+        "cpu",
+        "--cache-slots",
+        "0,32",
+    ]);
+    let (ok, err, _) = sparda_within(&a, FAST);
+    assert!(
+        !ok && err.contains("generate: give one --cache-slots value (got --cache-slots 0,32)"),
         "{err}"
     );
 }

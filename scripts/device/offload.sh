@@ -11,6 +11,9 @@
 #                                          forecast without and with prefetch, GPU-resident NOSA and forecast beside them;
 #                                          32K B 8/32/64, 64K B 8/16/32, 126K B 8/16, one process per context
 #                                          (CONTEXTS to choose; about 2 minutes each)
+#   scripts/device/offload.sh cache OUT    cache slots: gpu-check's offload group, tiny identity with 0 and 8
+#                                          cache slots, then sync / forecast / prefetch / resident at
+#                                          CONTEXTS (default 64K:16 126K:16) with CACHE (0,64,192) cache slots
 #   scripts/device/offload.sh batch OUT    identity with batches of different-length sequences
 #   scripts/device/offload.sh traces OUT   the two example traces (sync vs prefetch), summaries, overhead
 #   scripts/device/offload.sh priority OUT copy stream priority high vs default under prefetch
@@ -110,6 +113,24 @@ bound)
     # the log keeps each case's line when the call's limit cuts the bench
     # (its JSON is written at the end): one context with two batch sizes
     # at 64K takes more than 200 s
+  done
+  ;;
+cache)
+  # cache slots: gpu-check's offload group (slot_diff with ages against
+  # kv::plan_slots_lru), the tiny identity with cache slots, then the
+  # overlap-bound bench with CACHE (default 0,64,192) cache slots per KV head
+  SPARDA_CHECK_ONLY=offload,guards $bin gpu-check --json "$out/gpu_check_offload.json" 2>&1 \
+    | grep -E "slot_diff|FAILED|passed;" || true
+  $bin offload-check --model synth:tiny:5 --tokenizer "$tok" --prompt-file "$book" \
+    --prompt-tokens 1000 --new-tokens 1024 --fetch sm --cache-slots 0,8 \
+    --json "$out/offload_tiny_cache.json" 2>&1 | tail -4 || true
+  for cell in ${CONTEXTS:-64K:16 126K:16}; do
+    l=${cell%%:*}; b=${cell##*:}
+    $bin bench --model synth:nosa-8b --attention sparse --kv gpu,offload --fetch auto \
+      --cache-slots "${CACHE:-0,64,192}" --forecast synth:1 --prefetch on,off --batch "$b" \
+      --context "$l" --steps "${STEPS:-32}" --fetch-timing-steps 8 --ceiling-reps 0 --profile-reps 0 \
+      --tokenizer "$tok" --json "$out/cache_$l.json" 2>&1 | tee "$out/cache_$l.log" \
+      | grep --line-buffered -E "P .* C .* bound|sparse |γ" || true
   done
   ;;
 reserve)

@@ -31,13 +31,25 @@ pub(crate) fn check_mode_flags(a: &ModeArgs, backend: Backend, cmd: &str) -> Res
     a.offload.validate()?;
     if a.kv != KvArg::Offload && a.offload.given() {
         return Err(Error::Input(
-            "--fetch, --prefetch-ctas, --offload-layer0, --fetch-whole-sms and --reserve-fetch-sms apply to offloaded KV: add --kv offload (CUDA backend)".into(),
+            "--fetch, --prefetch-ctas, --offload-layer0, --fetch-whole-sms, --reserve-fetch-sms and --cache-slots apply to offloaded KV: add --kv offload (CUDA backend)".into(),
         ));
     }
     if a.kv == KvArg::Offload && a.offload.fetch.len() != 1 {
         let given: Vec<String> = a.offload.fetch.iter().map(|f| f.label()).collect();
         return Err(Error::Input(format!(
             "{cmd}: give one --fetch engine (got --fetch {})",
+            given.join(",")
+        )));
+    }
+    if a.kv == KvArg::Offload && a.offload.cache_slots.len() != 1 {
+        let given: Vec<String> = a
+            .offload
+            .cache_slots
+            .iter()
+            .map(|c| c.to_string())
+            .collect();
+        return Err(Error::Input(format!(
+            "{cmd}: give one --cache-slots value (got --cache-slots {})",
             given.join(",")
         )));
     }
