@@ -390,6 +390,9 @@ fn run_case(
         "attention": if sparse { "sparse" } else { "dense" },
         "kv": kv_name(&offload),
         "fetch_engine": offload.map(|_| format!("{:?}", model.fetch_engine(batch))),
+        // slot pool per (sequence, offloaded layer, KV head): the budget + cache slots
+        "cache_slots": offload.map(|o| o.cache_slots),
+        "pool_slots": offload.map(|_| model.pool_slots()),
         "selection": if model.forecast_on() {
             if offload.is_none() { "forecast" }
             else if model.prefetch_on() { "forecast+prefetch" } else { "forecast, no prefetch" }
