@@ -262,3 +262,112 @@ fn cache_slots_keep_left_blocks_and_reuse_the_least_recently_selected() {
     let e = plan_slots_lru(&[EMPTY; 3], &[0; 2], &[0], 100).unwrap_err();
     assert!(e.to_string().contains("2 ages for 3 slots"), "{e}");
 }
+
+#[test]
+#[ignore = "a study on the real-weights fixture (minutes on 2 cores): run with --ignored --nocapture"]
+fn cache_slots_on_real_selections_study() {
+    // SmolLM2-135M (the fixture) with InfLLM-V2 selection on book text:
+    // the blocks its decode steps select, replayed through slot pools with
+    // 0 … 64 cache slots. SPARDA_FIXTURE, SPARDA_TEXT, SPARDA_PROMPT_TOKENS,
+    // SPARDA_STEPS and SPARDA_BUDGET change the run.
+    use sparda::model::{AttentionOverrides, SelectionRule};
+    use std::path::PathBuf;
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let dir = std::env::var_os("SPARDA_FIXTURE").map_or_else(
+        || root.join(".fixtures/smollm2-135m-instruct"),
+        PathBuf::from,
+    );
+    let var = |k: &str, d: usize| {
+        std::env::var(k)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(d)
+    };
+    let (n_prompt, steps, budget) = (
+        var("SPARDA_PROMPT_TOKENS", 4096),
+        var("SPARDA_STEPS", 256),
+        var("SPARDA_BUDGET", 40),
+    );
+    let text = std::env::var_os("SPARDA_TEXT")
+        .map_or_else(|| root.join("data/texts/hamlet.txt"), PathBuf::from);
+    let ckpt = sparda::weights::Checkpoint::open(&dir).expect("fixture opens");
+    let tok = sparda::tokenizer::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+    let ids = tok
+        .encode(&std::fs::read_to_string(&text).unwrap())
+        .unwrap();
+    assert!(
+        ids.len() > n_prompt,
+        "{} tokens in {}",
+        ids.len(),
+        text.display()
+    );
+    let opts = EngineOptions {
+        attention: AttentionOverrides {
+            sparse: Some(true),
+            selection: Some(SelectionRule::InfLlmV2),
+            budget_blocks: Some(budget),
+            select_blocks: None,
+        },
+        ..EngineOptions::default()
+    };
+    let model = CpuModel::new(&ckpt, opts).unwrap();
+    let s = model.plan.budget.attended;
+    let (layers, heads) = (
+        model.config.num_hidden_layers,
+        model.config.num_key_value_heads,
+    );
+    let mut seq = model.new_sequence();
+    let t = std::time::Instant::now();
+    let mut logits = model
+        .prefill(&mut seq, &ids[..n_prompt], |_, _| {})
+        .unwrap();
+    eprintln!(
+        "prefill of {n_prompt} tokens: {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    let caches = [0usize, 8, 16, 32, 64];
+    // per cache size: per (layer, head) the slot map and ages; the fetch count
+    let mut pools: Vec<Vec<(Vec<u32>, Vec<u32>)>> = caches
+        .iter()
+        .map(|&c| vec![(vec![EMPTY; s + c], vec![0u32; s + c]); layers * heads])
+        .collect();
+    let mut fetched = vec![0usize; caches.len()];
+    let mut selected = 0usize;
+    for step in 0..steps {
+        let next = sparda::sample::argmax(&logits);
+        logits = model.decode(&mut seq, next).unwrap();
+        let first = ring_first(seq.len(), 64);
+        for (l, layer_sel) in seq.selections.iter().enumerate() {
+            for (h, head_sel) in layer_sel.iter().enumerate() {
+                let sel: Vec<u32> = head_sel.iter().map(|&b| b as u32).collect();
+                // the first step fills empty pools: counted apart
+                if step > 0 {
+                    selected += sel.len();
+                }
+                for (k, pool) in pools.iter_mut().enumerate() {
+                    let (map, ages) = &mut pool[l * heads + h];
+                    let p = plan_slots_lru(map, ages, &sel, first).unwrap();
+                    if step > 0 {
+                        fetched[k] += p.fetches.len();
+                    }
+                    *map = p.slots;
+                    *ages = p.ages;
+                }
+            }
+        }
+    }
+    eprintln!(
+        "SmolLM2-135M, InfLLM-V2, budget {s} blocks, {n_prompt}-token prompt of {}, steps 2–{steps} ({selected} selected (block, head) pairs):",
+        text.file_name().unwrap_or_default().to_string_lossy()
+    );
+    for (c, f) in caches.iter().zip(&fetched) {
+        eprintln!(
+            "  cache slots {c:>3}: {f:>7} fetches, {:.2} per (layer, head, step), locality γ {:.3}",
+            *f as f64 / ((steps - 1) * layers * heads) as f64,
+            1.0 - *f as f64 / selected.max(1) as f64
+        );
+    }
+    // a larger cache never fetches more on these selections (LRU keeps what
+    // a smaller one keeps, ties aside), and the cache turns returns into hits
+    assert!(fetched.windows(2).all(|w| w[1] <= w[0]), "{fetched:?}");
+}
