@@ -303,7 +303,8 @@ fn plan(
             .iter()
             .zip(a)
             .map(|(&b, &age)| {
-                if b == EMPTY || (b as usize) < is_selected.len() && is_selected[b as usize] {
+                // is_selected covers every block a slot holds
+                if b == EMPTY || is_selected[b as usize] {
                     0
                 } else {
                     age.saturating_add(1).min(MAX_AGE)

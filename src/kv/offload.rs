@@ -142,9 +142,10 @@ pub(crate) struct SeqOffload {
     pub(crate) blocks: usize,
     /// Per layer; None for resident layers.
     pub(crate) layers: Vec<Option<OffloadLayer>>,
-    /// Slots per (layer, KV head) of its pools, S (the budget plus the cache
-    /// slots in force when it was offloaded).
-    pub(crate) pool_slots: usize,
+    /// Cache slots of its pools when it was offloaded (S = the budget plus
+    /// these; with any, its slot maps carry ages): a step with other
+    /// settings refuses it.
+    pub(crate) cache_slots: usize,
 }
 
 impl SeqOffload {
@@ -652,7 +653,7 @@ impl GpuModel {
             _store: store,
             blocks,
             layers,
-            pool_slots: s_slots,
+            cache_slots: self.cache_slots(),
         });
         seq.generation += 1;
         self.step = None;

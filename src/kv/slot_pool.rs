@@ -35,11 +35,14 @@ impl GpuModel {
                     "decode: a batch must be all offloaded (with the same layers) or all GPU-resident".into(),
                 ));
             }
-            if let Some(o) = sq.off.as_ref().filter(|o| o.pool_slots != slots) {
+            if let Some(o) = sq
+                .off
+                .as_ref()
+                .filter(|o| o.cache_slots != self.cache_slots())
+            {
                 return Err(Error::Input(format!(
-                    "decode: a sequence was offloaded with {} pool slots per KV head, the settings now give {slots} (budget {} + {} cache slots): offload it again",
-                    o.pool_slots,
-                    self.plan.budget.attended,
+                    "decode: a sequence was offloaded with {} cache slots per KV head, the settings now give {} (--cache-slots): offload it again",
+                    o.cache_slots,
                     self.cache_slots()
                 )));
             }
