@@ -29,6 +29,8 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
     __shared__ float red[32];
     __shared__ float wsh[COMB_CHUNK];
     __shared__ float acc_sh[1024];
+    pdl_wait();
+    pdl_trigger();
     const int r = blockIdx.x;
     const float* ml = part_ml + (u64)r * nsplit * 2;
     float m = -INFINITY, last = -1.0f;

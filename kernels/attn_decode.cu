@@ -54,6 +54,8 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
                  float scale, const int* __restrict__ slot_list, const u64* __restrict__ pool_ptr, int pool_slots, int ring,
                  u64* __restrict__ cta_log) {
     extern __shared__ __align__(16) unsigned char att_sh[];
+    pdl_wait();
+    pdl_trigger();
     cta_log_start(cta_log);
     const int s = blockIdx.x, r = blockIdx.z;
     const int G = H / hkv, ngroups = (G + 15) / 16;

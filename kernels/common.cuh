@@ -140,3 +140,21 @@ __device__ __forceinline__ void cta_log_end(u64* log) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : : "memory");
     cta_log_slot(log)[1] = t;
 }
+
+// Programmatic dependent launch (src/cuda/launch.rs). pdl_wait() waits until
+// the kernel before this one on the stream has completed and its writes are
+// visible; every kernel launched through KernelLaunch calls it before its first
+// memory access (a no-op when launched without PDL). pdl_trigger() lets the
+// next kernel's blocks be scheduled (they wait in their own pdl_wait()).
+// sm_90 and later only; below, both are empty and launches never use PDL.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}

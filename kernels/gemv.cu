@@ -35,6 +35,8 @@ extern "C" __global__ __launch_bounds__(32 * GEMV_WARPS) void gemv_small(const b
                                                                           void* __restrict__ y, int n, int in,
                                                                           int out, int y_f32) {
     extern __shared__ __align__(16) unsigned char gemv_sh[];
+    pdl_wait();
+    pdl_trigger();
     uint4* xs = (uint4*)gemv_sh;  // [n, in/8] chunks
     const int kch = in >> 3;      // 16-byte chunks per row
     for (int c = threadIdx.x; c < n * kch; c += blockDim.x) xs[c] = ((const uint4*)x)[c];

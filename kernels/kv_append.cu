@@ -26,6 +26,8 @@ extern "C" __global__ void qkv_rope_append(bf16_t* __restrict__ qkv, int row_str
                                            const u64* __restrict__ cptr, const float* __restrict__ A,
                                            const float* __restrict__ delta, const float* __restrict__ eb,
                                            int ring, int* __restrict__ err, int layer) {
+    pdl_wait();
+    pdl_trigger();
     const int r = blockIdx.x, j = blockIdx.y;
     const int half = D >> 1;
     bf16_t* x = qkv + (u64)r * row_stride;

@@ -8,6 +8,8 @@ extern "C" __global__ void rmsnorm_residual(float* __restrict__ resid, const bf1
                                             float delta_scale, const bf16_t* __restrict__ w,
                                             bf16_t* __restrict__ out, int d, float eps) {
     __shared__ float shm[32];
+    pdl_wait();
+    pdl_trigger();
     const int row = blockIdx.x;
     float* r = resid + (u64)row * d;
     float ss = 0.0f;

@@ -3,6 +3,8 @@
 // silu(x) = x / (1 + exp(-x)). Grid-stride over n*I elements.
 
 extern "C" __global__ void swiglu(const bf16_t* __restrict__ gu, bf16_t* __restrict__ out, int n, int inter) {
+    pdl_wait();
+    pdl_trigger();
     const u64 total = (u64)n * inter;
     for (u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += (u64)gridDim.x * blockDim.x) {

@@ -42,6 +42,8 @@
 #   scripts/device/offload.sh eb OUT       all modes under the equivalent-batch protocol
 #   scripts/device/offload.sh dmaprefetch OUT  copy engines vs SM kernel vs a split of both with prefetch
 #   scripts/device/offload.sh b1 OUT       GPU-resident B=1 L=4K step vs the split-K cap (SPARDA_ATTN_MAX_SPLITS)
+#   scripts/device/offload.sh pdl OUT      programmatic dependent launch: gpu-check-e2e, offload identity, then
+#                                          the GPU-resident step with SPARDA_PDL=0 vs on (B 1 4K, B 16 32K)
 #   scripts/device/offload.sh graphs OUT   offloaded steps as CUDA graphs: the identity checks of `check` and
 #                                          `batch`, then (only if all passed) `bound` over CONTEXTS
 #   scripts/device/offload.sh longctas OUT forecast + prefetch at 127K B16 with the copy kernel on 8/16/24
@@ -309,6 +311,28 @@ b1)
   b1run default
   b1run splits32 SPARDA_ATTN_MAX_SPLITS=32
   b1run splits16 SPARDA_ATTN_MAX_SPLITS=16
+  ;;
+pdl)
+  # programmatic dependent launch (cuda/launch.rs): the end-to-end check against
+  # the CPU reference and the offload identity (GPU-resident steps launch with
+  # PDL, offloaded ones without: the tokens and logits must still be equal bit
+  # for bit), then the GPU-resident step with SPARDA_PDL=0 vs on, two
+  # alternating rounds: B 1 at 4K (dense, sparse) and B 16 at 32K (sparse)
+  $bin gpu-check-e2e --json "$out/gpu_check_e2e.json" 2>&1 | tail -4 || true
+  $bin offload-check --model synth:tiny:5 --tokenizer "$tok" --prompt-file "$book" \
+    --prompt-tokens 1000 --new-tokens 1024 --fetch sm,dma --json "$out/offload_tiny.json" 2>&1 | tail -4 || true
+  $bin offload-check --model synth:nosa-8b --tokenizer "$tok" --prompt-file "$book" --prompt-tokens 4096 \
+    --batch 8 --new-tokens 40 --forecast synth:1 --prefetch on --fetch auto \
+    --json "$out/offload_nosa8b_b8_table.json" 2>&1 | tail -3 || true
+  for r in 1 2; do
+    for p in 0 1; do
+      SPARDA_PDL=$p $bin bench --model synth:nosa-8b --attention dense,sparse --batch 1 --context 4K \
+        --steps 64 --tokenizer "$tok" --json "$out/bench_b1_4k_pdl${p}_$r.json" 2>&1 | grep -E "dense |sparse |ceiling" || true
+      SPARDA_PDL=$p $bin bench --model synth:nosa-8b --attention sparse --batch 16 --context 32K \
+        --steps 32 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
+        --json "$out/bench_b16_32k_pdl${p}_$r.json" 2>&1 | grep -E "sparse " || true
+    done
+  done
   ;;
 graphs)
   # offloaded steps as CUDA graphs: identity first (tiny sm/dma/split, layer 0

@@ -978,6 +978,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
         },
         "weight_bytes": model.weight_bytes(),
         "small_batch_gemv": gpu.small_gemv(),
+        "pdl": gpu.pdl_allowed(),
         "host_pages": crate::kv::host_store::HostPages::from_env()?.name(),
         "weights_load_s": load_s,
         "prefill": match spec.prefill {

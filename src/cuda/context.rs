@@ -293,6 +293,17 @@ mod private {
     impl Sealed for f32 {}
 }
 
+/// Whether programmatic dependent launch may be used on a device of NVRTC
+/// target `arch` ("sm_90") given `$SPARDA_PDL` (`env`): only from sm_90 on
+/// (`griddepcontrol` needs it), and not when the variable is `0`.
+pub fn pdl_from_env(env: Option<&str>, arch: &str) -> bool {
+    let sm = arch
+        .strip_prefix("sm_")
+        .and_then(|v| v.trim_end_matches(char::is_alphabetic).parse::<u32>().ok())
+        .unwrap_or(0);
+    sm >= 90 && env != Some("0")
+}
+
 /// The GPU: context, one compute stream, compiled kernels, cuBLAS handle.
 ///
 /// Everything the backend launches goes on [`Gpu::stream`], in order, so no
@@ -307,6 +318,10 @@ pub struct Gpu {
     _blas_workspace: CudaSlice<u8>,
     /// Whether [`Gpu::linear`] may use the small-batch kernel.
     small_gemv: std::sync::atomic::AtomicBool,
+    /// Whether [`super::KernelLaunch`] launches with PDL now.
+    pdl: std::sync::atomic::AtomicBool,
+    /// Whether the decode step may turn PDL on ([`Gpu::pdl_allowed`]).
+    pdl_allowed: bool,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
     info: DeviceInfo,
@@ -593,6 +608,8 @@ impl Gpu {
             small_gemv: std::sync::atomic::AtomicBool::new(
                 std::env::var("SPARDA_GEMV").is_ok_and(|v| v == "1"),
             ),
+            pdl: std::sync::atomic::AtomicBool::new(false),
+            pdl_allowed: pdl_from_env(std::env::var("SPARDA_PDL").ok().as_deref(), &info.arch),
             stream,
             ctx,
             info,
@@ -740,6 +757,26 @@ impl Gpu {
     /// Whether [`Gpu::linear`] may use the small-batch kernel.
     pub fn small_gemv(&self) -> bool {
         self.small_gemv.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether launches through [`super::KernelLaunch`] use programmatic
+    /// dependent launch now (module [`super::launch`]).
+    pub fn pdl(&self) -> bool {
+        self.pdl.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Turns PDL on or off for the launches that follow (on only where
+    /// [`Gpu::pdl_allowed`]). The decode step turns it on around a
+    /// GPU-resident step's launches and off after them.
+    pub fn set_pdl(&self, on: bool) {
+        self.pdl
+            .store(on && self.pdl_allowed, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether PDL may be used: the device is sm_90 or later and
+    /// `$SPARDA_PDL` is not `0` ([`pdl_from_env`]).
+    pub fn pdl_allowed(&self) -> bool {
+        self.pdl_allowed
     }
 
     /// Free and total device memory in bytes (`cuMemGetInfo`).
@@ -899,8 +936,7 @@ impl Gpu {
                 shared_mem_bytes: (n * in_features * 2) as u32,
             };
             let yf = i32::from(O::IS_F32);
-            use cudarc::driver::PushKernelArg;
-            let mut b = self.stream.launch_builder(f);
+            let mut b = self.launch_builder(f);
             b.arg(&xp)
                 .arg(&wp)
                 .arg(&yp)
@@ -988,6 +1024,17 @@ pub(crate) fn i32_dim(x: usize, what: &str) -> Result<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pdl_needs_sm_90_and_is_off_only_when_the_variable_is_zero() {
+        assert!(pdl_from_env(None, "sm_90"));
+        assert!(pdl_from_env(Some("1"), "sm_90a"));
+        assert!(pdl_from_env(Some("1"), "sm_100"));
+        assert!(!pdl_from_env(Some("0"), "sm_90"));
+        assert!(!pdl_from_env(None, "sm_89"));
+        assert!(!pdl_from_env(Some("1"), "sm_80"));
+        assert!(!pdl_from_env(None, "compute"));
+    }
 
     #[test]
     fn cache_key_depends_on_every_part() {

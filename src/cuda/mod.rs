@@ -8,6 +8,8 @@
 //!   bf16 GEMM and CUDA-graph capture;
 //! - [`ops`]: one typed wrapper per kernel, shapes checked before launch
 //!   ([`ops::select`]: selection kernels; [`ops::offload`]: offloaded-KV kernels).
+//! - [`launch`]: kernel launches with programmatic dependent launch (the
+//!   next kernel's launch overlaps the previous one's tail);
 //! - [`device_error`]: the device error record through which kernels report
 //!   a failed guard (pinned, device-mapped; decoded into an [`Error`]).
 //!
@@ -20,9 +22,11 @@
 
 pub mod context;
 pub mod device_error;
+pub mod launch;
 pub mod ops;
 
 pub use context::{DeviceInfo, GemmOut, Gpu};
+pub use launch::KernelLaunch;
 
 use crate::{Error, Result};
 

@@ -24,7 +24,7 @@ impl GpuModel {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut bl = gpu.stream().launch_builder(f);
+        let mut bl = gpu.launch_builder(f);
         bl.arg(&y).arg(&ld_).arg(&bp).arg(&n_).arg(&c_);
         // SAFETY: argument list matches kernels/bias.cu; y holds n rows of ld ≥ cols.
         unsafe { bl.launch(cfg) }.cuda("bias_add").map(drop)

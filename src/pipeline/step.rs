@@ -213,6 +213,10 @@ impl GpuModel {
         let gpu = self.gpu.clone();
         let mut st = self.step.take().expect("built above");
         st.replayed = false;
+        // PDL for a GPU-resident step's launches (captured into its graph);
+        // an offloaded step's kernels also wait on the copy streams' events,
+        // so they launch plainly (cuda/launch.rs)
+        gpu.set_pdl(st.off.is_none());
         let r = (|| -> Result<()> {
             if let Some(toks) = tokens {
                 let mut io = Vec::with_capacity(4 * n);
@@ -311,6 +315,7 @@ impl GpuModel {
                 },
             }
         })();
+        gpu.set_pdl(false);
         let ok = r.is_ok();
         if !ok {
             // spans the failed step began and never ended

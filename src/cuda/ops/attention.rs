@@ -9,7 +9,7 @@ use crate::cuda::context::{dptr, dptr_mut, grid, i32_dim, CudaResultExt};
 use crate::cuda::{Bf16, Gpu};
 use crate::{Error, Result};
 use cudarc::driver::{
-    CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceSlice, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceSlice, LaunchConfig,
 };
 
 /// One sequence's KV state for decode attention: post-RoPE K and V, bf16
@@ -428,7 +428,7 @@ pub(crate) fn launch_attn_partial(gpu: &Gpu, a: &AttnArgs) -> Result<()> {
         block_dim: (ATTN_THREADS, 1, 1),
         shared_mem_bytes: attn_smem_bytes(a.head_dim) as u32,
     };
-    let mut b = gpu.stream().launch_builder(f);
+    let mut b = gpu.launch_builder(f);
     b.arg(&a.q)
         .arg(&qs)
         .arg(&a.kptr)
@@ -505,7 +505,7 @@ pub(crate) fn launch_attn_combine(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut bld = gpu.stream().launch_builder(f);
+    let mut bld = gpu.launch_builder(f);
     bld.arg(&part_o)
         .arg(&part_ml)
         .arg(&out)

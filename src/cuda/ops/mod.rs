@@ -108,7 +108,7 @@ fn rmsnorm_launch(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut b = gpu.stream().launch_builder(f);
+    let mut b = gpu.launch_builder(f);
     b.arg(&resid)
         .arg(&dp)
         .arg(&ds)
@@ -382,7 +382,7 @@ where
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut b = gpu.stream().launch_builder(f);
+    let mut b = gpu.launch_builder(f);
     b.arg(&gp).arg(&op).arg(&n_).arg(&i_);
     // SAFETY: argument list matches kernels/swiglu.cu; sizes checked above.
     unsafe { b.launch(cfg) }.cuda("swiglu").map(drop)
@@ -657,7 +657,7 @@ pub(crate) unsafe fn launch_qkv_rope_append(gpu: &Gpu, a: &QkvAppendArgs) -> Res
         ),
         shared_mem_bytes: 0,
     };
-    let mut b = gpu.stream().launch_builder(f);
+    let mut b = gpu.launch_builder(f);
     b.arg(&a.qkv)
         .arg(&w_)
         .arg(&h_)
