@@ -83,11 +83,7 @@ impl<'a> KernelLaunch<'a> {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: stream.cu_stream(),
-            attrs: if pdl {
-                &mut attr
-            } else {
-                std::ptr::null_mut()
-            },
+            attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
             numAttrs: u32::from(pdl),
         };
         // SAFETY: the caller promises the parameters match the kernel; the

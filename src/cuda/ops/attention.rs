@@ -8,9 +8,7 @@ use super::expect_len;
 use crate::cuda::context::{dptr, dptr_mut, grid, i32_dim, CudaResultExt};
 use crate::cuda::{Bf16, Gpu};
 use crate::{Error, Result};
-use cudarc::driver::{
-    CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceSlice, LaunchConfig,
-};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceSlice, LaunchConfig};
 
 /// One sequence's KV state for decode attention: post-RoPE K and V, bf16
 /// [T, Hkv, D] (at least `len` tokens), and the eviction scores c, f32
