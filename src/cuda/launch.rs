@@ -99,3 +99,23 @@ impl<'a> KernelLaunch<'a> {
         .result()
     }
 }
+
+/// PDL on for the launches of one scope: [`Gpu::set_pdl`]`(on)` when made,
+/// off again when dropped (also when the scope unwinds).
+pub struct PdlScope<'a> {
+    gpu: &'a Gpu,
+}
+
+impl<'a> PdlScope<'a> {
+    /// Turns PDL on (where allowed) when `on`, off otherwise, until dropped.
+    pub fn new(gpu: &'a Gpu, on: bool) -> Self {
+        gpu.set_pdl(on);
+        PdlScope { gpu }
+    }
+}
+
+impl Drop for PdlScope<'_> {
+    fn drop(&mut self) {
+        self.gpu.set_pdl(false);
+    }
+}

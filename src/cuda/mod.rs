@@ -26,7 +26,7 @@ pub mod launch;
 pub mod ops;
 
 pub use context::{DeviceInfo, GemmOut, Gpu};
-pub use launch::KernelLaunch;
+pub use launch::{KernelLaunch, PdlScope};
 
 use crate::{Error, Result};
 

@@ -216,7 +216,7 @@ impl GpuModel {
         // PDL for a GPU-resident step's launches (captured into its graph);
         // an offloaded step's kernels also wait on the copy streams' events,
         // so they launch plainly (cuda/launch.rs)
-        gpu.set_pdl(st.off.is_none());
+        let pdl = crate::cuda::PdlScope::new(&gpu, st.off.is_none());
         let r = (|| -> Result<()> {
             if let Some(toks) = tokens {
                 let mut io = Vec::with_capacity(4 * n);
@@ -315,7 +315,7 @@ impl GpuModel {
                 },
             }
         })();
-        gpu.set_pdl(false);
+        drop(pdl);
         let ok = r.is_ok();
         if !ok {
             // spans the failed step began and never ended
