@@ -34,24 +34,31 @@ pub(crate) fn check_mode_flags(a: &ModeArgs, backend: Backend, cmd: &str) -> Res
             "--fetch, --prefetch-ctas, --offload-layer0, --fetch-whole-sms, --reserve-fetch-sms and --cache-slots apply to offloaded KV: add --kv offload (CUDA backend)".into(),
         ));
     }
-    if a.kv == KvArg::Offload && a.offload.fetch.len() != 1 {
-        let given: Vec<String> = a.offload.fetch.iter().map(|f| f.label()).collect();
-        return Err(Error::Input(format!(
-            "{cmd}: give one --fetch engine (got --fetch {})",
-            given.join(",")
-        )));
-    }
-    if a.kv == KvArg::Offload && a.offload.cache_slots.len() != 1 {
-        let given: Vec<String> = a
-            .offload
-            .cache_slots
-            .iter()
-            .map(|c| c.to_string())
-            .collect();
-        return Err(Error::Input(format!(
-            "{cmd}: give one --cache-slots value (got --cache-slots {})",
-            given.join(",")
-        )));
+    if a.kv == KvArg::Offload {
+        // generate and perplexity run one configuration; lists are for bench and offload-check
+        let one = |flag: &str, what: &str, given: Vec<String>| {
+            if given.len() == 1 {
+                return Ok(());
+            }
+            Err(Error::Input(format!(
+                "{cmd}: give one {flag} {what} (got {flag} {})",
+                given.join(",")
+            )))
+        };
+        one(
+            "--fetch",
+            "engine",
+            a.offload.fetch.iter().map(|f| f.label()).collect(),
+        )?;
+        one(
+            "--cache-slots",
+            "value",
+            a.offload
+                .cache_slots
+                .iter()
+                .map(|c| c.to_string())
+                .collect(),
+        )?;
     }
     if a.kv == KvArg::Offload && backend != Backend::Cuda {
         return Err(Error::Input(
