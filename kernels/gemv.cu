@@ -1,19 +1,40 @@
-// Small-batch linear layer (the decode GEMMs at batch <= GEMV_MAX_N, e.g. B = 1):
+// Small-batch linear layer (the decode GEMMs at batch <= GEMV_MAX_N, e.g. B = 1), with the
+// decode step's neighbours of a GEMM folded into it (src/cuda/gemv.rs documents the modes):
 //   y[i, o] = sum_k x[i, k] * W[o, k]   for i < n, o < out,
-// x bf16 [n, in] and W bf16 [out, in] (row-major, the Hugging Face [out_features,
-// in_features] layout), f32 accumulation; y bf16 (rounded to nearest even) or, with
-// y_f32 != 0, f32. What cuBLAS gemm_ex computes for these shapes, with another summation
-// order. Memory-bound: every weight is read once with 16-byte loads, several in flight per
-// lane.
-// Block: GEMV_WARPS warps; warp w of block b computes rows (b*GEMV_WARPS + w)*GEMV_ROWS + 0,1;
-// lane l reads 16-byte chunks l, l+32, ... of both rows; the partial sums are reduced over
-// the warp (warp_sum). x is staged in shared memory first (n*in bf16 = dynamic smem bytes/2).
-// Requires: in % 8 == 0, x and W 16-byte aligned, 1 <= n <= GEMV_MAX_N.
-// Grid: ceil(out / (GEMV_WARPS*GEMV_ROWS)) blocks of 32*GEMV_WARPS threads.
+// W bf16 [out, in] (row-major, the Hugging Face [out_features, in_features] layout), f32
+// accumulation (another summation order than cuBLAS gemm_ex). x is staged in shared memory,
+// as bf16 [n, in], from one of:
+//   GX_BF16     xsrc bf16 [n, in] as is;
+//   GX_RMSNORM  xsrc the f32 residual stream [n, in]: x = bf16(bf16(r / sqrt(mean(r^2) + eps)) * g),
+//               g = norm bf16 [in] (rmsnorm.cu's formula; each block reduces the row itself);
+//   GX_SWIGLU   xsrc the gate|up output bf16 [n, 2 in]: x = bf16(silu(gate) * up) (swiglu.cu).
+// y is one of:
+//   GY_BF16     bf16 [n, out], rounded to nearest even;
+//   GY_F32      f32 [n, out];
+//   GY_RESID    the f32 residual stream [n, out]: y += bf16(sum) * scale (rmsnorm.cu's residual add
+//               of a bf16 GEMM output; each element has one writer).
+// Kernels gemv1 ... gemv4: n = 1 ... 4 rows (GEMV_MAX_N), the same arguments.
+// Memory-bound: every weight is read once with 16-byte streaming loads, several in flight per
+// lane. The weights do not depend on the previous kernel, so under programmatic dependent launch
+// each warp loads its first GEMV_PF chunks of both rows before pdl_wait() and the stream of
+// weights starts while the previous kernel drains.
+// Work: warp w of the grid (blockIdx.x * GEMV_WARPS + w) computes row pairs w, w + W, w + 2W, ...
+// (W = gridDim.x * GEMV_WARPS warps in all); lane l reads 16-byte chunks l, l + 32, ... of both
+// rows; the partial sums are reduced over the warp (warp_sum).
+// Requires: in % 8 == 0, xsrc and W 16-byte aligned, 1 <= n <= GEMV_MAX_N, dynamic shared
+// memory n * in * 2 bytes, blockDim.x = 32 * GEMV_WARPS.
 
 #define GEMV_MAX_N 4
 #define GEMV_ROWS 2
 #define GEMV_WARPS 8
+#define GEMV_PF 4
+
+#define GX_BF16 0
+#define GX_RMSNORM 1
+#define GX_SWIGLU 2
+#define GY_BF16 0
+#define GY_F32 1
+#define GY_RESID 2
 
 __device__ __forceinline__ float bf_lo(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
@@ -30,53 +51,145 @@ __device__ __forceinline__ float dot8(const uint4 w, const uint4 x) {
     return s;
 }
 
-extern "C" __global__ __launch_bounds__(32 * GEMV_WARPS) void gemv_small(const bf16_t* __restrict__ x,
-                                                                          const bf16_t* __restrict__ W,
-                                                                          void* __restrict__ y, int n, int in,
-                                                                          int out, int y_f32) {
+// A 16-byte weight load that bypasses L1 (each weight is read once per step).
+__device__ __forceinline__ uint4 ld_weights(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// One instance per batch size N (gemv1 ... gemv4 below): the accumulators stay in registers.
+template <int N>
+__device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const bf16_t* __restrict__ norm,
+                                          float eps, const bf16_t* __restrict__ W, void* __restrict__ y,
+                                          float scale, int in, int out, int xmode, int ymode) {
+    const int n = N;
     extern __shared__ __align__(16) unsigned char gemv_sh[];
+    __shared__ float red[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kch = in >> 3;  // 16-byte chunks per row
+    const int nwarps = gridDim.x * GEMV_WARPS;
+    const int pairs = (out + GEMV_ROWS - 1) / GEMV_ROWS;
+    int pair = blockIdx.x * GEMV_WARPS + warp;
+
+    // The first row pair's first chunks, before the dependency on the previous kernel.
+    uint4 pa[GEMV_PF], pb[GEMV_PF];
+    if (pair < pairs) {
+        const int row0 = pair * GEMV_ROWS;
+        const uint4* w0 = (const uint4*)(W + (u64)row0 * in);
+        const uint4* w1 = (const uint4*)(W + (u64)min(row0 + 1, out - 1) * in);
+#pragma unroll
+        for (int u = 0; u < GEMV_PF; ++u) {
+            const int c = lane + 32 * u;
+            if (c < kch) {
+                pa[u] = ld_weights(w0 + c);
+                pb[u] = ld_weights(w1 + c);
+            }
+        }
+    }
     pdl_wait();
     pdl_trigger();
-    uint4* xs = (uint4*)gemv_sh;  // [n, in/8] chunks
-    const int kch = in >> 3;      // 16-byte chunks per row
-    for (int c = threadIdx.x; c < n * kch; c += blockDim.x) xs[c] = ((const uint4*)x)[c];
+
+    // Stage x.
+    uint4* xs = (uint4*)gemv_sh;  // [n, kch] chunks
+    bf16_t* xh = (bf16_t*)gemv_sh;
+    if (xmode == GX_RMSNORM) {
+        for (int i = 0; i < n; ++i) {
+            const float* r = (const float*)xsrc + (u64)i * in;
+            float ss = 0.0f;
+            for (int j = threadIdx.x; j < in; j += blockDim.x) {
+                const float v = r[j];
+                ss += v * v;
+            }
+            ss = block_sum(ss, red);
+            const float inv = 1.0f / sqrtf(ss / (float)in + eps);
+            for (int j = threadIdx.x; j < in; j += blockDim.x)
+                xh[(u64)i * in + j] = f2bf(round_bf(r[j] * inv) * bf2f(norm[j]));
+        }
+    } else if (xmode == GX_SWIGLU) {
+        const bf16_t* gu = (const bf16_t*)xsrc;
+        for (int idx = threadIdx.x; idx < n * in; idx += blockDim.x) {
+            const int i = idx / in, j = idx - i * in;
+            const float g = bf2f(gu[(u64)i * 2 * in + j]);
+            const float u = bf2f(gu[(u64)i * 2 * in + in + j]);
+            xh[idx] = f2bf(g / (1.0f + expf(-g)) * u);
+        }
+    } else {
+        for (int c = threadIdx.x; c < n * kch; c += blockDim.x) xs[c] = ((const uint4*)xsrc)[c];
+    }
     __syncthreads();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_ROWS;
-    if (row0 >= out) return;
-    const bool has1 = row0 + 1 < out;
-    const uint4* w0 = (const uint4*)(W + (u64)row0 * in);
-    const uint4* w1 = (const uint4*)(W + (u64)(has1 ? row0 + 1 : row0) * in);
-    float a0[GEMV_MAX_N], a1[GEMV_MAX_N];
+
+    bool first = true;
+    for (; pair < pairs; pair += nwarps) {
+        const int row0 = pair * GEMV_ROWS;
+        const bool has1 = row0 + 1 < out;
+        const uint4* w0 = (const uint4*)(W + (u64)row0 * in);
+        const uint4* w1 = (const uint4*)(W + (u64)(has1 ? row0 + 1 : row0) * in);
+        float a0[N], a1[N];
 #pragma unroll
-    for (int i = 0; i < GEMV_MAX_N; ++i) a0[i] = a1[i] = 0.0f;
+        for (int i = 0; i < N; ++i) a0[i] = a1[i] = 0.0f;
+        int c0 = lane;
+        if (first) {
+#pragma unroll
+            for (int u = 0; u < GEMV_PF; ++u) {
+                const int c = lane + 32 * u;
+                if (c < kch) {
+#pragma unroll
+                    for (int i = 0; i < N; ++i) {
+                        const uint4 xv = xs[i * kch + c];
+                        a0[i] += dot8(pa[u], xv);
+                        a1[i] += dot8(pb[u], xv);
+                    }
+                }
+            }
+            c0 = lane + 32 * GEMV_PF;
+            first = false;
+        }
 #pragma unroll 4
-    for (int c = lane; c < kch; c += 32) {
-        const uint4 wa = w0[c];
-        const uint4 wb = w1[c];
+        for (int c = c0; c < kch; c += 32) {
+            const uint4 wa = ld_weights(w0 + c);
+            const uint4 wb = ld_weights(w1 + c);
 #pragma unroll
-        for (int i = 0; i < GEMV_MAX_N; ++i) {
-            if (i < n) {
+            for (int i = 0; i < N; ++i) {
                 const uint4 xv = xs[i * kch + c];
                 a0[i] += dot8(wa, xv);
                 a1[i] += dot8(wb, xv);
             }
         }
-    }
 #pragma unroll
-    for (int i = 0; i < GEMV_MAX_N; ++i) {
-        if (i < n) {
-            const float s0 = warp_sum(a0[i]);
-            const float s1 = warp_sum(a1[i]);
-            if (lane == 0) {
-                if (y_f32) {
-                    ((float*)y)[(u64)i * out + row0] = s0;
-                    if (has1) ((float*)y)[(u64)i * out + row0 + 1] = s1;
-                } else {
-                    ((bf16_t*)y)[(u64)i * out + row0] = f2bf(s0);
-                    if (has1) ((bf16_t*)y)[(u64)i * out + row0 + 1] = f2bf(s1);
+        for (int i = 0; i < N; ++i) {
+            {
+                const float s0 = warp_sum(a0[i]);
+                const float s1 = warp_sum(a1[i]);
+                if (lane == 0) {
+                    const u64 o = (u64)i * out + row0;
+                    if (ymode == GY_F32) {
+                        ((float*)y)[o] = s0;
+                        if (has1) ((float*)y)[o + 1] = s1;
+                    } else if (ymode == GY_RESID) {
+                        float* r = (float*)y;
+                        r[o] = r[o] + round_bf(s0) * scale;
+                        if (has1) r[o + 1] = r[o + 1] + round_bf(s1) * scale;
+                    } else {
+                        ((bf16_t*)y)[o] = f2bf(s0);
+                        if (has1) ((bf16_t*)y)[o + 1] = f2bf(s1);
+                    }
                 }
             }
         }
     }
 }
+
+#define GEMV_KERNEL(NAME, N)                                                                               \
+    extern "C" __global__ __launch_bounds__(32 * GEMV_WARPS) void NAME(                                  \
+        const void* __restrict__ xsrc, const bf16_t* __restrict__ norm, float eps,                       \
+        const bf16_t* __restrict__ W, void* __restrict__ y, float scale, int in, int out, int xmode,     \
+        int ymode) {                                                                                     \
+        gemv_rows<N>(xsrc, norm, eps, W, y, scale, in, out, xmode, ymode);                               \
+    }
+GEMV_KERNEL(gemv1, 1)
+GEMV_KERNEL(gemv2, 2)
+GEMV_KERNEL(gemv3, 3)
+GEMV_KERNEL(gemv4, 4)

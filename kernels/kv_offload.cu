@@ -96,7 +96,7 @@ extern "C" __global__ __launch_bounds__(SD_THREADS) void slot_diff(
     __shared__ int smap[SD_MAX_SLOTS];      // slot map before the step
     __shared__ int sage[SD_MAX_SLOTS];      // aged: slot ages before the step
     __shared__ int fkey[SD_MAX_SLOTS];      // aged: reuse key of a free slot, SD_NOT_FREE if not free
-    __shared__ int frank[SD_MAX_SLOTS];     // aged: a free slot's place in the reuse order
+    __shared__ unsigned long long sorder[SD_MAX_SLOTS];  // aged: (key, slot) pairs, sorted in place
     __shared__ int free_list[SD_MAX_SLOTS]; // free slots, ascending
     __shared__ int cb[SD_MAX_SEL];          // valid selected blocks, ascending
     __shared__ int ci[SD_MAX_SEL];          // their index in sel
@@ -163,18 +163,30 @@ extern "C" __global__ __launch_bounds__(SD_THREADS) void slot_diff(
     int nfree;
     int foff = block_excl_scan(nfree_mine, scan_shm, &nfree);  // syncs: fkey complete
     if (aged) {
-        // a free slot's rank among the free slots by (key, slot)
-        for (int s = s0; s < s1; s++) {
-            const int key = fkey[s];
-            if (key == SD_NOT_FREE) continue;
-            int rank = 0;
-            for (int t = 0; t < S; t++) {
-                const int kt = fkey[t];
-                rank += kt != SD_NOT_FREE && (kt < key || (kt == key && t < s));
+        // The reuse order: a bitonic sort of the (key, slot) pairs over the pool rounded up to a
+        // power of two, O(S log^2 S) compare-exchanges spread over the threads. The key's sign
+        // bit is flipped so that the unsigned order of the pair is the order of (key, slot);
+        // slots that are not free (SD_NOT_FREE) and the padding sort after every free slot.
+        int np = 1;
+        while (np < S) np <<= 1;
+        for (int i = tid; i < np; i += nt)
+            sorder[i] = i < S ? ((unsigned long long)((unsigned)fkey[i] ^ 0x80000000u) << 32) | (unsigned)i
+                              : ~0ull;
+        __syncthreads();
+        for (int k = 2; k <= np; k <<= 1) {
+            for (int j = k >> 1; j > 0; j >>= 1) {
+                for (int i = tid; i < (np >> 1); i += nt) {
+                    const int lo = 2 * j * (i / j) + (i % j), hi = lo + j;
+                    const unsigned long long a = sorder[lo], b = sorder[hi];
+                    if (((lo & k) == 0) == (a > b)) {
+                        sorder[lo] = b;
+                        sorder[hi] = a;
+                    }
+                }
+                __syncthreads();
             }
-            frank[s] = rank;
-            free_list[rank] = s;
         }
+        for (int i = tid; i < nfree; i += nt) free_list[i] = (int)(unsigned)(sorder[i] & 0xffffffffull);
     } else {
         for (int s = s0; s < s1; s++) {
             const int b = smap[s];
@@ -221,14 +233,15 @@ extern "C" __global__ __launch_bounds__(SD_THREADS) void slot_diff(
     for (int i = c0; i < c1; i++)
         if (srow[i] < 0) lrow[i] = -1;
     if (aged) {
-        // the free slots ranked below the misses were filled this step
+        // Selected and empty slots get age 0, other held slots age + 1; then the first
+        // min(nmiss, nfree) free slots of the reuse order, filled this step, get 0.
+        for (int s = s0; s < s1; s++)
+            sage[s] = fkey[s] != SD_NOT_FREE && smap[s] >= 0 ? min(sage[s] + 1, 1 << 30) : 0;
+        __syncthreads();
         const int filled = min(nmiss, nfree);
-        for (int s = s0; s < s1; s++) {
-            const int key = fkey[s];
-            int a = 0;
-            if (key != SD_NOT_FREE && frank[s] >= filled && smap[s] >= 0) a = min(sage[s] + 1, 1 << 30);
-            ages[s] = a;
-        }
+        for (int i = tid; i < filled; i += nt) sage[free_list[i]] = 0;
+        __syncthreads();
+        for (int s = s0; s < s1; s++) ages[s] = sage[s];
     }
     if (tid == 0) {
         const int nf = min(nmiss, nfree);

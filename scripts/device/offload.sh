@@ -44,6 +44,8 @@
 #   scripts/device/offload.sh b1 OUT       GPU-resident B=1 L=4K step vs the split-K cap (SPARDA_ATTN_MAX_SPLITS)
 #   scripts/device/offload.sh pdl OUT      programmatic dependent launch: gpu-check-e2e, offload identity, then
 #                                          the GPU-resident step with SPARDA_PDL=0 vs on (B 1 4K, B 16 32K)
+#   scripts/device/offload.sh gemv OUT     the fused small-batch GEMVs (SPARDA_GEMV=1): gpu-check kernels, e2e and
+#                                          tiny identity on the fused path, B 1 4K dense cuBLAS vs fused
 #   scripts/device/offload.sh graphs OUT   offloaded steps as CUDA graphs: the identity checks of `check` and
 #                                          `batch`, then (only if all passed) `bound` over CONTEXTS
 #   scripts/device/offload.sh longctas OUT forecast + prefetch at 127K B16 with the copy kernel on 8/16/24
@@ -332,6 +334,35 @@ pdl)
         --steps 32 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
         --json "$out/bench_b16_32k_pdl${p}_$r.json" 2>&1 | grep -E "sparse " || true
     done
+  done
+  ;;
+gemv)
+  # the fused small-batch GEMVs (kernels/gemv.cu, SPARDA_GEMV=1): gpu-check's
+  # kernel group (gemv in every mode against the CPU reference), the end-to-end
+  # check and the tiny offload identity on the fused path, then the B 1 4K
+  # dense step, cuBLAS + separate norms (SPARDA_GEMV=0) vs fused, two
+  # alternating rounds, and the fused step at 1 and 4 blocks per SM
+  SPARDA_CHECK_ONLY=kernels $bin gpu-check --json "$out/gpu_check_kernels.json" 2>&1 \
+    | grep -E "^gemv|FAIL|passed" || true
+  SPARDA_GEMV=1 $bin gpu-check-e2e --json "$out/gpu_check_e2e_gemv.json" 2>&1 | tail -4 || true
+  SPARDA_GEMV=1 $bin offload-check --model synth:tiny:5 --tokenizer "$tok" --prompt-file "$book" \
+    --prompt-tokens 1000 --new-tokens 1024 --fetch sm --json "$out/offload_tiny_gemv.json" 2>&1 | tail -3 || true
+  for r in 1 2; do
+    for g in 0 1; do
+      SPARDA_GEMV=$g $bin bench --model synth:nosa-8b --attention dense --batch 1 --context 4K \
+        --steps 64 --tokenizer "$tok" --json "$out/bench_b1_4k_gemv${g}_$r.json" 2>&1 \
+        | grep -E "dense |ceiling|piece|ms" | head -30 || true
+    done
+  done
+  for bps in 1 4; do
+    SPARDA_GEMV=1 SPARDA_GEMV_BLOCKS_PER_SM=$bps $bin bench --model synth:nosa-8b --attention dense --batch 1 \
+      --context 4K --steps 64 --tokenizer "$tok" --json "$out/bench_b1_4k_gemv1_bps$bps.json" 2>&1 \
+      | grep -E "dense |ceiling" || true
+  done
+  for g in 0 1; do
+    SPARDA_GEMV=$g $bin bench --model synth:nosa-8b --attention sparse --batch 4 --context 4K \
+      --steps 32 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
+      --json "$out/bench_b4_4k_gemv$g.json" 2>&1 | grep -E "sparse " || true
   done
   ;;
 graphs)

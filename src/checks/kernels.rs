@@ -12,6 +12,7 @@
 
 use crate::config::{AttentionMode, RopeScaling, SparseConfig};
 use crate::cpu::ops as cpu_ops;
+use crate::cuda::context::dptr;
 use crate::cuda::device_error::DeviceErrors;
 use crate::cuda::ops::{self, BlockSelection, EvictionWeights, KvBatch, RopeTables, SeqKv};
 use crate::cuda::{Bf16, Gpu};
@@ -253,6 +254,148 @@ fn check_gemm(c: &mut Checker<'_>) {
             },
         );
     }
+}
+
+/// The small-batch `gemv` (kernels/gemv.cu) in each of its input and output
+/// modes against the CPU reference: plain bf16 rows to bf16 and f32, the
+/// RMSNorm of an f32 residual stream, the SwiGLU of a gate|up output, and
+/// the add into a residual stream (compared as the added amount).
+fn check_gemv(c: &mut Checker<'_>) {
+    let eps = 1e-5f32;
+    for &(n, k, out) in &[
+        (1usize, 256usize, 384usize),
+        (2, 576, 1731),
+        (3, 2048, 515),
+        (4, 4096, 512),
+        (1, 4096, 6144),
+    ] {
+        let shape = |x: &str, y: &str| json!({"n": n, "in": k, "out": out, "x": x, "y": y});
+        for f32_out in [false, true] {
+            let y = if f32_out { "f32" } else { "bf16" };
+            c.record("gemv", shape("bf16", y), |gpu, inp| {
+                let (xb, xf) = inp.bf16(n * k, 1.0);
+                let (wb, wf) = inp.bf16(out * k, 1.0 / (k as f32).sqrt());
+                let (x, w) = (gpu.upload(&xb)?, gpu.upload(&wb)?);
+                let want = cpu_ops::linear(&xf, n, &wf, None, out);
+                let (xp, wp) = (dptr(gpu, &x), dptr(gpu, &w));
+                let args = |y| ops::GemvArgs {
+                    x: ops::GemvInput::Bf16(xp),
+                    w: wp,
+                    y,
+                    n,
+                    in_features: k,
+                    out_features: out,
+                };
+                let got = if f32_out {
+                    let yb = poison_f32(gpu, n * out)?;
+                    // SAFETY: x n·k, W out·k, y n·out, distinct buffers.
+                    unsafe { ops::launch_gemv(gpu, &args(ops::GemvOutput::F32(dptr(gpu, &yb)))) }?;
+                    gpu.download(&yb)?
+                } else {
+                    let yb = poison_bf16(gpu, n * out)?;
+                    // SAFETY: as above.
+                    unsafe { ops::launch_gemv(gpu, &args(ops::GemvOutput::Bf16(dptr(gpu, &yb)))) }?;
+                    to_f32(&gpu.download(&yb)?)
+                };
+                Ok((got, want))
+            });
+        }
+        c.record("gemv", shape("rmsnorm", "bf16"), |gpu, inp| {
+            let resid = inp.normal(n * k, 1.0);
+            let (gb, gf) = inp.bf16(k, 1.0);
+            let (wb, wf) = inp.bf16(out * k, 1.0 / (k as f32).sqrt());
+            let (r, g, w) = (gpu.upload(&resid)?, gpu.upload(&gb)?, gpu.upload(&wb)?);
+            let xn = cpu_ops::rms_norm_rounded(&resid, &gf, eps, true, true);
+            let want = cpu_ops::linear(&xn, n, &wf, None, out);
+            let yb = poison_bf16(gpu, n * out)?;
+            let args = ops::GemvArgs {
+                x: ops::GemvInput::RmsNorm {
+                    resid: dptr(gpu, &r),
+                    weight: dptr(gpu, &g),
+                    eps,
+                },
+                w: dptr(gpu, &w),
+                y: ops::GemvOutput::Bf16(dptr(gpu, &yb)),
+                n,
+                in_features: k,
+                out_features: out,
+            };
+            // SAFETY: resid n·k f32, norm k, W out·k, y n·out, distinct buffers.
+            unsafe { ops::launch_gemv(gpu, &args) }?;
+            Ok((to_f32(&gpu.download(&yb)?), want))
+        });
+        c.record("gemv", shape("swiglu", "residual"), |gpu, inp| {
+            let scale = 1.4 / (32.0f32).sqrt();
+            let (gub, guf) = inp.bf16(n * 2 * k, 2.0);
+            let (wb, wf) = inp.bf16(out * k, 1.0 / (k as f32).sqrt());
+            let resid = inp.normal(n * out, 1.0);
+            let (gu, w, r) = (gpu.upload(&gub)?, gpu.upload(&wb)?, gpu.upload(&resid)?);
+            let act: Vec<f32> = (0..n * k)
+                .map(|i| {
+                    let (row, j) = (i / k, i % k);
+                    let v = cpu_ops::silu(guf[row * 2 * k + j]) * guf[row * 2 * k + k + j];
+                    half::bf16::from_f32(v).to_f32()
+                })
+                .collect();
+            let want: Vec<f32> = cpu_ops::linear(&act, n, &wf, None, out)
+                .iter()
+                .map(|v| half::bf16::from_f32(*v).to_f32() * scale)
+                .collect();
+            let args = ops::GemvArgs {
+                x: ops::GemvInput::Swiglu(dptr(gpu, &gu)),
+                w: dptr(gpu, &w),
+                y: ops::GemvOutput::Residual {
+                    resid: dptr(gpu, &r),
+                    scale,
+                },
+                n,
+                in_features: k,
+                out_features: out,
+            };
+            // SAFETY: gate|up n·2k, W out·k, resid n·out f32, distinct buffers.
+            unsafe { ops::launch_gemv(gpu, &args) }?;
+            let got: Vec<f32> = gpu
+                .download(&r)?
+                .iter()
+                .zip(&resid)
+                .map(|(g, r0)| g - r0)
+                .collect();
+            Ok((got, want))
+        });
+    }
+    // the down projection of NOSA-8B at B = 1: 14,336 inputs (28 KiB staged)
+    c.record(
+        "gemv",
+        json!({"n": 1, "in": 14336, "out": 320, "x": "swiglu", "y": "residual"}),
+        |gpu, inp| {
+            let (n, k, out) = (1usize, 14_336usize, 320usize);
+            let (gub, guf) = inp.bf16(2 * k, 2.0);
+            let (wb, wf) = inp.bf16(out * k, 1.0 / (k as f32).sqrt());
+            let (gu, w) = (gpu.upload(&gub)?, gpu.upload(&wb)?);
+            let r = gpu.upload(&vec![0.0f32; out])?;
+            let act: Vec<f32> = (0..k)
+                .map(|j| half::bf16::from_f32(cpu_ops::silu(guf[j]) * guf[k + j]).to_f32())
+                .collect();
+            let want: Vec<f32> = cpu_ops::linear(&act, n, &wf, None, out)
+                .iter()
+                .map(|v| half::bf16::from_f32(*v).to_f32())
+                .collect();
+            let args = ops::GemvArgs {
+                x: ops::GemvInput::Swiglu(dptr(gpu, &gu)),
+                w: dptr(gpu, &w),
+                y: ops::GemvOutput::Residual {
+                    resid: dptr(gpu, &r),
+                    scale: 1.0,
+                },
+                n,
+                in_features: k,
+                out_features: out,
+            };
+            // SAFETY: gate|up 2k, W out·k, resid out f32, distinct buffers.
+            unsafe { ops::launch_gemv(gpu, &args) }?;
+            Ok((gpu.download(&r)?, want))
+        },
+    );
 }
 
 fn check_embedding(c: &mut Checker<'_>) {
@@ -1108,6 +1251,7 @@ pub fn gpu_check(out_json: &Path) -> Result<bool> {
     };
     if group("kernels") {
         check_gemm(&mut c);
+        check_gemv(&mut c);
         check_embedding(&mut c);
         check_rmsnorm(&mut c);
         check_rope(&mut c);

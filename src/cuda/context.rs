@@ -168,7 +168,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         file: "gemv.cu",
         text: include_str!("../../kernels/gemv.cu"),
         preludes: &[],
-        functions: &["gemv_small"],
+        functions: &["gemv1", "gemv2", "gemv3", "gemv4"],
     },
     KernelSource {
         file: "forecast.cu",
@@ -275,17 +275,6 @@ impl GemmOut for f32 {
     const DTYPE: cublas_sys::cudaDataType = cublas_sys::cudaDataType::CUDA_R_32F;
     const IS_F32: bool = true;
 }
-
-/// Largest batch [`Gpu::linear`] sends to the small-batch kernel
-/// (`GEMV_MAX_N` in kernels/gemv.cu).
-pub const GEMV_MAX_N: usize = 4;
-/// Largest weight (out·in elements) [`Gpu::linear`] sends to the
-/// small-batch kernel when it is on: NOSA-8B's QKV and O projections,
-/// not the larger gate|up, down and lm_head GEMMs, which cuBLAS reads near
-/// the memory ceiling.
-pub const GEMV_MAX_WEIGHTS: usize = 32 << 20;
-/// Output rows per block of `gemv_small` (GEMV_WARPS · GEMV_ROWS).
-const GEMV_ROWS_PER_BLOCK: usize = 16;
 
 mod private {
     pub trait Sealed {}
@@ -872,10 +861,10 @@ impl Gpu {
     /// `y` is [`Bf16`] (activations, rounded from the f32 accumulator) or
     /// f32 (logits). `n = 0` is a no-op.
     ///
-    /// When [`Gpu::set_small_gemv`] turned it on (off by default: cuBLAS
-    /// measured faster), small batches (n ≤ [`GEMV_MAX_N`]) with weights of
-    /// at most [`GEMV_MAX_WEIGHTS`] elements, `in` a multiple of 8 and
-    /// 16-byte aligned x and W go to the memory-bound kernel `gemv_small`
+    /// When [`Gpu::small_gemv`] is on, small batches that `gemv` takes
+    /// ([`super::ops::gemv_fits`]: n ≤ [`super::ops::GEMV_MAX_N`], `in` a
+    /// multiple of 8, the input within its shared memory) with 16-byte
+    /// aligned x and W go to the memory-bound kernel `gemv`
     /// (kernels/gemv.cu; same result up to summation order).
     ///
     /// Errors: [`Error::Input`] when x is not n·in, W not out·in or y not
@@ -917,41 +906,26 @@ impl Gpu {
         let (wp, _gw) = w.device_ptr(&self.stream);
         let (yp, _gy) = y.device_ptr_mut(&self.stream);
         if self.small_gemv()
-            && n <= GEMV_MAX_N
-            && out_features * in_features <= GEMV_MAX_WEIGHTS
-            && in_features.is_multiple_of(8)
-            && n * in_features * 2 <= 48 * 1024
+            && super::ops::gemv_fits(n, in_features)
             && xp.is_multiple_of(16)
             && wp.is_multiple_of(16)
         {
-            let f = self.function("gemv_small")?;
-            let cfg = cudarc::driver::LaunchConfig {
-                grid_dim: (
-                    u32::try_from(out_features.div_ceil(GEMV_ROWS_PER_BLOCK))
-                        .map_err(|_| Error::Input(format!("linear: {out_features} output rows")))?,
-                    1,
-                    1,
-                ),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: (n * in_features * 2) as u32,
+            let y = if O::IS_F32 {
+                super::ops::GemvOutput::F32(yp)
+            } else {
+                super::ops::GemvOutput::Bf16(yp)
             };
-            let yf = i32::from(O::IS_F32);
-            let mut b = self.launch_builder(f);
-            b.arg(&xp)
-                .arg(&wp)
-                .arg(&yp)
-                .arg(&n_)
-                .arg(&k_)
-                .arg(&m_)
-                .arg(&yf);
-            // SAFETY: argument list matches kernels/gemv.cu; x holds n·in, W out·in
-            // and y n·out elements (checked above), both inputs 16-byte aligned,
-            // in a multiple of 8, n ≤ GEMV_MAX_N, x fits the shared memory.
-            return unsafe { b.launch(cfg) }
-                .cuda(&format!(
-                    "gemv_small [{n}, {in_features}] x [{out_features}, {in_features}]^T"
-                ))
-                .map(drop);
+            let args = super::ops::GemvArgs {
+                x: super::ops::GemvInput::Bf16(xp),
+                w: wp,
+                y,
+                n,
+                in_features,
+                out_features,
+            };
+            // SAFETY: x holds n·in, W out·in and y n·out elements (checked
+            // above), y is a distinct output buffer.
+            return unsafe { super::ops::launch_gemv(self, &args) };
         }
         // SAFETY: the pointers are live device buffers of the checked sizes;
         // alpha/beta are host f32 as the default pointer mode and the 32F

@@ -58,7 +58,10 @@ impl GpuModel {
         );
         let lw = &self.layers[l];
         let w = self.qkv_cols;
-        if self.on(StepPart::NormIn) {
+        // Fused: past layer 0 the previous down projection has added its
+        // output to the residual stream, and the QKV GEMV normalises it.
+        let fused = self.fused_gemv.get() && l > 0;
+        if !fused && self.on(StepPart::NormIn) {
             ops::add_rmsnorm(
                 gpu,
                 &mut ws.resid.slice_mut(0..n * d),
@@ -70,7 +73,24 @@ impl GpuModel {
             )?;
         }
         let qp = dptr(gpu, &ws.qkv) + (qkv_off * 2) as u64;
-        if self.on(StepPart::Qkv) {
+        if fused && self.on(StepPart::Qkv) {
+            let args = ops::GemvArgs {
+                x: ops::GemvInput::RmsNorm {
+                    resid: dptr(gpu, &ws.resid),
+                    weight: dptr(gpu, &lw.input_norm),
+                    eps: cfg.rms_norm_eps,
+                },
+                w: dptr(gpu, &lw.wqkv),
+                y: ops::GemvOutput::Bf16(qp),
+                n,
+                in_features: d,
+                out_features: w,
+            };
+            // SAFETY: resid holds n·d f32, the norm d and W w·d bf16, and the
+            // QKV rows at qp n·w bf16 (the workspace's step sizes); no bias
+            // (gemv_fusion_applies).
+            unsafe { ops::launch_gemv(gpu, &args) }?;
+        } else if self.on(StepPart::Qkv) {
             gpu.linear(
                 &ws.xn.slice(0..n * d),
                 n,
@@ -261,6 +281,9 @@ impl GpuModel {
         }
         let sp = self.tspan_next(cs, sp, "o_proj", l)?;
         let lw = &self.layers[l];
+        if self.fused_gemv.get() {
+            return self.layer_back_fused(l, ws, n, sp);
+        }
         if self.on(StepPart::OProj) {
             gpu.linear(
                 &ws.attn.slice(0..n * hq * dh),
@@ -324,6 +347,72 @@ impl GpuModel {
         Ok(sp)
     }
 
+    /// The O projection and FFN of layer `l` on the fused small-batch
+    /// GEMVs ([`GpuModel::gemv_fusion_applies`]): O adds into the residual
+    /// stream, gate|up normalises it, down applies SwiGLU and adds. The
+    /// `ffn` span follows `open` (the `o_proj` span).
+    fn layer_back_fused(&self, l: usize, ws: &mut Workspace, n: usize, open: SpanId) -> Result<SpanId> {
+        let gpu = &*self.gpu;
+        let cfg = &self.config;
+        let (d, hdim, inter) = (
+            cfg.hidden_size,
+            cfg.num_attention_heads * cfg.head_dim,
+            cfg.intermediate_size,
+        );
+        let lw = &self.layers[l];
+        let resid = dptr(gpu, &ws.resid);
+        let launch = |part: StepPart, args: ops::GemvArgs| -> Result<()> {
+            if !self.on(part) {
+                return Ok(());
+            }
+            // SAFETY: the workspace holds the step's n rows of every buffer
+            // named (resid n·d f32, attn n·H·D, gu n·2I bf16); the weights
+            // are the layer's own, of the shapes given; outputs do not
+            // overlap inputs.
+            unsafe { ops::launch_gemv(gpu, &args) }
+        };
+        let scale = cfg.residual_scale();
+        launch(
+            StepPart::OProj,
+            ops::GemvArgs {
+                x: ops::GemvInput::Bf16(dptr(gpu, &ws.attn)),
+                w: dptr(gpu, &lw.wo),
+                y: ops::GemvOutput::Residual { resid, scale },
+                n,
+                in_features: hdim,
+                out_features: d,
+            },
+        )?;
+        let sp = self.tspan_next(gpu.stream(), open, "ffn", l)?;
+        launch(
+            StepPart::GateUp,
+            ops::GemvArgs {
+                x: ops::GemvInput::RmsNorm {
+                    resid,
+                    weight: dptr(gpu, &lw.post_norm),
+                    eps: cfg.rms_norm_eps,
+                },
+                w: dptr(gpu, &lw.wgu),
+                y: ops::GemvOutput::Bf16(dptr(gpu, &ws.gu)),
+                n,
+                in_features: d,
+                out_features: 2 * inter,
+            },
+        )?;
+        launch(
+            StepPart::Down,
+            ops::GemvArgs {
+                x: ops::GemvInput::Swiglu(dptr(gpu, &ws.gu)),
+                w: dptr(gpu, &lw.wdown),
+                y: ops::GemvOutput::Residual { resid, scale },
+                n,
+                in_features: inter,
+                out_features: d,
+            },
+        )?;
+        Ok(sp)
+    }
+
     /// Final residual add + norm (÷ logit divisor folded into its weight)
     /// over n rows, then the lm_head GEMM (f32) of rows first … first+m−1
     /// into `ws.logits` rows 0 … m−1.
@@ -331,6 +420,29 @@ impl GpuModel {
         let gpu = &*self.gpu;
         let cfg = &self.config;
         let (d, vocab) = (cfg.hidden_size, cfg.vocab_size);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        if self.fused_gemv.get() {
+            // the last down projection has added into the residual stream;
+            // the lm_head GEMV normalises it
+            if m == 0 || !self.on(StepPart::LmHead) {
+                return Ok(());
+            }
+            let args = ops::GemvArgs {
+                x: ops::GemvInput::RmsNorm {
+                    resid: dptr(gpu, &ws.resid) + (first * d * 4) as u64,
+                    weight: dptr(gpu, &self.final_norm),
+                    eps: cfg.rms_norm_eps,
+                },
+                w: dptr(gpu, head),
+                y: ops::GemvOutput::F32(dptr(gpu, &ws.logits)),
+                n: m,
+                in_features: d,
+                out_features: vocab,
+            };
+            // SAFETY: rows first … first+m−1 of the n·d f32 residual stream,
+            // the [vocab, d] head and the logits' m·vocab f32 rows.
+            return unsafe { ops::launch_gemv(gpu, &args) };
+        }
         if self.on(StepPart::FinalNorm) {
             ops::add_rmsnorm(
                 gpu,
@@ -345,7 +457,6 @@ impl GpuModel {
         if m == 0 || !self.on(StepPart::LmHead) {
             return Ok(());
         }
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         gpu.linear(
             &ws.xn.slice(first * d..(first + m) * d),
             m,

@@ -406,6 +406,9 @@ pub struct GpuModel {
     pub(crate) decode_mode: DecodeMode,
     /// When set, step enqueues launch only this piece ([`GpuModel::profile_step`]).
     pub(crate) only_part: std::cell::Cell<Option<StepPart>>,
+    /// Set for the launches of one decode step whose GEMVs fold their
+    /// neighbours in ([`GpuModel::gemv_fusion_applies`]; layer.rs).
+    pub(crate) fused_gemv: std::cell::Cell<bool>,
     pub(crate) selection: SelectionPath,
     pub(crate) record_selections: bool,
     /// Activation capture for forecast collection ([`GpuModel::set_capture`]).
@@ -621,6 +624,7 @@ impl GpuModel {
             step: None,
             decode_mode: DecodeMode::from_env(),
             only_part: std::cell::Cell::new(None),
+            fused_gemv: std::cell::Cell::new(false),
             selection: default_selection_path(),
             record_selections: false,
             capture: None,
@@ -748,6 +752,33 @@ impl GpuModel {
     /// Whether piece `p` of a step is enqueued (always, unless profiling another piece).
     pub(crate) fn on(&self, p: StepPart) -> bool {
         self.only_part.get().is_none_or(|q| q == p)
+    }
+
+    /// Whether a decode step of `n` rows runs its layers on the fused
+    /// small-batch GEMVs (kernels/gemv.cu, [`ops::launch_gemv`]): the QKV
+    /// and gate|up projections normalise the residual stream themselves,
+    /// the down projection applies SwiGLU to its input, and the O and down
+    /// projections add into the residual stream, so no RMSNorm, SwiGLU or
+    /// residual-add kernel runs between layer 1's QKV and the lm_head
+    /// (which normalises too). It applies when [`Gpu::small_gemv`] is on, no
+    /// projection has a bias, every GEMV input fits ([`ops::gemv_fits`]) and
+    /// every weight is 16-byte aligned.
+    pub(crate) fn gemv_fusion_applies(&self, n: usize) -> bool {
+        let c = &self.config;
+        let gpu = &*self.gpu;
+        let aligned = |w: &CudaSlice<Bf16>| dptr(gpu, w).is_multiple_of(16);
+        gpu.small_gemv()
+            && [c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size]
+                .iter()
+                .all(|&k| ops::gemv_fits(n, k))
+            && aligned(self.lm_head.as_ref().unwrap_or(&self.embed))
+            && self.layers.iter().all(|lw| {
+                lw.bqkv.is_none()
+                    && lw.bo.is_none()
+                    && lw.bgu.is_none()
+                    && lw.bdown.is_none()
+                    && [&lw.wqkv, &lw.wo, &lw.wgu, &lw.wdown].into_iter().all(aligned)
+            })
     }
 
     /// Whether sparse attention runs anywhere in this plan (NOSA or InfLLM-V2).

@@ -13,7 +13,7 @@ pub struct GemmCeiling {
     /// ceiling of spec/device.md.
     pub layers_graph_ms: f64,
     /// The same graph with the engine's own routing ([`Gpu::linear`]: the
-    /// small-batch kernel for the QKV and O projections at n ≤ 4 when
+    /// small-batch kernel `gemv` where it takes the shape when
     /// [`Gpu::set_small_gemv`] is on, else cuBLAS too), milliseconds.
     pub layers_graph_ms_engine: f64,
     /// Median of the lm_head GEMM alone (f32 logits), milliseconds.
@@ -57,10 +57,13 @@ impl GpuModel {
         let gpu = self.gpu.clone();
         let sparse = st.attn.sparse;
         let gpu_sel = self.gpu_selection();
+        // on the fused GEMVs these pieces are folded into the projections
+        let fused = self.gemv_fusion_applies(st.n);
         let mut out = Vec::new();
         for part in StepPart::ALL {
             let applies = match part {
                 StepPart::Argmax => false,
+                StepPart::NormPost | StepPart::Swiglu | StepPart::FinalNorm => !fused,
                 StepPart::Compress => gpu_sel,
                 StepPart::WindowScores | StepPart::Select => sparse,
                 _ => true,

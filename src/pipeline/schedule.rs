@@ -33,7 +33,17 @@ impl GpuModel {
     /// inputs for the next step. `seqs` are the step's sequences (the host
     /// selection path appends to their host mirrors; nothing else reads
     /// them here).
+    ///
+    /// Steps of few enough rows run on the fused small-batch GEMVs
+    /// ([`GpuModel::gemv_fusion_applies`]).
     pub(crate) fn enqueue_step(&self, st: &mut DecodeStep, seqs: &mut [GpuSequence]) -> Result<()> {
+        self.fused_gemv.set(self.gemv_fusion_applies(st.n));
+        let r = self.enqueue_step_launches(st, seqs);
+        self.fused_gemv.set(false);
+        r
+    }
+
+    fn enqueue_step_launches(&self, st: &mut DecodeStep, seqs: &mut [GpuSequence]) -> Result<()> {
         let gpu = &*self.gpu;
         let c = &self.config;
         let (d, vocab, nl) = (c.hidden_size, c.vocab_size, c.num_hidden_layers);

@@ -10,11 +10,13 @@
 //! Spec sections refer to spec/nosa-model.md.
 
 pub mod attention;
+pub mod gemv;
 pub mod offload;
 pub mod prefill_attention;
 pub mod select;
 
 pub use attention::*;
+pub use gemv::*;
 pub use prefill_attention::*;
 
 use crate::cuda::context::{dptr, dptr_mut, grid, i32_dim, CudaResultExt};

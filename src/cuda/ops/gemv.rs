@@ -1,0 +1,205 @@
+//! The small-batch linear layer `gemv` (kernels/gemv.cu): y = x · Wᵀ for
+//! n ≤ [`GEMV_MAX_N`] rows, memory-bound, with the decode step's
+//! neighbours of a GEMM folded in — the RMSNorm before the QKV and gate|up
+//! projections, SwiGLU before the down projection, the residual add after
+//! the O and down projections (spec/nosa-model.md §7; runtime.md §1's
+//! step). Each fold computes what the separate kernel (rmsnorm.cu,
+//! swiglu.cu) computes, with the same roundings; the dot products sum in
+//! another order than cuBLAS.
+
+use crate::cuda::context::CudaResultExt;
+use crate::cuda::Gpu;
+use crate::{Error, Result};
+use cudarc::driver::LaunchConfig;
+
+/// Largest batch `gemv` takes (`GEMV_MAX_N` in kernels/gemv.cu).
+pub const GEMV_MAX_N: usize = 4;
+/// Warps per block (`GEMV_WARPS`); each computes two output rows at a time.
+const GEMV_WARPS: usize = 8;
+/// Output rows a warp computes at a time (`GEMV_ROWS`).
+const GEMV_ROWS: usize = 2;
+/// Shared memory the staged input may take, bytes (n · in · 2; the static
+/// limit, no opt-in).
+pub const GEMV_MAX_STAGED_BYTES: usize = 48 * 1024;
+/// Blocks per SM of the grid (the warps stride over the row pairs; at 128
+/// registers a thread, two blocks of 256 threads fit an SM), unless
+/// `$SPARDA_GEMV_BLOCKS_PER_SM` sets another count (1–16).
+const GEMV_BLOCKS_PER_SM: usize = 2;
+
+/// Where `gemv`'s input rows (bf16 [n, in] once staged) come from.
+#[derive(Debug, Clone, Copy)]
+pub enum GemvInput {
+    /// bf16 [n, in] at this device address, as is.
+    Bf16(u64),
+    /// RMSNorm of the f32 residual stream [n, in] at `resid`:
+    /// x = bf16(bf16(r / √(mean(r²) + eps)) · w), `weight` bf16 [in]
+    /// (what `ops::rmsnorm` writes).
+    RmsNorm {
+        /// f32 [n, in] device address.
+        resid: u64,
+        /// bf16 [in] device address.
+        weight: u64,
+        /// ε of the norm.
+        eps: f32,
+    },
+    /// SwiGLU of the gate|up output bf16 [n, 2·in] at this address:
+    /// x = bf16(silu(gate) · up) (what `ops::swiglu` writes).
+    Swiglu(u64),
+}
+
+/// Where `gemv` writes y [n, out].
+#[derive(Debug, Clone, Copy)]
+pub enum GemvOutput {
+    /// bf16 [n, out], rounded to nearest even.
+    Bf16(u64),
+    /// f32 [n, out].
+    F32(u64),
+    /// Added to the f32 residual stream [n, out]: r += bf16(y) · scale
+    /// (what `ops::add_rmsnorm`'s residual add does with a bf16 GEMM output).
+    Residual {
+        /// f32 [n, out] device address, read and written.
+        resid: u64,
+        /// Factor of the added output.
+        scale: f32,
+    },
+}
+
+/// One `gemv` launch: y = x · Wᵀ, W bf16 [out_features, in_features] at `w`.
+#[derive(Debug, Clone, Copy)]
+pub struct GemvArgs {
+    /// The input rows.
+    pub x: GemvInput,
+    /// W device address (16-byte aligned).
+    pub w: u64,
+    /// The output.
+    pub y: GemvOutput,
+    /// Rows, 1 ≤ n ≤ [`GEMV_MAX_N`].
+    pub n: usize,
+    /// Input features (a multiple of 8).
+    pub in_features: usize,
+    /// Output features.
+    pub out_features: usize,
+}
+
+/// Whether `gemv` takes n rows of `in_features` (n ≤ [`GEMV_MAX_N`],
+/// in_features a multiple of 8, the staged input within
+/// [`GEMV_MAX_STAGED_BYTES`]). Alignment is the caller's to check.
+pub fn gemv_fits(n: usize, in_features: usize) -> bool {
+    (1..=GEMV_MAX_N).contains(&n)
+        && in_features > 0
+        && in_features.is_multiple_of(8)
+        && n * in_features * 2 <= GEMV_MAX_STAGED_BYTES
+}
+
+/// The grid of a `gemv` over `out_features` rows on `sms` SMs: one warp per
+/// row pair, at most `blocks_per_sm` blocks per SM.
+fn gemv_blocks(out_features: usize, sms: usize, blocks_per_sm: usize) -> usize {
+    out_features
+        .div_ceil(GEMV_ROWS)
+        .div_ceil(GEMV_WARPS)
+        .min(sms.max(1) * blocks_per_sm)
+        .max(1)
+}
+
+/// `$SPARDA_GEMV_BLOCKS_PER_SM` if it is a count of 1–16, else the default.
+fn blocks_per_sm() -> usize {
+    std::env::var("SPARDA_GEMV_BLOCKS_PER_SM")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|b| (1..=16).contains(b))
+        .unwrap_or(GEMV_BLOCKS_PER_SM)
+}
+
+/// Enqueues `gemv` (kernels/gemv.cu) on [`Gpu::stream`], through
+/// [`Gpu::launch_builder`] (so under programmatic dependent launch when it
+/// is on).
+///
+/// Errors: [`Error::Input`] when the shape does not fit ([`gemv_fits`]) or
+/// an address is not 16-byte aligned; [`Error::Cuda`] on a launch failure.
+///
+/// # Safety
+/// Every address must be a live device buffer of the sizes the variants
+/// name (x/resid [n, in], gate|up [n, 2·in], weight [in], W [out, in],
+/// y/resid [n, out]); y must not overlap the input or W.
+pub unsafe fn launch_gemv(gpu: &Gpu, a: &GemvArgs) -> Result<()> {
+    let (n, k, m) = (a.n, a.in_features, a.out_features);
+    let shape = || format!("gemv [{n}, {k}] x [{m}, {k}]^T");
+    if !gemv_fits(n, k) {
+        return Err(Error::Input(format!(
+            "{}: needs 1 ≤ n ≤ {GEMV_MAX_N}, in a multiple of 8 and n·in·2 ≤ {GEMV_MAX_STAGED_BYTES} bytes",
+            shape()
+        )));
+    }
+    if m == 0 {
+        return Ok(());
+    }
+    let (xp, xmode, norm, eps) = match a.x {
+        GemvInput::Bf16(p) => (p, 0i32, 0u64, 0.0f32),
+        GemvInput::RmsNorm { resid, weight, eps } => (resid, 1, weight, eps),
+        GemvInput::Swiglu(p) => (p, 2, 0, 0.0),
+    };
+    let (yp, ymode, scale) = match a.y {
+        GemvOutput::Bf16(p) => (p, 0i32, 0.0f32),
+        GemvOutput::F32(p) => (p, 1, 0.0),
+        GemvOutput::Residual { resid, scale } => (resid, 2, scale),
+    };
+    if !xp.is_multiple_of(16) || !a.w.is_multiple_of(16) {
+        return Err(Error::Input(format!(
+            "{}: x at {xp:#x} and W at {:#x} must be 16-byte aligned",
+            shape(),
+            a.w
+        )));
+    }
+    let dims = |v: usize, what: &str| {
+        i32::try_from(v).map_err(|_| Error::Input(format!("{}: {what} {v} exceeds i32", shape())))
+    };
+    let (k_, m_) = (dims(k, "in")?, dims(m, "out")?);
+    let blocks = gemv_blocks(m, gpu.info().sm_count.max(1) as usize, blocks_per_sm());
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: ((32 * GEMV_WARPS) as u32, 1, 1),
+        shared_mem_bytes: (n * k * 2) as u32,
+    };
+    let f = gpu.function(["gemv1", "gemv2", "gemv3", "gemv4"][n - 1])?;
+    let mut b = gpu.launch_builder(f);
+    b.arg(&xp)
+        .arg(&norm)
+        .arg(&eps)
+        .arg(&a.w)
+        .arg(&yp)
+        .arg(&scale)
+        .arg(&k_)
+        .arg(&m_)
+        .arg(&xmode)
+        .arg(&ymode);
+    // SAFETY: argument list matches kernels/gemv.cu; the caller vouches for
+    // the buffers (this function's contract); shape and alignment checked.
+    unsafe { b.launch(cfg) }.cuda(&shape()).map(drop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fits_only_small_batches_of_whole_chunks_within_shared_memory() {
+        assert!(gemv_fits(1, 4096));
+        assert!(gemv_fits(1, 14_336)); // NOSA-8B's down projection input: 28 KiB
+        assert!(gemv_fits(4, 4096)); // 32 KiB
+        assert!(!gemv_fits(2, 14_336)); // 56 KiB > 48 KiB
+        assert!(!gemv_fits(5, 256));
+        assert!(!gemv_fits(0, 256));
+        assert!(!gemv_fits(1, 100)); // not a multiple of 8
+    }
+
+    #[test]
+    fn grid_covers_every_row_pair_up_to_the_per_sm_cap() {
+        // 6,144 rows = 3,072 pairs = 384 blocks of 8 warps, below 132·4
+        assert_eq!(gemv_blocks(6144, 132, 4), 384);
+        // 28,672 rows = 1,792 blocks, capped at 132·2
+        assert_eq!(gemv_blocks(28_672, 132, 2), 264);
+        // an odd row count still gets its last (half) pair
+        assert_eq!(gemv_blocks(17, 132, 4), 2);
+        assert_eq!(gemv_blocks(1, 0, 4), 1);
+    }
+}
