@@ -1,28 +1,31 @@
 // Small-batch linear layer (the decode GEMMs at batch <= GEMV_MAX_N, e.g. B = 1), with the
-// decode step's neighbours of a GEMM folded into it (src/cuda/gemv.rs documents the modes):
+// decode step's neighbours of a GEMM folded into it (src/cuda/ops/gemv.rs documents the modes):
 //   y[i, o] = sum_k x[i, k] * W[o, k]   for i < n, o < out,
 // W bf16 [out, in] (row-major, the Hugging Face [out_features, in_features] layout), f32
 // accumulation (another summation order than cuBLAS gemm_ex). x is staged in shared memory,
 // as bf16 [n, in], from one of:
 //   GX_BF16     xsrc bf16 [n, in] as is;
 //   GX_RMSNORM  xsrc the f32 residual stream [n, in]: x = bf16(bf16(r / sqrt(mean(r^2) + eps)) * g),
-//               g = norm bf16 [in] (rmsnorm.cu's formula; each block reduces the row itself);
-//   GX_SWIGLU   xsrc the gate|up output bf16 [n, 2 in]: x = bf16(silu(gate) * up) (swiglu.cu).
+//               g = norm bf16 [in] (rmsnorm.cu's formula; each block reduces the rows itself).
 // y is one of:
 //   GY_BF16     bf16 [n, out], rounded to nearest even;
 //   GY_F32      f32 [n, out];
 //   GY_RESID    the f32 residual stream [n, out]: y += bf16(sum) * scale (rmsnorm.cu's residual add
-//               of a bf16 GEMM output; each element has one writer).
+//               of a bf16 GEMM output; each element has one writer);
+//   GY_SWIGLU   W is the fused [gate; up] weight (out = 2 I rows): y bf16 [n, I] gets
+//               bf16(silu(g) * u) of g = bf16(gate row o), u = bf16(up row o) (swiglu.cu's formula
+//               on the rounded GEMM outputs).
 // Kernels gemv1 ... gemv4: n = 1 ... 4 rows (GEMV_MAX_N), the same arguments.
 // Memory-bound: every weight is read once with 16-byte streaming loads, several in flight per
 // lane. The weights do not depend on the previous kernel, so under programmatic dependent launch
 // each warp loads its first GEMV_PF chunks of both rows before pdl_wait() and the stream of
 // weights starts while the previous kernel drains.
 // Work: warp w of the grid (blockIdx.x * GEMV_WARPS + w) computes row pairs w, w + W, w + 2W, ...
-// (W = gridDim.x * GEMV_WARPS warps in all); lane l reads 16-byte chunks l, l + 32, ... of both
-// rows; the partial sums are reduced over the warp (warp_sum).
-// Requires: in % 8 == 0, xsrc and W 16-byte aligned, 1 <= n <= GEMV_MAX_N, dynamic shared
-// memory n * in * 2 bytes, blockDim.x = 32 * GEMV_WARPS.
+// (W = gridDim.x * GEMV_WARPS warps in all); pair p is rows (2p, 2p + 1), or (p, p + I) for
+// GY_SWIGLU; lane l reads 16-byte chunks l, l + 32, ... of both rows; the partial sums are
+// reduced over the warp (warp_sum).
+// Requires: in % 8 == 0, xsrc and W 16-byte aligned, norm 8-byte aligned, out even for
+// GY_SWIGLU, dynamic shared memory n * in * 2 bytes, blockDim.x = 32 * GEMV_WARPS.
 
 #define GEMV_MAX_N 4
 #define GEMV_ROWS 2
@@ -31,10 +34,10 @@
 
 #define GX_BF16 0
 #define GX_RMSNORM 1
-#define GX_SWIGLU 2
 #define GY_BF16 0
 #define GY_F32 1
 #define GY_RESID 2
+#define GY_SWIGLU 3
 
 __device__ __forceinline__ float bf_lo(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
@@ -71,15 +74,18 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kch = in >> 3;  // 16-byte chunks per row
     const int nwarps = gridDim.x * GEMV_WARPS;
-    const int pairs = (out + GEMV_ROWS - 1) / GEMV_ROWS;
+    const bool glu = ymode == GY_SWIGLU;
+    const int half = out >> 1;
+    const int pairs = glu ? half : (out + GEMV_ROWS - 1) / GEMV_ROWS;
     int pair = blockIdx.x * GEMV_WARPS + warp;
 
     // The first row pair's first chunks, before the dependency on the previous kernel.
     uint4 pa[GEMV_PF], pb[GEMV_PF];
     if (pair < pairs) {
-        const int row0 = pair * GEMV_ROWS;
-        const uint4* w0 = (const uint4*)(W + (u64)row0 * in);
-        const uint4* w1 = (const uint4*)(W + (u64)min(row0 + 1, out - 1) * in);
+        const int ra = glu ? pair : pair * GEMV_ROWS;
+        const int rb = glu ? pair + half : min(ra + 1, out - 1);
+        const uint4* w0 = (const uint4*)(W + (u64)ra * in);
+        const uint4* w1 = (const uint4*)(W + (u64)rb * in);
 #pragma unroll
         for (int u = 0; u < GEMV_PF; ++u) {
             const int c = lane + 32 * u;
@@ -92,41 +98,49 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
     pdl_wait();
     pdl_trigger();
 
-    // Stage x.
+    // Stage x: 16-byte (bf16) or float4 (f32) loads, several in flight per thread.
     uint4* xs = (uint4*)gemv_sh;  // [n, kch] chunks
-    bf16_t* xh = (bf16_t*)gemv_sh;
     if (xmode == GX_RMSNORM) {
+        const int nq = in >> 2;  // float4s per row
+        const uint2* g4 = (const uint2*)norm;
+        uint2* xq = (uint2*)gemv_sh;  // [n, nq] groups of 4 bf16
         for (int i = 0; i < n; ++i) {
-            const float* r = (const float*)xsrc + (u64)i * in;
+            const float4* r4 = (const float4*)((const float*)xsrc + (u64)i * in);
             float ss = 0.0f;
-            for (int j = threadIdx.x; j < in; j += blockDim.x) {
-                const float v = r[j];
-                ss += v * v;
+#pragma unroll 4
+            for (int q = threadIdx.x; q < nq; q += blockDim.x) {
+                const float4 v = r4[q];
+                ss += v.x * v.x;
+                ss += v.y * v.y;
+                ss += v.z * v.z;
+                ss += v.w * v.w;
             }
             ss = block_sum(ss, red);
             const float inv = 1.0f / sqrtf(ss / (float)in + eps);
-            for (int j = threadIdx.x; j < in; j += blockDim.x)
-                xh[(u64)i * in + j] = f2bf(round_bf(r[j] * inv) * bf2f(norm[j]));
-        }
-    } else if (xmode == GX_SWIGLU) {
-        const bf16_t* gu = (const bf16_t*)xsrc;
-        for (int idx = threadIdx.x; idx < n * in; idx += blockDim.x) {
-            const int i = idx / in, j = idx - i * in;
-            const float g = bf2f(gu[(u64)i * 2 * in + j]);
-            const float u = bf2f(gu[(u64)i * 2 * in + in + j]);
-            xh[idx] = f2bf(g / (1.0f + expf(-g)) * u);
+#pragma unroll 4
+            for (int q = threadIdx.x; q < nq; q += blockDim.x) {
+                const float4 v = r4[q];
+                const uint2 g = g4[q];
+                const u32 a = f2bf(round_bf(v.x * inv) * bf_lo(g.x));
+                const u32 b = f2bf(round_bf(v.y * inv) * bf_hi(g.x));
+                const u32 c = f2bf(round_bf(v.z * inv) * bf_lo(g.y));
+                const u32 d = f2bf(round_bf(v.w * inv) * bf_hi(g.y));
+                xq[(u64)i * nq + q] = make_uint2(a | (b << 16), c | (d << 16));
+            }
         }
     } else {
-        for (int c = threadIdx.x; c < n * kch; c += blockDim.x) xs[c] = ((const uint4*)xsrc)[c];
+        const uint4* x4 = (const uint4*)xsrc;
+#pragma unroll 4
+        for (int c = threadIdx.x; c < n * kch; c += blockDim.x) xs[c] = x4[c];
     }
     __syncthreads();
 
     bool first = true;
     for (; pair < pairs; pair += nwarps) {
-        const int row0 = pair * GEMV_ROWS;
-        const bool has1 = row0 + 1 < out;
+        const int row0 = glu ? pair : pair * GEMV_ROWS;
+        const bool has1 = glu || row0 + 1 < out;
         const uint4* w0 = (const uint4*)(W + (u64)row0 * in);
-        const uint4* w1 = (const uint4*)(W + (u64)(has1 ? row0 + 1 : row0) * in);
+        const uint4* w1 = (const uint4*)(W + (u64)(glu ? pair + half : has1 ? row0 + 1 : row0) * in);
         float a0[N], a1[N];
 #pragma unroll
         for (int i = 0; i < N; ++i) a0[i] = a1[i] = 0.0f;
@@ -165,7 +179,10 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
                 const float s1 = warp_sum(a1[i]);
                 if (lane == 0) {
                     const u64 o = (u64)i * out + row0;
-                    if (ymode == GY_F32) {
+                    if (glu) {
+                        const float g = round_bf(s0), u = round_bf(s1);
+                        ((bf16_t*)y)[(u64)i * half + pair] = f2bf(g / (1.0f + expf(-g)) * u);
+                    } else if (ymode == GY_F32) {
                         ((float*)y)[o] = s0;
                         if (has1) ((float*)y)[o + 1] = s1;
                     } else if (ymode == GY_RESID) {

@@ -46,6 +46,8 @@
 #                                          the GPU-resident step with SPARDA_PDL=0 vs on (B 1 4K, B 16 32K)
 #   scripts/device/offload.sh gemv OUT     the fused small-batch GEMVs (SPARDA_GEMV=1): gpu-check kernels, e2e and
 #                                          tiny identity on the fused path, B 1 4K dense cuBLAS vs fused
+#   scripts/device/offload.sh cachectas OUT cache slots 0/192 with the copy kernel on 8, 12, 16 whole SMs
+#                                          (4 task groups), prefetch on/off, sync, resident (CONTEXTS)
 #   scripts/device/offload.sh graphs OUT   offloaded steps as CUDA graphs: the identity checks of `check` and
 #                                          `batch`, then (only if all passed) `bound` over CONTEXTS
 #   scripts/device/offload.sh longctas OUT forecast + prefetch at 127K B16 with the copy kernel on 8/16/24
@@ -341,7 +343,7 @@ gemv)
   # kernel group (gemv in every mode against the CPU reference), the end-to-end
   # check and the tiny offload identity on the fused path, then the B 1 4K
   # dense step, cuBLAS + separate norms (SPARDA_GEMV=0) vs fused, two
-  # alternating rounds, and the fused step at 1 and 4 blocks per SM
+  # alternating rounds, and B 4 4K sparse both ways
   SPARDA_CHECK_ONLY=kernels $bin gpu-check --json "$out/gpu_check_kernels.json" 2>&1 \
     | grep -E "^gemv|FAIL|passed" || true
   SPARDA_GEMV=1 $bin gpu-check-e2e --json "$out/gpu_check_e2e_gemv.json" 2>&1 | tail -4 || true
@@ -354,15 +356,24 @@ gemv)
         | grep -E "dense |ceiling|piece|ms" | head -30 || true
     done
   done
-  for bps in 1 4; do
-    SPARDA_GEMV=1 SPARDA_GEMV_BLOCKS_PER_SM=$bps $bin bench --model synth:nosa-8b --attention dense --batch 1 \
-      --context 4K --steps 64 --tokenizer "$tok" --json "$out/bench_b1_4k_gemv1_bps$bps.json" 2>&1 \
-      | grep -E "dense |ceiling" || true
-  done
   for g in 0 1; do
     SPARDA_GEMV=$g $bin bench --model synth:nosa-8b --attention sparse --batch 4 --context 4K \
       --steps 32 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
       --json "$out/bench_b4_4k_gemv$g.json" 2>&1 | grep -E "sparse " || true
+  done
+  ;;
+cachectas)
+  # cache slots with fewer copy CTAs: the pool's hits cut the fetched bytes, so fewer whole SMs
+  # may reach the same fetch time and leave more SMs to compute. Forecast + prefetch (and
+  # without prefetch, for the bound) with the copy kernel on 8, 12 and 16 whole SMs (4 task
+  # groups each) and 0 and 192 cache slots, GPU-resident beside them, at CONTEXTS (default 64K:16)
+  for cell in ${CONTEXTS:-64K:16}; do
+    l=${cell%%:*}; b=${cell##*:}
+    SPARDA_FETCH_GROUPS=4 $bin bench --model synth:nosa-8b --attention sparse --kv gpu,offload \
+      --fetch sm:8,sm:12,sm:16 --fetch-whole-sms --cache-slots "${CACHE:-0,192}" --forecast synth:1 \
+      --prefetch on,off --sync on --batch "$b" --context "$l" --steps "${STEPS:-32}" --fetch-timing-steps 8 \
+      --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" --json "$out/cache_ctas_$l.json" 2>&1 \
+      | tee "$out/cache_ctas_$l.log" | grep --line-buffered -E "P .* C .* bound|^sparse " || true
   done
   ;;
 graphs)

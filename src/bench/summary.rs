@@ -193,9 +193,10 @@ pub fn table(report: &Value) -> String {
     }
     if let Some(t) = report["target_comparison"].as_object() {
         s.push_str(&format!(
-            "B=1 L=4K dense: {:.3} ms/step vs layer-GEMM ceiling {:.3} ms ({:.2}×), target {:.3} ms ({}× the ceiling)\n",
+            "B=1 L=4K dense: {:.3} ms/step vs layer-GEMM ceiling {:.3} ms ({}; {:.2}×), target {:.3} ms ({}× the ceiling)\n",
             t["step_ms_mean"].as_f64().unwrap_or(f64::NAN),
             t["layer_gemm_ceiling_ms_measured"].as_f64().unwrap_or(f64::NAN),
+            t["layer_gemm_ceiling_source"].as_str().unwrap_or("cuBLAS"),
             t["step_over_ceiling"].as_f64().unwrap_or(f64::NAN),
             t["target_ms"].as_f64().unwrap_or(f64::NAN),
             super::B1_TARGET_OVER_CEILING

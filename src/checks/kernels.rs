@@ -258,7 +258,7 @@ fn check_gemm(c: &mut Checker<'_>) {
 
 /// The small-batch `gemv` (kernels/gemv.cu) in each of its input and output
 /// modes against the CPU reference: plain bf16 rows to bf16 and f32, the
-/// RMSNorm of an f32 residual stream, the SwiGLU of a gate|up output, and
+/// RMSNorm of an f32 residual stream, SwiGLU on the gate|up outputs, and
 /// the add into a residual stream (compared as the added amount).
 fn check_gemv(c: &mut Checker<'_>) {
     let eps = 1e-5f32;
@@ -324,25 +324,18 @@ fn check_gemv(c: &mut Checker<'_>) {
             unsafe { ops::launch_gemv(gpu, &args) }?;
             Ok((to_f32(&gpu.download(&yb)?), want))
         });
-        c.record("gemv", shape("swiglu", "residual"), |gpu, inp| {
+        c.record("gemv", shape("bf16", "residual"), |gpu, inp| {
             let scale = 1.4 / (32.0f32).sqrt();
-            let (gub, guf) = inp.bf16(n * 2 * k, 2.0);
+            let (xb, xf) = inp.bf16(n * k, 1.0);
             let (wb, wf) = inp.bf16(out * k, 1.0 / (k as f32).sqrt());
             let resid = inp.normal(n * out, 1.0);
-            let (gu, w, r) = (gpu.upload(&gub)?, gpu.upload(&wb)?, gpu.upload(&resid)?);
-            let act: Vec<f32> = (0..n * k)
-                .map(|i| {
-                    let (row, j) = (i / k, i % k);
-                    let v = cpu_ops::silu(guf[row * 2 * k + j]) * guf[row * 2 * k + k + j];
-                    half::bf16::from_f32(v).to_f32()
-                })
-                .collect();
-            let want: Vec<f32> = cpu_ops::linear(&act, n, &wf, None, out)
+            let (x, w, r) = (gpu.upload(&xb)?, gpu.upload(&wb)?, gpu.upload(&resid)?);
+            let want: Vec<f32> = cpu_ops::linear(&xf, n, &wf, None, out)
                 .iter()
                 .map(|v| half::bf16::from_f32(*v).to_f32() * scale)
                 .collect();
             let args = ops::GemvArgs {
-                x: ops::GemvInput::Swiglu(dptr(gpu, &gu)),
+                x: ops::GemvInput::Bf16(dptr(gpu, &x)),
                 w: dptr(gpu, &w),
                 y: ops::GemvOutput::Residual {
                     resid: dptr(gpu, &r),
@@ -352,7 +345,7 @@ fn check_gemv(c: &mut Checker<'_>) {
                 in_features: k,
                 out_features: out,
             };
-            // SAFETY: gate|up n·2k, W out·k, resid n·out f32, distinct buffers.
+            // SAFETY: x n·k, W out·k, resid n·out f32, distinct buffers.
             unsafe { ops::launch_gemv(gpu, &args) }?;
             let got: Vec<f32> = gpu
                 .download(&r)?
@@ -362,26 +355,58 @@ fn check_gemv(c: &mut Checker<'_>) {
                 .collect();
             Ok((got, want))
         });
+        if out.is_multiple_of(2) {
+            c.record("gemv", shape("rmsnorm", "swiglu"), |gpu, inp| {
+                let inter = out / 2;
+                let resid = inp.normal(n * k, 1.0);
+                let (gb, gf) = inp.bf16(k, 1.0);
+                let (wb, wf) = inp.bf16(out * k, 1.0 / (k as f32).sqrt());
+                let (r, g, w) = (gpu.upload(&resid)?, gpu.upload(&gb)?, gpu.upload(&wb)?);
+                let xn = cpu_ops::rms_norm_rounded(&resid, &gf, eps, true, true);
+                let rb = |v: f32| half::bf16::from_f32(v).to_f32();
+                let gu = cpu_ops::linear(&xn, n, &wf, None, out);
+                let want: Vec<f32> = (0..n * inter)
+                    .map(|i| {
+                        let (row, j) = (i / inter, i % inter);
+                        let (g, u) = (rb(gu[row * out + j]), rb(gu[row * out + inter + j]));
+                        cpu_ops::silu(g) * u
+                    })
+                    .collect();
+                let yb = poison_bf16(gpu, n * inter)?;
+                let args = ops::GemvArgs {
+                    x: ops::GemvInput::RmsNorm {
+                        resid: dptr(gpu, &r),
+                        weight: dptr(gpu, &g),
+                        eps,
+                    },
+                    w: dptr(gpu, &w),
+                    y: ops::GemvOutput::Swiglu(dptr(gpu, &yb)),
+                    n,
+                    in_features: k,
+                    out_features: out,
+                };
+                // SAFETY: resid n·k f32, norm k, W out·k, y n·out/2, distinct buffers.
+                unsafe { ops::launch_gemv(gpu, &args) }?;
+                Ok((to_f32(&gpu.download(&yb)?), want))
+            });
+        }
     }
     // the down projection of NOSA-8B at B = 1: 14,336 inputs (28 KiB staged)
     c.record(
         "gemv",
-        json!({"n": 1, "in": 14336, "out": 320, "x": "swiglu", "y": "residual"}),
+        json!({"n": 1, "in": 14336, "out": 320, "x": "bf16", "y": "residual"}),
         |gpu, inp| {
             let (n, k, out) = (1usize, 14_336usize, 320usize);
-            let (gub, guf) = inp.bf16(2 * k, 2.0);
+            let (xb, xf) = inp.bf16(k, 1.0);
             let (wb, wf) = inp.bf16(out * k, 1.0 / (k as f32).sqrt());
-            let (gu, w) = (gpu.upload(&gub)?, gpu.upload(&wb)?);
+            let (x, w) = (gpu.upload(&xb)?, gpu.upload(&wb)?);
             let r = gpu.upload(&vec![0.0f32; out])?;
-            let act: Vec<f32> = (0..k)
-                .map(|j| half::bf16::from_f32(cpu_ops::silu(guf[j]) * guf[k + j]).to_f32())
-                .collect();
-            let want: Vec<f32> = cpu_ops::linear(&act, n, &wf, None, out)
+            let want: Vec<f32> = cpu_ops::linear(&xf, n, &wf, None, out)
                 .iter()
                 .map(|v| half::bf16::from_f32(*v).to_f32())
                 .collect();
             let args = ops::GemvArgs {
-                x: ops::GemvInput::Swiglu(dptr(gpu, &gu)),
+                x: ops::GemvInput::Bf16(dptr(gpu, &x)),
                 w: dptr(gpu, &w),
                 y: ops::GemvOutput::Residual {
                     resid: dptr(gpu, &r),
@@ -391,7 +416,7 @@ fn check_gemv(c: &mut Checker<'_>) {
                 in_features: k,
                 out_features: out,
             };
-            // SAFETY: gate|up 2k, W out·k, resid out f32, distinct buffers.
+            // SAFETY: x k, W out·k, resid out f32, distinct buffers.
             unsafe { ops::launch_gemv(gpu, &args) }?;
             Ok((gpu.download(&r)?, want))
         },

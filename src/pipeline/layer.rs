@@ -349,8 +349,8 @@ impl GpuModel {
 
     /// The O projection and FFN of layer `l` on the fused small-batch
     /// GEMVs ([`GpuModel::gemv_fusion_applies`]): O adds into the residual
-    /// stream, gate|up normalises it, down applies SwiGLU and adds. The
-    /// `ffn` span follows `open` (the `o_proj` span).
+    /// stream, gate|up normalises it and applies SwiGLU to its outputs, down
+    /// adds. The `ffn` span follows `open` (the `o_proj` span).
     fn layer_back_fused(&self, l: usize, ws: &mut Workspace, n: usize, open: SpanId) -> Result<SpanId> {
         let gpu = &*self.gpu;
         let cfg = &self.config;
@@ -361,12 +361,13 @@ impl GpuModel {
         );
         let lw = &self.layers[l];
         let resid = dptr(gpu, &ws.resid);
+        let act = dptr(gpu, &ws.act);
         let launch = |part: StepPart, args: ops::GemvArgs| -> Result<()> {
             if !self.on(part) {
                 return Ok(());
             }
             // SAFETY: the workspace holds the step's n rows of every buffer
-            // named (resid n·d f32, attn n·H·D, gu n·2I bf16); the weights
+            // named (resid n·d f32, attn n·H·D, act n·I bf16); the weights
             // are the layer's own, of the shapes given; outputs do not
             // overlap inputs.
             unsafe { ops::launch_gemv(gpu, &args) }
@@ -393,7 +394,7 @@ impl GpuModel {
                     eps: cfg.rms_norm_eps,
                 },
                 w: dptr(gpu, &lw.wgu),
-                y: ops::GemvOutput::Bf16(dptr(gpu, &ws.gu)),
+                y: ops::GemvOutput::Swiglu(act),
                 n,
                 in_features: d,
                 out_features: 2 * inter,
@@ -402,7 +403,7 @@ impl GpuModel {
         launch(
             StepPart::Down,
             ops::GemvArgs {
-                x: ops::GemvInput::Swiglu(dptr(gpu, &ws.gu)),
+                x: ops::GemvInput::Bf16(act),
                 w: dptr(gpu, &lw.wdown),
                 y: ops::GemvOutput::Residual { resid, scale },
                 n,

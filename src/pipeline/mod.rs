@@ -757,7 +757,7 @@ impl GpuModel {
     /// Whether a decode step of `n` rows runs its layers on the fused
     /// small-batch GEMVs (kernels/gemv.cu, [`ops::launch_gemv`]): the QKV
     /// and gate|up projections normalise the residual stream themselves,
-    /// the down projection applies SwiGLU to its input, and the O and down
+    /// the gate|up projection applies SwiGLU to its outputs, and the O and down
     /// projections add into the residual stream, so no RMSNorm, SwiGLU or
     /// residual-add kernel runs between layer 1's QKV and the lm_head
     /// (which normalises too). It applies when [`Gpu::small_gemv`] is on, no

@@ -1,7 +1,7 @@
 //! The small-batch linear layer `gemv` (kernels/gemv.cu): y = x · Wᵀ for
 //! n ≤ [`GEMV_MAX_N`] rows, memory-bound, with the decode step's
 //! neighbours of a GEMM folded in — the RMSNorm before the QKV and gate|up
-//! projections, SwiGLU before the down projection, the residual add after
+//! projections, SwiGLU after the gate|up projection, the residual add after
 //! the O and down projections (spec/nosa-model.md §7; runtime.md §1's
 //! step). Each fold computes what the separate kernel (rmsnorm.cu,
 //! swiglu.cu) computes, with the same roundings; the dot products sum in
@@ -42,9 +42,6 @@ pub enum GemvInput {
         /// ε of the norm.
         eps: f32,
     },
-    /// SwiGLU of the gate|up output bf16 [n, 2·in] at this address:
-    /// x = bf16(silu(gate) · up) (what `ops::swiglu` writes).
-    Swiglu(u64),
 }
 
 /// Where `gemv` writes y [n, out].
@@ -62,6 +59,10 @@ pub enum GemvOutput {
         /// Factor of the added output.
         scale: f32,
     },
+    /// W is the fused [gate; up] weight (out = 2·I rows, I = out/2): bf16
+    /// [n, I] at this address gets bf16(silu(g) · u) of the rounded gate and
+    /// up outputs g, u (what the gate|up GEMM and `ops::swiglu` write).
+    Swiglu(u64),
 }
 
 /// One `gemv` launch: y = x · Wᵀ, W bf16 [out_features, in_features] at `w`.
@@ -119,8 +120,8 @@ fn blocks_per_sm() -> usize {
 ///
 /// # Safety
 /// Every address must be a live device buffer of the sizes the variants
-/// name (x/resid [n, in], gate|up [n, 2·in], weight [in], W [out, in],
-/// y/resid [n, out]); y must not overlap the input or W.
+/// name (x/resid [n, in], weight [in], W [out, in], y/resid [n, out], the
+/// SwiGLU output [n, out/2]); y must not overlap the input or W.
 pub unsafe fn launch_gemv(gpu: &Gpu, a: &GemvArgs) -> Result<()> {
     let (n, k, m) = (a.n, a.in_features, a.out_features);
     let shape = || format!("gemv [{n}, {k}] x [{m}, {k}]^T");
@@ -136,16 +137,22 @@ pub unsafe fn launch_gemv(gpu: &Gpu, a: &GemvArgs) -> Result<()> {
     let (xp, xmode, norm, eps) = match a.x {
         GemvInput::Bf16(p) => (p, 0i32, 0u64, 0.0f32),
         GemvInput::RmsNorm { resid, weight, eps } => (resid, 1, weight, eps),
-        GemvInput::Swiglu(p) => (p, 2, 0, 0.0),
     };
     let (yp, ymode, scale) = match a.y {
         GemvOutput::Bf16(p) => (p, 0i32, 0.0f32),
         GemvOutput::F32(p) => (p, 1, 0.0),
         GemvOutput::Residual { resid, scale } => (resid, 2, scale),
+        GemvOutput::Swiglu(p) => (p, 3, 0.0),
     };
-    if !xp.is_multiple_of(16) || !a.w.is_multiple_of(16) {
+    if ymode == 3 && !m.is_multiple_of(2) {
         return Err(Error::Input(format!(
-            "{}: x at {xp:#x} and W at {:#x} must be 16-byte aligned",
+            "{}: a [gate; up] weight needs an even row count",
+            shape()
+        )));
+    }
+    if !xp.is_multiple_of(16) || !a.w.is_multiple_of(16) || !norm.is_multiple_of(8) {
+        return Err(Error::Input(format!(
+            "{}: x at {xp:#x} and W at {:#x} must be 16-byte aligned, the norm weight at {norm:#x} 8-byte",
             shape(),
             a.w
         )));
