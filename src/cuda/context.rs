@@ -1049,12 +1049,35 @@ mod tests {
         }
     }
 
+    /// Whether `text` defines the kernel `f`: written out (`void f(`) or
+    /// stamped by a macro on a line of its own (`GEMV_KERNEL(f, 1)`).
+    fn defines_kernel(text: &str, f: &str) -> bool {
+        text.contains(&format!("void {f}("))
+            || text.lines().any(|l| {
+                l.split_once('(').is_some_and(|(name, rest)| {
+                    !name.is_empty()
+                        && name.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+                        && rest.starts_with(&format!("{f},"))
+                })
+            })
+    }
+
+    #[test]
+    fn a_kernel_stamped_by_a_macro_counts_and_a_missing_one_does_not() {
+        let text = "#define K(NAME, N) void NAME(int)\nK(gemv1, 1)\nK(gemv2, 2)\nfoo(gemv3, 3)\n";
+        assert!(defines_kernel(text, "gemv1"));
+        assert!(defines_kernel(text, "gemv2"));
+        assert!(!defines_kernel(text, "gemv3"));
+        assert!(!defines_kernel(text, "gemv4"));
+        assert!(defines_kernel("extern \"C\" __global__ void f(int x)", "f"));
+    }
+
     #[test]
     fn every_kernel_source_is_embedded_and_names_its_functions() {
         for s in KERNEL_SOURCES {
             for f in s.functions {
                 assert!(
-                    s.text.contains(&format!("void {f}(")),
+                    defines_kernel(s.text, f),
                     "{} lacks {f}",
                     s.file
                 );
