@@ -1056,7 +1056,9 @@ mod tests {
             || text.lines().any(|l| {
                 l.split_once('(').is_some_and(|(name, rest)| {
                     !name.is_empty()
-                        && name.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+                        && name
+                            .chars()
+                            .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
                         && rest.starts_with(&format!("{f},"))
                 })
             })
@@ -1076,11 +1078,7 @@ mod tests {
     fn every_kernel_source_is_embedded_and_names_its_functions() {
         for s in KERNEL_SOURCES {
             for f in s.functions {
-                assert!(
-                    defines_kernel(s.text, f),
-                    "{} lacks {f}",
-                    s.file
-                );
+                assert!(defines_kernel(s.text, f), "{} lacks {f}", s.file);
             }
             assert!(s.full_text().starts_with(COMMON_PRELUDE));
         }

@@ -351,7 +351,13 @@ impl GpuModel {
     /// GEMVs ([`GpuModel::gemv_fusion_applies`]): O adds into the residual
     /// stream, gate|up normalises it and applies SwiGLU to its outputs, down
     /// adds. The `ffn` span follows `open` (the `o_proj` span).
-    fn layer_back_fused(&self, l: usize, ws: &mut Workspace, n: usize, open: SpanId) -> Result<SpanId> {
+    fn layer_back_fused(
+        &self,
+        l: usize,
+        ws: &mut Workspace,
+        n: usize,
+        open: SpanId,
+    ) -> Result<SpanId> {
         let gpu = &*self.gpu;
         let cfg = &self.config;
         let (d, hdim, inter) = (

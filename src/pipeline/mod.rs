@@ -768,16 +768,22 @@ impl GpuModel {
         let gpu = &*self.gpu;
         let aligned = |w: &CudaSlice<Bf16>| dptr(gpu, w).is_multiple_of(16);
         gpu.small_gemv()
-            && [c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size]
-                .iter()
-                .all(|&k| ops::gemv_fits(n, k))
+            && [
+                c.hidden_size,
+                c.num_attention_heads * c.head_dim,
+                c.intermediate_size,
+            ]
+            .iter()
+            .all(|&k| ops::gemv_fits(n, k))
             && aligned(self.lm_head.as_ref().unwrap_or(&self.embed))
             && self.layers.iter().all(|lw| {
                 lw.bqkv.is_none()
                     && lw.bo.is_none()
                     && lw.bgu.is_none()
                     && lw.bdown.is_none()
-                    && [&lw.wqkv, &lw.wo, &lw.wgu, &lw.wdown].into_iter().all(aligned)
+                    && [&lw.wqkv, &lw.wo, &lw.wgu, &lw.wdown]
+                        .into_iter()
+                        .all(aligned)
             })
     }
 
