@@ -42,6 +42,8 @@
 #   scripts/device/offload.sh eb OUT       all modes under the equivalent-batch protocol
 #   scripts/device/offload.sh dmaprefetch OUT  copy engines vs SM kernel vs a split of both with prefetch
 #   scripts/device/offload.sh b1 OUT       GPU-resident B=1 L=4K step vs the split-K cap (SPARDA_ATTN_MAX_SPLITS)
+#   scripts/device/offload.sh ncu OUT      Nsight Compute on the B=1 4K dense step: each kernel's time, bytes,
+#                                          grid and registers; the attention partials and combine in detail
 #   scripts/device/offload.sh pdl OUT      programmatic dependent launch: gpu-check-e2e, offload identity, then
 #                                          the GPU-resident step with SPARDA_PDL=0 vs on (B 1 4K, B 16 32K)
 #   scripts/device/offload.sh gemv OUT     the fused small-batch GEMVs (SPARDA_GEMV=1): gpu-check kernels, e2e and
@@ -315,6 +317,25 @@ b1)
   b1run default
   b1run splits32 SPARDA_ATTN_MAX_SPLITS=32
   b1run splits16 SPARDA_ATTN_MAX_SPLITS=16
+  ;;
+ncu)
+  # Nsight Compute (clocks left alone) on the GPU-resident B=1 4K dense decode step: every
+  # kernel of the decode steps with its duration, DRAM bytes, grid and registers (ncu runs the
+  # kernels one at a time, PDL overlap included out), then one attention-partials and one
+  # combine launch in detail (about 2 min)
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  nargs=(bench --model synth:nosa-8b --attention dense --batch 1 --context 4K --steps 2 --warmup 2
+    --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" --json /tmp/ncu_bench.json)
+  sel='regex:rmsnorm|qkv_rope|attn_|swiglu|argmax|embed|gemv|gemm|nvjet|cutlass|Kernel'
+  "$ncu" --clock-control none -k "$sel" --launch-count 1200 --csv --log-file "$out/ncu_b1_4k_kernels.csv" \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__registers_per_thread \
+    $bin "${nargs[@]}" > "$out/ncu_b1_4k_run.log" 2>&1 || true
+  tail -3 "$out/ncu_b1_4k_run.log"
+  for k in attn_partial attn_combine; do
+    "$ncu" --clock-control none --set detailed -k "$k" --launch-skip 40 -c 1 --log-file "$out/ncu_detail_$k.txt" \
+      $bin "${nargs[@]}" > /dev/null 2>&1 || true
+    grep -E "Duration|Registers|Grid Size|Block Size|Achieved Occupancy|Theoretical Occupancy|Memory Throughput|DRAM Throughput|Waves Per SM" "$out/ncu_detail_$k.txt" | head -12
+  done
   ;;
 pdl)
   # programmatic dependent launch (cuda/launch.rs): the end-to-end check against
