@@ -44,6 +44,8 @@
 #   scripts/device/offload.sh b1 OUT       GPU-resident B=1 L=4K step vs the split-K cap (SPARDA_ATTN_MAX_SPLITS)
 #   scripts/device/offload.sh ncu OUT      Nsight Compute on the B=1 4K dense step: each kernel's time, bytes,
 #                                          grid and registers; the attention partials and combine in detail
+#   scripts/device/offload.sh ncu-attn OUT stall reasons per SASS instruction of the decode attention partials
+#                                          and combine (B=1 4K), the partials' time with 1, 2, 4 tiles per CTA
 #   scripts/device/offload.sh pdl OUT      programmatic dependent launch: gpu-check-e2e, offload identity, then
 #                                          the GPU-resident step with SPARDA_PDL=0 vs on (B 1 4K, B 16 32K)
 #   scripts/device/offload.sh gemv OUT     the fused small-batch GEMVs (SPARDA_GEMV=1): gpu-check kernels, e2e and
@@ -335,6 +337,27 @@ ncu)
     "$ncu" --clock-control none --set detailed -k "$k" --launch-skip 40 -c 1 --log-file "$out/ncu_detail_$k.txt" \
       $bin "${nargs[@]}" > /dev/null 2>&1 || true
     grep -E "Duration|Registers|Grid Size|Block Size|Achieved Occupancy|Theoretical Occupancy|Memory Throughput|DRAM Throughput|Waves Per SM" "$out/ncu_detail_$k.txt" | head -12
+  done
+  ;;
+ncu-attn)
+  # where the B=1 4K decode attention waits: one attn_partial and one attn_combine launch with
+  # Nsight Compute's full set (warp stall reasons per SASS instruction, from the saved reports),
+  # then attn_partial's duration with 1, 2 and 4 tiles per CTA (SPARDA_ATTN_MAX_SPLITS 128/33/17)
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  nargs=(bench --model synth:nosa-8b --attention dense --batch 1 --context 4K --steps 2 --warmup 2
+    --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" --json /tmp/ncu_bench.json)
+  for k in attn_partial attn_combine; do
+    "$ncu" --clock-control none --set full --import-source no -k "$k" --launch-skip 40 -c 1 -o "$out/$k" \
+      $bin "${nargs[@]}" > /dev/null 2>&1 || true
+    "$ncu" --import "$out/$k.ncu-rep" --page details --print-details all > "$out/${k}_full.txt" 2>&1 || true
+    "$ncu" --import "$out/$k.ncu-rep" --page source --print-source sass --csv > "$out/${k}_sass.csv" 2>&1 || true
+    grep -E "Duration|Warp Cycles Per Issued|Stall|stall" "$out/${k}_full.txt" | head -20
+  done
+  for cap in 128 33 17; do
+    SPARDA_ATTN_MAX_SPLITS=$cap "$ncu" --clock-control none -k attn_partial --launch-skip 40 -c 8 \
+      --metrics gpu__time_duration.sum,launch__grid_size --csv --log-file "$out/attn_partial_cap$cap.csv" \
+      $bin "${nargs[@]}" > /dev/null 2>&1 || true
+    echo "cap $cap: $(grep -c duration "$out/attn_partial_cap$cap.csv") launches"
   done
   ;;
 pdl)
