@@ -284,7 +284,6 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
     float* sm_o = (float*)att_sh;             // [ATT_WARPS][16][D]
     float* sm_m = sm_o + ATT_WARPS * 16 * D;  // [ATT_WARPS][16]
     float* sm_l = sm_m + ATT_WARPS * 16;      // [ATT_WARPS][16]
-    float* sm_w = sm_l + ATT_WARPS * 16;      // [ATT_WARPS][16] warp weights e^(m_w - M)
     const int gr = lane >> 2, cc = (lane & 3) * 2;
     if ((lane & 3) == 0) {
         sm_m[warp * 16 + gr] = m0;
@@ -304,38 +303,26 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
         }
     }
     __syncthreads();
-    // Per query head gi (thread gi < gc): M over the warps, each warp's weight e^(m_w - M)
-    // (0 for a warp that saw no token) and L, summed in warp order; written once, not per
-    // output element.
-    if (threadIdx.x < gc) {
-        const int gi = threadIdx.x;
+    for (int idx = threadIdx.x; idx < gc * D; idx += ATT_THREADS) {
+        const int gi = idx / D, d = idx - gi * D;
         float M = -INFINITY;
 #pragma unroll
         for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, sm_m[w * 16 + gi]);
-        float L = 0.0f;
+        float L = 0.0f, acc = 0.0f;
 #pragma unroll
         for (int w = 0; w < ATT_WARPS; ++w) {
             const float mw = sm_m[w * 16 + gi];
-            const float wt = mw != -INFINITY ? expf(mw - M) : 0.0f;
-            sm_w[w * 16 + gi] = wt;
-            if (mw != -INFINITY) L += sm_l[w * 16 + gi] * wt;
+            if (mw != -INFINITY) {
+                const float wt = expf(mw - M);
+                L += sm_l[w * 16 + gi] * wt;
+                acc += sm_o[(w * 16 + gi) * D + d] * wt;
+            }
         }
         const u64 slot = slot0 + (u64)gi * nsplit;
-        part_ml[2 * slot] = M;
-        part_ml[2 * slot + 1] = L;
-    }
-    __syncthreads();
-    // O = sum over warps (in warp order) of the warp's O times its weight; warps that saw
-    // no token add nothing (their O is 0 and so is their weight, skipped as before).
-    for (int gi = 0; gi < gc; ++gi) {
-        const u64 slot = slot0 + (u64)gi * nsplit;
-        for (int d = threadIdx.x; d < D; d += ATT_THREADS) {
-            float acc = 0.0f;
-#pragma unroll
-            for (int w = 0; w < ATT_WARPS; ++w) {
-                if (sm_m[w * 16 + gi] != -INFINITY) acc += sm_o[(w * 16 + gi) * D + d] * sm_w[w * 16 + gi];
-            }
-            part_o[slot * D + d] = acc;
+        part_o[slot * D + d] = acc;
+        if (d == 0) {
+            part_ml[2 * slot] = M;
+            part_ml[2 * slot + 1] = L;
         }
     }
     cta_log_end(cta_log);
