@@ -32,12 +32,12 @@ pub enum GemvInput {
     /// bf16 [n, in] at this device address, as is.
     Bf16(u64),
     /// RMSNorm of the f32 residual stream [n, in] at `resid`:
-    /// x = bf16(bf16(r / √(mean(r²) + eps)) · w), `weight` bf16 [in]
+    /// x = bf16(bf16(r / √(mean(r²) + eps)) · w), `weight` bf16 \[in\]
     /// (what `ops::rmsnorm` writes).
     RmsNorm {
         /// f32 [n, in] device address.
         resid: u64,
-        /// bf16 [in] device address.
+        /// bf16 \[in\] device address.
         weight: u64,
         /// ε of the norm.
         eps: f32,
@@ -120,7 +120,7 @@ fn blocks_per_sm() -> usize {
 ///
 /// # Safety
 /// Every address must be a live device buffer of the sizes the variants
-/// name (x/resid [n, in], weight [in], W [out, in], y/resid [n, out], the
+/// name (x/resid [n, in], weight \[in\], W [out, in], y/resid [n, out], the
 /// SwiGLU output [n, out/2]); y must not overlap the input or W.
 pub unsafe fn launch_gemv(gpu: &Gpu, a: &GemvArgs) -> Result<()> {
     let (n, k, m) = (a.n, a.in_features, a.out_features);
