@@ -155,17 +155,7 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> Result<()> {
     bar.finish_and_clear();
     let out = out?;
     writeln!(stdout).ok();
-    eprintln!(
-        "prefill {} tokens in {:.0} ms ({:.1} tokens/s); {} tokens generated, {} decode steps in {:.0} ms ({:.2} tokens/s); stop: {:?}",
-        req.prompt.len(),
-        out.prefill_ms,
-        req.prompt.len() as f64 / (out.prefill_ms / 1e3),
-        out.tokens.len(),
-        out.tokens.len().saturating_sub(1),
-        out.decode_ms,
-        out.decode_tokens_per_s(),
-        out.stop
-    );
+    eprintln!("{}", run_summary(req.prompt.len(), &out));
     if out.stop == generate::StopReason::Interrupted {
         // No --json report: an interrupted run's figures are not the run's
         // (as vLLM's and llama.cpp's tools leave no result file).
@@ -208,4 +198,59 @@ pub(crate) fn cmd_generate(a: GenerateArgs) -> Result<()> {
             .map_err(|e| Error::io(&p, e))?;
     }
     Ok(())
+}
+
+/// The one-line summary `generate` prints on stderr after a run: prompt tokens,
+/// prefill ms and tokens/s, tokens generated, decode steps (the first token
+/// comes from the prefill), decode ms and tokens/s, and why it stopped. A run
+/// that generated no token, or one token and so no decode step, says so
+/// instead of a decode rate of 0.
+fn run_summary(prompt_tokens: usize, out: &generate::Output) -> String {
+    let prefill = format!(
+        "prefill {prompt_tokens} tokens in {:.0} ms ({:.1} tokens/s)",
+        out.prefill_ms,
+        prompt_tokens as f64 / (out.prefill_ms / 1e3)
+    );
+    let decode = match out.tokens.len() {
+        0 => "no tokens generated".to_string(),
+        1 => "1 token generated (from the prefill; no decode step)".to_string(),
+        n => format!(
+            "{n} tokens generated, {} decode steps in {:.0} ms ({:.2} tokens/s)",
+            n - 1,
+            out.decode_ms,
+            out.decode_tokens_per_s()
+        ),
+    };
+    format!("{prefill}; {decode}; stop: {:?}", out.stop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn output(tokens: usize, decode_ms: f64) -> generate::Output {
+        generate::Output {
+            tokens: vec![7; tokens],
+            prefill_ms: 500.0,
+            decode_ms,
+            stop: generate::StopReason::MaxTokens,
+            logprobs: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_summary_gives_a_decode_rate_only_when_decode_steps_ran() {
+        let s = run_summary(1000, &output(0, 0.0));
+        assert_eq!(
+            s,
+            "prefill 1000 tokens in 500 ms (2000.0 tokens/s); no tokens generated; stop: MaxTokens"
+        );
+        assert!(run_summary(1000, &output(1, 0.0))
+            .contains("1 token generated (from the prefill; no decode step)"));
+        let s = run_summary(1000, &output(5, 100.0));
+        assert!(
+            s.contains("5 tokens generated, 4 decode steps in 100 ms (40.00 tokens/s)"),
+            "{s}"
+        );
+    }
 }
