@@ -69,6 +69,12 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 bin=.device/bin/sparda
 tok=.device/bin/tokenizer.json
 book=data/texts/hamlet.txt
+# For the ncu phases: the Nsight Compute binary ($ncu) and the B=1 4K dense bench it profiles ($nargs)
+ncu_b1_setup() {
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  nargs=(bench --model synth:nosa-8b --attention dense --batch 1 --context 4K --steps 2 --warmup 2
+    --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" --json /tmp/ncu_bench.json)
+}
 case "$phase" in
 check)
   $bin gpu-check --json "$out/gpu_check.json" 2>&1 | tail -25 || true
@@ -325,9 +331,7 @@ ncu)
   # kernel of the decode steps with its duration, DRAM bytes, grid and registers (ncu runs the
   # kernels one at a time, PDL overlap included out), then one attention-partials and one
   # combine launch in detail (about 2 min)
-  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
-  nargs=(bench --model synth:nosa-8b --attention dense --batch 1 --context 4K --steps 2 --warmup 2
-    --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" --json /tmp/ncu_bench.json)
+  ncu_b1_setup
   sel='regex:rmsnorm|qkv_rope|attn_|swiglu|argmax|embed|gemv|gemm|nvjet|cutlass|Kernel'
   "$ncu" --clock-control none -k "$sel" --launch-count 1200 --csv --log-file "$out/ncu_b1_4k_kernels.csv" \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__registers_per_thread \
@@ -342,10 +346,9 @@ ncu)
 ncu-attn)
   # where the B=1 4K decode attention waits: one attn_partial and one attn_combine launch with
   # Nsight Compute's full set (warp stall reasons per SASS instruction, from the saved reports),
-  # then attn_partial's duration with 1, 2 and 4 tiles per CTA (SPARDA_ATTN_MAX_SPLITS 128/33/17)
-  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
-  nargs=(bench --model synth:nosa-8b --attention dense --batch 1 --context 4K --steps 2 --warmup 2
-    --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" --json /tmp/ncu_bench.json)
+  # then attn_partial's duration with 1, 2 and 4 tiles per CTA (SPARDA_ATTN_MAX_SPLITS 128/33/17);
+  # writes 10 files: run it under run_phases.sh, which packs them (8 files come back per call)
+  ncu_b1_setup
   for k in attn_partial attn_combine; do
     "$ncu" --clock-control none --set full --import-source no -k "$k" --launch-skip 40 -c 1 -o "$out/$k" \
       $bin "${nargs[@]}" > /dev/null 2>&1 || true
