@@ -31,7 +31,8 @@
 // zero-filled). Warp w takes tokens 16w .. 16w+15 of each tile: S = Q.K^T (16 query-head
 // rows x 16 tokens, mma.sync m16n8k16 bf16 -> f32), online softmax in f32 per warp,
 // P rounded to bf16, O += P.V (mma, f32 accumulators). The 4 warp states are merged in
-// warp order and the split's partial is written:
+// warp order (each warp's O and L scaled by e^(m_w - M) in registers, then summed through
+// shared memory) and the split's partial is written (16-byte stores: part_o 16-byte aligned):
 //   part_o[slot*D + d] = unnormalised sum_j p_j v_j[d] (relative to M),
 //   part_ml[2*slot] = M (max logit, -inf when the split is empty), part_ml[2*slot+1] = L,
 // slot = (r*H + g)*nsplit + s. An empty split writes only (M, L) = (-inf, 0).
@@ -276,54 +277,69 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
         __syncthreads();
     }
 
-    // Merge the warps (shared memory reused: every copy has landed, every warp is past the loop).
+    // Merge the warps (shared memory reused: every copy has landed, every warp is past the
+    // loop). Each warp scales its own O and L by its weight e^(m_w - M) (0 for a warp that saw
+    // no token) in registers, two exponentials per lane; the scaled states are then summed in
+    // warp order, four values per output element.
     l0 += __shfl_xor_sync(FULL_MASK, l0, 1);
     l0 += __shfl_xor_sync(FULL_MASK, l0, 2);
     l1 += __shfl_xor_sync(FULL_MASK, l1, 1);
     l1 += __shfl_xor_sync(FULL_MASK, l1, 2);
-    float* sm_o = (float*)att_sh;             // [ATT_WARPS][16][D]
-    float* sm_m = sm_o + ATT_WARPS * 16 * D;  // [ATT_WARPS][16]
-    float* sm_l = sm_m + ATT_WARPS * 16;      // [ATT_WARPS][16]
+    const int OS = D + 8;                      // shared row stride of the O states, floats
+    float* sm_o = (float*)att_sh;              // [ATT_WARPS][16][OS]
+    float* sm_m = sm_o + ATT_WARPS * 16 * OS;  // [ATT_WARPS][16]
+    float* sm_l = sm_m + ATT_WARPS * 16;       // [ATT_WARPS][16] scaled sums
     const int gr = lane >> 2, cc = (lane & 3) * 2;
     if ((lane & 3) == 0) {
         sm_m[warp * 16 + gr] = m0;
         sm_m[warp * 16 + gr + 8] = m1;
-        sm_l[warp * 16 + gr] = l0;
-        sm_l[warp * 16 + gr + 8] = l1;
+    }
+    __syncthreads();
+    float M0 = -INFINITY, M1 = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < ATT_WARPS; ++w) {
+        M0 = fmaxf(M0, sm_m[w * 16 + gr]);
+        M1 = fmaxf(M1, sm_m[w * 16 + gr + 8]);
+    }
+    const float w0 = m0 == -INFINITY ? 0.0f : expf(m0 - M0);
+    const float w1 = m1 == -INFINITY ? 0.0f : expf(m1 - M1);
+    if ((lane & 3) == 0) {
+        sm_l[warp * 16 + gr] = l0 * w0;
+        sm_l[warp * 16 + gr + 8] = l1 * w1;
     }
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
         if (j < nd) {
-            float* a = sm_o + (warp * 16 + gr) * D + j * 8 + cc;
-            float* b = sm_o + (warp * 16 + gr + 8) * D + j * 8 + cc;
-            a[0] = o[j][0];
-            a[1] = o[j][1];
-            b[0] = o[j][2];
-            b[1] = o[j][3];
+            *(float2*)(sm_o + (warp * 16 + gr) * OS + j * 8 + cc) = make_float2(o[j][0] * w0, o[j][1] * w0);
+            *(float2*)(sm_o + (warp * 16 + gr + 8) * OS + j * 8 + cc) = make_float2(o[j][2] * w1, o[j][3] * w1);
         }
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < gc * D; idx += ATT_THREADS) {
-        const int gi = idx / D, d = idx - gi * D;
-        float M = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, sm_m[w * 16 + gi]);
-        float L = 0.0f, acc = 0.0f;
+    if (threadIdx.x < gc) {
+        const int gi = threadIdx.x;
+        float M = -INFINITY, L = 0.0f;
 #pragma unroll
         for (int w = 0; w < ATT_WARPS; ++w) {
-            const float mw = sm_m[w * 16 + gi];
-            if (mw != -INFINITY) {
-                const float wt = expf(mw - M);
-                L += sm_l[w * 16 + gi] * wt;
-                acc += sm_o[(w * 16 + gi) * D + d] * wt;
-            }
+            M = fmaxf(M, sm_m[w * 16 + gi]);
+            L += sm_l[w * 16 + gi];
         }
         const u64 slot = slot0 + (u64)gi * nsplit;
-        part_o[slot * D + d] = acc;
-        if (d == 0) {
-            part_ml[2 * slot] = M;
-            part_ml[2 * slot + 1] = L;
+        part_ml[2 * slot] = M;
+        part_ml[2 * slot + 1] = L;
+    }
+    const int D4 = D >> 2;
+    for (int idx = threadIdx.x; idx < gc * D4; idx += ATT_THREADS) {
+        const int gi = idx / D4, d = (idx - gi * D4) * 4;
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w) {
+            const float4 v = *(const float4*)(sm_o + (w * 16 + gi) * OS + d);
+            acc.x += v.x;
+            acc.y += v.y;
+            acc.z += v.z;
+            acc.w += v.w;
         }
+        *(float4*)(part_o + (slot0 + (u64)gi * nsplit) * D + d) = acc;
     }
     cta_log_end(cta_log);
 }

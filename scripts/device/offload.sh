@@ -59,6 +59,12 @@
 #   scripts/device/offload.sh groups OUT   task groups per copy CTA (SPARDA_FETCH_GROUPS 1, 2, 4) with the
 #                                          copy kernel on 4 and 8 whole SMs, prefetch on and off, fetch
 #                                          timed alone (BATCH, default 16; CONTEXT, 64K), one traced run
+#   scripts/device/offload.sh smallbatch OUT  checks (gpu-check kernels + sample, e2e, tiny offload identity), then
+#                                          the small-batch decode step of this binary against the one at BASE
+#                                          (default .device/base/sparda), two alternating rounds: B 1 4K dense
+#                                          (pieces, layer-GEMM ceiling), B 4 4K sparse, B 16 32K sparse; this
+#                                          binary also without the L2 prefetch of W_o and with it capped at 16 MB;
+#                                          write under run_phases.sh (about 25 files)
 #   scripts/device/offload.sh ctas OUT     SM fetch kernel under prefetch: 16 vs 8 persistent CTAs vs 264
 #                                          short CTAs behind a high-priority compute stream (BATCH, CONTEXT)
 set -euo pipefail
@@ -408,6 +414,30 @@ gemv)
       --steps 32 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
       --json "$out/bench_b4_4k_gemv$g.json" 2>&1 | grep -E "sparse " || true
   done
+  ;;
+smallbatch)
+  base=${BASE:-.device/base/sparda}
+  SPARDA_CHECK_ONLY=kernels,sample $bin gpu-check --json "$out/gpu_check_kernels_sample.json" 2>&1 \
+    | grep -E "FAIL|passed|failed" | head -20 || true
+  $bin gpu-check-e2e --json "$out/gpu_check_e2e.json" 2>&1 | tail -4 || true
+  $bin offload-check --model synth:tiny:5 --tokenizer "$tok" --prompt-file "$book" \
+    --prompt-tokens 1000 --new-tokens 1024 --fetch sm --json "$out/offload_tiny.json" 2>&1 | tail -3 || true
+  sb() {  # name, binary, then env assignments
+    local name=$1 b=$2; shift 2
+    env "$@" "$b" bench --model synth:nosa-8b --attention dense --batch 1 --context 4K --steps 64 \
+      --tokenizer "$tok" --json "$out/b1_4k_dense_$name.json" 2>&1 | grep -E "^dense |ceiling" | head -3 || true
+    env "$@" "$b" bench --model synth:nosa-8b --attention sparse --batch 4 --context 4K --steps 32 \
+      --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" --json "$out/b4_4k_sparse_$name.json" 2>&1 | grep -E "^sparse " || true
+    env "$@" "$b" bench --model synth:nosa-8b --attention sparse --batch 16 --context 32K --steps 32 \
+      --prefill synthetic --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
+      --json "$out/b16_32k_sparse_$name.json" 2>&1 | grep -E "^sparse " || true
+  }
+  for r in 1 2; do
+    echo "round $r: base"; sb "base_$r" "$base"
+    echo "round $r: this binary"; sb "new_$r" "$bin"
+  done
+  echo "this binary, SPARDA_L2_PREFETCH=0"; sb new_no_l2_prefetch "$bin" SPARDA_L2_PREFETCH=0
+  echo "this binary, SPARDA_L2_PREFETCH_MB=16"; sb new_l2_prefetch_16mb "$bin" SPARDA_L2_PREFETCH_MB=16
   ;;
 cachectas)
   # cache slots with fewer copy CTAs: the pool's hits cut the fetched bytes, so fewer whole SMs

@@ -15,6 +15,13 @@
 //! device error record, checked in group `guards`); parameters: temperature only, top-k, top-p,
 //! both, top-k past the vocabulary, greedy (T = 0 and top-k 1); draws
 //! including 0 and 1 − 2⁻⁵³.
+//!
+//! The greedy argmax kernel (`argmax_rows`, kernels/argmax.cu, the same
+//! row reduction as the decode step's `argmax_advance`) against
+//! [`sample::argmax`]: the same logits kinds over vocabularies whose rows
+//! start at 16-byte aligned addresses (a multiple of 4 values: the 16-byte
+//! load path and its tail) and at unaligned ones (1,001 and 49,157: the
+//! scalar path from row 1 on); ids equal, tolerance 0.
 
 use super::kernels::CaseResult;
 use crate::cuda::device_error::ErrorSink;
@@ -52,6 +59,60 @@ fn logits(rng: &mut SmallRng, rows: usize, vocab: usize, spread: f32, kind: &str
     x
 }
 
+/// The greedy argmax cases (group `sample` of gpu-check): `argmax_rows`
+/// against [`sample::argmax`], every id equal.
+fn check_argmax(gpu: &Gpu, rng: &mut SmallRng) -> Vec<CaseResult> {
+    let mut out = Vec::new();
+    for &vocab in &[1000usize, 1001, 4099, 49_157, 128_256] {
+        for (spread, kind) in [
+            (1.0f32, "plain"),
+            (2.0, "ties"),
+            (2.0, "nonfinite"),
+            (2.0, "inf"),
+        ] {
+            let rows = 5;
+            let mut x = logits(rng, rows, vocab, spread, kind);
+            if kind == "ties" {
+                // the largest value twice in row 0, the later copy in the 16-byte tail
+                let (mx, at) = x[..vocab]
+                    .iter()
+                    .enumerate()
+                    .fold((f32::MIN, 0), |b, (i, &v)| if v > b.0 { (v, i) } else { b });
+                x[vocab - 1] = mx;
+                x[at.min(vocab - 2)] = mx;
+            }
+            let shape = json!({"vocab": vocab, "rows": rows, "spread": spread, "logits": kind});
+            let r = gpu
+                .upload(&x)
+                .and_then(|dev| ops::argmax_rows(gpu, &dev, rows, vocab, ErrorSink::NONE));
+            out.push(match r {
+                Ok(got) => {
+                    let mut bad = 0usize;
+                    let mut first = None;
+                    for (r, &g) in got.iter().enumerate() {
+                        let want = sample::argmax(&x[r * vocab..(r + 1) * vocab]);
+                        if g != want {
+                            bad += 1;
+                            first.get_or_insert(format!("row {r}: GPU {g} vs CPU {want}"));
+                        }
+                    }
+                    CaseResult {
+                        kernel: "argmax_rows".into(),
+                        shape,
+                        rel_l2: bad as f64 / rows as f64,
+                        max_abs_err: bad as f64,
+                        tolerance: 0.0,
+                        pass: bad == 0 && got.len() == rows,
+                        error: first,
+                    }
+                }
+                Err(e) => CaseResult::failed("argmax_rows", shape, 0.0, e.to_string()),
+            });
+        }
+    }
+    out
+}
+
 /// The sampling cases (group `sample` of gpu-check).
 pub fn check_sampling(gpu: &Gpu, rng: &mut SmallRng) -> Vec<CaseResult> {
     let params = [
@@ -64,7 +125,7 @@ pub fn check_sampling(gpu: &Gpu, rng: &mut SmallRng) -> Vec<CaseResult> {
         (0.0, 0, 1.0),
         (1.0, 1, 1.0),
     ];
-    let mut out = Vec::new();
+    let mut out = check_argmax(gpu, rng);
     for &vocab in &[1000usize, 49_152, 128_256] {
         for (spread, kind) in [
             (1.0f32, "plain"),

@@ -112,6 +112,7 @@ use std::sync::Arc;
 pub mod capture;
 pub mod cta_log;
 pub mod forecast;
+pub mod l2_prefetch;
 pub mod layer;
 pub mod prefill;
 pub mod profile;
@@ -409,6 +410,12 @@ pub struct GpuModel {
     /// Set for the launches of one decode step whose GEMVs fold their
     /// neighbours in ([`GpuModel::gemv_fusion_applies`]; layer.rs).
     pub(crate) fused_gemv: std::cell::Cell<bool>,
+    /// The side stream of the L2 prefetch of W_o (l2_prefetch.rs); `None`
+    /// for a model without layers.
+    pub(crate) l2_prefetch: Option<l2_prefetch::L2Prefetch>,
+    /// Set for the launches of one decode step that prefetches W_o
+    /// ([`GpuModel::o_prefetch_applies`]).
+    pub(crate) o_prefetch: std::cell::Cell<bool>,
     pub(crate) selection: SelectionPath,
     pub(crate) record_selections: bool,
     /// Activation capture for forecast collection ([`GpuModel::set_capture`]).
@@ -611,6 +618,11 @@ impl GpuModel {
             .map(|x| Bf16::from_f32(x / div))
             .collect();
         let final_norm = g.upload(&fnorm)?;
+        let l2_prefetch = if layers.is_empty() {
+            None
+        } else {
+            Some(l2_prefetch::L2Prefetch::new(g, layers.len())?)
+        };
         Ok(GpuModel {
             rope: cfg.rope(),
             rope_tables: None,
@@ -625,6 +637,8 @@ impl GpuModel {
             decode_mode: DecodeMode::from_env(),
             only_part: std::cell::Cell::new(None),
             fused_gemv: std::cell::Cell::new(false),
+            l2_prefetch,
+            o_prefetch: std::cell::Cell::new(false),
             selection: default_selection_path(),
             record_selections: false,
             capture: None,
@@ -1017,21 +1031,9 @@ impl GpuModel {
             LastLogits::Forward(rows) => {
                 let gpu = self.gpu.clone();
                 let ws = self.ws.as_mut().expect("logits imply a workspace");
-                let v = i32_dim(self.config.vocab_size, "vocab")?;
-                let n = i32_dim(rows, "rows")?;
                 let (lp, op) = (dptr(&gpu, &ws.logits), dptr(&gpu, &ws.argmax));
                 let rec = self.device_errors.device_ptr();
-                let f = gpu.function("argmax_rows")?;
-                let cfg = LaunchConfig {
-                    grid_dim: (grid(rows, "rows")?, 1, 1),
-                    block_dim: (1024, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let mut b = gpu.stream().launch_builder(f);
-                b.arg(&lp).arg(&n).arg(&v).arg(&op).arg(&rec);
-                // SAFETY: argument list matches kernels/argmax.cu; logits hold rows·V
-                // values, argmax at least rows; rec is the model's error record.
-                unsafe { b.launch(cfg) }.cuda("argmax_rows")?;
+                ops::launch_argmax_rows(&gpu, lp, rows, self.config.vocab_size, op, rec)?;
                 gpu.download(&ws.argmax.slice(0..rows))
             }
             LastLogits::None => Err(Error::Input(

@@ -390,6 +390,109 @@ where
     unsafe { b.launch(cfg) }.cuda("swiglu").map(drop)
 }
 
+/// Enqueues `l2_prefetch` (kernels/l2_prefetch.cu) on `stream`: the L2
+/// is asked to load `bytes` bytes from the device address `ptr` (16-byte
+/// aligned), in requests of `chunk` bytes (a multiple of 16) spread over
+/// `ctas` thread blocks of 128 threads. Writes nothing; a hint only.
+///
+/// Errors: [`Error::Input`] for a misaligned address or chunk;
+/// [`Error::Cuda`] on a launch failure.
+pub(crate) fn launch_l2_prefetch(
+    gpu: &Gpu,
+    stream: &cudarc::driver::CudaStream,
+    ptr: u64,
+    bytes: usize,
+    chunk: u32,
+    ctas: u32,
+) -> Result<()> {
+    if !ptr.is_multiple_of(16) || chunk == 0 || !chunk.is_multiple_of(16) {
+        return Err(Error::Input(format!(
+            "l2_prefetch: address {ptr:#x} and chunk {chunk} bytes must be multiples of 16"
+        )));
+    }
+    if bytes < 16 {
+        return Ok(());
+    }
+    let f = gpu.function("l2_prefetch")?;
+    let cfg = LaunchConfig {
+        grid_dim: (ctas.max(1), 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let n = bytes as u64;
+    let mut b = stream.launch_builder(f);
+    b.arg(&ptr).arg(&n).arg(&chunk);
+    // SAFETY: argument list matches kernels/l2_prefetch.cu; the kernel only
+    // issues prefetches of [ptr, ptr + bytes), which the caller owns.
+    unsafe { b.launch(cfg) }.cuda("l2_prefetch").map(drop)
+}
+
+/// Enqueues `argmax_rows` (kernels/argmax.cu): out\[r\] = the index of the
+/// largest of the `vocab` f32 logits of row r (rows at r·vocab from the
+/// device address `logits`; ties to the lower index, NaN never wins: the
+/// rule of [`crate::sample::argmax`] on finite rows), `out` a device
+/// address of `rows` u32. A row no token can be chosen from
+/// ([`crate::sample::check_logits`]) is reported to the device record
+/// `record` (0: not reported) and still gets its id.
+///
+/// Errors: [`Error::Input`] for dimensions past i32; [`Error::Cuda`] on a
+/// launch failure.
+pub(crate) fn launch_argmax_rows(
+    gpu: &Gpu,
+    logits: u64,
+    rows: usize,
+    vocab: usize,
+    out: u64,
+    record: u64,
+) -> Result<()> {
+    if rows == 0 {
+        return Ok(());
+    }
+    let (n_, v_) = (i32_dim(rows, "rows")?, i32_dim(vocab, "vocab")?);
+    let f = gpu.function("argmax_rows")?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid(rows, "rows")?, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(&logits).arg(&n_).arg(&v_).arg(&out).arg(&record);
+    // SAFETY: argument list matches kernels/argmax.cu; the callers give rows·vocab
+    // logits and rows outputs; the record is null or RECORD_WORDS i32.
+    unsafe { b.launch(cfg) }.cuda("argmax_rows").map(drop)
+}
+
+/// Greedy ids of `rows` f32 logits rows of `vocab` values on the device
+/// ([`launch_argmax_rows`]), downloaded (synchronises).
+///
+/// Errors: [`Error::Input`] when `logits` holds fewer than rows·vocab
+/// values; [`Error::Cuda`] on a launch or copy failure.
+pub fn argmax_rows<L>(
+    gpu: &Gpu,
+    logits: &L,
+    rows: usize,
+    vocab: usize,
+    err: crate::cuda::device_error::ErrorSink,
+) -> Result<Vec<u32>>
+where
+    L: DevicePtr<f32>,
+{
+    if logits.len() < rows * vocab {
+        return Err(Error::Input(format!(
+            "argmax_rows: logits hold {} values, {rows} rows of {vocab} need {}",
+            logits.len(),
+            rows * vocab
+        )));
+    }
+    if rows == 0 {
+        return Ok(Vec::new());
+    }
+    let mut out = gpu.zeros::<u32>(rows)?;
+    let op = dptr_mut(gpu, &mut out);
+    launch_argmax_rows(gpu, dptr(gpu, logits), rows, vocab, op, err.record)?;
+    gpu.download(&out)
+}
+
 /// Temperature / top-k / top-p sampling of `rows` f32 logits rows of
 /// `vocab` values (row r at r·vocab of `logits`), one token per row, with
 /// the uniform draws `u01` (\[rows\], f64 in [0, 1)): the rule of
