@@ -31,8 +31,8 @@
 // zero-filled). Warp w takes tokens 16w .. 16w+15 of each tile: S = Q.K^T (16 query-head
 // rows x 16 tokens, mma.sync m16n8k16 bf16 -> f32), online softmax in f32 per warp,
 // P rounded to bf16, O += P.V (mma, f32 accumulators). The 4 warp states are merged in
-// warp order (each warp's O and L scaled by e^(m_w - M) in registers, then summed through
-// shared memory) and the split's partial is written (16-byte stores: part_o 16-byte aligned):
+// warp order (four output elements per thread and pass) and the split's partial is written
+// (16-byte stores: part_o 16-byte aligned):
 //   part_o[slot*D + d] = unnormalised sum_j p_j v_j[d] (relative to M),
 //   part_ml[2*slot] = M (max logit, -inf when the split is empty), part_ml[2*slot+1] = L,
 // slot = (r*H + g)*nsplit + s. An empty split writes only (M, L) = (-inf, 0).
@@ -278,9 +278,10 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
     }
 
     // Merge the warps (shared memory reused: every copy has landed, every warp is past the
-    // loop). Each warp scales its own O and L by its weight e^(m_w - M) (0 for a warp that saw
-    // no token) in registers, two exponentials per lane; the scaled states are then summed in
-    // warp order, four values per output element.
+    // loop). For each output element, in warp order: M = max of the warps' maxima, then
+    // L += l_w e^(m_w - M) and O += o_w e^(m_w - M) over the warps that saw a token. Each
+    // thread forms four consecutive elements of one head per pass (16-byte shared loads and
+    // global stores), so the weights are computed once per four elements.
     l0 += __shfl_xor_sync(FULL_MASK, l0, 1);
     l0 += __shfl_xor_sync(FULL_MASK, l0, 2);
     l1 += __shfl_xor_sync(FULL_MASK, l1, 1);
@@ -288,58 +289,49 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
     const int OS = D + 8;                      // shared row stride of the O states, floats
     float* sm_o = (float*)att_sh;              // [ATT_WARPS][16][OS]
     float* sm_m = sm_o + ATT_WARPS * 16 * OS;  // [ATT_WARPS][16]
-    float* sm_l = sm_m + ATT_WARPS * 16;       // [ATT_WARPS][16] scaled sums
+    float* sm_l = sm_m + ATT_WARPS * 16;       // [ATT_WARPS][16]
     const int gr = lane >> 2, cc = (lane & 3) * 2;
     if ((lane & 3) == 0) {
         sm_m[warp * 16 + gr] = m0;
         sm_m[warp * 16 + gr + 8] = m1;
-    }
-    __syncthreads();
-    float M0 = -INFINITY, M1 = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < ATT_WARPS; ++w) {
-        M0 = fmaxf(M0, sm_m[w * 16 + gr]);
-        M1 = fmaxf(M1, sm_m[w * 16 + gr + 8]);
-    }
-    const float w0 = m0 == -INFINITY ? 0.0f : expf(m0 - M0);
-    const float w1 = m1 == -INFINITY ? 0.0f : expf(m1 - M1);
-    if ((lane & 3) == 0) {
-        sm_l[warp * 16 + gr] = l0 * w0;
-        sm_l[warp * 16 + gr + 8] = l1 * w1;
+        sm_l[warp * 16 + gr] = l0;
+        sm_l[warp * 16 + gr + 8] = l1;
     }
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
         if (j < nd) {
-            *(float2*)(sm_o + (warp * 16 + gr) * OS + j * 8 + cc) = make_float2(o[j][0] * w0, o[j][1] * w0);
-            *(float2*)(sm_o + (warp * 16 + gr + 8) * OS + j * 8 + cc) = make_float2(o[j][2] * w1, o[j][3] * w1);
+            *(float2*)(sm_o + (warp * 16 + gr) * OS + j * 8 + cc) = make_float2(o[j][0], o[j][1]);
+            *(float2*)(sm_o + (warp * 16 + gr + 8) * OS + j * 8 + cc) = make_float2(o[j][2], o[j][3]);
         }
     }
     __syncthreads();
-    if (threadIdx.x < gc) {
-        const int gi = threadIdx.x;
-        float M = -INFINITY, L = 0.0f;
-#pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w) {
-            M = fmaxf(M, sm_m[w * 16 + gi]);
-            L += sm_l[w * 16 + gi];
-        }
-        const u64 slot = slot0 + (u64)gi * nsplit;
-        part_ml[2 * slot] = M;
-        part_ml[2 * slot + 1] = L;
-    }
     const int D4 = D >> 2;
     for (int idx = threadIdx.x; idx < gc * D4; idx += ATT_THREADS) {
         const int gi = idx / D4, d = (idx - gi * D4) * 4;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, sm_m[w * 16 + gi]);
+        float L = 0.0f;
         float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
         for (int w = 0; w < ATT_WARPS; ++w) {
-            const float4 v = *(const float4*)(sm_o + (w * 16 + gi) * OS + d);
-            acc.x += v.x;
-            acc.y += v.y;
-            acc.z += v.z;
-            acc.w += v.w;
+            const float mw = sm_m[w * 16 + gi];
+            if (mw != -INFINITY) {
+                const float wt = expf(mw - M);
+                const float4 v = *(const float4*)(sm_o + (w * 16 + gi) * OS + d);
+                L += sm_l[w * 16 + gi] * wt;
+                acc.x += v.x * wt;
+                acc.y += v.y * wt;
+                acc.z += v.z * wt;
+                acc.w += v.w * wt;
+            }
         }
-        *(float4*)(part_o + (slot0 + (u64)gi * nsplit) * D + d) = acc;
+        const u64 slot = slot0 + (u64)gi * nsplit;
+        *(float4*)(part_o + slot * D + d) = acc;
+        if (d == 0) {
+            part_ml[2 * slot] = M;
+            part_ml[2 * slot + 1] = L;
+        }
     }
     cta_log_end(cta_log);
 }

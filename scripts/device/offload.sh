@@ -62,9 +62,9 @@
 #   scripts/device/offload.sh smallbatch OUT  checks (gpu-check kernels + sample, e2e, tiny offload identity), then
 #                                          the small-batch decode step of this binary against the one at BASE
 #                                          (default .device/base/sparda), two alternating rounds: B 1 4K dense
-#                                          (pieces, layer-GEMM ceiling), B 4 4K sparse, B 16 32K sparse; this
-#                                          binary also without the L2 prefetch of W_o and with it capped at 16 MB;
-#                                          write under run_phases.sh (about 25 files)
+#                                          (pieces, layer-GEMM ceiling), B 4 4K sparse, B 16 32K sparse; then
+#                                          this binary's B 1 4K dense step on the fused GEMVs (SPARDA_GEMV=1);
+#                                          write under run_phases.sh (about 20 files)
 #   scripts/device/offload.sh ctas OUT     SM fetch kernel under prefetch: 16 vs 8 persistent CTAs vs 264
 #                                          short CTAs behind a high-priority compute stream (BATCH, CONTEXT)
 set -euo pipefail
@@ -436,8 +436,9 @@ smallbatch)
     echo "round $r: base"; sb "base_$r" "$base"
     echo "round $r: this binary"; sb "new_$r" "$bin"
   done
-  echo "this binary, SPARDA_L2_PREFETCH=0"; sb new_no_l2_prefetch "$bin" SPARDA_L2_PREFETCH=0
-  echo "this binary, SPARDA_L2_PREFETCH_MB=16"; sb new_l2_prefetch_16mb "$bin" SPARDA_L2_PREFETCH_MB=16
+  echo "this binary, fused GEMVs"
+  SPARDA_GEMV=1 $bin bench --model synth:nosa-8b --attention dense --batch 1 --context 4K --steps 64 \
+    --tokenizer "$tok" --json "$out/b1_4k_dense_new_gemv.json" 2>&1 | grep -E "^dense |ceiling" | head -3 || true
   ;;
 cachectas)
   # cache slots with fewer copy CTAs: the pool's hits cut the fetched bytes, so fewer whole SMs

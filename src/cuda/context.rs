@@ -116,12 +116,6 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         functions: &["qkv_rope_append"],
     },
     KernelSource {
-        file: "l2_prefetch.cu",
-        text: include_str!("../../kernels/l2_prefetch.cu"),
-        preludes: &[],
-        functions: &["l2_prefetch"],
-    },
-    KernelSource {
         file: "argmax.cu",
         text: include_str!("../../kernels/argmax.cu"),
         preludes: &[],
@@ -233,8 +227,6 @@ pub struct DeviceInfo {
     pub sm_count: i32,
     /// Device memory in bytes.
     pub total_mem_bytes: usize,
-    /// L2 cache size in bytes (`CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE`).
-    pub l2_bytes: usize,
     /// `cuDriverGetVersion` (e.g. 13000 for CUDA 13.0).
     pub driver_version: i32,
     /// `nvrtcVersion` (major, minor).
@@ -539,10 +531,6 @@ impl Gpu {
                 .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                 .cuda("cuDeviceGetAttribute(SM count)")?,
             total_mem_bytes: ctx.total_mem().cuda("cuDeviceTotalMem")?,
-            l2_bytes: ctx
-                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
-                .cuda("cuDeviceGetAttribute(L2 size)")?
-                .max(0) as usize,
             driver_version,
             nvrtc_version: nvrtc_version()?,
         };

@@ -182,9 +182,6 @@ impl GpuModel {
             cfg.intermediate_size,
         );
         let budget = &self.plan.budget;
-        if self.on(StepPart::OProj) {
-            self.o_prefetch_fork(l)?;
-        }
         let (part_o, part_ml) = (dptr(gpu, &ws.part_o), dptr(gpu, &ws.part_ml));
         let args = AttnArgs {
             q: dptr(gpu, &ws.qkv) + (qkv_off * 2) as u64,
@@ -283,9 +280,6 @@ impl GpuModel {
             )?;
         }
         let sp = self.tspan_next(cs, sp, "o_proj", l)?;
-        if self.on(StepPart::OProj) {
-            self.o_prefetch_join(l)?;
-        }
         let lw = &self.layers[l];
         if self.fused_gemv.get() {
             return self.layer_back_fused(l, ws, n, sp);

@@ -112,7 +112,6 @@ use std::sync::Arc;
 pub mod capture;
 pub mod cta_log;
 pub mod forecast;
-pub mod l2_prefetch;
 pub mod layer;
 pub mod prefill;
 pub mod profile;
@@ -410,12 +409,6 @@ pub struct GpuModel {
     /// Set for the launches of one decode step whose GEMVs fold their
     /// neighbours in ([`GpuModel::gemv_fusion_applies`]; layer.rs).
     pub(crate) fused_gemv: std::cell::Cell<bool>,
-    /// The side stream of the L2 prefetch of W_o (l2_prefetch.rs); `None`
-    /// for a model without layers.
-    pub(crate) l2_prefetch: Option<l2_prefetch::L2Prefetch>,
-    /// Set for the launches of one decode step that prefetches W_o
-    /// ([`GpuModel::o_prefetch_applies`]).
-    pub(crate) o_prefetch: std::cell::Cell<bool>,
     pub(crate) selection: SelectionPath,
     pub(crate) record_selections: bool,
     /// Activation capture for forecast collection ([`GpuModel::set_capture`]).
@@ -618,11 +611,6 @@ impl GpuModel {
             .map(|x| Bf16::from_f32(x / div))
             .collect();
         let final_norm = g.upload(&fnorm)?;
-        let l2_prefetch = if layers.is_empty() {
-            None
-        } else {
-            Some(l2_prefetch::L2Prefetch::new(g, layers.len())?)
-        };
         Ok(GpuModel {
             rope: cfg.rope(),
             rope_tables: None,
@@ -637,8 +625,6 @@ impl GpuModel {
             decode_mode: DecodeMode::from_env(),
             only_part: std::cell::Cell::new(None),
             fused_gemv: std::cell::Cell::new(false),
-            l2_prefetch,
-            o_prefetch: std::cell::Cell::new(false),
             selection: default_selection_path(),
             record_selections: false,
             capture: None,

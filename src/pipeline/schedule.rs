@@ -38,11 +38,8 @@ impl GpuModel {
     /// ([`GpuModel::gemv_fusion_applies`]).
     pub(crate) fn enqueue_step(&self, st: &mut DecodeStep, seqs: &mut [GpuSequence]) -> Result<()> {
         self.fused_gemv.set(self.gemv_fusion_applies(st.n));
-        self.o_prefetch
-            .set(self.o_prefetch_applies(st.n, st.off.is_some()));
         let r = self.enqueue_step_launches(st, seqs);
         self.fused_gemv.set(false);
-        self.o_prefetch.set(false);
         r
     }
 

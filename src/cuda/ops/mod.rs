@@ -390,43 +390,6 @@ where
     unsafe { b.launch(cfg) }.cuda("swiglu").map(drop)
 }
 
-/// Enqueues `l2_prefetch` (kernels/l2_prefetch.cu) on `stream`: the L2
-/// is asked to load `bytes` bytes from the device address `ptr` (16-byte
-/// aligned), in requests of `chunk` bytes (a multiple of 16) spread over
-/// `ctas` thread blocks of 128 threads. Writes nothing; a hint only.
-///
-/// Errors: [`Error::Input`] for a misaligned address or chunk;
-/// [`Error::Cuda`] on a launch failure.
-pub(crate) fn launch_l2_prefetch(
-    gpu: &Gpu,
-    stream: &cudarc::driver::CudaStream,
-    ptr: u64,
-    bytes: usize,
-    chunk: u32,
-    ctas: u32,
-) -> Result<()> {
-    if !ptr.is_multiple_of(16) || chunk == 0 || !chunk.is_multiple_of(16) {
-        return Err(Error::Input(format!(
-            "l2_prefetch: address {ptr:#x} and chunk {chunk} bytes must be multiples of 16"
-        )));
-    }
-    if bytes < 16 {
-        return Ok(());
-    }
-    let f = gpu.function("l2_prefetch")?;
-    let cfg = LaunchConfig {
-        grid_dim: (ctas.max(1), 1, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let n = bytes as u64;
-    let mut b = stream.launch_builder(f);
-    b.arg(&ptr).arg(&n).arg(&chunk);
-    // SAFETY: argument list matches kernels/l2_prefetch.cu; the kernel only
-    // issues prefetches of [ptr, ptr + bytes), which the caller owns.
-    unsafe { b.launch(cfg) }.cuda("l2_prefetch").map(drop)
-}
-
 /// Enqueues `argmax_rows` (kernels/argmax.cu): out\[r\] = the index of the
 /// largest of the `vocab` f32 logits of row r (rows at r·vocab from the
 /// device address `logits`; ties to the lower index, NaN never wins: the
