@@ -61,7 +61,7 @@
 #                                          timed alone (BATCH, default 16; CONTEXT, 64K), one traced run
 #   scripts/device/offload.sh smallbatch OUT  checks (gpu-check kernels + sample, e2e, tiny offload identity), then
 #                                          the small-batch decode step of this binary against the one at BASE
-#                                          (default .device/base/sparda), two alternating rounds: B 1 4K dense
+#                                          (default .device/base/sparda), ROUNDS (2) alternating rounds: B 1 4K dense
 #                                          (pieces, layer-GEMM ceiling), B 4 4K sparse, B 16 32K sparse; then
 #                                          this binary's B 1 4K dense step on the fused GEMVs (SPARDA_GEMV=1);
 #                                          write under run_phases.sh (about 20 files)
@@ -432,7 +432,7 @@ smallbatch)
       --prefill synthetic --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
       --json "$out/b16_32k_sparse_$name.json" 2>&1 | grep -E "^sparse " || true
   }
-  for r in 1 2; do
+  for r in $(seq 1 "${ROUNDS:-2}"); do
     echo "round $r: base"; sb "base_$r" "$base"
     echo "round $r: this binary"; sb "new_$r" "$bin"
   done
