@@ -10,9 +10,16 @@
 // reductions); the weights go to shared memory in chunks of COMB_CHUNK splits; thread t sums
 // the splits s = t/D, t/D + groups, ... of dimension t % D (groups = blockDim.x / D); the
 // groups' sums are then added in group order. The order is fixed by nsplit and the block size
-// (deterministic). Grid: rows*H blocks; blockDim.x a multiple of 32, at least D, at most 1024.
+// (deterministic).
+// Register path (nsplit <= COMB_REGS * groups, nsplit <= blockDim.x, nsplit <= COMB_CHUNK: batch
+// 1, where the few blocks are bound by latency): every load a thread needs (split t's max and sum,
+// its splits' maxima and values) is issued at once, one round trip to memory instead of three,
+// and the same sums are then formed in the same order from registers (the same result, bit for
+// bit, as the chunked path).
+// Grid: rows*H blocks; blockDim.x a multiple of 32, at least D, at most 1024.
 
 #define COMB_CHUNK 256
+#define COMB_REGS 16
 
 __device__ __forceinline__ float comb_block_max(float v, float* shm) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -33,6 +40,50 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
     pdl_trigger();
     const int r = blockIdx.x;
     const float* ml = part_ml + (u64)r * nsplit * 2;
+    if (nsplit <= COMB_REGS * (int)(blockDim.x / D) && nsplit <= (int)blockDim.x && nsplit <= COMB_CHUNK) {
+        const int t = threadIdx.x, groups = blockDim.x / D;
+        const int d = t % D, g = t / D;
+        const bool active = g < groups;
+        const float* po = part_o + (u64)r * nsplit * D + d;
+        // split t's (max, sum) for M, nvalid and L; splits g + k*groups' maxima and values
+        const float m_t = t < nsplit ? ml[2 * t] : -INFINITY;
+        const float l_t = t < nsplit ? ml[2 * t + 1] : 0.0f;
+        float ms[COMB_REGS], v[COMB_REGS];
+#pragma unroll
+        for (int k = 0; k < COMB_REGS; ++k) {
+            const int s = g + k * groups;
+            const bool in = active && s < nsplit;
+            ms[k] = in ? ml[2 * s] : -INFINITY;
+            v[k] = in ? po[(u64)s * D] : 0.0f;
+        }
+        const float M = comb_block_max(m_t, red);
+        const int nvalid = (int)comb_block_max(m_t != -INFINITY ? (float)t : -1.0f, red) + 1;
+        float l = 0.0f;
+        if (t < nvalid && m_t != -INFINITY) l += l_t * expf(m_t - M);
+        const float L = block_sum(l, red);
+        // The chunked path's order: four accumulators over i = g, g + groups, ... while
+        // i + 3*groups < nvalid, then the rest into the first.
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int k = 0; k < COMB_REGS; ++k) {
+            const float wk = ms[k] != -INFINITY ? expf(ms[k] - M) : 0.0f;
+            const bool in_main = g + ((k & ~3) + 3) * groups < nvalid;
+            if (in_main) {
+                a[k & 3] += v[k] * wk;
+            } else if (g + k * groups < nvalid) {
+                a[0] += v[k] * wk;
+            }
+        }
+        if (active) acc_sh[t] = (a[0] + a[1]) + (a[2] + a[3]);
+        __syncthreads();
+        bf16_t* o = out + (u64)(r / H) * out_stride + (u64)(r % H) * D;
+        for (int dd = t; dd < D; dd += blockDim.x) {
+            float sum = 0.0f;
+            for (int gg = 0; gg < groups; ++gg) sum += acc_sh[gg * D + dd];
+            o[dd] = f2bf(L > 0.0f ? sum / L : 0.0f);
+        }
+        return;
+    }
     float m = -INFINITY, last = -1.0f;
     for (int s = threadIdx.x; s < nsplit; s += blockDim.x) {
         const float ms = ml[2 * s];
