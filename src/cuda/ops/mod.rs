@@ -426,7 +426,7 @@ pub(crate) fn launch_argmax_rows(
 }
 
 /// Greedy ids of `rows` f32 logits rows of `vocab` values on the device
-/// ([`launch_argmax_rows`]), downloaded (synchronises).
+/// (kernels/argmax.cu `argmax_rows`), downloaded (synchronises).
 ///
 /// Errors: [`Error::Input`] when `logits` holds fewer than rows·vocab
 /// values; [`Error::Cuda`] on a launch or copy failure.
