@@ -452,7 +452,7 @@ fn check_embedding(c: &mut Checker<'_>) {
 
 fn check_rmsnorm(c: &mut Checker<'_>) {
     let eps = 1e-6f32;
-    // 12,288 is past the kernel's register path (8 values per thread of 1,024): the re-read path
+    // 12,288: a row wider than the widest block (1,024 threads) takes in 4 values per thread
     for &(n, d, fused) in &[
         (1usize, 576usize, false),
         (4, 4096, true),

@@ -73,13 +73,18 @@ fn check_argmax(gpu: &Gpu, rng: &mut SmallRng) -> Vec<CaseResult> {
             let rows = 5;
             let mut x = logits(rng, rows, vocab, spread, kind);
             if kind == "ties" {
-                // the largest value twice in row 0, the later copy in the 16-byte tail
+                // row 0's largest value a second time, in its last element (or
+                // the one before, when the largest is already last)
                 let (mx, at) = x[..vocab]
                     .iter()
                     .enumerate()
                     .fold((f32::MIN, 0), |b, (i, &v)| if v > b.0 { (v, i) } else { b });
-                x[vocab - 1] = mx;
-                x[at.min(vocab - 2)] = mx;
+                let copy = if at == vocab - 1 {
+                    vocab - 2
+                } else {
+                    vocab - 1
+                };
+                x[copy] = mx;
             }
             let shape = json!({"vocab": vocab, "rows": rows, "spread": spread, "logits": kind});
             let r = gpu
