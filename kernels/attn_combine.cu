@@ -40,13 +40,11 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
     pdl_trigger();
     const int r = blockIdx.x;
     const float* ml = part_ml + (u64)r * nsplit * 2;
-    const int groups = blockDim.x / D;
-    const int d = threadIdx.x % D, g = threadIdx.x / D;
-    const bool active = g < groups;
-    const float* po = part_o + (u64)r * nsplit * D + d;
-    float L, a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-    if (nsplit <= COMB_REGS * groups && nsplit <= (int)blockDim.x && nsplit <= COMB_CHUNK) {
-        const int t = threadIdx.x;
+    if (nsplit <= COMB_REGS * (int)(blockDim.x / D) && nsplit <= (int)blockDim.x && nsplit <= COMB_CHUNK) {
+        const int t = threadIdx.x, groups = blockDim.x / D;
+        const int d = t % D, g = t / D;
+        const bool active = g < groups;
+        const float* po = part_o + (u64)r * nsplit * D + d;
         // split t's (max, sum) for M, nvalid and L; splits g + k*groups' maxima and values
         const float m_t = t < nsplit ? ml[2 * t] : -INFINITY;
         const float l_t = t < nsplit ? ml[2 * t + 1] : 0.0f;
@@ -62,7 +60,7 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
         const int nvalid = (int)comb_block_max(m_t != -INFINITY ? (float)t : -1.0f, red) + 1;
         float l = 0.0f;
         if (t < nvalid && m_t != -INFINITY) l += l_t * expf(m_t - M);
-        L = block_sum(l, red);
+        const float L = block_sum(l, red);
         // The chunked path's order: four accumulators over i = g, g + groups, ... while
         // i + 3*groups < nvalid, then the rest into the first.
         float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -76,47 +74,56 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const 
                 a[0] += v[k] * wk;
             }
         }
-        a0 = a[0];
-        a1 = a[1];
-        a2 = a[2];
-        a3 = a[3];
-    } else {
-        float m = -INFINITY, last = -1.0f;
-        for (int s = threadIdx.x; s < nsplit; s += blockDim.x) {
-            const float ms = ml[2 * s];
-            m = fmaxf(m, ms);
-            if (ms != -INFINITY) last = (float)s;
+        if (active) acc_sh[t] = (a[0] + a[1]) + (a[2] + a[3]);
+        __syncthreads();
+        bf16_t* o = out + (u64)(r / H) * out_stride + (u64)(r % H) * D;
+        for (int dd = t; dd < D; dd += blockDim.x) {
+            float sum = 0.0f;
+            for (int gg = 0; gg < groups; ++gg) sum += acc_sh[gg * D + dd];
+            o[dd] = f2bf(L > 0.0f ? sum / L : 0.0f);
         }
-        const float M = comb_block_max(m, red);
-        const int nvalid = (int)comb_block_max(last, red) + 1;
-        float l = 0.0f;
-        for (int s = threadIdx.x; s < nvalid; s += blockDim.x) {
-            const float ms = ml[2 * s];
-            if (ms != -INFINITY) l += ml[2 * s + 1] * expf(ms - M);
+        return;
+    }
+    float m = -INFINITY, last = -1.0f;
+    for (int s = threadIdx.x; s < nsplit; s += blockDim.x) {
+        const float ms = ml[2 * s];
+        m = fmaxf(m, ms);
+        if (ms != -INFINITY) last = (float)s;
+    }
+    const float M = comb_block_max(m, red);
+    const int nvalid = (int)comb_block_max(last, red) + 1;
+    float l = 0.0f;
+    for (int s = threadIdx.x; s < nvalid; s += blockDim.x) {
+        const float ms = ml[2 * s];
+        if (ms != -INFINITY) l += ml[2 * s + 1] * expf(ms - M);
+    }
+    const float L = block_sum(l, red);
+    const int groups = blockDim.x / D;
+    const int d = threadIdx.x % D, g = threadIdx.x / D;
+    const bool active = g < groups;
+    const float* po = part_o + (u64)r * nsplit * D + d;
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+    for (int base = 0; base < nvalid; base += COMB_CHUNK) {
+        const int cnt = min(COMB_CHUNK, nvalid - base);
+        __syncthreads();  // the previous chunk's weights are consumed
+        for (int i = threadIdx.x; i < cnt; i += blockDim.x) {
+            const float ms = ml[2 * (base + i)];
+            wsh[i] = ms != -INFINITY ? expf(ms - M) : 0.0f;
         }
-        L = block_sum(l, red);
-        for (int base = 0; base < nvalid; base += COMB_CHUNK) {
-            const int cnt = min(COMB_CHUNK, nvalid - base);
-            __syncthreads();  // the previous chunk's weights are consumed
-            for (int i = threadIdx.x; i < cnt; i += blockDim.x) {
-                const float ms = ml[2 * (base + i)];
-                wsh[i] = ms != -INFINITY ? expf(ms - M) : 0.0f;
+        __syncthreads();
+        if (active) {
+            int i = g;
+            for (; i + 3 * groups < cnt; i += 4 * groups) {
+                const float v0 = po[(u64)(base + i) * D];
+                const float v1 = po[(u64)(base + i + groups) * D];
+                const float v2 = po[(u64)(base + i + 2 * groups) * D];
+                const float v3 = po[(u64)(base + i + 3 * groups) * D];
+                a0 += v0 * wsh[i];
+                a1 += v1 * wsh[i + groups];
+                a2 += v2 * wsh[i + 2 * groups];
+                a3 += v3 * wsh[i + 3 * groups];
             }
-            __syncthreads();
-            if (active) {
-                int i = g;
-                for (; i + 3 * groups < cnt; i += 4 * groups) {
-                    const float v0 = po[(u64)(base + i) * D];
-                    const float v1 = po[(u64)(base + i + groups) * D];
-                    const float v2 = po[(u64)(base + i + 2 * groups) * D];
-                    const float v3 = po[(u64)(base + i + 3 * groups) * D];
-                    a0 += v0 * wsh[i];
-                    a1 += v1 * wsh[i + groups];
-                    a2 += v2 * wsh[i + 2 * groups];
-                    a3 += v3 * wsh[i + 3 * groups];
-                }
-                for (; i < cnt; i += groups) a0 += po[(u64)(base + i) * D] * wsh[i];
-            }
+            for (; i < cnt; i += groups) a0 += po[(u64)(base + i) * D] * wsh[i];
         }
     }
     if (active) acc_sh[threadIdx.x] = (a0 + a1) + (a2 + a3);  // = acc_sh[g*D + d]
