@@ -1019,7 +1019,7 @@ impl GpuModel {
                 let ws = self.ws.as_mut().expect("logits imply a workspace");
                 let (lp, op) = (dptr(&gpu, &ws.logits), dptr(&gpu, &ws.argmax));
                 let rec = self.device_errors.device_ptr();
-                ops::launch_argmax_rows(&gpu, lp, rows, self.config.vocab_size, op, None, rec)?;
+                ops::launch_argmax_rows(&gpu, lp, rows, self.config.vocab_size, op, rec)?;
                 gpu.download(&ws.argmax.slice(0..rows))
             }
             LastLogits::None => Err(Error::Input(

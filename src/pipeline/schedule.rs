@@ -235,10 +235,21 @@ impl GpuModel {
         if !self.on(StepPart::Argmax) {
             return Ok(());
         }
+        let (v_, n_) = (i32_dim(vocab, "vocab")?, i32_dim(n, "rows")?);
         let (lp, op) = (dptr(gpu, &st.ws.logits), dptr(gpu, &st.ws.argmax));
+        let f = gpu.function("argmax_advance")?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid(n, "rows")?, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream().launch_builder(f);
         // a NaN / +inf / all -inf logits row is reported to the model's error
         // record, read where the engine hands ids or logits to the host
         let rec = self.device_errors.device_ptr();
-        ops::launch_argmax_rows(gpu, lp, n, vocab, op, Some(io), rec)
+        b.arg(&lp).arg(&n_).arg(&v_).arg(&op).arg(&io).arg(&rec);
+        // SAFETY: argument list matches kernels/argmax.cu; logits hold n·V values,
+        // argmax n, io 4n; rec is the model's error record (fixed address).
+        unsafe { b.launch(cfg) }.cuda("argmax_advance").map(drop)
     }
 }

@@ -390,15 +390,11 @@ where
     unsafe { b.launch(cfg) }.cuda("swiglu").map(drop)
 }
 
-/// Enqueues the greedy argmax of kernels/argmax.cu, one block of 1,024
-/// threads per row: out\[r\] = the index of the largest of the `vocab` f32
-/// logits of row r (rows at r·vocab from the device address `logits`; ties
-/// to the lower index, NaN never wins: the rule of [`crate::sample::argmax`]
-/// on finite rows), `out` a device address of `rows` u32. With `advance` =
-/// the decode step's inputs (u32 [ids | pos | lens | seq_lens], `rows`
-/// each: step.rs) the kernel is `argmax_advance`, which also writes the ids
-/// there and moves the positions and lengths on by one; without, it is
-/// `argmax_rows`. A row no token can be chosen from
+/// Enqueues `argmax_rows` (kernels/argmax.cu): out\[r\] = the index of the
+/// largest of the `vocab` f32 logits of row r (rows at r·vocab from the
+/// device address `logits`; ties to the lower index, NaN never wins: the
+/// rule of [`crate::sample::argmax`] on finite rows), `out` a device
+/// address of `rows` u32. A row no token can be chosen from
 /// ([`crate::sample::check_logits`]) is reported to the device record
 /// `record` (0: not reported) and still gets its id.
 ///
@@ -410,34 +406,23 @@ pub(crate) fn launch_argmax_rows(
     rows: usize,
     vocab: usize,
     out: u64,
-    advance: Option<u64>,
     record: u64,
 ) -> Result<()> {
     if rows == 0 {
         return Ok(());
     }
     let (n_, v_) = (i32_dim(rows, "rows")?, i32_dim(vocab, "vocab")?);
-    let name = if advance.is_some() {
-        "argmax_advance"
-    } else {
-        "argmax_rows"
-    };
-    let f = gpu.function(name)?;
+    let f = gpu.function("argmax_rows")?;
     let cfg = LaunchConfig {
         grid_dim: (grid(rows, "rows")?, 1, 1),
         block_dim: (1024, 1, 1),
         shared_mem_bytes: 0,
     };
     let mut b = gpu.stream().launch_builder(f);
-    b.arg(&logits).arg(&n_).arg(&v_).arg(&out);
-    if let Some(io) = &advance {
-        b.arg(io);
-    }
-    b.arg(&record);
-    // SAFETY: argument lists match kernels/argmax.cu; the callers give rows·vocab
-    // logits, rows outputs and (advance) 4·rows step inputs; the record is null
-    // or RECORD_WORDS i32.
-    unsafe { b.launch(cfg) }.cuda(name).map(drop)
+    b.arg(&logits).arg(&n_).arg(&v_).arg(&out).arg(&record);
+    // SAFETY: argument list matches kernels/argmax.cu; the callers give rows·vocab
+    // logits and rows outputs; the record is null or RECORD_WORDS i32.
+    unsafe { b.launch(cfg) }.cuda("argmax_rows").map(drop)
 }
 
 /// Greedy ids of `rows` f32 logits rows of `vocab` values on the device
@@ -467,7 +452,7 @@ where
     }
     let mut out = gpu.zeros::<u32>(rows)?;
     let op = dptr_mut(gpu, &mut out);
-    launch_argmax_rows(gpu, dptr(gpu, logits), rows, vocab, op, None, err.record)?;
+    launch_argmax_rows(gpu, dptr(gpu, logits), rows, vocab, op, err.record)?;
     gpu.download(&out)
 }
 
