@@ -17,8 +17,6 @@
 // and the same sums are then formed in the same order from registers (the same result, bit for
 // bit, as the chunked path).
 // Grid: rows*H blocks; blockDim.x a multiple of 32, at least D, at most 1024.
-// trigger_first != 0 lets the next kernel launch before this one waits on the partials
-// (programmatic dependent launch: src/cuda/ops/attention.rs launch_attn_combine).
 
 #define COMB_CHUNK 256
 #define COMB_REGS 16
@@ -34,17 +32,12 @@ __device__ __forceinline__ float comb_block_max(float v, float* shm) {
 }
 
 extern "C" __global__ void attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                        bf16_t* __restrict__ out, int out_stride, int H, int D, int nsplit,
-                                        int trigger_first) {
+                                        bf16_t* __restrict__ out, int out_stride, int H, int D, int nsplit) {
     __shared__ float red[32];
     __shared__ float wsh[COMB_CHUNK];
     __shared__ float acc_sh[1024];
-    // trigger_first: the next kernel (the O projection's GEMV, which copies rows of W before
-    // its own wait) may start while the partials are still being written; it still waits for
-    // this kernel's completion before it reads anything this kernel writes.
-    if (trigger_first) pdl_trigger();
     pdl_wait();
-    if (!trigger_first) pdl_trigger();
+    pdl_trigger();
     const int r = blockIdx.x;
     const float* ml = part_ml + (u64)r * nsplit * 2;
     if (nsplit <= COMB_REGS * (int)(blockDim.x / D) && nsplit <= (int)blockDim.x && nsplit <= COMB_CHUNK) {

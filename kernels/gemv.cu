@@ -20,19 +20,12 @@
 // lane. The weights do not depend on the previous kernel, so under programmatic dependent launch
 // each warp loads its first GEMV_PF chunks of both rows before pdl_wait() and the stream of
 // weights starts while the previous kernel drains.
-// With wpre = 1 (the O projection, after the latency-bound attention kernels) each warp instead
-// copies both rows of its first pair whole into shared memory (cp.async, before pdl_wait()), so
-// under programmatic dependent launch up to GEMV_WARPS * 2 rows per block are read while the
-// kernels before it still run; the first pair's products are then taken from shared memory in
-// the same order (the same sums, bit for bit). Dynamic shared memory grows by
-// GEMV_WARPS * 2 * in * 2 bytes.
 // Work: warp w of the grid (blockIdx.x * GEMV_WARPS + w) computes row pairs w, w + W, w + 2W, ...
 // (W = gridDim.x * GEMV_WARPS warps in all); pair p is rows (2p, 2p + 1), or (p, p + I) for
 // GY_SWIGLU; lane l reads 16-byte chunks l, l + 32, ... of both rows; the partial sums are
 // reduced over the warp (warp_sum).
 // Requires: in % 8 == 0, xsrc and W 16-byte aligned, norm 8-byte aligned, out even for
-// GY_SWIGLU, dynamic shared memory n * in * 2 bytes (plus the prefetched rows with wpre),
-// blockDim.x = 32 * GEMV_WARPS.
+// GY_SWIGLU, dynamic shared memory n * in * 2 bytes, blockDim.x = 32 * GEMV_WARPS.
 
 #define GEMV_MAX_N 4
 #define GEMV_ROWS 2
@@ -70,17 +63,11 @@ __device__ __forceinline__ uint4 ld_weights(const uint4* p) {
     return v;
 }
 
-// 16-byte asynchronous copy global -> shared (L2 only: each weight is read once per step).
-__device__ __forceinline__ void gemv_cp_async16(void* dst, const void* src) {
-    asm volatile("{ .reg .u64 t; .reg .u32 a; cvta.to.shared.u64 t, %0; cvt.u32.u64 a, t;\n"
-                 "  cp.async.cg.shared.global [a], [%1], 16; }" ::"l"(dst), "l"(src) : "memory");
-}
-
 // One instance per batch size N (gemv1 ... gemv4 below): the accumulators stay in registers.
 template <int N>
 __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const bf16_t* __restrict__ norm,
                                           float eps, const bf16_t* __restrict__ W, void* __restrict__ y,
-                                          float scale, int in, int out, int xmode, int ymode, int wpre) {
+                                          float scale, int in, int out, int xmode, int ymode) {
     const int n = N;
     extern __shared__ __align__(16) unsigned char gemv_sh[];
     __shared__ float red[32];
@@ -92,23 +79,9 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
     const int pairs = glu ? half : (out + GEMV_ROWS - 1) / GEMV_ROWS;
     int pair = blockIdx.x * GEMV_WARPS + warp;
 
-    // The first row pair's first chunks (or, with wpre, both rows whole into shared memory),
-    // before the dependency on the previous kernel.
+    // The first row pair's first chunks, before the dependency on the previous kernel.
     uint4 pa[GEMV_PF], pb[GEMV_PF];
-    uint4* wsh = (uint4*)(gemv_sh + (u64)n * in * 2) + (u64)warp * 2 * kch;  // [2][kch] chunks
-    if (wpre) {
-        if (pair < pairs) {
-            const int ra = glu ? pair : pair * GEMV_ROWS;
-            const int rb = glu ? pair + half : min(ra + 1, out - 1);
-            const uint4* w0 = (const uint4*)(W + (u64)ra * in);
-            const uint4* w1 = (const uint4*)(W + (u64)rb * in);
-            for (int c = lane; c < kch; c += 32) {
-                gemv_cp_async16(wsh + c, w0 + c);
-                gemv_cp_async16(wsh + kch + c, w1 + c);
-            }
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    } else if (pair < pairs) {
+    if (pair < pairs) {
         const int ra = glu ? pair : pair * GEMV_ROWS;
         const int rb = glu ? pair + half : min(ra + 1, out - 1);
         const uint4* w0 = (const uint4*)(W + (u64)ra * in);
@@ -172,23 +145,7 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
 #pragma unroll
         for (int i = 0; i < N; ++i) a0[i] = a1[i] = 0.0f;
         int c0 = lane;
-        if (first && wpre) {
-            // this lane's own copies (chunks lane, lane + 32, ...): no barrier needed
-            asm volatile("cp.async.wait_group 0;" ::: "memory");
-#pragma unroll 4
-            for (int c = lane; c < kch; c += 32) {
-                const uint4 wa = wsh[c];
-                const uint4 wb = wsh[kch + c];
-#pragma unroll
-                for (int i = 0; i < N; ++i) {
-                    const uint4 xv = xs[i * kch + c];
-                    a0[i] += dot8(wa, xv);
-                    a1[i] += dot8(wb, xv);
-                }
-            }
-            c0 = kch;
-            first = false;
-        } else if (first) {
+        if (first) {
 #pragma unroll
             for (int u = 0; u < GEMV_PF; ++u) {
                 const int c = lane + 32 * u;
@@ -204,8 +161,7 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
             c0 = lane + 32 * GEMV_PF;
             first = false;
         }
-// 8 iterations unrolled: 16 weight loads of 16 bytes in flight per lane
-#pragma unroll 8
+#pragma unroll 4
         for (int c = c0; c < kch; c += 32) {
             const uint4 wa = ld_weights(w0 + c);
             const uint4 wb = ld_weights(w1 + c);
@@ -247,8 +203,8 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
     extern "C" __global__ __launch_bounds__(32 * GEMV_WARPS) void NAME(                                  \
         const void* __restrict__ xsrc, const bf16_t* __restrict__ norm, float eps,                       \
         const bf16_t* __restrict__ W, void* __restrict__ y, float scale, int in, int out, int xmode,     \
-        int ymode, int wpre) {                                                                           \
-        gemv_rows<N>(xsrc, norm, eps, W, y, scale, in, out, xmode, ymode, wpre);                         \
+        int ymode) {                                                                                     \
+        gemv_rows<N>(xsrc, norm, eps, W, y, scale, in, out, xmode, ymode);                               \
     }
 GEMV_KERNEL(gemv1, 1)
 GEMV_KERNEL(gemv2, 2)

@@ -48,8 +48,6 @@
 #                                          and combine (B=1 4K), the partials' time with 1, 2, 4 tiles per CTA
 #   scripts/device/offload.sh pdl OUT      programmatic dependent launch: gpu-check-e2e, offload identity, then
 #                                          the GPU-resident step with SPARDA_PDL=0 vs on (B 1 4K, B 16 32K)
-#   scripts/device/offload.sh gemvprefetch OUT the fused GEMVs with the O projection's rows prefetched into shared
-#                                          memory: checks, e2e and identity on that path, B 1 4K dense step vs BASE
 #   scripts/device/offload.sh gemv OUT     the fused small-batch GEMVs (SPARDA_GEMV=1): gpu-check kernels, e2e and
 #                                          tiny identity on the fused path, B 1 4K dense cuBLAS vs fused
 #   scripts/device/offload.sh cachectas OUT cache slots 0/192 with the copy kernel on 8, 12, 16 whole SMs
@@ -441,31 +439,6 @@ smallbatch)
   echo "this binary, fused GEMVs"
   SPARDA_GEMV=1 $bin bench --model synth:nosa-8b --attention dense --batch 1 --context 4K --steps 64 \
     --tokenizer "$tok" --json "$out/b1_4k_dense_new_gemv.json" 2>&1 | grep -E "^dense |ceiling" | head -3 || true
-  ;;
-gemvprefetch)
-  # the fused small-batch GEMVs (SPARDA_GEMV=1) with the O projection's rows prefetched into
-  # shared memory while attention runs (SPARDA_GEMV_PREFETCH, default on): gpu-check kernels
-  # (the gemv cases, prefetched rows against the CPU reference and bit for bit the register
-  # path), gpu-check-e2e and the tiny offload identity on the fused path, then the B 1 4K
-  # dense step: the base binary's fused path, this binary's with the prefetch off and on,
-  # ROUNDS alternating rounds, and this binary on cuBLAS once (the default path)
-  base=${BASE:-.device/base/sparda}
-  SPARDA_CHECK_ONLY=kernels $bin gpu-check --json "$out/gpu_check_kernels.json" 2>&1 \
-    | grep -E "gemv|FAIL|passed|failed" | head -40 || true
-  SPARDA_GEMV=1 $bin gpu-check-e2e --json "$out/gpu_check_e2e_gemv.json" 2>&1 | tail -14 || true
-  SPARDA_GEMV=1 $bin offload-check --model synth:tiny:5 --tokenizer "$tok" --prompt-file "$book" \
-    --prompt-tokens 1000 --new-tokens 1024 --fetch sm --json "$out/offload_tiny_gemv.json" 2>&1 | tail -3 || true
-  b1() {  # name, binary, then env assignments
-    local name=$1 b=$2; shift 2
-    env "$@" "$b" bench --model synth:nosa-8b --attention dense --batch 1 --context 4K --steps 64 \
-      --tokenizer "$tok" --json "$out/b1_4k_dense_$name.json" 2>&1 | grep -E "^dense |ceiling" | head -3 || true
-  }
-  for r in $(seq 1 "${ROUNDS:-2}"); do
-    echo "round $r: base, fused GEMVs"; b1 "base_gemv_$r" "$base" SPARDA_GEMV=1
-    echo "round $r: this binary, fused GEMVs, no prefetch"; b1 "new_gemv_noprefetch_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_PREFETCH=0
-    echo "round $r: this binary, fused GEMVs, prefetch"; b1 "new_gemv_prefetch_$r" "$bin" SPARDA_GEMV=1
-  done
-  echo "this binary, cuBLAS"; b1 "new_cublas" "$bin"
   ;;
 cachectas)
   # cache slots with fewer copy CTAs: the pool's hits cut the fetched bytes, so fewer whole SMs

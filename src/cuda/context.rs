@@ -561,20 +561,6 @@ impl Gpu {
                 ))?;
             }
         }
-        // The small-batch GEMVs that prefetch their rows into shared memory (the O
-        // projection): up to GEMV_MAX_PREFETCH_SMEM bytes a block.
-        for name in ["gemv1", "gemv2", "gemv3", "gemv4"] {
-            if let Some(f) = functions.get(name) {
-                let bytes = super::ops::GEMV_MAX_PREFETCH_SMEM;
-                f.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    bytes as i32,
-                )
-                .cuda(&format!(
-                    "cuFuncSetAttribute({name}, {bytes} bytes of dynamic shared memory)"
-                ))?;
-            }
-        }
         // Every kernel of this backend prefers the largest shared-memory carveout:
         // the attention kernel needs it, and one carveout for all of them spares the
         // SMs a reconfiguration between consecutive kernels of a decode step.
@@ -936,7 +922,6 @@ impl Gpu {
                 n,
                 in_features,
                 out_features,
-                prefetch_weights: false,
             };
             // SAFETY: x holds n·in, W out·in and y n·out elements (checked
             // above), y is a distinct output buffer.

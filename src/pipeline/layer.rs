@@ -85,7 +85,6 @@ impl GpuModel {
                 n,
                 in_features: d,
                 out_features: w,
-                prefetch_weights: false,
             };
             // SAFETY: resid holds n·d f32, the norm d and W w·d bf16, and the
             // QKV rows at qp n·w bf16 (the workspace's step sizes); no bias
@@ -389,8 +388,6 @@ impl GpuModel {
                 n,
                 in_features: hdim,
                 out_features: d,
-                // after the latency-bound attention kernels
-                prefetch_weights: true,
             },
         )?;
         let sp = self.tspan_next(gpu.stream(), open, "ffn", l)?;
@@ -407,7 +404,6 @@ impl GpuModel {
                 n,
                 in_features: d,
                 out_features: 2 * inter,
-                prefetch_weights: false,
             },
         )?;
         launch(
@@ -419,7 +415,6 @@ impl GpuModel {
                 n,
                 in_features: inter,
                 out_features: d,
-                prefetch_weights: false,
             },
         )?;
         Ok(sp)
@@ -450,7 +445,6 @@ impl GpuModel {
                 n: m,
                 in_features: d,
                 out_features: vocab,
-                prefetch_weights: false,
             };
             // SAFETY: rows first … first+m−1 of the n·d f32 residual stream,
             // the [vocab, d] head and the logits' m·vocab f32 rows.

@@ -503,11 +503,6 @@ pub(crate) fn launch_attn_combine(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
-    // With the small-batch GEMVs on, the next kernel may be the O projection's GEMV,
-    // which copies rows of W into shared memory before it waits (`prefetch_weights`):
-    // let it launch as soon as this grid is resident, so the copy overlaps the
-    // attention kernels. A successor without programmatic launch (cuBLAS) is unaffected.
-    let trigger_first = i32::from(gpu.small_gemv());
     let mut bld = gpu.launch_builder(f);
     bld.arg(&part_o)
         .arg(&part_ml)
@@ -515,8 +510,7 @@ pub(crate) fn launch_attn_combine(
         .arg(&os)
         .arg(&h_)
         .arg(&d_)
-        .arg(&ns)
-        .arg(&trigger_first);
+        .arg(&ns);
     // SAFETY: argument list matches kernels/attn_combine.cu; sizes checked by the callers.
     unsafe { bld.launch(cfg) }.cuda("attn_combine").map(drop)
 }

@@ -80,35 +80,6 @@ pub struct GemvArgs {
     pub in_features: usize,
     /// Output features.
     pub out_features: usize,
-    /// Copy each warp's first row pair whole into shared memory before the
-    /// kernel waits on the previous one (programmatic dependent launch), so
-    /// that part of W is read while latency-bound kernels before it run (the
-    /// O projection after attention). The same sums; one block per SM; taken
-    /// only where [`gemv_prefetch_fits`] and `$SPARDA_GEMV_PREFETCH` is not `0`.
-    pub prefetch_weights: bool,
-}
-
-/// Shared memory a block may take with its rows prefetched, bytes (the
-/// H200's 227 KiB per block less the static arrays).
-pub const GEMV_MAX_PREFETCH_SMEM: usize = 200 * 1024;
-
-/// Dynamic shared memory of a block that prefetches its warps' first row
-/// pairs: the staged input (n · in · 2) and GEMV_WARPS · 2 rows of W, bytes.
-pub const fn gemv_prefetch_smem(n: usize, in_features: usize) -> usize {
-    n * in_features * 2 + GEMV_WARPS * GEMV_ROWS * in_features * 2
-}
-
-/// Whether a launch of n rows of `in_features` may prefetch its weights
-/// (they fit [`GEMV_MAX_PREFETCH_SMEM`]): in ≤ 5,120 at n = 4, 6,016 at
-/// n = 1 — the QKV and O projections of NOSA-8B, not its down projection.
-pub fn gemv_prefetch_fits(n: usize, in_features: usize) -> bool {
-    gemv_fits(n, in_features) && gemv_prefetch_smem(n, in_features) <= GEMV_MAX_PREFETCH_SMEM
-}
-
-/// `$SPARDA_GEMV_PREFETCH`: `0` turns the shared-memory prefetch of
-/// [`GemvArgs::prefetch_weights`] off (default on).
-fn prefetch_enabled() -> bool {
-    std::env::var("SPARDA_GEMV_PREFETCH").map_or(true, |v| v != "0")
 }
 
 /// Whether `gemv` takes n rows of `in_features` (n ≤ [`GEMV_MAX_N`],
@@ -190,19 +161,12 @@ pub unsafe fn launch_gemv(gpu: &Gpu, a: &GemvArgs) -> Result<()> {
         i32::try_from(v).map_err(|_| Error::Input(format!("{}: {what} {v} exceeds i32", shape())))
     };
     let (k_, m_) = (dims(k, "in")?, dims(m, "out")?);
-    let wpre = a.prefetch_weights && gemv_prefetch_fits(n, k) && prefetch_enabled();
-    let (per_sm, smem) = if wpre {
-        (1, gemv_prefetch_smem(n, k))
-    } else {
-        (blocks_per_sm(), n * k * 2)
-    };
-    let blocks = gemv_blocks(m, gpu.info().sm_count.max(1) as usize, per_sm);
+    let blocks = gemv_blocks(m, gpu.info().sm_count.max(1) as usize, blocks_per_sm());
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
         block_dim: ((32 * GEMV_WARPS) as u32, 1, 1),
-        shared_mem_bytes: smem as u32,
+        shared_mem_bytes: (n * k * 2) as u32,
     };
-    let wpre = i32::from(wpre);
     let f = gpu.function(["gemv1", "gemv2", "gemv3", "gemv4"][n - 1])?;
     let mut b = gpu.launch_builder(f);
     b.arg(&xp)
@@ -214,8 +178,7 @@ pub unsafe fn launch_gemv(gpu: &Gpu, a: &GemvArgs) -> Result<()> {
         .arg(&k_)
         .arg(&m_)
         .arg(&xmode)
-        .arg(&ymode)
-        .arg(&wpre);
+        .arg(&ymode);
     // SAFETY: argument list matches kernels/gemv.cu; the caller vouches for
     // the buffers (this function's contract); shape and alignment checked.
     unsafe { b.launch(cfg) }.cuda(&shape()).map(drop)
@@ -224,20 +187,6 @@ pub unsafe fn launch_gemv(gpu: &Gpu, a: &GemvArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn prefetch_fits_the_o_projection_not_the_down_projection() {
-        // NOSA-8B: H·D = 4096 inputs: 8 KiB staged + 128 KiB of rows
-        assert_eq!(gemv_prefetch_smem(1, 4096), 8192 + 131_072);
-        assert!(gemv_prefetch_fits(1, 4096));
-        assert!(gemv_prefetch_fits(4, 4096)); // 32 + 128 KiB
-        assert!(gemv_prefetch_fits(1, 6016)); // 34 · 6,016 = 204,544 bytes
-        assert!(!gemv_prefetch_fits(1, 6024)); // 204,816 bytes > 200 KiB
-        assert!(gemv_prefetch_fits(4, 5120));
-        assert!(!gemv_prefetch_fits(4, 5128));
-        assert!(!gemv_prefetch_fits(1, 14_336)); // the down projection's input
-        assert!(!gemv_prefetch_fits(5, 256));
-    }
 
     #[test]
     fn fits_only_small_batches_of_whole_chunks_within_shared_memory() {
