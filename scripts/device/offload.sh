@@ -48,8 +48,8 @@
 #                                          and combine (B=1 4K), the partials' time with 1, 2, 4 tiles per CTA
 #   scripts/device/offload.sh pdl OUT      programmatic dependent launch: gpu-check-e2e, offload identity, then
 #                                          the GPU-resident step with SPARDA_PDL=0 vs on (B 1 4K, B 16 32K)
-#   scripts/device/offload.sh gemv OUT     the fused small-batch GEMVs (SPARDA_GEMV=1): gpu-check kernels, e2e and
-#                                          tiny identity on the fused path, B 1 4K dense cuBLAS vs fused
+#   scripts/device/offload.sh gemv OUT     the fused small-batch GEMVs: gpu-check kernels, e2e and tiny identity
+#                                          with the defaults, B 1 4K dense: balanced vs capped grid vs cuBLAS
 #   scripts/device/offload.sh cachectas OUT cache slots 0/192 with the copy kernel on 8, 12, 16 whole SMs
 #                                          (4 task groups), prefetch on/off, sync, resident (CONTEXTS)
 #   scripts/device/offload.sh graphs OUT   offloaded steps as CUDA graphs: the identity checks of `check` and
@@ -392,27 +392,35 @@ pdl)
   done
   ;;
 gemv)
-  # the fused small-batch GEMVs (kernels/gemv.cu, SPARDA_GEMV=1): gpu-check's
+  # the fused small-batch GEMVs (kernels/gemv.cu; on by default for B 1): gpu-check's
   # kernel group (gemv in every mode against the CPU reference), the end-to-end
-  # check and the tiny offload identity on the fused path, then the B 1 4K
-  # dense step, cuBLAS + separate norms (SPARDA_GEMV=0) vs fused, two
-  # alternating rounds, and B 4 4K sparse both ways
+  # check and the tiny offload identity with the defaults, then the B 1 4K dense
+  # step, ROUNDS (2) alternating rounds of: the default (balanced grid), the grid
+  # capped at one warp per row pair (SPARDA_GEMV_GRID=cap, the earlier grid), the
+  # balanced grid on one block per SM, and cuBLAS + separate norms (SPARDA_GEMV=0);
+  # then B 4 4K sparse (cuBLAS either way: the default takes one row)
   SPARDA_CHECK_ONLY=kernels $bin gpu-check --json "$out/gpu_check_kernels.json" 2>&1 \
     | grep -E "^gemv|FAIL|passed" || true
-  SPARDA_GEMV=1 $bin gpu-check-e2e --json "$out/gpu_check_e2e_gemv.json" 2>&1 | tail -4 || true
-  SPARDA_GEMV=1 $bin offload-check --model synth:tiny:5 --tokenizer "$tok" --prompt-file "$book" \
-    --prompt-tokens 1000 --new-tokens 1024 --fetch sm --json "$out/offload_tiny_gemv.json" 2>&1 | tail -3 || true
-  for r in 1 2; do
-    for g in 0 1; do
-      SPARDA_GEMV=$g $bin bench --model synth:nosa-8b --attention dense --batch 1 --context 4K \
-        --steps 64 --tokenizer "$tok" --json "$out/bench_b1_4k_gemv${g}_$r.json" 2>&1 \
-        | grep -E "dense |ceiling|piece|ms" | head -30 || true
-    done
+  $bin gpu-check-e2e --json "$out/gpu_check_e2e.json" 2>&1 | tail -4 || true
+  $bin offload-check --model synth:tiny:5 --tokenizer "$tok" --prompt-file "$book" \
+    --prompt-tokens 1000 --new-tokens 1024 --fetch sm --json "$out/offload_tiny.json" 2>&1 | tail -3 || true
+  gb() {  # name, then env assignments
+    local name=$1; shift
+    env "$@" $bin bench --model synth:nosa-8b --attention dense --batch 1 --context 4K \
+      --steps 64 --tokenizer "$tok" --json "$out/b1_4k_dense_$name.json" 2>&1 \
+      | grep -E "^dense |ceiling" | head -3 || true
+  }
+  for r in $(seq 1 "${ROUNDS:-2}"); do
+    echo "round $r"
+    gb "balanced_$r" SPARDA_GEMV=1
+    gb "cap_$r" SPARDA_GEMV=1 SPARDA_GEMV_GRID=cap
+    gb "balanced_1_per_sm_$r" SPARDA_GEMV=1 SPARDA_GEMV_BLOCKS_PER_SM=1
+    gb "cublas_$r" SPARDA_GEMV=0
   done
   for g in 0 1; do
     SPARDA_GEMV=$g $bin bench --model synth:nosa-8b --attention sparse --batch 4 --context 4K \
       --steps 32 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
-      --json "$out/bench_b4_4k_gemv$g.json" 2>&1 | grep -E "sparse " || true
+      --json "$out/b4_4k_sparse_gemv$g.json" 2>&1 | grep -E "sparse " || true
   done
   ;;
 smallbatch)

@@ -981,7 +981,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
             "kernel_stride": budget.kernel_stride,
         },
         "weight_bytes": model.weight_bytes(),
-        "small_batch_gemv": gpu.small_gemv(),
+        "small_batch_gemv_rows": gpu.small_gemv_rows(),
         "pdl": gpu.pdl_allowed(),
         "host_pages": crate::kv::host_store::HostPages::from_env()?.name(),
         "weights_load_s": load_s,

@@ -99,6 +99,11 @@ pub const DEFAULT_STEPS: usize = 64;
 /// positions of real text (spec/testing.md asks ≥ 256).
 pub const FIXTURE_STEPS: usize = 160;
 
+/// Teacher-forced steps of the `tiny-dense` case (at least): its three
+/// prompts then score 3 × 87 = 261 positions, the ≥ 256 the whole-model
+/// rule is defined on (spec/testing.md).
+pub const TINY_DENSE_STEPS: usize = 86;
+
 /// Where a case's tokens come from.
 #[derive(Clone)]
 enum Inputs<'a> {
@@ -1002,7 +1007,10 @@ pub fn gpu_check_e2e(
                 prompt_lens: vec![5, 77, 300],
                 seed: 11,
             },
-            min_steps: 0,
+            // 3 × (TINY_DENSE_STEPS + 1) = 261 positions: the rule is
+            // defined on ≥ 256 (spec/testing.md); at 195 one near-tie
+            // of the random-weight model was half a percentage point
+            min_steps: TINY_DENSE_STEPS,
             prefill_attention: PrefillAttention::Rowwise,
         },
         CaseSpec {

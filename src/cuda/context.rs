@@ -293,6 +293,30 @@ pub fn pdl_from_env(env: Option<&str>, arch: &str) -> bool {
     sm >= 90 && env != Some("0")
 }
 
+/// The most decode rows the small-batch kernel `gemv` (kernels/gemv.cu)
+/// takes by default. One: on the H200 (synthetic NOSA-8B, 4K, 2026-12-04)
+/// the fused GEMVs took the B = 1 dense step from 5.07 to 4.85 ms, while at
+/// B = 4 cuBLAS was faster (6.56 against 7.81 ms sparse).
+pub const DEFAULT_SMALL_GEMV_ROWS: usize = 1;
+
+/// The row limit of the small-batch kernel from `$SPARDA_GEMV` (`env`):
+/// unset or empty gives [`DEFAULT_SMALL_GEMV_ROWS`], `0` turns it off
+/// (cuBLAS for every GEMM), `1` … [`super::ops::GEMV_MAX_N`] sets the
+/// limit.
+///
+/// Errors: [`Error::Input`] naming the variable for anything else.
+pub fn small_gemv_rows_from_env(env: Option<&str>) -> Result<usize> {
+    let max = super::ops::GEMV_MAX_N;
+    match env.map(str::trim) {
+        None | Some("") => Ok(DEFAULT_SMALL_GEMV_ROWS),
+        Some(v) => v.parse::<usize>().ok().filter(|&r| r <= max).ok_or_else(|| {
+            Error::Input(format!(
+                "SPARDA_GEMV={v:?}: expected the most rows the small-batch GEMV takes, 0 (off) to {max}"
+            ))
+        }),
+    }
+}
+
 /// The GPU: context, one compute stream, compiled kernels, cuBLAS handle.
 ///
 /// Everything the backend launches goes on [`Gpu::stream`], in order, so no
@@ -305,8 +329,9 @@ pub struct Gpu {
     /// cuBLAS's workspace, set explicitly so that GEMMs captured into a CUDA
     /// graph never allocate ([`CUBLAS_WORKSPACE_BYTES`]).
     _blas_workspace: CudaSlice<u8>,
-    /// Whether [`Gpu::linear`] may use the small-batch kernel.
-    small_gemv: std::sync::atomic::AtomicBool,
+    /// The most rows [`Gpu::linear`] and the decode step give the
+    /// small-batch kernel ([`Gpu::small_gemv_rows`]); 0: none.
+    small_gemv_rows: std::sync::atomic::AtomicUsize,
     /// Whether [`super::KernelLaunch`] launches with PDL now.
     pdl: std::sync::atomic::AtomicBool,
     /// Whether the decode step may turn PDL on ([`Gpu::pdl_allowed`]).
@@ -594,9 +619,9 @@ impl Gpu {
             functions,
             blas,
             _blas_workspace: blas_workspace,
-            small_gemv: std::sync::atomic::AtomicBool::new(
-                std::env::var("SPARDA_GEMV").is_ok_and(|v| v == "1"),
-            ),
+            small_gemv_rows: std::sync::atomic::AtomicUsize::new(small_gemv_rows_from_env(
+                std::env::var("SPARDA_GEMV").ok().as_deref(),
+            )?),
             pdl: std::sync::atomic::AtomicBool::new(false),
             pdl_allowed: pdl_from_env(std::env::var("SPARDA_PDL").ok().as_deref(), &info.arch),
             stream,
@@ -733,19 +758,28 @@ impl Gpu {
             .cuda("cuStreamSynchronize (an earlier kernel or copy failed)")
     }
 
-    /// Lets [`Gpu::linear`] use the small-batch kernel (`gemv_small`) where
-    /// it applies (default: off, on with `$SPARDA_GEMV=1`); off, every GEMM
-    /// goes to cuBLAS. Measured on the H200 (2026-11-30, NOSA-8B, B = 1):
-    /// the kernel took 15.3 µs for the QKV(+z) projection and 14.4 µs for
-    /// O, cuBLAS 13.8 µs and 12.6 µs, so cuBLAS is the default.
-    pub fn set_small_gemv(&self, on: bool) {
-        self.small_gemv
-            .store(on, std::sync::atomic::Ordering::Relaxed);
+    /// Sets the most rows (0 … [`super::ops::GEMV_MAX_N`]) that
+    /// [`Gpu::linear`] and the decode step give the small-batch kernel
+    /// `gemv` instead of cuBLAS; 0 sends every GEMM to cuBLAS. The default,
+    /// [`DEFAULT_SMALL_GEMV_ROWS`], or `$SPARDA_GEMV`, is read when the
+    /// context is created.
+    pub fn set_small_gemv_rows(&self, rows: usize) {
+        self.small_gemv_rows.store(
+            rows.min(super::ops::GEMV_MAX_N),
+            std::sync::atomic::Ordering::Relaxed,
+        );
     }
 
-    /// Whether [`Gpu::linear`] may use the small-batch kernel.
-    pub fn small_gemv(&self) -> bool {
-        self.small_gemv.load(std::sync::atomic::Ordering::Relaxed)
+    /// The most rows the small-batch kernel takes now (0: it is off).
+    pub fn small_gemv_rows(&self) -> usize {
+        self.small_gemv_rows
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether a GEMM of `n` rows may go to the small-batch kernel
+    /// (1 ≤ n ≤ [`Gpu::small_gemv_rows`]; the shape is checked apart).
+    pub fn small_gemv_takes(&self, n: usize) -> bool {
+        n >= 1 && n <= self.small_gemv_rows()
     }
 
     /// Whether launches through [`super::KernelLaunch`] use programmatic
@@ -861,7 +895,7 @@ impl Gpu {
     /// `y` is [`Bf16`] (activations, rounded from the f32 accumulator) or
     /// f32 (logits). `n = 0` is a no-op.
     ///
-    /// When [`Gpu::small_gemv`] is on, small batches that `gemv` takes
+    /// When [`Gpu::small_gemv_takes`] n rows, small batches that `gemv` takes
     /// ([`super::ops::gemv_fits`]: n ≤ [`super::ops::GEMV_MAX_N`], `in` a
     /// multiple of 8, the input within its shared memory) with 16-byte
     /// aligned x and W go to the memory-bound kernel `gemv`
@@ -905,7 +939,7 @@ impl Gpu {
         let (xp, _gx) = x.device_ptr(&self.stream);
         let (wp, _gw) = w.device_ptr(&self.stream);
         let (yp, _gy) = y.device_ptr_mut(&self.stream);
-        if self.small_gemv()
+        if self.small_gemv_takes(n)
             && super::ops::gemv_fits(n, in_features)
             && xp.is_multiple_of(16)
             && wp.is_multiple_of(16)
@@ -1008,6 +1042,24 @@ mod tests {
         assert!(!pdl_from_env(None, "sm_89"));
         assert!(!pdl_from_env(Some("1"), "sm_80"));
         assert!(!pdl_from_env(None, "compute"));
+    }
+
+    #[test]
+    fn small_gemv_rows_default_to_one_and_reject_what_the_kernel_cannot_take() {
+        assert_eq!(
+            small_gemv_rows_from_env(None).unwrap(),
+            DEFAULT_SMALL_GEMV_ROWS
+        );
+        assert_eq!(small_gemv_rows_from_env(Some("")).unwrap(), 1);
+        assert_eq!(small_gemv_rows_from_env(Some("0")).unwrap(), 0);
+        assert_eq!(small_gemv_rows_from_env(Some(" 4 ")).unwrap(), 4);
+        for bad in ["5", "on", "-1"] {
+            let e = small_gemv_rows_from_env(Some(bad)).unwrap_err().to_string();
+            assert!(
+                e.contains("SPARDA_GEMV") && e.contains("0 (off) to 4"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

@@ -760,14 +760,14 @@ impl GpuModel {
     /// the gate|up projection applies SwiGLU to its outputs, and the O and down
     /// projections add into the residual stream, so no RMSNorm, SwiGLU or
     /// residual-add kernel runs between layer 1's QKV and the lm_head
-    /// (which normalises too). It applies when [`Gpu::small_gemv`] is on, no
+    /// (which normalises too). It applies when [`Gpu::small_gemv_takes`] n rows, no
     /// projection has a bias, every GEMV input fits ([`ops::gemv_fits`]) and
     /// every weight is 16-byte aligned.
     pub(crate) fn gemv_fusion_applies(&self, n: usize) -> bool {
         let c = &self.config;
         let gpu = &*self.gpu;
         let aligned = |w: &CudaSlice<Bf16>| dptr(gpu, w).is_multiple_of(16);
-        gpu.small_gemv()
+        gpu.small_gemv_takes(n)
             && [
                 c.hidden_size,
                 c.num_attention_heads * c.head_dim,

@@ -14,7 +14,7 @@ pub struct GemmCeiling {
     pub layers_graph_ms: f64,
     /// The same graph with the engine's own routing ([`Gpu::linear`]: the
     /// small-batch kernel `gemv` where it takes the shape when
-    /// [`Gpu::set_small_gemv`] is on, else cuBLAS too), milliseconds.
+    /// [`Gpu::small_gemv_takes`] the batch, else cuBLAS too), milliseconds.
     pub layers_graph_ms_engine: f64,
     /// Median of the lm_head GEMM alone (f32 logits), milliseconds.
     pub lm_head_ms: f64,
@@ -151,19 +151,19 @@ impl GpuModel {
         };
         // Warm up eagerly (cuBLAS picks its kernels), then capture: once with
         // cuBLAS alone, once with the engine's routing.
-        let small = gpu.small_gemv();
-        gpu.set_small_gemv(false);
+        let small = gpu.small_gemv_rows();
+        gpu.set_small_gemv_rows(0);
         let captured = (|| -> Result<(CudaGraph, CudaGraph)> {
             enqueue(&mut yq, &mut yo, &mut yg)?;
             gpu.synchronize()?;
             let cublas = gpu.capture(|| enqueue(&mut yq, &mut yo, &mut yg))?;
-            gpu.set_small_gemv(small);
+            gpu.set_small_gemv_rows(small);
             enqueue(&mut yq, &mut yo, &mut yg)?;
             gpu.synchronize()?;
             let engine = gpu.capture(|| enqueue(&mut yq, &mut yo, &mut yg))?;
             Ok((cublas, engine))
         })();
-        gpu.set_small_gemv(small);
+        gpu.set_small_gemv_rows(small);
         let (graph, graph_engine) = captured?;
         let median = |v: &mut Vec<f64>| {
             v.sort_by(f64::total_cmp);

@@ -92,14 +92,29 @@ pub fn gemv_fits(n: usize, in_features: usize) -> bool {
         && n * in_features * 2 <= GEMV_MAX_STAGED_BYTES
 }
 
-/// The grid of a `gemv` over `out_features` rows on `sms` SMs: one warp per
-/// row pair, at most `blocks_per_sm` blocks per SM.
-fn gemv_blocks(out_features: usize, sms: usize, blocks_per_sm: usize) -> usize {
-    out_features
-        .div_ceil(GEMV_ROWS)
-        .div_ceil(GEMV_WARPS)
-        .min(sms.max(1) * blocks_per_sm)
-        .max(1)
+/// The grid of a `gemv` over `out_features` rows on `sms` SMs, at most
+/// `blocks_per_sm` blocks per SM. Balanced (the default): the row pairs
+/// take k = ⌈pairs / most warps⌉ rounds, and the grid has the fewest warps
+/// that cover them in k rounds, so every warp computes k or k − 1 pairs —
+/// the QKV projection of NOSA-8B (2,304 pairs) runs on 1,152 warps, two
+/// pairs each, instead of 2,112 warps of which 192 take a second pair and
+/// the others wait. `balanced` false: one warp per pair up to the cap.
+fn gemv_blocks(out_features: usize, sms: usize, blocks_per_sm: usize, balanced: bool) -> usize {
+    let pairs = out_features.div_ceil(GEMV_ROWS);
+    let most = sms.max(1) * blocks_per_sm * GEMV_WARPS;
+    let warps = if balanced {
+        pairs.div_ceil(pairs.div_ceil(most).max(1))
+    } else {
+        pairs.min(most)
+    };
+    warps.div_ceil(GEMV_WARPS).max(1)
+}
+
+/// `$SPARDA_GEMV_GRID`: `cap` gives every row pair its own warp up to the
+/// per-SM cap (the grid before the balanced one, for comparison); anything
+/// else, or unset, the balanced grid.
+fn balanced_grid() -> bool {
+    std::env::var("SPARDA_GEMV_GRID").map_or(true, |v| v != "cap")
 }
 
 /// `$SPARDA_GEMV_BLOCKS_PER_SM` if it is a count of 1–16, else the default.
@@ -161,7 +176,12 @@ pub unsafe fn launch_gemv(gpu: &Gpu, a: &GemvArgs) -> Result<()> {
         i32::try_from(v).map_err(|_| Error::Input(format!("{}: {what} {v} exceeds i32", shape())))
     };
     let (k_, m_) = (dims(k, "in")?, dims(m, "out")?);
-    let blocks = gemv_blocks(m, gpu.info().sm_count.max(1) as usize, blocks_per_sm());
+    let blocks = gemv_blocks(
+        m,
+        gpu.info().sm_count.max(1) as usize,
+        blocks_per_sm(),
+        balanced_grid(),
+    );
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
         block_dim: ((32 * GEMV_WARPS) as u32, 1, 1),
@@ -202,11 +222,46 @@ mod tests {
     #[test]
     fn grid_covers_every_row_pair_up_to_the_per_sm_cap() {
         // 6,144 rows = 3,072 pairs = 384 blocks of 8 warps, below 132·4
-        assert_eq!(gemv_blocks(6144, 132, 4), 384);
+        assert_eq!(gemv_blocks(6144, 132, 4, false), 384);
+        assert_eq!(gemv_blocks(6144, 132, 4, true), 384);
         // 28,672 rows = 1,792 blocks, capped at 132·2
-        assert_eq!(gemv_blocks(28_672, 132, 2), 264);
+        assert_eq!(gemv_blocks(28_672, 132, 2, false), 264);
         // an odd row count still gets its last (half) pair
-        assert_eq!(gemv_blocks(17, 132, 4), 2);
-        assert_eq!(gemv_blocks(1, 0, 4), 1);
+        assert_eq!(gemv_blocks(17, 132, 4, false), 2);
+        assert_eq!(gemv_blocks(17, 132, 4, true), 2);
+        assert_eq!(gemv_blocks(1, 0, 4, false), 1);
+        assert_eq!(gemv_blocks(1, 0, 4, true), 1);
+    }
+
+    #[test]
+    fn balanced_grid_gives_every_warp_the_same_number_of_pairs_within_one() {
+        // (out, sms, per SM): NOSA-8B's QKV, O/down, gate|up and lm_head rows
+        for (out, sms, per_sm) in [
+            (4608, 132, 2),
+            (4096, 132, 2),
+            (28_672, 132, 2),
+            (73_448, 132, 2),
+            (1_000, 132, 2),
+            (9, 1, 1),
+        ] {
+            let pairs = out / 2 + out % 2;
+            let cap = gemv_blocks(out, sms, per_sm, false);
+            let bal = gemv_blocks(out, sms, per_sm, true);
+            assert!(bal <= cap, "{out}: {bal} > {cap}");
+            let rounds = |blocks: usize| pairs.div_ceil(blocks * GEMV_WARPS);
+            // no more rounds than the capped grid, and no warp idle for a whole round
+            assert_eq!(rounds(bal), rounds(cap), "{out}");
+            let warps = bal * GEMV_WARPS;
+            assert!(warps >= pairs.div_ceil(rounds(bal)), "{out}");
+            assert!(
+                (warps - GEMV_WARPS) * rounds(bal) < pairs,
+                "{out}: a smaller grid would do"
+            );
+        }
+        // QKV: 2,304 pairs over 1,152 warps (144 blocks), two each
+        assert_eq!(gemv_blocks(4608, 132, 2, true), 144);
+        assert_eq!(gemv_blocks(4608, 132, 2, false), 264);
+        // gate|up: 14,336 pairs, 7 rounds, 2,048 warps
+        assert_eq!(gemv_blocks(28_672, 132, 2, true), 256);
     }
 }
