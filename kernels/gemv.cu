@@ -19,7 +19,9 @@
 // Memory-bound: every weight is read once with 16-byte streaming loads, several in flight per
 // lane. The weights do not depend on the previous kernel, so under programmatic dependent launch
 // each warp loads its first GEMV_PF chunks of both rows before pdl_wait() and the stream of
-// weights starts while the previous kernel drains.
+// weights starts while the previous kernel drains; with GX_RMSNORM each thread also loads its
+// first GEMV_NORM_REGS groups of norm weights there, and keeps the residual values it reads
+// for the sum of squares in registers for the normalisation (the same sums, bit for bit).
 // Work: warp w of the grid (blockIdx.x * GEMV_WARPS + w) computes row pairs w, w + W, w + 2W, ...
 // (W = gridDim.x * GEMV_WARPS warps in all); pair p is rows (2p, 2p + 1), or (p, p + I) for
 // GY_SWIGLU; lane l reads 16-byte chunks l, l + 32, ... of both rows; the partial sums are
@@ -31,6 +33,7 @@
 #define GEMV_ROWS 2
 #define GEMV_WARPS 8
 #define GEMV_PF 4
+#define GEMV_NORM_REGS 4
 
 #define GX_BF16 0
 #define GX_RMSNORM 1
@@ -52,6 +55,15 @@ __device__ __forceinline__ float dot8(const uint4 w, const uint4 x) {
     s = fmaf(bf_lo(w.w), bf_lo(x.w), s);
     s = fmaf(bf_hi(w.w), bf_hi(x.w), s);
     return s;
+}
+
+// Four features of the RMSNorm input: bf16(bf16(v * inv) * g), g four bf16 norm weights.
+__device__ __forceinline__ uint2 gemv_norm4(const float4 v, const uint2 g, float inv) {
+    const u32 a = f2bf(round_bf(v.x * inv) * bf_lo(g.x));
+    const u32 b = f2bf(round_bf(v.y * inv) * bf_hi(g.x));
+    const u32 c = f2bf(round_bf(v.z * inv) * bf_lo(g.y));
+    const u32 d = f2bf(round_bf(v.w * inv) * bf_hi(g.y));
+    return make_uint2(a | (b << 16), c | (d << 16));
 }
 
 // A 16-byte weight load that bypasses L1 (each weight is read once per step).
@@ -95,20 +107,46 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
             }
         }
     }
+    // The norm weights do not depend on the previous kernel either: this thread's first
+    // GEMV_NORM_REGS groups of four, into registers before the wait.
+    const int nq = in >> 2;  // groups of four features per row
+    const uint2* g4 = (const uint2*)norm;
+    uint2 gq[GEMV_NORM_REGS];
+#pragma unroll
+    for (int k = 0; k < GEMV_NORM_REGS; ++k) {
+        const int q = threadIdx.x + k * blockDim.x;
+        gq[k] = xmode == GX_RMSNORM && q < nq ? g4[q] : make_uint2(0u, 0u);
+    }
     pdl_wait();
     pdl_trigger();
 
     // Stage x: 16-byte (bf16) or float4 (f32) loads, several in flight per thread.
     uint4* xs = (uint4*)gemv_sh;  // [n, kch] chunks
     if (xmode == GX_RMSNORM) {
-        const int nq = in >> 2;  // float4s per row
-        const uint2* g4 = (const uint2*)norm;
+        // Per row: the sum of squares over this thread's groups q = t, t + blockDim.x, ... in
+        // that order (the first GEMV_NORM_REGS kept in registers for the second pass), the
+        // block's sum, then x.
         uint2* xq = (uint2*)gemv_sh;  // [n, nq] groups of 4 bf16
+        const int q_rest = threadIdx.x + GEMV_NORM_REGS * blockDim.x;
         for (int i = 0; i < n; ++i) {
             const float4* r4 = (const float4*)((const float*)xsrc + (u64)i * in);
+            float4 rv[GEMV_NORM_REGS];
             float ss = 0.0f;
-#pragma unroll 4
-            for (int q = threadIdx.x; q < nq; q += blockDim.x) {
+#pragma unroll
+            for (int k = 0; k < GEMV_NORM_REGS; ++k) {
+                const int q = threadIdx.x + k * blockDim.x;
+                rv[k] = q < nq ? r4[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int k = 0; k < GEMV_NORM_REGS; ++k) {
+                if (threadIdx.x + k * blockDim.x < nq) {
+                    ss += rv[k].x * rv[k].x;
+                    ss += rv[k].y * rv[k].y;
+                    ss += rv[k].z * rv[k].z;
+                    ss += rv[k].w * rv[k].w;
+                }
+            }
+            for (int q = q_rest; q < nq; q += blockDim.x) {
                 const float4 v = r4[q];
                 ss += v.x * v.x;
                 ss += v.y * v.y;
@@ -117,15 +155,13 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
             }
             ss = block_sum(ss, red);
             const float inv = 1.0f / sqrtf(ss / (float)in + eps);
-#pragma unroll 4
-            for (int q = threadIdx.x; q < nq; q += blockDim.x) {
-                const float4 v = r4[q];
-                const uint2 g = g4[q];
-                const u32 a = f2bf(round_bf(v.x * inv) * bf_lo(g.x));
-                const u32 b = f2bf(round_bf(v.y * inv) * bf_hi(g.x));
-                const u32 c = f2bf(round_bf(v.z * inv) * bf_lo(g.y));
-                const u32 d = f2bf(round_bf(v.w * inv) * bf_hi(g.y));
-                xq[(u64)i * nq + q] = make_uint2(a | (b << 16), c | (d << 16));
+#pragma unroll
+            for (int k = 0; k < GEMV_NORM_REGS; ++k) {
+                const int q = threadIdx.x + k * blockDim.x;
+                if (q < nq) xq[(u64)i * nq + q] = gemv_norm4(rv[k], gq[k], inv);
+            }
+            for (int q = q_rest; q < nq; q += blockDim.x) {
+                xq[(u64)i * nq + q] = gemv_norm4(r4[q], g4[q], inv);
             }
         }
     } else {
@@ -200,7 +236,7 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
 }
 
 #define GEMV_KERNEL(NAME, N)                                                                               \
-    extern "C" __global__ __launch_bounds__(32 * GEMV_WARPS) void NAME(                                  \
+    extern "C" __global__ __launch_bounds__(32 * GEMV_WARPS, 2) void NAME(                               \
         const void* __restrict__ xsrc, const bf16_t* __restrict__ norm, float eps,                       \
         const bf16_t* __restrict__ W, void* __restrict__ y, float scale, int in, int out, int xmode,     \
         int ymode) {                                                                                     \

@@ -268,6 +268,8 @@ fn check_gemv(c: &mut Checker<'_>) {
         (3, 2048, 515),
         (4, 4096, 512),
         (1, 4096, 6144),
+        // 2,048 groups of four: the RMSNorm staging past the groups a thread keeps in registers
+        (1, 8192, 258),
     ] {
         let shape = |x: &str, y: &str| json!({"n": n, "in": k, "out": out, "x": x, "y": y});
         for f32_out in [false, true] {
