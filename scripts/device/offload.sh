@@ -395,7 +395,8 @@ gemv)
   # the fused small-batch GEMVs (kernels/gemv.cu; on by default for B 1): gpu-check's
   # kernel group (gemv in every mode against the CPU reference), the end-to-end
   # check and the tiny offload identity with the defaults, then the B 1 4K dense
-  # step, ROUNDS (2) alternating rounds of: the default (balanced grid), the grid
+  # step, ROUNDS (2) alternating rounds of: the binary at BASE (default .device/base/sparda,
+  # if there), this one's default (balanced grid), the grid
   # capped at one warp per row pair (SPARDA_GEMV_GRID=cap, the earlier grid), the
   # balanced grid on one block per SM, and cuBLAS + separate norms (SPARDA_GEMV=0);
   # then B 4 4K sparse (cuBLAS either way: the default takes one row)
@@ -404,18 +405,20 @@ gemv)
   $bin gpu-check-e2e --json "$out/gpu_check_e2e.json" 2>&1 | tail -4 || true
   $bin offload-check --model synth:tiny:5 --tokenizer "$tok" --prompt-file "$book" \
     --prompt-tokens 1000 --new-tokens 1024 --fetch sm --json "$out/offload_tiny.json" 2>&1 | tail -3 || true
-  gb() {  # name, then env assignments
-    local name=$1; shift
-    env "$@" $bin bench --model synth:nosa-8b --attention dense --batch 1 --context 4K \
+  base=${BASE:-.device/base/sparda}
+  gb() {  # name, binary, then env assignments
+    local name=$1 b=$2; shift 2
+    env "$@" "$b" bench --model synth:nosa-8b --attention dense --batch 1 --context 4K \
       --steps 64 --tokenizer "$tok" --json "$out/b1_4k_dense_$name.json" 2>&1 \
       | grep -E "^dense |ceiling" | head -3 || true
   }
   for r in $(seq 1 "${ROUNDS:-2}"); do
     echo "round $r"
-    gb "balanced_$r" SPARDA_GEMV=1
-    gb "cap_$r" SPARDA_GEMV=1 SPARDA_GEMV_GRID=cap
-    gb "balanced_1_per_sm_$r" SPARDA_GEMV=1 SPARDA_GEMV_BLOCKS_PER_SM=1
-    gb "cublas_$r" SPARDA_GEMV=0
+    [ -x "$base" ] && gb "base_$r" "$base" SPARDA_GEMV=1
+    gb "balanced_$r" "$bin" SPARDA_GEMV=1
+    gb "cap_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_GRID=cap
+    gb "balanced_1_per_sm_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_BLOCKS_PER_SM=1
+    gb "cublas_$r" "$bin" SPARDA_GEMV=0
   done
   for g in 0 1; do
     SPARDA_GEMV=$g $bin bench --model synth:nosa-8b --attention sparse --batch 4 --context 4K \
