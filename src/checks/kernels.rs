@@ -802,12 +802,21 @@ fn make_seq(
 
 fn check_dense_attention(c: &mut Checker<'_>) {
     let budget = Budget::new(&SparseConfig::default());
-    let batches: [&[usize]; 3] = [&[17], &[5, 31, 48, 49, 63, 64, 65, 1500], &[4200, 300]];
+    // One row (B = 1: the kernel merges its own splits when its grid fits the
+    // GPU, here up to 40 and 66 splits), a batch of eight (attn_combine), two
+    // long rows
+    let batches: [&[usize]; 5] = [
+        &[17],
+        &[2500],
+        &[5, 31, 48, 49, 63, 64, 65, 1500],
+        &[4200, 300],
+        &[4200],
+    ];
     for &g in &[3usize, 8, 16] {
         for &d in &[64usize, 80, 128] {
             for (bi, lens) in batches.iter().enumerate() {
-                if bi == 2 && !(g == 16 && d == 128) {
-                    continue; // the long batch once, at NOSA-8B's shape
+                if bi >= 3 && !(g == 16 && d == 128) {
+                    continue; // the long batches once, at NOSA-8B's shape
                 }
                 let hk = 2usize;
                 let hq = g * hk;
@@ -1054,6 +1063,15 @@ fn check_sparse_attention(c: &mut Checker<'_>) {
         16,
         128,
         &[4200, 5000],
+    );
+    // one row: 64 splits of one block, merged in the attention kernel
+    sparse_case(
+        c,
+        SparseConfig::default(),
+        AttentionMode::Nosa,
+        16,
+        128,
+        &[5000],
     );
     // InfLLM-V2 (no bias).
     sparse_case(c, small, AttentionMode::InfLlmV2, 8, 128, &[100, 3000]);
