@@ -335,7 +335,7 @@ pub struct Gpu {
     /// Whether [`super::KernelLaunch`] launches with PDL now.
     pdl: std::sync::atomic::AtomicBool,
     /// The grid-wide barrier of the attention kernel's own split-K combine:
-    /// u32 [2] (arrivals, generation), zeroed ([`Gpu::grid_barrier`]).
+    /// u32 \[2\] (arrivals, generation), zeroed ([`Gpu::grid_barrier`]).
     grid_barrier: CudaSlice<u32>,
     /// Whether the decode step may turn PDL on ([`Gpu::pdl_allowed`]).
     pdl_allowed: bool,
@@ -778,7 +778,7 @@ impl Gpu {
     }
 
     /// Device address of the grid-wide barrier that `attn_partial` uses when
-    /// it merges its own splits (u32 [2], kernels/attn_decode.cu
+    /// it merges its own splits (u32 \[2\], kernels/attn_decode.cu
     /// `attn_grid_combine`; left as the last launch leaves it, so one such
     /// kernel may run at a time: every launch is on [`Gpu::stream`]).
     pub fn grid_barrier(&self) -> u64 {
