@@ -1,5 +1,6 @@
 // Decode attention partials on the tensor cores (nosa-model.md §5), dense or sparse,
-// split-K over tokens; attn_combine.cu merges the splits.
+// split-K over tokens; attn_combine.cu merges the splits, or this kernel itself after a grid-wide
+// barrier when its grid is resident at once (attn_grid_combine).
 //
 // One thread block (ATT_WARPS warps) computes, for one query row r (a decode sequence,
 // or one prompt token of a prefill chunk), one KV head h and a group of up to 16 of its

@@ -390,8 +390,8 @@ pub(crate) struct AttnArgs {
 /// left for the copy kernel's SMs and the next kernel's early blocks), and
 /// at most [`ATTN_FUSED_COMBINE_MAX_SPLITS`] splits. `$SPARDA_ATTN_COMBINE`
 /// = `kernel` keeps the separate launch for every grid. At B = 1 this is
-/// the decode step's case (NOSA-8B at 4K: 65 splits × 2 KV heads = 130 CTAs
-/// on the H200's 132 SMs).
+/// the decode step's case (NOSA-8B at 4K, a capacity of 4,224 tokens: 66
+/// splits × 2 KV heads = 132 CTAs on the H200's 132 SMs).
 pub fn attn_fuses_combine(
     gpu: &Gpu,
     rows: usize,
@@ -415,9 +415,11 @@ pub fn fused_combine_fits(ctas: usize, nsplit: usize, sm_count: usize) -> bool {
 /// `ATT_COMBINE_SPLITS_PER_LANE` in kernels/attn_decode.cu).
 pub const ATTN_FUSED_COMBINE_MAX_SPLITS: usize = 128;
 
-/// `$SPARDA_ATTN_COMBINE`: `kernel` turns the fused combine off (default on).
+/// `$SPARDA_ATTN_COMBINE`: `kernel` turns the fused combine off (default on;
+/// read once, so a captured step and its profile agree).
 fn fused_combine_enabled() -> bool {
-    std::env::var("SPARDA_ATTN_COMBINE").map_or(true, |v| v != "kernel")
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPARDA_ATTN_COMBINE").map_or(true, |v| v != "kernel"))
 }
 
 /// Enqueues `attn_partial` (no host work beyond the launch, so it can be
@@ -725,7 +727,9 @@ fn launch_attention<O: DevicePtrMut<Bf16>>(
         ..args
     };
     let args = AttnArgs {
-        fuse_combine: attn_fuses_combine(gpu, args.rows, args.heads, args.kv_heads, args.nsplit),
+        fuse_combine: op.is_multiple_of(16)
+            && out_stride.is_multiple_of(8)
+            && attn_fuses_combine(gpu, args.rows, args.heads, args.kv_heads, args.nsplit),
         ..args
     };
     launch_attn_partial(gpu, &args)?;
