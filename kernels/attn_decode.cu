@@ -1,6 +1,5 @@
 // Decode attention partials on the tensor cores (nosa-model.md §5), dense or sparse,
-// split-K over tokens; attn_combine.cu merges the splits, or this kernel itself after a grid-wide
-// barrier when its grid is resident at once (attn_grid_combine).
+// split-K over tokens; attn_combine.cu merges the splits.
 //
 // One thread block (ATT_WARPS warps) computes, for one query row r (a decode sequence,
 // or one prompt token of a prefill chunk), one KV head h and a group of up to 16 of its
@@ -40,9 +39,6 @@
 // Grid: (nsplit, hkv*ngroups, rows), ngroups = ceil(G/16); block ATT_THREADS threads;
 // dynamic shared memory attn_smem_bytes(D) = 4*64*(D+8)*2 + 2*64*8 bytes.
 //
-// out, out_stride, grid_bar: with grid_bar non-null the kernel also merges the splits into out
-// (bf16 [rows, H, D], rows at out_stride elements, 16-byte aligned) after a grid-wide barrier
-// (attn_grid_combine below), instead of attn_combine.cu; null: partials only.
 // cta_log: null, or u64 [gridDim.z][gridDim.y][gridDim.x][3] per-CTA timeline (common.cuh
 // cta_log_start), for the timing study of bench --cta-timeline; it changes no result.
 // The tensor-core helpers (cp.async, ldmatrix, mma.sync) come from mma.cuh, a prelude.
@@ -52,95 +48,12 @@
 #define ATT_THREADS (32 * ATT_WARPS)
 #define ATT_PAD 8
 
-// The split-K combine inside attn_partial (grid_bar non-null; the launcher takes this path only
-// when the whole grid is resident at once, see src/cuda/ops/attention.rs attn_fuses_combine):
-// every CTA arrives at a grid-wide barrier once its partials are written (grid_bar u32 [2]:
-// arrivals, generation; the last arrival resets the count and advances the generation, the
-// others wait for it), then warp w of the grid merges items w, w + W, ... of the rows*H*(D/8)
-// (row, head, 8 dims) items: M = max_s m_s, w_s = e^(m_s - M) over the non-empty splits
-// (m_s > -inf), L = sum_s l_s w_s, out[row, head, d] = bf16(sum_s o_s[d] w_s / L) (0 when
-// L = 0), lane l taking splits l, l + 32, ... (the partials read past L1: other SMs wrote them).
-// Order fixed by nsplit: deterministic. nsplit <= 32 * ATT_COMBINE_SPLITS_PER_LANE.
-#define ATT_COMBINE_SPLITS_PER_LANE 4
-__device__ __noinline__ void attn_grid_combine(const float* part_o, const float* part_ml, bf16_t* out,
-                                               int out_stride, int H, int D, int nsplit, u32* grid_bar) {
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const u32 total = gridDim.x * gridDim.y * gridDim.z;
-        volatile u32* gen = grid_bar + 1;
-        const u32 g = *gen;
-        __threadfence();
-        if (atomicAdd(grid_bar, 1u) == total - 1) {
-            atomicExch(grid_bar, 0u);
-            __threadfence();
-            atomicAdd(grid_bar + 1, 1u);
-        } else {
-            while (*gen == g) __nanosleep(32);
-        }
-        __threadfence();
-    }
-    __syncthreads();
-    const int lane = threadIdx.x & 31;
-    const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    const int nw = gridDim.x * gridDim.y * gridDim.z * ATT_WARPS;
-    const int D8 = D >> 3;
-    const int items = gridDim.z * H * D8;
-    for (int it = cta * ATT_WARPS + (threadIdx.x >> 5); it < items; it += nw) {
-        const int rh = it / D8, d0 = (it - rh * D8) * 8;
-        const float* ml = part_ml + (u64)rh * nsplit * 2;
-        const float* po = part_o + (u64)rh * nsplit * D + d0;
-        // every load of this lane's splits at once
-        float2 mlv[ATT_COMBINE_SPLITS_PER_LANE];
-        float4 oa[ATT_COMBINE_SPLITS_PER_LANE], ob[ATT_COMBINE_SPLITS_PER_LANE];
-#pragma unroll
-        for (int k = 0; k < ATT_COMBINE_SPLITS_PER_LANE; ++k) {
-            const int sp = lane + 32 * k;
-            mlv[k] = sp < nsplit ? __ldcg((const float2*)(ml + 2 * sp)) : make_float2(-INFINITY, 0.0f);
-            oa[k] = sp < nsplit ? __ldcg((const float4*)(po + (u64)sp * D)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            ob[k] = sp < nsplit ? __ldcg((const float4*)(po + (u64)sp * D + 4)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-        float M = -INFINITY;
-#pragma unroll
-        for (int k = 0; k < ATT_COMBINE_SPLITS_PER_LANE; ++k) M = fmaxf(M, mlv[k].x);
-        M = warp_max(M);
-        float L = 0.0f, acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int k = 0; k < ATT_COMBINE_SPLITS_PER_LANE; ++k) {
-            if (mlv[k].x != -INFINITY) {
-                const float w = expf(mlv[k].x - M);
-                L += mlv[k].y * w;
-                acc[0] += oa[k].x * w;
-                acc[1] += oa[k].y * w;
-                acc[2] += oa[k].z * w;
-                acc[3] += oa[k].w * w;
-                acc[4] += ob[k].x * w;
-                acc[5] += ob[k].y * w;
-                acc[6] += ob[k].z * w;
-                acc[7] += ob[k].w * w;
-            }
-        }
-        L = warp_sum(L);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] = warp_sum(acc[e]);
-        if (lane == 0) {
-            u32 w4[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                w4[e] = (u32)f2bf(L > 0.0f ? acc[2 * e] / L : 0.0f) |
-                        ((u32)f2bf(L > 0.0f ? acc[2 * e + 1] / L : 0.0f) << 16);
-            *(uint4*)(out + (u64)(rh / H) * out_stride + (u64)(rh % H) * D + d0) =
-                make_uint4(w4[0], w4[1], w4[2], w4[3]);
-        }
-    }
-}
-
 extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const bf16_t* __restrict__ q, int q_stride, const u64* __restrict__ kptr,
                  const u64* __restrict__ vptr, const u64* __restrict__ cptr, const int* __restrict__ lens,
                  const int* __restrict__ sel, const int* __restrict__ nsel, int s_max, int block_size, int span,
                  float* __restrict__ part_o, float* __restrict__ part_ml, int H, int hkv, int D, int nsplit,
                  float scale, const int* __restrict__ slot_list, const u64* __restrict__ pool_ptr, int pool_slots, int ring,
-                 u64* __restrict__ cta_log, bf16_t* __restrict__ out, int out_stride, u32* __restrict__ grid_bar) {
+                 u64* __restrict__ cta_log) {
     extern __shared__ __align__(16) unsigned char att_sh[];
     pdl_wait();
     pdl_trigger();
@@ -195,7 +108,6 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
             part_ml[2 * slot] = -INFINITY;
             part_ml[2 * slot + 1] = 0.0f;
         }
-        if (grid_bar != nullptr) attn_grid_combine(part_o, part_ml, out, out_stride, H, D, nsplit, grid_bar);
         cta_log_end(cta_log);
         return;
     }
@@ -421,6 +333,5 @@ extern "C" __global__ __launch_bounds__(ATT_THREADS, 3) void attn_partial(const 
             part_ml[2 * slot + 1] = L;
         }
     }
-    if (grid_bar != nullptr) attn_grid_combine(part_o, part_ml, out, out_stride, H, D, nsplit, grid_bar);
     cta_log_end(cta_log);
 }

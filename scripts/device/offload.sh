@@ -50,8 +50,6 @@
 #                                          the GPU-resident step with SPARDA_PDL=0 vs on (B 1 4K, B 16 32K)
 #   scripts/device/offload.sh gemv OUT     the fused small-batch GEMVs: gpu-check kernels, e2e and tiny identity
 #                                          with the defaults, B 1 4K dense: balanced vs capped grid vs cuBLAS
-#   scripts/device/offload.sh combine OUT  the attention kernel's own split-K combine at B 1: checks (with
-#                                          timeouts), then B 1 4K dense and sparse against BASE, two rounds
 #   scripts/device/offload.sh cachectas OUT cache slots 0/192 with the copy kernel on 8, 12, 16 whole SMs
 #                                          (4 task groups), prefetch on/off, sync, resident (CONTEXTS)
 #   scripts/device/offload.sh graphs OUT   offloaded steps as CUDA graphs: the identity checks of `check` and
@@ -426,29 +424,6 @@ gemv)
     SPARDA_GEMV=$g $bin bench --model synth:nosa-8b --attention sparse --batch 4 --context 4K \
       --steps 32 --ceiling-reps 0 --profile-reps 0 --tokenizer "$tok" \
       --json "$out/b4_4k_sparse_gemv$g.json" 2>&1 | grep -E "sparse " || true
-  done
-  ;;
-combine)
-  # the attention kernel's own split-K combine (a grid-wide barrier, at B 1): gpu-check's
-  # kernel group, the end-to-end check and the tiny offload identity (each bounded by a
-  # timeout: a barrier that never opens shows as a timeout, not a hung call), then the B 1
-  # 4K dense and sparse step of this binary against BASE (default .device/base/sparda),
-  # ROUNDS (2) alternating rounds
-  base=${BASE:-.device/base/sparda}
-  SPARDA_CHECK_ONLY=kernels timeout 240 $bin gpu-check --json "$out/gpu_check_kernels.json" 2>&1 \
-    | grep -E "^attention|FAIL|passed|failed" || echo "gpu-check: exit ${PIPESTATUS[0]}"
-  timeout 150 $bin gpu-check-e2e --json "$out/gpu_check_e2e.json" 2>&1 | tail -4 || true
-  timeout 60 $bin offload-check --model synth:tiny:5 --tokenizer "$tok" --prompt-file "$book" \
-    --prompt-tokens 1000 --new-tokens 1024 --fetch sm --json "$out/offload_tiny.json" 2>&1 | tail -3 || true
-  cb() {  # name, binary
-    timeout 120 "$2" bench --model synth:nosa-8b --attention dense,sparse --batch 1 --context 4K \
-      --steps 64 --tokenizer "$tok" --json "$out/b1_4k_$1.json" 2>&1 \
-      | grep -E "^dense |^sparse |ceiling" | head -4 || true
-  }
-  for r in $(seq 1 "${ROUNDS:-2}"); do
-    echo "round $r"
-    [ -x "$base" ] && cb "base_$r" "$base"
-    cb "new_$r" "$bin"
   done
   ;;
 smallbatch)

@@ -802,13 +802,12 @@ fn make_seq(
 
 fn check_dense_attention(c: &mut Checker<'_>) {
     let budget = Budget::new(&SparseConfig::default());
-    // One row (B = 1: the kernel merges its own splits when its grid fits the
-    // GPU, here up to 40 and 66 splits), a batch of eight (attn_combine), two
-    // long rows
+    // One row (B = 1: 40 and 66 splits of one tile each), two rows whose second
+    // has an empty last split, a batch of eight, two long rows
     let batches: [&[usize]; 6] = [
         &[17],
         &[2500],
-        // two rows in a fused grid, the second's last split empty
+        // two rows, the second's last split empty
         &[100, 40],
         &[5, 31, 48, 49, 63, 64, 65, 1500],
         &[4200, 300],
@@ -1066,7 +1065,7 @@ fn check_sparse_attention(c: &mut Checker<'_>) {
         128,
         &[4200, 5000],
     );
-    // one row: 64 splits of one block, merged in the attention kernel
+    // one row: 64 splits of one block each
     sparse_case(
         c,
         SparseConfig::default(),

@@ -334,9 +334,6 @@ pub struct Gpu {
     small_gemv_rows: std::sync::atomic::AtomicUsize,
     /// Whether [`super::KernelLaunch`] launches with PDL now.
     pdl: std::sync::atomic::AtomicBool,
-    /// The grid-wide barrier of the attention kernel's own split-K combine:
-    /// u32 \[2\] (arrivals, generation), zeroed ([`Gpu::grid_barrier`]).
-    grid_barrier: CudaSlice<u32>,
     /// Whether the decode step may turn PDL on ([`Gpu::pdl_allowed`]).
     pdl_allowed: bool,
     stream: Arc<CudaStream>,
@@ -618,14 +615,10 @@ impl Gpu {
             .result()
             .cuda("cublasSetWorkspace")?;
         }
-        let grid_barrier: CudaSlice<u32> = stream
-            .alloc_zeros(2)
-            .cuda("allocating the attention grid barrier")?;
         Ok(Gpu {
             functions,
             blas,
             _blas_workspace: blas_workspace,
-            grid_barrier,
             small_gemv_rows: std::sync::atomic::AtomicUsize::new(small_gemv_rows_from_env(
                 std::env::var("SPARDA_GEMV").ok().as_deref(),
             )?),
@@ -775,15 +768,6 @@ impl Gpu {
             rows.min(super::ops::GEMV_MAX_N),
             std::sync::atomic::Ordering::Relaxed,
         );
-    }
-
-    /// Device address of the grid-wide barrier that `attn_partial` uses when
-    /// it merges its own splits (u32 \[2\], kernels/attn_decode.cu
-    /// `attn_grid_combine`; left as the last launch leaves it, so one such
-    /// kernel may run at a time: every launch is on [`Gpu::stream`]).
-    pub fn grid_barrier(&self) -> u64 {
-        let (p, _g) = self.grid_barrier.device_ptr(&self.stream);
-        p
     }
 
     /// The most rows the small-batch kernel takes now (0: it is off).

@@ -222,8 +222,6 @@ impl GpuModel {
                 l,
                 geo.nsplit * ops::attn_head_blocks(hq, hk) * n,
             ),
-            fuse_combine: geo.prefill_tiles.is_none()
-                && ops::attn_fuses_combine(gpu, n, hq, hk, geo.nsplit),
         };
         let cs = gpu.stream();
         let sp = self.tspan_next(cs, open, "attention", l)?;
@@ -268,7 +266,7 @@ impl GpuModel {
         } else if self.on(StepPart::Attention) {
             ops::launch_attn_partial(gpu, &args)?;
         }
-        if geo.prefill_tiles.is_none() && !args.fuse_combine && self.on(StepPart::Combine) {
+        if geo.prefill_tiles.is_none() && self.on(StepPart::Combine) {
             ops::launch_attn_combine(
                 gpu,
                 part_o,

@@ -59,22 +59,12 @@ impl GpuModel {
         let gpu_sel = self.gpu_selection();
         // on the fused GEMVs these pieces are folded into the projections
         let fused = self.gemv_fusion_applies(st.n);
-        // and the attention kernel may merge its own splits
-        let c = &self.config;
-        let fused_combine = ops::attn_fuses_combine(
-            &gpu,
-            st.n,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            st.attn.nsplit,
-        );
         let mut out = Vec::new();
         for part in StepPart::ALL {
             let applies = match part {
                 StepPart::Argmax => false,
                 StepPart::NormPost | StepPart::Swiglu | StepPart::FinalNorm => !fused,
                 StepPart::Compress => gpu_sel,
-                StepPart::Combine => !fused_combine,
                 StepPart::WindowScores | StepPart::Select => sparse,
                 _ => true,
             };

@@ -377,49 +377,6 @@ pub(crate) struct AttnArgs {
     /// end ns, SM id: kernels/common.cuh `cta_log_start`), or 0 (none, the
     /// default; [`crate::trace::cta`]).
     pub cta_log: u64,
-    /// `attn_partial` merges the splits into `out` itself after a grid-wide
-    /// barrier, and no `attn_combine` follows ([`attn_fuses_combine`]).
-    pub fuse_combine: bool,
-}
-
-/// Whether `attn_partial` over `rows` rows, `heads` / `kv_heads` heads and
-/// `nsplit` splits merges its own splits (kernels/attn_decode.cu
-/// `attn_grid_combine`) instead of a separate `attn_combine` launch: every
-/// CTA of its grid must be resident at once for the grid-wide barrier, so
-/// the grid has at most one CTA per SM of the GPU (three fit an SM: room is
-/// left for the copy kernel's SMs and the next kernel's early blocks), and
-/// at most [`ATTN_FUSED_COMBINE_MAX_SPLITS`] splits. `$SPARDA_ATTN_COMBINE`
-/// = `kernel` keeps the separate launch for every grid. At B = 1 this is
-/// the decode step's case (NOSA-8B at 4K, a capacity of 4,224 tokens: 66
-/// splits × 2 KV heads = 132 CTAs on the H200's 132 SMs).
-pub fn attn_fuses_combine(
-    gpu: &Gpu,
-    rows: usize,
-    heads: usize,
-    kv_heads: usize,
-    nsplit: usize,
-) -> bool {
-    let ctas = rows
-        .saturating_mul(attn_head_blocks(heads, kv_heads))
-        .saturating_mul(nsplit);
-    fused_combine_fits(ctas, nsplit, gpu.info().sm_count as usize) && fused_combine_enabled()
-}
-
-/// The grid rule of [`attn_fuses_combine`]: 1 ≤ `ctas` ≤ `sm_count` and
-/// `nsplit` ≤ [`ATTN_FUSED_COMBINE_MAX_SPLITS`].
-pub fn fused_combine_fits(ctas: usize, nsplit: usize, sm_count: usize) -> bool {
-    ctas > 0 && ctas <= sm_count && nsplit <= ATTN_FUSED_COMBINE_MAX_SPLITS
-}
-
-/// Most splits the fused combine takes (32 lanes × 4 splits each,
-/// `ATT_COMBINE_SPLITS_PER_LANE` in kernels/attn_decode.cu).
-pub const ATTN_FUSED_COMBINE_MAX_SPLITS: usize = 128;
-
-/// `$SPARDA_ATTN_COMBINE`: `kernel` turns the fused combine off (default on;
-/// read once, so a captured step and its profile agree).
-fn fused_combine_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SPARDA_ATTN_COMBINE").map_or(true, |v| v != "kernel"))
 }
 
 /// Enqueues `attn_partial` (no host work beyond the launch, so it can be
@@ -459,30 +416,6 @@ pub(crate) fn launch_attn_partial(gpu: &Gpu, a: &AttnArgs) -> Result<()> {
         i32_dim(a.pool_slots, "pool slots")?,
         i32_dim(a.ring, "ring tokens")?,
     );
-    let ctas = a.nsplit * attn_head_blocks(a.heads, a.kv_heads) * a.rows;
-    if a.fuse_combine
-        && (!fused_combine_fits(ctas, a.nsplit, gpu.info().sm_count as usize)
-            || !a.out.is_multiple_of(16)
-            || a.out == 0
-            || !a.out_stride.is_multiple_of(8))
-    {
-        return Err(Error::Input(format!(
-            "{OP}: the fused combine needs at most {} CTAs (one per SM; here {ctas}), at most {ATTN_FUSED_COMBINE_MAX_SPLITS} splits (here {}), and a 16-byte aligned output with a stride a multiple of 8 (here {:#x}, {})",
-            gpu.info().sm_count,
-            a.nsplit,
-            a.out,
-            a.out_stride
-        )));
-    }
-    let (out, os, bar) = if a.fuse_combine {
-        (
-            a.out,
-            i32_dim(a.out_stride, "out stride")?,
-            gpu.grid_barrier(),
-        )
-    } else {
-        (0u64, 0i32, 0u64)
-    };
     let f = gpu.function("attn_partial")?;
     let cfg = LaunchConfig {
         grid_dim: (
@@ -516,14 +449,10 @@ pub(crate) fn launch_attn_partial(gpu: &Gpu, a: &AttnArgs) -> Result<()> {
         .arg(&a.pool_ptr)
         .arg(&ps)
         .arg(&rg)
-        .arg(&a.cta_log)
-        .arg(&out)
-        .arg(&os)
-        .arg(&bar);
+        .arg(&a.cta_log);
     // SAFETY: argument list matches kernels/attn_decode.cu; the callers size the
-    // partials (rows·H·nsplit slots), the tables (rows entries), the lists, the
-    // output (rows at out_stride ≥ H·D) and the CTA log (one record per CTA of
-    // this grid, or none); a fused combine's grid fits the GPU at once (checked).
+    // partials (rows·H·nsplit slots), the tables (rows entries), the lists and
+    // the CTA log (one record per CTA of this grid, or none).
     unsafe { b.launch(cfg) }.cuda(OP).map(drop)
 }
 
@@ -699,14 +628,12 @@ where
         pool_slots: 0,
         ring: 0,
         cta_log: 0,
-        fuse_combine: false,
     };
     launch_attention(gpu, args, out, out_stride)
 }
 
 /// Launches the split-K partial attention for `args` and merges the splits
-/// into `out` (bf16 [rows, H, D], rows at `out_stride`): in the same kernel
-/// where [`attn_fuses_combine`], else with `attn_combine`.
+/// into `out` (bf16 [rows, H, D], rows at `out_stride`) with `attn_combine`.
 /// Shared by [`attention_dense_decode`] and [`attention_sparse_decode`]; the partial
 /// buffers that `args` points to must outlive the launches (the callers own
 /// them; frees are stream-ordered).
@@ -726,16 +653,7 @@ fn launch_attention<O: DevicePtrMut<Bf16>>(
         ring: 0,
         ..args
     };
-    let args = AttnArgs {
-        fuse_combine: op.is_multiple_of(16)
-            && out_stride.is_multiple_of(8)
-            && attn_fuses_combine(gpu, args.rows, args.heads, args.kv_heads, args.nsplit),
-        ..args
-    };
     launch_attn_partial(gpu, &args)?;
-    if args.fuse_combine {
-        return Ok(());
-    }
     launch_attn_combine(
         gpu,
         args.part_o,
@@ -816,7 +734,6 @@ where
         pool_slots: 0,
         ring: 0,
         cta_log: 0,
-        fuse_combine: false,
     };
     launch_attention(gpu, args, out, out_stride)
 }
@@ -839,27 +756,6 @@ mod tests {
         // B = 1 at 32K: longer splits rather than more than ATTN_MAX_SPLITS.
         let (span, n) = attn_dense_split(1, 2, 32_832);
         assert!(n <= ATTN_MAX_SPLITS && span >= 256, "{span} {n}");
-    }
-
-    #[test]
-    fn fused_combine_takes_grids_of_one_cta_per_sm_at_most() {
-        // NOSA-8B, B = 1: 4K dense (capacity 4,224: 66 splits × 2 KV heads)
-        // and a 64-block sparse list (64 × 2) fit the H200's 132 SMs
-        let (_, n) = attn_dense_split(1, attn_head_blocks(32, 2), 4224);
-        assert!(fused_combine_fits(n * attn_head_blocks(32, 2), n, 132));
-        let (_, n) = attn_sparse_split(1, 2, 64);
-        assert!(fused_combine_fits(2 * n, n, 132));
-        // B = 4 sparse does not (256 CTAs), nor a GPU with fewer SMs
-        let (_, n) = attn_sparse_split(4, 2, 64);
-        assert!(!fused_combine_fits(4 * 2 * n, n, 132));
-        assert!(!fused_combine_fits(132, 66, 108));
-        // the splits one warp's lanes hold, and an empty grid
-        assert!(!fused_combine_fits(
-            129,
-            ATTN_FUSED_COMBINE_MAX_SPLITS + 1,
-            1000
-        ));
-        assert!(!fused_combine_fits(0, 1, 132));
     }
 
     #[test]
