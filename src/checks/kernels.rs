@@ -807,7 +807,6 @@ fn check_dense_attention(c: &mut Checker<'_>) {
     let batches: [&[usize]; 6] = [
         &[17],
         &[2500],
-        // two rows, the second's last split empty
         &[100, 40],
         &[5, 31, 48, 49, 63, 64, 65, 1500],
         &[4200, 300],

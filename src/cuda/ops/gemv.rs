@@ -112,18 +112,23 @@ fn gemv_blocks(out_features: usize, sms: usize, blocks_per_sm: usize, balanced: 
 
 /// `$SPARDA_GEMV_GRID`: `cap` gives every row pair its own warp up to the
 /// per-SM cap (the grid before the balanced one, for comparison); anything
-/// else, or unset, the balanced grid.
+/// else, or unset, the balanced grid. Read once, not at every launch.
 fn balanced_grid() -> bool {
-    std::env::var("SPARDA_GEMV_GRID").map_or(true, |v| v != "cap")
+    static BALANCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *BALANCED.get_or_init(|| std::env::var("SPARDA_GEMV_GRID").map_or(true, |v| v != "cap"))
 }
 
 /// `$SPARDA_GEMV_BLOCKS_PER_SM` if it is a count of 1–16, else the default.
+/// Read once, not at every launch.
 fn blocks_per_sm() -> usize {
-    std::env::var("SPARDA_GEMV_BLOCKS_PER_SM")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|b| (1..=16).contains(b))
-        .unwrap_or(GEMV_BLOCKS_PER_SM)
+    static PER_SM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PER_SM.get_or_init(|| {
+        std::env::var("SPARDA_GEMV_BLOCKS_PER_SM")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|b| (1..=16).contains(b))
+            .unwrap_or(GEMV_BLOCKS_PER_SM)
+    })
 }
 
 /// Enqueues `gemv` (kernels/gemv.cu) on [`Gpu::stream`], through
