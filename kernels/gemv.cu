@@ -171,67 +171,86 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
     }
     __syncthreads();
 
-    bool first = true;
-    for (; pair < pairs; pair += nwarps) {
-        const int row0 = glu ? pair : pair * GEMV_ROWS;
-        const bool has1 = glu || row0 + 1 < out;
-        const uint4* w0 = (const uint4*)(W + (u64)row0 * in);
-        const uint4* w1 = (const uint4*)(W + (u64)(glu ? pair + half : has1 ? row0 + 1 : row0) * in);
-        float a0[N], a1[N];
+    // The main loop is software-pipelined over (pair, batch) items: batch k of a pair is its
+    // chunks lane + span * k + 32 u (u < GEMV_PF, span = 32 * GEMV_PF) of both rows; item t is
+    // pair pair0 + (t / nb) * nwarps, batch t % nb (nb batches a pair). The loads of item t + 1
+    // are issued before item t is summed, so up to 2 * GEMV_PF chunks of each row are in flight
+    // per lane; item 0 is pa/pb, loaded before pdl_wait(). Each lane sums its chunks of a row
+    // in ascending order.
+    const int span = 32 * GEMV_PF;
+    const int nb = (kch + span - 1) / span;
+    const int pair0 = blockIdx.x * GEMV_WARPS + warp;
+    const int items = pair0 < pairs ? ((pairs - 1 - pair0) / nwarps + 1) * nb : 0;
+    float a0[N], a1[N];
 #pragma unroll
-        for (int i = 0; i < N; ++i) a0[i] = a1[i] = 0.0f;
-        int c0 = lane;
-        if (first) {
+    for (int i = 0; i < N; ++i) a0[i] = a1[i] = 0.0f;
+    pair = pair0;
+    for (int t = 0, k = 0; t < items; ++t) {
+        const int k1 = k + 1 == nb ? 0 : k + 1;       // the next item's batch
+        const int p1 = k1 == 0 ? pair + nwarps : pair;  // and pair
+        uint4 na[GEMV_PF], nb2[GEMV_PF];
+        if (t + 1 < items) {
+            const int ra = glu ? p1 : p1 * GEMV_ROWS;
+            const int rb = glu ? p1 + half : min(ra + 1, out - 1);
+            const uint4* w0 = (const uint4*)(W + (u64)ra * in);
+            const uint4* w1 = (const uint4*)(W + (u64)rb * in);
 #pragma unroll
             for (int u = 0; u < GEMV_PF; ++u) {
-                const int c = lane + 32 * u;
+                const int c = lane + span * k1 + 32 * u;
                 if (c < kch) {
-#pragma unroll
-                    for (int i = 0; i < N; ++i) {
-                        const uint4 xv = xs[i * kch + c];
-                        a0[i] += dot8(pa[u], xv);
-                        a1[i] += dot8(pb[u], xv);
-                    }
+                    na[u] = ld_weights(w0 + c);
+                    nb2[u] = ld_weights(w1 + c);
                 }
             }
-            c0 = lane + 32 * GEMV_PF;
-            first = false;
         }
-#pragma unroll 4
-        for (int c = c0; c < kch; c += 32) {
-            const uint4 wa = ld_weights(w0 + c);
-            const uint4 wb = ld_weights(w1 + c);
 #pragma unroll
-            for (int i = 0; i < N; ++i) {
-                const uint4 xv = xs[i * kch + c];
-                a0[i] += dot8(wa, xv);
-                a1[i] += dot8(wb, xv);
+        for (int u = 0; u < GEMV_PF; ++u) {
+            const int c = lane + span * k + 32 * u;
+            if (c < kch) {
+#pragma unroll
+                for (int i = 0; i < N; ++i) {
+                    const uint4 xv = xs[i * kch + c];
+                    a0[i] += dot8(pa[u], xv);
+                    a1[i] += dot8(pb[u], xv);
+                }
             }
         }
+#pragma unroll
+        for (int u = 0; u < GEMV_PF; ++u) {
+            pa[u] = na[u];
+            pb[u] = nb2[u];
+        }
+        if (k1 != 0) {
+            k = k1;
+            continue;
+        }
+        const int row0 = glu ? pair : pair * GEMV_ROWS;
+        const bool has1 = glu || row0 + 1 < out;
 #pragma unroll
         for (int i = 0; i < N; ++i) {
-            {
-                const float s0 = warp_sum(a0[i]);
-                const float s1 = warp_sum(a1[i]);
-                if (lane == 0) {
-                    const u64 o = (u64)i * out + row0;
-                    if (glu) {
-                        const float g = round_bf(s0), u = round_bf(s1);
-                        ((bf16_t*)y)[(u64)i * half + pair] = f2bf(g / (1.0f + expf(-g)) * u);
-                    } else if (ymode == GY_F32) {
-                        ((float*)y)[o] = s0;
-                        if (has1) ((float*)y)[o + 1] = s1;
-                    } else if (ymode == GY_RESID) {
-                        float* r = (float*)y;
-                        r[o] = r[o] + round_bf(s0) * scale;
-                        if (has1) r[o + 1] = r[o + 1] + round_bf(s1) * scale;
-                    } else {
-                        ((bf16_t*)y)[o] = f2bf(s0);
-                        if (has1) ((bf16_t*)y)[o + 1] = f2bf(s1);
-                    }
+            const float s0 = warp_sum(a0[i]);
+            const float s1 = warp_sum(a1[i]);
+            a0[i] = a1[i] = 0.0f;
+            if (lane == 0) {
+                const u64 o = (u64)i * out + row0;
+                if (glu) {
+                    const float g = round_bf(s0), u = round_bf(s1);
+                    ((bf16_t*)y)[(u64)i * half + pair] = f2bf(g / (1.0f + expf(-g)) * u);
+                } else if (ymode == GY_F32) {
+                    ((float*)y)[o] = s0;
+                    if (has1) ((float*)y)[o + 1] = s1;
+                } else if (ymode == GY_RESID) {
+                    float* r = (float*)y;
+                    r[o] = r[o] + round_bf(s0) * scale;
+                    if (has1) r[o + 1] = r[o + 1] + round_bf(s1) * scale;
+                } else {
+                    ((bf16_t*)y)[o] = f2bf(s0);
+                    if (has1) ((bf16_t*)y)[o + 1] = f2bf(s1);
                 }
             }
         }
+        k = 0;
+        pair = p1;
     }
 }
 

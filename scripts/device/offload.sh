@@ -399,7 +399,8 @@ gemv)
   # if there), this one's default (balanced grid), the grid
   # capped at one warp per row pair (SPARDA_GEMV_GRID=cap, the earlier grid), the
   # balanced grid on one block per SM, and cuBLAS + separate norms (SPARDA_GEMV=0);
-  # then B 4 4K sparse (cuBLAS either way: the default takes one row)
+  # then B 4 4K sparse (cuBLAS either way: the default takes one row). GEMV_CASES (a
+  # list of base balanced cap one_per_sm cublas) picks the cases of each round
   SPARDA_CHECK_ONLY=kernels $bin gpu-check --json "$out/gpu_check_kernels.json" 2>&1 \
     | grep -E "^gemv|FAIL|passed" || true
   $bin gpu-check-e2e --json "$out/gpu_check_e2e.json" 2>&1 | tail -4 || true
@@ -412,13 +413,16 @@ gemv)
       --steps 64 --tokenizer "$tok" --json "$out/b1_4k_dense_$name.json" 2>&1 \
       | grep -E "^dense |ceiling" | head -3 || true
   }
+  # GEMV_CASES picks the cases of each round (default all five)
+  cases=" ${GEMV_CASES:-base balanced cap one_per_sm cublas} "
+  want() { [[ $cases == *" $1 "* ]]; }
   for r in $(seq 1 "${ROUNDS:-2}"); do
     echo "round $r"
-    [ -x "$base" ] && gb "base_$r" "$base" SPARDA_GEMV=1
-    gb "balanced_$r" "$bin" SPARDA_GEMV=1
-    gb "cap_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_GRID=cap
-    gb "balanced_1_per_sm_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_BLOCKS_PER_SM=1
-    gb "cublas_$r" "$bin" SPARDA_GEMV=0
+    if want base && [ -x "$base" ]; then gb "base_$r" "$base" SPARDA_GEMV=1; fi
+    if want balanced; then gb "balanced_$r" "$bin" SPARDA_GEMV=1; fi
+    if want cap; then gb "cap_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_GRID=cap; fi
+    if want one_per_sm; then gb "balanced_1_per_sm_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_BLOCKS_PER_SM=1; fi
+    if want cublas; then gb "cublas_$r" "$bin" SPARDA_GEMV=0; fi
   done
   for g in 0 1; do
     SPARDA_GEMV=$g $bin bench --model synth:nosa-8b --attention sparse --batch 4 --context 4K \
