@@ -137,14 +137,13 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
                 const int q = threadIdx.x + k * blockDim.x;
                 rv[k] = q < nq ? r4[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             }
+            // (groups past the row were loaded as zeros: adding their squares changes nothing)
 #pragma unroll
             for (int k = 0; k < GEMV_NORM_REGS; ++k) {
-                if (threadIdx.x + k * blockDim.x < nq) {
-                    ss += rv[k].x * rv[k].x;
-                    ss += rv[k].y * rv[k].y;
-                    ss += rv[k].z * rv[k].z;
-                    ss += rv[k].w * rv[k].w;
-                }
+                ss += rv[k].x * rv[k].x;
+                ss += rv[k].y * rv[k].y;
+                ss += rv[k].z * rv[k].z;
+                ss += rv[k].w * rv[k].w;
             }
             for (int q = q_rest; q < nq; q += blockDim.x) {
                 const float4 v = r4[q];

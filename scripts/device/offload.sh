@@ -400,7 +400,8 @@ gemv)
   # capped at one warp per row pair (SPARDA_GEMV_GRID=cap, the earlier grid), the
   # balanced grid on one block per SM, and cuBLAS + separate norms (SPARDA_GEMV=0);
   # then B 4 4K sparse (cuBLAS either way: the default takes one row). GEMV_CASES (a
-  # list of base balanced cap one_per_sm cublas) picks the cases of each round
+  # list of base balanced cap one_per_sm cublas splits64 splits32 splits16) picks the
+  # cases of each round; splitsN caps dense attention at N splits (SPARDA_ATTN_MAX_SPLITS)
   SPARDA_CHECK_ONLY=kernels $bin gpu-check --json "$out/gpu_check_kernels.json" 2>&1 \
     | grep -E "^gemv|FAIL|passed" || true
   $bin gpu-check-e2e --json "$out/gpu_check_e2e.json" 2>&1 | tail -4 || true
@@ -423,6 +424,9 @@ gemv)
     if want cap; then gb "cap_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_GRID=cap; fi
     if want one_per_sm; then gb "balanced_1_per_sm_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_BLOCKS_PER_SM=1; fi
     if want cublas; then gb "cublas_$r" "$bin" SPARDA_GEMV=0; fi
+    for sp in 64 32 16; do  # dense attention in at most sp splits (wider splits, fewer CTAs)
+      if want "splits$sp"; then gb "splits${sp}_$r" "$bin" SPARDA_GEMV=1 SPARDA_ATTN_MAX_SPLITS=$sp; fi
+    done
   done
   for g in 0 1; do
     SPARDA_GEMV=$g $bin bench --model synth:nosa-8b --attention sparse --batch 4 --context 4K \
