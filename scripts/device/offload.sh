@@ -400,7 +400,8 @@ gemv)
   # capped at one warp per row pair (SPARDA_GEMV_GRID=cap, the earlier grid), the
   # balanced grid on one block per SM, and cuBLAS + separate norms (SPARDA_GEMV=0);
   # then B 4 4K sparse (cuBLAS either way: the default takes one row). GEMV_CASES (a
-  # list of base balanced cap one_per_sm cublas splits64 splits32 splits16) picks the
+  # list of base balanced alt cap one_per_sm cublas splits64 splits32 splits16; alt: the
+  # binary at ALT, default .device/alt/sparda, if there) picks the
   # cases of each round; splitsN caps dense attention at N splits (SPARDA_ATTN_MAX_SPLITS)
   SPARDA_CHECK_ONLY=kernels $bin gpu-check --json "$out/gpu_check_kernels.json" 2>&1 \
     | grep -E "^gemv|FAIL|passed" || true
@@ -421,6 +422,7 @@ gemv)
     echo "round $r"
     if want base && [ -x "$base" ]; then gb "base_$r" "$base" SPARDA_GEMV=1; fi
     if want balanced; then gb "balanced_$r" "$bin" SPARDA_GEMV=1; fi
+    if want alt && [ -x "${ALT:-.device/alt/sparda}" ]; then gb "alt_$r" "${ALT:-.device/alt/sparda}" SPARDA_GEMV=1; fi
     if want cap; then gb "cap_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_GRID=cap; fi
     if want one_per_sm; then gb "balanced_1_per_sm_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_BLOCKS_PER_SM=1; fi
     if want cublas; then gb "cublas_$r" "$bin" SPARDA_GEMV=0; fi
