@@ -75,26 +75,6 @@ __device__ __forceinline__ uint4 ld_weights(const uint4* p) {
     return v;
 }
 
-// Batch k of row pair p (its chunks lane + 32 * GEMV_PF * k + 32 u, u < GEMV_PF, of both rows;
-// rows (2p, 2p + 1), the second clamped to the last row, or (p, p + half) for GY_SWIGLU) into
-// a and b. Chunks past the row are left unloaded (the sums skip them).
-__device__ __forceinline__ void gemv_load_batch(const bf16_t* __restrict__ W, int p, int k, bool glu,
-                                                int half, int out, int in, int kch, int lane,
-                                                uint4 (&a)[GEMV_PF], uint4 (&b)[GEMV_PF]) {
-    const int ra = glu ? p : p * GEMV_ROWS;
-    const int rb = glu ? p + half : min(ra + 1, out - 1);
-    const uint4* w0 = (const uint4*)(W + (u64)ra * in);
-    const uint4* w1 = (const uint4*)(W + (u64)rb * in);
-#pragma unroll
-    for (int u = 0; u < GEMV_PF; ++u) {
-        const int c = lane + 32 * GEMV_PF * k + 32 * u;
-        if (c < kch) {
-            a[u] = ld_weights(w0 + c);
-            b[u] = ld_weights(w1 + c);
-        }
-    }
-}
-
 // One instance per batch size N (gemv1 ... gemv4 below): the accumulators stay in registers.
 template <int N>
 __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const bf16_t* __restrict__ norm,
@@ -111,21 +91,21 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
     const int pairs = glu ? half : (out + GEMV_ROWS - 1) / GEMV_ROWS;
     int pair = blockIdx.x * GEMV_WARPS + warp;
 
-    // The main loop below is software-pipelined over (pair, batch) items: batch k of a pair is
-    // its chunks lane + span * k + 32 u (u < GEMV_PF, span = 32 * GEMV_PF) of both rows; item t
-    // is pair pair0 + (t / nb) * nwarps, batch t % nb (nb batches a pair). Items 0 and 1 do not
-    // depend on the previous kernel: they are loaded here, before pdl_wait(), so the stream of
-    // weights runs while the previous kernel drains and while x is staged.
-    const int span = 32 * GEMV_PF;
-    const int nb = (kch + span - 1) / span;
-    const int pair0 = pair;
-    const int items = pair0 < pairs ? ((pairs - 1 - pair0) / nwarps + 1) * nb : 0;
-    uint4 pa[GEMV_PF], pb[GEMV_PF], qa[GEMV_PF], qb[GEMV_PF];
-    if (items > 0) gemv_load_batch(W, pair0, 0, glu, half, out, in, kch, lane, pa, pb);
-    if (items > 1) {
-        const bool next_pair = nb == 1;
-        gemv_load_batch(W, next_pair ? pair0 + nwarps : pair0, next_pair ? 0 : 1, glu, half, out, in,
-                        kch, lane, qa, qb);
+    // The first row pair's first chunks, before the dependency on the previous kernel.
+    uint4 pa[GEMV_PF], pb[GEMV_PF];
+    if (pair < pairs) {
+        const int ra = glu ? pair : pair * GEMV_ROWS;
+        const int rb = glu ? pair + half : min(ra + 1, out - 1);
+        const uint4* w0 = (const uint4*)(W + (u64)ra * in);
+        const uint4* w1 = (const uint4*)(W + (u64)rb * in);
+#pragma unroll
+        for (int u = 0; u < GEMV_PF; ++u) {
+            const int c = lane + 32 * u;
+            if (c < kch) {
+                pa[u] = ld_weights(w0 + c);
+                pb[u] = ld_weights(w1 + c);
+            }
+        }
     }
     // The norm weights do not depend on the previous kernel either: this thread's first
     // GEMV_NORM_REGS groups of four, into registers before the wait.
@@ -157,13 +137,14 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
                 const int q = threadIdx.x + k * blockDim.x;
                 rv[k] = q < nq ? r4[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             }
-            // (groups past the row were loaded as zeros: adding their squares changes nothing)
 #pragma unroll
             for (int k = 0; k < GEMV_NORM_REGS; ++k) {
-                ss += rv[k].x * rv[k].x;
-                ss += rv[k].y * rv[k].y;
-                ss += rv[k].z * rv[k].z;
-                ss += rv[k].w * rv[k].w;
+                if (threadIdx.x + k * blockDim.x < nq) {
+                    ss += rv[k].x * rv[k].x;
+                    ss += rv[k].y * rv[k].y;
+                    ss += rv[k].z * rv[k].z;
+                    ss += rv[k].w * rv[k].w;
+                }
             }
             for (int q = q_rest; q < nq; q += blockDim.x) {
                 const float4 v = r4[q];
@@ -190,73 +171,67 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
     }
     __syncthreads();
 
-    // The loads of item t + 1 are issued before item t is summed (item 1's before the wait), so
-    // up to 2 * GEMV_PF chunks of each row are in flight per lane. Each lane sums its chunks of a
-    // row in ascending order.
-    float a0[N], a1[N];
-#pragma unroll
-    for (int i = 0; i < N; ++i) a0[i] = a1[i] = 0.0f;
-    for (int t = 0, k = 0; t < items; ++t) {
-        const int k1 = k + 1 == nb ? 0 : k + 1;       // the next item's batch
-        const int p1 = k1 == 0 ? pair + nwarps : pair;  // and pair
-        uint4 na[GEMV_PF], nb2[GEMV_PF];
-        if (t == 0) {
-#pragma unroll
-            for (int u = 0; u < GEMV_PF; ++u) {
-                na[u] = qa[u];
-                nb2[u] = qb[u];
-            }
-        } else if (t + 1 < items) {
-            gemv_load_batch(W, p1, k1, glu, half, out, in, kch, lane, na, nb2);
-        }
-#pragma unroll
-        for (int u = 0; u < GEMV_PF; ++u) {
-            const int c = lane + span * k + 32 * u;
-            if (c < kch) {
-#pragma unroll
-                for (int i = 0; i < N; ++i) {
-                    const uint4 xv = xs[i * kch + c];
-                    a0[i] += dot8(pa[u], xv);
-                    a1[i] += dot8(pb[u], xv);
-                }
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < GEMV_PF; ++u) {
-            pa[u] = na[u];
-            pb[u] = nb2[u];
-        }
-        if (k1 != 0) {
-            k = k1;
-            continue;
-        }
+    bool first = true;
+    for (; pair < pairs; pair += nwarps) {
         const int row0 = glu ? pair : pair * GEMV_ROWS;
         const bool has1 = glu || row0 + 1 < out;
+        const uint4* w0 = (const uint4*)(W + (u64)row0 * in);
+        const uint4* w1 = (const uint4*)(W + (u64)(glu ? pair + half : has1 ? row0 + 1 : row0) * in);
+        float a0[N], a1[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) a0[i] = a1[i] = 0.0f;
+        int c0 = lane;
+        if (first) {
+#pragma unroll
+            for (int u = 0; u < GEMV_PF; ++u) {
+                const int c = lane + 32 * u;
+                if (c < kch) {
+#pragma unroll
+                    for (int i = 0; i < N; ++i) {
+                        const uint4 xv = xs[i * kch + c];
+                        a0[i] += dot8(pa[u], xv);
+                        a1[i] += dot8(pb[u], xv);
+                    }
+                }
+            }
+            c0 = lane + 32 * GEMV_PF;
+            first = false;
+        }
+#pragma unroll 4
+        for (int c = c0; c < kch; c += 32) {
+            const uint4 wa = ld_weights(w0 + c);
+            const uint4 wb = ld_weights(w1 + c);
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                const uint4 xv = xs[i * kch + c];
+                a0[i] += dot8(wa, xv);
+                a1[i] += dot8(wb, xv);
+            }
+        }
 #pragma unroll
         for (int i = 0; i < N; ++i) {
-            const float s0 = warp_sum(a0[i]);
-            const float s1 = warp_sum(a1[i]);
-            a0[i] = a1[i] = 0.0f;
-            if (lane == 0) {
-                const u64 o = (u64)i * out + row0;
-                if (glu) {
-                    const float g = round_bf(s0), u = round_bf(s1);
-                    ((bf16_t*)y)[(u64)i * half + pair] = f2bf(g / (1.0f + expf(-g)) * u);
-                } else if (ymode == GY_F32) {
-                    ((float*)y)[o] = s0;
-                    if (has1) ((float*)y)[o + 1] = s1;
-                } else if (ymode == GY_RESID) {
-                    float* r = (float*)y;
-                    r[o] = r[o] + round_bf(s0) * scale;
-                    if (has1) r[o + 1] = r[o + 1] + round_bf(s1) * scale;
-                } else {
-                    ((bf16_t*)y)[o] = f2bf(s0);
-                    if (has1) ((bf16_t*)y)[o + 1] = f2bf(s1);
+            {
+                const float s0 = warp_sum(a0[i]);
+                const float s1 = warp_sum(a1[i]);
+                if (lane == 0) {
+                    const u64 o = (u64)i * out + row0;
+                    if (glu) {
+                        const float g = round_bf(s0), u = round_bf(s1);
+                        ((bf16_t*)y)[(u64)i * half + pair] = f2bf(g / (1.0f + expf(-g)) * u);
+                    } else if (ymode == GY_F32) {
+                        ((float*)y)[o] = s0;
+                        if (has1) ((float*)y)[o + 1] = s1;
+                    } else if (ymode == GY_RESID) {
+                        float* r = (float*)y;
+                        r[o] = r[o] + round_bf(s0) * scale;
+                        if (has1) r[o + 1] = r[o + 1] + round_bf(s1) * scale;
+                    } else {
+                        ((bf16_t*)y)[o] = f2bf(s0);
+                        if (has1) ((bf16_t*)y)[o + 1] = f2bf(s1);
+                    }
                 }
             }
         }
-        k = 0;
-        pair = p1;
     }
 }
 
