@@ -415,14 +415,14 @@ gemv)
       --steps 64 --tokenizer "$tok" --json "$out/b1_4k_dense_$name.json" 2>&1 \
       | grep -E "^dense |ceiling" | head -3 || true
   }
-  # GEMV_CASES picks the cases of each round (default all five)
+  alt=${ALT:-.device/alt/sparda}
   cases=" ${GEMV_CASES:-base balanced cap one_per_sm cublas} "
   want() { [[ $cases == *" $1 "* ]]; }
   for r in $(seq 1 "${ROUNDS:-2}"); do
     echo "round $r"
     if want base && [ -x "$base" ]; then gb "base_$r" "$base" SPARDA_GEMV=1; fi
     if want balanced; then gb "balanced_$r" "$bin" SPARDA_GEMV=1; fi
-    if want alt && [ -x "${ALT:-.device/alt/sparda}" ]; then gb "alt_$r" "${ALT:-.device/alt/sparda}" SPARDA_GEMV=1; fi
+    if want alt && [ -x "$alt" ]; then gb "alt_$r" "$alt" SPARDA_GEMV=1; fi
     if want cap; then gb "cap_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_GRID=cap; fi
     if want one_per_sm; then gb "balanced_1_per_sm_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_BLOCKS_PER_SM=1; fi
     if want cublas; then gb "cublas_$r" "$bin" SPARDA_GEMV=0; fi
