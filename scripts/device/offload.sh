@@ -402,9 +402,19 @@ gemv)
   # then B 4 4K sparse (cuBLAS either way: the default takes one row). GEMV_CASES (a
   # list of base balanced alt cap one_per_sm cublas splits64 splits32 splits16; alt: the
   # binary at ALT, default .device/alt/sparda, if there) picks the
-  # cases of each round; splitsN caps dense attention at N splits (SPARDA_ATTN_MAX_SPLITS)
+  # cases of each round; splitsN caps dense attention at N splits (SPARDA_ATTN_MAX_SPLITS).
+  # GEMV_OPTS ("name=NVRTC options;name=options…", e.g. "ahead2=-DGEMV_AHEAD=2"): one more
+  # case per entry each round, this binary with those SPARDA_NVRTC_OPTIONS, after a gpu-check
+  # of the kernel group under them
   SPARDA_CHECK_ONLY=kernels $bin gpu-check --json "$out/gpu_check_kernels.json" 2>&1 \
     | grep -E "^gemv|FAIL|passed" || true
+  IFS=';' read -r -a opt_cases <<<"${GEMV_OPTS:-}"
+  for oc in "${opt_cases[@]}"; do
+    [ -n "$oc" ] || continue
+    echo "gpu-check kernels, SPARDA_NVRTC_OPTIONS=${oc#*=}"
+    SPARDA_NVRTC_OPTIONS="${oc#*=}" SPARDA_CHECK_ONLY=kernels $bin gpu-check \
+      --json "$out/gpu_check_kernels_${oc%%=*}.json" 2>&1 | grep -E "^ *gemv |FAIL|cases," || true
+  done
   $bin gpu-check-e2e --json "$out/gpu_check_e2e.json" 2>&1 | tail -4 || true
   $bin offload-check --model synth:tiny:5 --tokenizer "$tok" --prompt-file "$book" \
     --prompt-tokens 1000 --new-tokens 1024 --fetch sm --json "$out/offload_tiny.json" 2>&1 | tail -3 || true
@@ -426,6 +436,9 @@ gemv)
     if want cap; then gb "cap_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_GRID=cap; fi
     if want one_per_sm; then gb "balanced_1_per_sm_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_BLOCKS_PER_SM=1; fi
     if want cublas; then gb "cublas_$r" "$bin" SPARDA_GEMV=0; fi
+    for oc in "${opt_cases[@]}"; do
+      [ -n "$oc" ] && gb "opt_${oc%%=*}_$r" "$bin" SPARDA_GEMV=1 SPARDA_NVRTC_OPTIONS="${oc#*=}"
+    done
     for sp in 64 32 16; do  # dense attention in at most sp splits (wider splits, fewer CTAs)
       if want "splits$sp"; then gb "splits${sp}_$r" "$bin" SPARDA_GEMV=1 SPARDA_ATTN_MAX_SPLITS=$sp; fi
     done

@@ -407,13 +407,30 @@ fn compute_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
 }
 
 /// NVRTC options for `arch` (e.g. "sm_90"): a real architecture, so NVRTC
-/// emits a cubin and the driver does no JIT at load time.
+/// emits a cubin and the driver does no JIT at load time; then the options
+/// of `$SPARDA_NVRTC_OPTIONS` ([`extra_nvrtc_options`]).
 pub fn compile_options(arch: &str) -> Vec<String> {
-    vec![
+    let mut o = vec![
         format!("--gpu-architecture={arch}"),
         format!("--include-path={}", cuda_include_dir()),
         "-std=c++17".to_string(),
-    ]
+    ];
+    o.extend(extra_nvrtc_options(
+        std::env::var("SPARDA_NVRTC_OPTIONS").ok().as_deref(),
+    ));
+    o
+}
+
+/// Extra NVRTC options, whitespace-separated, appended to every kernel
+/// source's compile: `-lineinfo` for Nsight source views, or `-DNAME=VALUE`
+/// for a kernel's tuning constants that allow it (e.g. `GEMV_UNROLL` in
+/// kernels/gemv.cu). They are part of the kernel cache's key, so a cubin
+/// built with other options is never reused. An option NVRTC rejects fails
+/// the compile with NVRTC's log and the options named.
+pub fn extra_nvrtc_options(var: Option<&str>) -> Vec<String> {
+    var.map_or_else(Vec::new, |v| {
+        v.split_whitespace().map(str::to_string).collect()
+    })
 }
 
 /// 128-bit FNV-1a (two 64-bit lanes with different offsets) of the parts,
@@ -1071,6 +1088,16 @@ mod tests {
         assert_ne!(k, cache_key(&[b"src ", b"sm_90", b"opts"]));
         // Length prefixes keep part boundaries apart.
         assert_ne!(cache_key(&[b"ab", b"c"]), cache_key(&[b"a", b"bc"]));
+    }
+
+    #[test]
+    fn extra_nvrtc_options_split_on_whitespace() {
+        assert!(extra_nvrtc_options(None).is_empty());
+        assert!(extra_nvrtc_options(Some("  ")).is_empty());
+        assert_eq!(
+            extra_nvrtc_options(Some(" -DGEMV_UNROLL=8\t-lineinfo ")),
+            vec!["-DGEMV_UNROLL=8".to_string(), "-lineinfo".to_string()]
+        );
     }
 
     /// Needs libnvrtc (a CUDA machine, or LD_LIBRARY_PATH pointing at an
