@@ -22,30 +22,24 @@
 // weights starts while the previous kernel drains; with GX_RMSNORM each thread also loads its
 // first GEMV_NORM_REGS groups of norm weights there, and keeps the residual values it reads
 // for the sum of squares in registers for the normalisation (the same sums, bit for bit).
-// Work: warp w of the grid (blockIdx.x * GEMV_WARPS + w) computes row pairs w, w + W, w + 2W, ...
-// (W = gridDim.x * GEMV_WARPS warps in all); pair p is rows (2p, 2p + 1), or (p, p + I) for
+// Work: warp w of the grid (blockIdx.x * warps per block + w) computes row pairs w, w + W,
+// w + 2W, ... (W = gridDim.x * warps per block in all); pair p is rows (2p, 2p + 1), or (p, p + I) for
 // GY_SWIGLU; lane l reads 16-byte chunks l, l + 32, ... of both rows; the partial sums are
 // reduced over the warp (warp_sum).
 // Requires: in % 8 == 0, xsrc and W 16-byte aligned, norm 8-byte aligned, out even for
-// GY_SWIGLU, dynamic shared memory n * in * 2 bytes, blockDim.x = 32 * GEMV_WARPS.
+// GY_SWIGLU, dynamic shared memory n * in * 2 bytes, blockDim.x a multiple of 32, at most
+// 32 * GEMV_WARPS (the launch bounds: 128 registers a thread, 16 warps an SM).
 
 #define GEMV_MAX_N 4
 #define GEMV_ROWS 2
 #define GEMV_WARPS 8
 // Tuning constants a compile may override (-D through $SPARDA_NVRTC_OPTIONS): GEMV_PF chunks
-// per row loaded before pdl_wait(), GEMV_UNROLL chunks per row loaded together in the loop,
-// GEMV_AHEAD (0: none) the L2 prefetch distance in loop steps: before each step of a row pair
-// lane 0 asks L2 for the bytes of the step GEMV_AHEAD later (cp.async.bulk.prefetch.L2, no
-// registers held), and for the next pair's first GEMV_AHEAD steps when a pair starts, so more
-// weight bytes are in flight from DRAM than the registers hold.
+// per row loaded before pdl_wait(), GEMV_UNROLL chunks per row loaded together in the loop.
 #ifndef GEMV_PF
 #define GEMV_PF 4
 #endif
 #ifndef GEMV_UNROLL
 #define GEMV_UNROLL 4
-#endif
-#ifndef GEMV_AHEAD
-#define GEMV_AHEAD 0
 #endif
 #define GEMV_NORM_REGS 4
 
@@ -89,25 +83,6 @@ __device__ __forceinline__ uint4 ld_weights(const uint4* p) {
     return v;
 }
 
-// Asks L2 for chunks [c, min(c + nch, kch)) of the rows at w0 and w1 (16-byte chunks; no
-// effect on results). Called by one lane.
-__device__ __forceinline__ void gemv_l2_prefetch(const uint4* w0, const uint4* w1, int c, int nch, int kch) {
-    if (c >= kch) return;
-    const unsigned bytes = (unsigned)min(nch, kch - c) * 16u;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w0 + c), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w1 + c), "r"(bytes) : "memory");
-}
-
-// The rows of row pair p (GY_SWIGLU: gate row p and up row p + half; else 2p and 2p + 1, the
-// last row twice when out is odd).
-__device__ __forceinline__ void gemv_pair_rows(const bf16_t* W, int p, bool glu, int half, int out, int in,
-                                               const uint4** w0, const uint4** w1) {
-    const int ra = glu ? p : p * GEMV_ROWS;
-    const int rb = glu ? p + half : min(ra + 1, out - 1);
-    *w0 = (const uint4*)(W + (u64)ra * in);
-    *w1 = (const uint4*)(W + (u64)rb * in);
-}
-
 // One instance per batch size N (gemv1 ... gemv4 below): the accumulators stay in registers.
 template <int N>
 __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const bf16_t* __restrict__ norm,
@@ -118,19 +93,20 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
     __shared__ float red[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kch = in >> 3;  // 16-byte chunks per row
-    const int nwarps = gridDim.x * GEMV_WARPS;
+    const int bwarps = blockDim.x >> 5;
+    const int nwarps = gridDim.x * bwarps;
     const bool glu = ymode == GY_SWIGLU;
     const int half = out >> 1;
     const int pairs = glu ? half : (out + GEMV_ROWS - 1) / GEMV_ROWS;
-    int pair = blockIdx.x * GEMV_WARPS + warp;
+    int pair = blockIdx.x * bwarps + warp;
 
     // The first row pair's first chunks, before the dependency on the previous kernel.
-    const int step = 32 * GEMV_UNROLL;  // chunks per row of one loop step
     uint4 pa[GEMV_PF], pb[GEMV_PF];
     if (pair < pairs) {
-        const uint4 *w0, *w1;
-        gemv_pair_rows(W, pair, glu, half, out, in, &w0, &w1);
-        if (GEMV_AHEAD > 0 && lane == 0) gemv_l2_prefetch(w0, w1, 32 * GEMV_PF, GEMV_AHEAD * step, kch);
+        const int ra = glu ? pair : pair * GEMV_ROWS;
+        const int rb = glu ? pair + half : min(ra + 1, out - 1);
+        const uint4* w0 = (const uint4*)(W + (u64)ra * in);
+        const uint4* w1 = (const uint4*)(W + (u64)rb * in);
 #pragma unroll
         for (int u = 0; u < GEMV_PF; ++u) {
             const int c = lane + 32 * u;
@@ -213,11 +189,6 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
         float a0[N], a1[N];
 #pragma unroll
         for (int i = 0; i < N; ++i) a0[i] = a1[i] = 0.0f;
-        if (GEMV_AHEAD > 0 && lane == 0 && pair + nwarps < pairs) {
-            const uint4 *n0, *n1;
-            gemv_pair_rows(W, pair + nwarps, glu, half, out, in, &n0, &n1);
-            gemv_l2_prefetch(n0, n1, 0, GEMV_AHEAD * step, kch);
-        }
         int c0 = lane;
         if (first) {
 #pragma unroll
@@ -235,43 +206,15 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
             c0 = lane + 32 * GEMV_PF;
             first = false;
         }
-        if (GEMV_AHEAD > 0) {
-            // Steps of GEMV_UNROLL chunks per lane, each after the prefetch of a later one.
-            for (int cs = c0; cs - lane < kch; cs += step) {
-                if (lane == 0) gemv_l2_prefetch(w0, w1, cs + GEMV_AHEAD * step, step, kch);
-                uint4 wa[GEMV_UNROLL], wb[GEMV_UNROLL];
-#pragma unroll
-                for (int u = 0; u < GEMV_UNROLL; ++u) {  // every load of the step first
-                    const int c = cs + 32 * u;
-                    if (c < kch) {
-                        wa[u] = ld_weights(w0 + c);
-                        wb[u] = ld_weights(w1 + c);
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < GEMV_UNROLL; ++u) {
-                    const int c = cs + 32 * u;
-                    if (c < kch) {
-#pragma unroll
-                        for (int i = 0; i < N; ++i) {
-                            const uint4 xv = xs[i * kch + c];
-                            a0[i] += dot8(wa[u], xv);
-                            a1[i] += dot8(wb[u], xv);
-                        }
-                    }
-                }
-            }
-        } else {
 #pragma unroll GEMV_UNROLL
-            for (int c = c0; c < kch; c += 32) {
-                const uint4 wa = ld_weights(w0 + c);
-                const uint4 wb = ld_weights(w1 + c);
+        for (int c = c0; c < kch; c += 32) {
+            const uint4 wa = ld_weights(w0 + c);
+            const uint4 wb = ld_weights(w1 + c);
 #pragma unroll
-                for (int i = 0; i < N; ++i) {
-                    const uint4 xv = xs[i * kch + c];
-                    a0[i] += dot8(wa, xv);
-                    a1[i] += dot8(wb, xv);
-                }
+            for (int i = 0; i < N; ++i) {
+                const uint4 xv = xs[i * kch + c];
+                a0[i] += dot8(wa, xv);
+                a1[i] += dot8(wb, xv);
             }
         }
 #pragma unroll

@@ -400,14 +400,23 @@ gemv)
   # capped at one warp per row pair (SPARDA_GEMV_GRID=cap, the earlier grid), the
   # balanced grid on one block per SM, and cuBLAS + separate norms (SPARDA_GEMV=0);
   # then B 4 4K sparse (cuBLAS either way: the default takes one row). GEMV_CASES (a
-  # list of base balanced alt cap one_per_sm cublas splits64 splits32 splits16; alt: the
-  # binary at ALT, default .device/alt/sparda, if there) picks the
-  # cases of each round; splitsN caps dense attention at N splits (SPARDA_ATTN_MAX_SPLITS).
-  # GEMV_OPTS ("name=NVRTC options;name=options…", e.g. "ahead2=-DGEMV_AHEAD=2"): one more
+  # list of base balanced alt cap one_per_sm warps4 cublas splits64 splits32 splits16; alt:
+  # the binary at ALT, default .device/alt/sparda, if there) picks the cases of each round;
+  # warps4 runs blocks of 4 warps (SPARDA_GEMV_WARPS=4, after a gpu-check of the kernel
+  # group with it); splitsN caps dense attention at N splits (SPARDA_ATTN_MAX_SPLITS).
+  # GEMV_OPTS ("name=NVRTC options;name=options…", e.g. "unroll8=-DGEMV_UNROLL=8"): one more
   # case per entry each round, this binary with those SPARDA_NVRTC_OPTIONS, after a gpu-check
   # of the kernel group under them
   SPARDA_CHECK_ONLY=kernels $bin gpu-check --json "$out/gpu_check_kernels.json" 2>&1 \
     | grep -E "^gemv|FAIL|passed" || true
+  alt=${ALT:-.device/alt/sparda}
+  cases=" ${GEMV_CASES:-base balanced cap one_per_sm cublas} "
+  want() { [[ $cases == *" $1 "* ]]; }
+  if want warps4; then
+    echo "gpu-check kernels, SPARDA_GEMV_WARPS=4"
+    SPARDA_GEMV_WARPS=4 SPARDA_CHECK_ONLY=kernels $bin gpu-check \
+      --json "$out/gpu_check_kernels_warps4.json" 2>&1 | grep -E "^ *gemv |FAIL|cases," || true
+  fi
   IFS=';' read -r -a opt_cases <<<"${GEMV_OPTS:-}"
   for oc in "${opt_cases[@]}"; do
     [ -n "$oc" ] || continue
@@ -425,15 +434,13 @@ gemv)
       --steps 64 --tokenizer "$tok" --json "$out/b1_4k_dense_$name.json" 2>&1 \
       | grep -E "^dense |ceiling" | head -3 || true
   }
-  alt=${ALT:-.device/alt/sparda}
-  cases=" ${GEMV_CASES:-base balanced cap one_per_sm cublas} "
-  want() { [[ $cases == *" $1 "* ]]; }
   for r in $(seq 1 "${ROUNDS:-2}"); do
     echo "round $r"
     if want base && [ -x "$base" ]; then gb "base_$r" "$base" SPARDA_GEMV=1; fi
     if want balanced; then gb "balanced_$r" "$bin" SPARDA_GEMV=1; fi
     if want alt && [ -x "$alt" ]; then gb "alt_$r" "$alt" SPARDA_GEMV=1; fi
     if want cap; then gb "cap_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_GRID=cap; fi
+    if want warps4; then gb "warps4_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_WARPS=4; fi
     if want one_per_sm; then gb "balanced_1_per_sm_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_BLOCKS_PER_SM=1; fi
     if want cublas; then gb "cublas_$r" "$bin" SPARDA_GEMV=0; fi
     for oc in "${opt_cases[@]}"; do

@@ -14,17 +14,19 @@ use cudarc::driver::LaunchConfig;
 
 /// Largest batch `gemv` takes (`GEMV_MAX_N` in kernels/gemv.cu).
 pub const GEMV_MAX_N: usize = 4;
-/// Warps per block (`GEMV_WARPS`); each computes two output rows at a time.
+/// Warps per block (at most `GEMV_WARPS` of kernels/gemv.cu, its launch
+/// bound), unless `$SPARDA_GEMV_WARPS` sets 4; each warp computes two output
+/// rows at a time.
 const GEMV_WARPS: usize = 8;
 /// Output rows a warp computes at a time (`GEMV_ROWS`).
 const GEMV_ROWS: usize = 2;
 /// Shared memory the staged input may take, bytes (n · in · 2; the static
 /// limit, no opt-in).
 pub const GEMV_MAX_STAGED_BYTES: usize = 48 * 1024;
-/// Blocks per SM of the grid (the warps stride over the row pairs; at 128
-/// registers a thread, two blocks of 256 threads fit an SM), unless
-/// `$SPARDA_GEMV_BLOCKS_PER_SM` sets another count (1–16).
-const GEMV_BLOCKS_PER_SM: usize = 2;
+/// Warps per SM of the grid (the warps stride over the row pairs; at 128
+/// registers a thread, 16 warps fit an SM): blocks per SM = this / warps per
+/// block, unless `$SPARDA_GEMV_BLOCKS_PER_SM` sets another count (1–16).
+const GEMV_WARPS_PER_SM: usize = 16;
 
 /// Where `gemv`'s input rows (bf16 [n, in] once staged) come from.
 #[derive(Debug, Clone, Copy)]
@@ -99,15 +101,39 @@ pub fn gemv_fits(n: usize, in_features: usize) -> bool {
 /// the QKV projection of NOSA-8B (2,304 pairs) runs on 1,152 warps, two
 /// pairs each, instead of 2,112 warps of which 192 take a second pair and
 /// the others wait. `balanced` false: one warp per pair up to the cap.
-fn gemv_blocks(out_features: usize, sms: usize, blocks_per_sm: usize, balanced: bool) -> usize {
+/// `block_warps` warps per block.
+fn gemv_blocks(
+    out_features: usize,
+    sms: usize,
+    blocks_per_sm: usize,
+    block_warps: usize,
+    balanced: bool,
+) -> usize {
     let pairs = out_features.div_ceil(GEMV_ROWS);
-    let most = sms.max(1) * blocks_per_sm * GEMV_WARPS;
+    let most = sms.max(1) * blocks_per_sm * block_warps;
     let warps = if balanced {
         pairs.div_ceil(pairs.div_ceil(most).max(1))
     } else {
         pairs.min(most)
     };
-    warps.div_ceil(GEMV_WARPS).max(1)
+    warps.div_ceil(block_warps).max(1)
+}
+
+/// `$SPARDA_GEMV_WARPS`: 4 gives blocks of 4 warps (twice the blocks, spread
+/// more evenly over the SMs when a grid has few more blocks than SMs, e.g.
+/// NOSA-8B's QKV projection: 144 blocks of 8 warps on 132 SMs); anything
+/// else, or unset, [`GEMV_WARPS`]. Read once, not at every launch.
+fn block_warps() -> usize {
+    static WARPS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *WARPS.get_or_init(|| block_warps_from(std::env::var("SPARDA_GEMV_WARPS").ok().as_deref()))
+}
+
+/// [`block_warps`]'s rule on the variable's value.
+fn block_warps_from(v: Option<&str>) -> usize {
+    match v.map(str::trim) {
+        Some("4") => 4,
+        _ => GEMV_WARPS,
+    }
 }
 
 /// `$SPARDA_GEMV_GRID`: `cap` gives every row pair its own warp up to the
@@ -127,7 +153,7 @@ fn blocks_per_sm() -> usize {
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
             .filter(|b| (1..=16).contains(b))
-            .unwrap_or(GEMV_BLOCKS_PER_SM)
+            .unwrap_or(GEMV_WARPS_PER_SM / block_warps())
     })
 }
 
@@ -185,11 +211,12 @@ pub unsafe fn launch_gemv(gpu: &Gpu, a: &GemvArgs) -> Result<()> {
         m,
         gpu.info().sm_count.max(1) as usize,
         blocks_per_sm(),
+        block_warps(),
         balanced_grid(),
     );
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
-        block_dim: ((32 * GEMV_WARPS) as u32, 1, 1),
+        block_dim: ((32 * block_warps()) as u32, 1, 1),
         shared_mem_bytes: (n * k * 2) as u32,
     };
     let f = gpu.function(["gemv1", "gemv2", "gemv3", "gemv4"][n - 1])?;
@@ -225,48 +252,62 @@ mod tests {
     }
 
     #[test]
+    fn block_warps_are_eight_unless_four_is_asked_for() {
+        assert_eq!(block_warps_from(None), 8);
+        assert_eq!(block_warps_from(Some("4")), 4);
+        assert_eq!(block_warps_from(Some(" 4 ")), 4);
+        assert_eq!(block_warps_from(Some("16")), 8);
+        assert_eq!(block_warps_from(Some("")), 8);
+    }
+
+    #[test]
     fn grid_covers_every_row_pair_up_to_the_per_sm_cap() {
         // 6,144 rows = 3,072 pairs = 384 blocks of 8 warps, below 132·4
-        assert_eq!(gemv_blocks(6144, 132, 4, false), 384);
-        assert_eq!(gemv_blocks(6144, 132, 4, true), 384);
+        assert_eq!(gemv_blocks(6144, 132, 4, 8, false), 384);
+        assert_eq!(gemv_blocks(6144, 132, 4, 8, true), 384);
         // 28,672 rows = 1,792 blocks, capped at 132·2
-        assert_eq!(gemv_blocks(28_672, 132, 2, false), 264);
+        assert_eq!(gemv_blocks(28_672, 132, 2, 8, false), 264);
         // an odd row count still gets its last (half) pair
-        assert_eq!(gemv_blocks(17, 132, 4, false), 2);
-        assert_eq!(gemv_blocks(17, 132, 4, true), 2);
-        assert_eq!(gemv_blocks(1, 0, 4, false), 1);
-        assert_eq!(gemv_blocks(1, 0, 4, true), 1);
+        assert_eq!(gemv_blocks(17, 132, 4, 8, false), 2);
+        assert_eq!(gemv_blocks(17, 132, 4, 8, true), 2);
+        assert_eq!(gemv_blocks(1, 0, 4, 8, false), 1);
+        assert_eq!(gemv_blocks(1, 0, 4, 8, true), 1);
     }
 
     #[test]
     fn balanced_grid_gives_every_warp_the_same_number_of_pairs_within_one() {
         // (out, sms, per SM): NOSA-8B's QKV, O/down, gate|up and lm_head rows
-        for (out, sms, per_sm) in [
-            (4608, 132, 2),
-            (4096, 132, 2),
-            (28_672, 132, 2),
-            (73_448, 132, 2),
-            (1_000, 132, 2),
-            (9, 1, 1),
+        for (out, sms, per_sm, bw) in [
+            (4608, 132, 2, 8),
+            (4096, 132, 2, 8),
+            (28_672, 132, 2, 8),
+            (73_448, 132, 2, 8),
+            (1_000, 132, 2, 8),
+            (9, 1, 1, 8),
+            (4608, 132, 4, 4),
+            (28_672, 132, 4, 4),
+            (9, 1, 1, 4),
         ] {
             let pairs = out / 2 + out % 2;
-            let cap = gemv_blocks(out, sms, per_sm, false);
-            let bal = gemv_blocks(out, sms, per_sm, true);
+            let cap = gemv_blocks(out, sms, per_sm, bw, false);
+            let bal = gemv_blocks(out, sms, per_sm, bw, true);
             assert!(bal <= cap, "{out}: {bal} > {cap}");
-            let rounds = |blocks: usize| pairs.div_ceil(blocks * GEMV_WARPS);
+            let rounds = |blocks: usize| pairs.div_ceil(blocks * bw);
             // no more rounds than the capped grid, and no warp idle for a whole round
             assert_eq!(rounds(bal), rounds(cap), "{out}");
-            let warps = bal * GEMV_WARPS;
+            let warps = bal * bw;
             assert!(warps >= pairs.div_ceil(rounds(bal)), "{out}");
             assert!(
-                (warps - GEMV_WARPS) * rounds(bal) < pairs,
+                (warps - bw) * rounds(bal) < pairs,
                 "{out}: a smaller grid would do"
             );
         }
         // QKV: 2,304 pairs over 1,152 warps (144 blocks), two each
-        assert_eq!(gemv_blocks(4608, 132, 2, true), 144);
-        assert_eq!(gemv_blocks(4608, 132, 2, false), 264);
+        assert_eq!(gemv_blocks(4608, 132, 2, 8, true), 144);
+        assert_eq!(gemv_blocks(4608, 132, 2, 8, false), 264);
+        // the same warps in blocks of 4: 288 blocks, at most 3 on an SM
+        assert_eq!(gemv_blocks(4608, 132, 4, 4, true), 288);
         // gate|up: 14,336 pairs, 7 rounds, 2,048 warps
-        assert_eq!(gemv_blocks(28_672, 132, 2, true), 256);
+        assert_eq!(gemv_blocks(28_672, 132, 2, 8, true), 256);
     }
 }
