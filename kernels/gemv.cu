@@ -41,6 +41,12 @@
 #ifndef GEMV_UNROLL
 #define GEMV_UNROLL 4
 #endif
+// GEMV_X_DIRECT 1: a GX_BF16 input is not staged in shared memory; each lane loads the x
+// chunks it needs from global memory beside the weights (L1 keeps x for the SM's other warps),
+// so the weight stream does not wait for the block's staging.
+#ifndef GEMV_X_DIRECT
+#define GEMV_X_DIRECT 0
+#endif
 #define GEMV_NORM_REGS 4
 
 #define GX_BF16 0
@@ -174,11 +180,15 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
             }
         }
     } else {
-        const uint4* x4 = (const uint4*)xsrc;
+        if (!GEMV_X_DIRECT) {
+            const uint4* x4 = (const uint4*)xsrc;
 #pragma unroll 4
-        for (int c = threadIdx.x; c < n * kch; c += blockDim.x) xs[c] = x4[c];
+            for (int c = threadIdx.x; c < n * kch; c += blockDim.x) xs[c] = x4[c];
+        }
     }
     __syncthreads();
+    // Where the loop reads x: the staged rows, or (GEMV_X_DIRECT, GX_BF16) xsrc itself.
+    const uint4* xr = GEMV_X_DIRECT && xmode != GX_RMSNORM ? (const uint4*)xsrc : xs;
 
     bool first = true;
     for (; pair < pairs; pair += nwarps) {
@@ -197,7 +207,7 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
                 if (c < kch) {
 #pragma unroll
                     for (int i = 0; i < N; ++i) {
-                        const uint4 xv = xs[i * kch + c];
+                        const uint4 xv = xr[i * kch + c];
                         a0[i] += dot8(pa[u], xv);
                         a1[i] += dot8(pb[u], xv);
                     }
@@ -212,7 +222,7 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
             const uint4 wb = ld_weights(w1 + c);
 #pragma unroll
             for (int i = 0; i < N; ++i) {
-                const uint4 xv = xs[i * kch + c];
+                const uint4 xv = xr[i * kch + c];
                 a0[i] += dot8(wa, xv);
                 a1[i] += dot8(wb, xv);
             }
