@@ -89,6 +89,45 @@ __device__ __forceinline__ uint4 ld_weights(const uint4* p) {
     return v;
 }
 
+// The dot products of one row pair (rows at w0, w1) with the n input rows, into a0, a1 (per
+// lane: its chunks c = lane, lane + 32, ... in ascending order; `first`: chunks c < 32 *
+// GEMV_PF were loaded into pa, pb before the wait). XG: x chunk c of row i read from global
+// memory at xr[i * kch + c]; else from the staged rows in shared memory (the same values).
+template <int N, bool XG>
+__device__ __forceinline__ void gemv_pair_dots(const uint4* __restrict__ xr, const uint4* w0, const uint4* w1,
+                                               int kch, int lane, bool first, const uint4* pa, const uint4* pb,
+                                               float* a0, float* a1) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) a0[i] = a1[i] = 0.0f;
+    int c0 = lane;
+    if (first) {
+#pragma unroll
+        for (int u = 0; u < GEMV_PF; ++u) {
+            const int c = lane + 32 * u;
+            if (c < kch) {
+#pragma unroll
+                for (int i = 0; i < N; ++i) {
+                    const uint4 xv = xr[i * kch + c];
+                    a0[i] += dot8(pa[u], xv);
+                    a1[i] += dot8(pb[u], xv);
+                }
+            }
+        }
+        c0 = lane + 32 * GEMV_PF;
+    }
+#pragma unroll GEMV_UNROLL
+    for (int c = c0; c < kch; c += 32) {
+        const uint4 wa = ld_weights(w0 + c);
+        const uint4 wb = ld_weights(w1 + c);
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            const uint4 xv = xr[i * kch + c];
+            a0[i] += dot8(wa, xv);
+            a1[i] += dot8(wb, xv);
+        }
+    }
+}
+
 // One instance per batch size N (gemv1 ... gemv4 below): the accumulators stay in registers.
 template <int N>
 __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const bf16_t* __restrict__ norm,
@@ -188,7 +227,7 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
     }
     __syncthreads();
     // Where the loop reads x: the staged rows, or (GEMV_X_DIRECT, GX_BF16) xsrc itself.
-    const uint4* xr = GEMV_X_DIRECT && xmode != GX_RMSNORM ? (const uint4*)xsrc : xs;
+    const bool xg = GEMV_X_DIRECT && xmode != GX_RMSNORM;
 
     bool first = true;
     for (; pair < pairs; pair += nwarps) {
@@ -197,36 +236,12 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
         const uint4* w0 = (const uint4*)(W + (u64)row0 * in);
         const uint4* w1 = (const uint4*)(W + (u64)(glu ? pair + half : has1 ? row0 + 1 : row0) * in);
         float a0[N], a1[N];
-#pragma unroll
-        for (int i = 0; i < N; ++i) a0[i] = a1[i] = 0.0f;
-        int c0 = lane;
-        if (first) {
-#pragma unroll
-            for (int u = 0; u < GEMV_PF; ++u) {
-                const int c = lane + 32 * u;
-                if (c < kch) {
-#pragma unroll
-                    for (int i = 0; i < N; ++i) {
-                        const uint4 xv = xr[i * kch + c];
-                        a0[i] += dot8(pa[u], xv);
-                        a1[i] += dot8(pb[u], xv);
-                    }
-                }
-            }
-            c0 = lane + 32 * GEMV_PF;
-            first = false;
+        if (xg) {
+            gemv_pair_dots<N, true>((const uint4*)xsrc, w0, w1, kch, lane, first, pa, pb, a0, a1);
+        } else {
+            gemv_pair_dots<N, false>(xs, w0, w1, kch, lane, first, pa, pb, a0, a1);
         }
-#pragma unroll GEMV_UNROLL
-        for (int c = c0; c < kch; c += 32) {
-            const uint4 wa = ld_weights(w0 + c);
-            const uint4 wb = ld_weights(w1 + c);
-#pragma unroll
-            for (int i = 0; i < N; ++i) {
-                const uint4 xv = xr[i * kch + c];
-                a0[i] += dot8(wa, xv);
-                a1[i] += dot8(wb, xv);
-            }
-        }
+        first = false;
 #pragma unroll
         for (int i = 0; i < N; ++i) {
             {
