@@ -3,7 +3,8 @@
 //   y[i, o] = sum_k x[i, k] * W[o, k]   for i < n, o < out,
 // W bf16 [out, in] (row-major, the Hugging Face [out_features, in_features] layout), f32
 // accumulation (another summation order than cuBLAS gemm_ex). x is staged in shared memory,
-// as bf16 [n, in], from one of:
+// as bf16 [n, in] (a GX_BF16 input is read in place instead when compiled with
+// GEMV_X_DIRECT 1), from one of:
 //   GX_BF16     xsrc bf16 [n, in] as is;
 //   GX_RMSNORM  xsrc the f32 residual stream [n, in]: x = bf16(bf16(r / sqrt(mean(r^2) + eps)) * g),
 //               g = norm bf16 [in] (rmsnorm.cu's formula; each block reduces the rows itself).
@@ -23,8 +24,8 @@
 // first GEMV_NORM_REGS groups of norm weights there, and keeps the residual values it reads
 // for the sum of squares in registers for the normalisation (the same sums, bit for bit).
 // Work: warp w of the grid (blockIdx.x * warps per block + w) computes row pairs w, w + W,
-// w + 2W, ... (W = gridDim.x * warps per block in all); pair p is rows (2p, 2p + 1), or (p, p + I) for
-// GY_SWIGLU; lane l reads 16-byte chunks l, l + 32, ... of both rows; the partial sums are
+// w + 2W, ... (W = gridDim.x * warps per block in all); pair p is rows (2p, 2p + 1), or
+// (p, p + I) for GY_SWIGLU; lane l reads 16-byte chunks l, l + 32, ... of both rows; the partial sums are
 // reduced over the warp (warp_sum).
 // Requires: in % 8 == 0, xsrc and W 16-byte aligned, norm 8-byte aligned, out even for
 // GY_SWIGLU, dynamic shared memory n * in * 2 bytes, blockDim.x a multiple of 32, at most
