@@ -28,14 +28,16 @@
 // (p, p + I) for GY_SWIGLU; lane l reads 16-byte chunks l, l + 32, ... of both rows; the partial sums are
 // reduced over the warp (warp_sum).
 // Requires: in % 8 == 0, xsrc and W 16-byte aligned, norm 8-byte aligned, out even for
-// GY_SWIGLU, dynamic shared memory n * in * 2 bytes, blockDim.x a multiple of 32, at most
+// GY_SWIGLU, dynamic shared memory n * in * 2 bytes (allocated under GEMV_X_DIRECT too), blockDim.x a multiple of 32, at most
 // 32 * GEMV_WARPS (the launch bounds: 128 registers a thread, 16 warps an SM).
 
 #define GEMV_MAX_N 4
 #define GEMV_ROWS 2
 #define GEMV_WARPS 8
-// Tuning constants a compile may override (-D through $SPARDA_NVRTC_OPTIONS): GEMV_PF chunks
-// per row loaded before pdl_wait(), GEMV_UNROLL chunks per row loaded together in the loop.
+// Tuning constants a compile may override (-D through $SPARDA_NVRTC_OPTIONS): GEMV_PF (>= 1)
+// chunks per row loaded before pdl_wait(), GEMV_UNROLL chunks per row loaded together in the
+// loop. The constants above are fixed (the host's launch follows them; warps per block are
+// set at launch, $SPARDA_GEMV_WARPS).
 #ifndef GEMV_PF
 #define GEMV_PF 4
 #endif

@@ -50,6 +50,7 @@
 #                                          the GPU-resident step with SPARDA_PDL=0 vs on (B 1 4K, B 16 32K)
 #   scripts/device/offload.sh gemv OUT     the fused small-batch GEMVs: gpu-check kernels, e2e and tiny identity
 #                                          with the defaults, B 1 4K dense: balanced vs capped grid vs cuBLAS
+#                                          (GEMV_CASES, GEMV_OPTS: more settings; see the phase)
 #   scripts/device/offload.sh cachectas OUT cache slots 0/192 with the copy kernel on 8, 12, 16 whole SMs
 #                                          (4 task groups), prefetch on/off, sync, resident (CONTEXTS)
 #   scripts/device/offload.sh graphs OUT   offloaded steps as CUDA graphs: the identity checks of `check` and
@@ -406,7 +407,8 @@ gemv)
   # group with it); splitsN caps dense attention at N splits (SPARDA_ATTN_MAX_SPLITS).
   # GEMV_OPTS ("name=NVRTC options;name=options…", e.g. "unroll8=-DGEMV_UNROLL=8"): one more
   # case per entry each round, this binary with those SPARDA_NVRTC_OPTIONS, after a gpu-check
-  # of the kernel group under them
+  # of the kernel group under them; an entry without "name=" stops the phase. Errors (NVRTC's
+  # among them) are printed, not filtered out
   SPARDA_CHECK_ONLY=kernels $bin gpu-check --json "$out/gpu_check_kernels.json" 2>&1 \
     | grep -E "^gemv|FAIL|passed" || true
   alt=${ALT:-.device/alt/sparda}
@@ -415,14 +417,20 @@ gemv)
   if want warps4; then
     echo "gpu-check kernels, SPARDA_GEMV_WARPS=4"
     SPARDA_GEMV_WARPS=4 SPARDA_CHECK_ONLY=kernels $bin gpu-check \
-      --json "$out/gpu_check_kernels_warps4.json" 2>&1 | grep -E "^ *gemv |FAIL|cases," || true
+      --json "$out/gpu_check_kernels_warps4.json" 2>&1 | grep -E "^ *gemv |FAIL|cases,|rror" || true
   fi
   IFS=';' read -r -a opt_cases <<<"${GEMV_OPTS:-}"
-  for oc in "${opt_cases[@]}"; do
+  for i in "${!opt_cases[@]}"; do
+    oc=$(echo "${opt_cases[$i]}" | sed 's/^ *//; s/ *= */=/')
+    opt_cases[i]=$oc
     [ -n "$oc" ] || continue
+    if [[ $oc != *=* || ! ${oc%%=*} =~ ^[A-Za-z0-9_]+$ ]]; then
+      echo "offload.sh gemv: GEMV_OPTS entry '$oc' is not name=options (name: letters, digits, _)" >&2
+      exit 2
+    fi
     echo "gpu-check kernels, SPARDA_NVRTC_OPTIONS=${oc#*=}"
     SPARDA_NVRTC_OPTIONS="${oc#*=}" SPARDA_CHECK_ONLY=kernels $bin gpu-check \
-      --json "$out/gpu_check_kernels_${oc%%=*}.json" 2>&1 | grep -E "^ *gemv |FAIL|cases," || true
+      --json "$out/gpu_check_kernels_${oc%%=*}.json" 2>&1 | grep -E "^ *gemv |FAIL|cases,|rror" || true
   done
   $bin gpu-check-e2e --json "$out/gpu_check_e2e.json" 2>&1 | tail -4 || true
   $bin offload-check --model synth:tiny:5 --tokenizer "$tok" --prompt-file "$book" \
@@ -432,7 +440,7 @@ gemv)
     local name=$1 b=$2; shift 2
     env "$@" "$b" bench --model synth:nosa-8b --attention dense --batch 1 --context 4K \
       --steps 64 --tokenizer "$tok" --json "$out/b1_4k_dense_$name.json" 2>&1 \
-      | grep -E "^dense |ceiling" | head -3 || true
+      | grep -E "^dense |ceiling|rror" | head -3 || true
   }
   for r in $(seq 1 "${ROUNDS:-2}"); do
     echo "round $r"

@@ -119,13 +119,21 @@ fn gemv_blocks(
     warps.div_ceil(block_warps).max(1)
 }
 
-/// `$SPARDA_GEMV_WARPS`: 4 gives blocks of 4 warps (twice the blocks, spread
+/// Warps per block of `gemv` launches. `$SPARDA_GEMV_WARPS`: 4 gives blocks of 4 warps (twice the blocks, spread
 /// more evenly over the SMs when a grid has few more blocks than SMs, e.g.
 /// NOSA-8B's QKV projection: 144 blocks of 8 warps on 132 SMs); anything
-/// else, or unset, [`GEMV_WARPS`]. Read once, not at every launch.
-fn block_warps() -> usize {
+/// else, or unset, 8 (another value is warned about). Read once, not at
+/// every launch.
+pub fn block_warps() -> usize {
     static WARPS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *WARPS.get_or_init(|| block_warps_from(std::env::var("SPARDA_GEMV_WARPS").ok().as_deref()))
+    *WARPS.get_or_init(|| {
+        let v = std::env::var("SPARDA_GEMV_WARPS").ok();
+        let w = block_warps_from(v.as_deref());
+        if let Some(v) = v.filter(|v| v.trim() != w.to_string()) {
+            tracing::warn!("SPARDA_GEMV_WARPS={v:?}: takes 4 or 8; using {w}");
+        }
+        w
+    })
 }
 
 /// [`block_warps`]'s rule on the variable's value.
@@ -276,7 +284,8 @@ mod tests {
 
     #[test]
     fn balanced_grid_gives_every_warp_the_same_number_of_pairs_within_one() {
-        // (out, sms, per SM): NOSA-8B's QKV, O/down, gate|up and lm_head rows
+        // (out, sms, blocks per SM, warps per block): NOSA-8B's QKV, O/down, gate|up and
+        // lm_head rows, and some in blocks of 4 warps
         for (out, sms, per_sm, bw) in [
             (4608, 132, 2, 8),
             (4096, 132, 2, 8),
