@@ -25,11 +25,12 @@
 // for the sum of squares in registers for the normalisation (the same sums, bit for bit).
 // Work: warp w of the grid (blockIdx.x * warps per block + w) computes row pairs w, w + W,
 // w + 2W, ... (W = gridDim.x * warps per block in all); pair p is rows (2p, 2p + 1), or
-// (p, p + I) for GY_SWIGLU; lane l reads 16-byte chunks l, l + 32, ... of both rows; the partial sums are
-// reduced over the warp (warp_sum).
+// (p, p + I) for GY_SWIGLU; lane l reads 16-byte chunks l, l + 32, ... of both rows; the
+// partial sums are reduced over the warp (warp_sum).
 // Requires: in % 8 == 0, xsrc and W 16-byte aligned, norm 8-byte aligned, out even for
-// GY_SWIGLU, dynamic shared memory n * in * 2 bytes (allocated under GEMV_X_DIRECT too), blockDim.x a multiple of 32, at most
-// 32 * GEMV_WARPS (the launch bounds: 128 registers a thread, 16 warps an SM).
+// GY_SWIGLU, dynamic shared memory n * in * 2 bytes (allocated under GEMV_X_DIRECT too),
+// blockDim.x a multiple of 32, at most 32 * GEMV_WARPS (the launch bounds: 128 registers a
+// thread, 16 warps an SM).
 
 #define GEMV_MAX_N 4
 #define GEMV_ROWS 2
@@ -94,9 +95,10 @@ __device__ __forceinline__ uint4 ld_weights(const uint4* p) {
 
 // The dot products of one row pair (rows at w0, w1) with the n input rows, into a0, a1 (per
 // lane: its chunks c = lane, lane + 32, ... in ascending order; `first`: chunks c < 32 *
-// GEMV_PF were loaded into pa, pb before the wait). XG: x chunk c of row i read from global
-// memory at xr[i * kch + c]; else from the staged rows in shared memory (the same values).
-template <int N, bool XG>
+// GEMV_PF were loaded into pa, pb before the wait); x chunk c of row i at xr[i * kch + c]. Each
+// call site passes one memory space (the staged rows in shared memory, or xsrc in global
+// memory), so the inlined loads are LDS or LDG, not generic ones.
+template <int N>
 __device__ __forceinline__ void gemv_pair_dots(const uint4* __restrict__ xr, const uint4* w0, const uint4* w1,
                                                int kch, int lane, bool first, const uint4* pa, const uint4* pb,
                                                float* a0, float* a1) {
@@ -240,32 +242,30 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
         const uint4* w1 = (const uint4*)(W + (u64)(glu ? pair + half : has1 ? row0 + 1 : row0) * in);
         float a0[N], a1[N];
         if (xg) {
-            gemv_pair_dots<N, true>((const uint4*)xsrc, w0, w1, kch, lane, first, pa, pb, a0, a1);
+            gemv_pair_dots<N>((const uint4*)xsrc, w0, w1, kch, lane, first, pa, pb, a0, a1);
         } else {
-            gemv_pair_dots<N, false>(xs, w0, w1, kch, lane, first, pa, pb, a0, a1);
+            gemv_pair_dots<N>(xs, w0, w1, kch, lane, first, pa, pb, a0, a1);
         }
         first = false;
 #pragma unroll
         for (int i = 0; i < N; ++i) {
-            {
-                const float s0 = warp_sum(a0[i]);
-                const float s1 = warp_sum(a1[i]);
-                if (lane == 0) {
-                    const u64 o = (u64)i * out + row0;
-                    if (glu) {
-                        const float g = round_bf(s0), u = round_bf(s1);
-                        ((bf16_t*)y)[(u64)i * half + pair] = f2bf(g / (1.0f + expf(-g)) * u);
-                    } else if (ymode == GY_F32) {
-                        ((float*)y)[o] = s0;
-                        if (has1) ((float*)y)[o + 1] = s1;
-                    } else if (ymode == GY_RESID) {
-                        float* r = (float*)y;
-                        r[o] = r[o] + round_bf(s0) * scale;
-                        if (has1) r[o + 1] = r[o + 1] + round_bf(s1) * scale;
-                    } else {
-                        ((bf16_t*)y)[o] = f2bf(s0);
-                        if (has1) ((bf16_t*)y)[o + 1] = f2bf(s1);
-                    }
+            const float s0 = warp_sum(a0[i]);
+            const float s1 = warp_sum(a1[i]);
+            if (lane == 0) {
+                const u64 o = (u64)i * out + row0;
+                if (glu) {
+                    const float g = round_bf(s0), u = round_bf(s1);
+                    ((bf16_t*)y)[(u64)i * half + pair] = f2bf(g / (1.0f + expf(-g)) * u);
+                } else if (ymode == GY_F32) {
+                    ((float*)y)[o] = s0;
+                    if (has1) ((float*)y)[o + 1] = s1;
+                } else if (ymode == GY_RESID) {
+                    float* r = (float*)y;
+                    r[o] = r[o] + round_bf(s0) * scale;
+                    if (has1) r[o + 1] = r[o + 1] + round_bf(s1) * scale;
+                } else {
+                    ((bf16_t*)y)[o] = f2bf(s0);
+                    if (has1) ((bf16_t*)y)[o + 1] = f2bf(s1);
                 }
             }
         }

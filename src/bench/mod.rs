@@ -984,7 +984,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
         "small_batch_gemv_rows": gpu.small_gemv_rows(),
         "pdl": gpu.pdl_allowed(),
         "gemv_block_warps": crate::cuda::ops::gemv::block_warps(),
-        "nvrtc_options": crate::cuda::context::extra_nvrtc_options(std::env::var("SPARDA_NVRTC_OPTIONS").ok().as_deref()),
+        "nvrtc_options": crate::cuda::context::env_nvrtc_options(),
         "host_pages": crate::kv::host_store::HostPages::from_env()?.name(),
         "weights_load_s": load_s,
         "prefill": match spec.prefill {

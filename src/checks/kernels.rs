@@ -1368,7 +1368,7 @@ pub fn gpu_check(out_json: &Path) -> Result<bool> {
         "seed": seed,
         "tolerance_rel_l2": TOLERANCE_BF16,
         "kernel_builds": gpu.kernel_builds(),
-        "nvrtc_options": crate::cuda::context::extra_nvrtc_options(std::env::var("SPARDA_NVRTC_OPTIONS").ok().as_deref()),
+        "nvrtc_options": crate::cuda::context::env_nvrtc_options(),
         "summary": summary,
         "cases_total": results.len(),
         "cases_failed": failed,

@@ -415,10 +415,15 @@ pub fn compile_options(arch: &str) -> Vec<String> {
         format!("--include-path={}", cuda_include_dir()),
         "-std=c++17".to_string(),
     ];
-    o.extend(extra_nvrtc_options(
-        std::env::var("SPARDA_NVRTC_OPTIONS").ok().as_deref(),
-    ));
+    o.extend(env_nvrtc_options());
     o
+}
+
+/// The extra NVRTC options of `$SPARDA_NVRTC_OPTIONS` ([`extra_nvrtc_options`]),
+/// what [`compile_options`] appends and what the bench and gpu-check JSON
+/// record.
+pub fn env_nvrtc_options() -> Vec<String> {
+    extra_nvrtc_options(std::env::var("SPARDA_NVRTC_OPTIONS").ok().as_deref())
 }
 
 /// Extra NVRTC options, whitespace-separated, appended to every kernel
