@@ -248,6 +248,233 @@ __device__ __forceinline__ void qa_prefill_scores_impl(const bf16_t* __restrict_
     }
 }
 
+// The pipelined member (qa_prefill_scores_async_d*), for G dividing 16 (G = 1, 2, 4, 8, 16:
+// a row's G query heads then lie in one warp's fragment rows). The same M-row blocks, Q
+// fragments, logits, masks and two passes as above; what differs is how the Kc tiles arrive and
+// how the heads are summed:
+//   - tile t + 1 streams into an f32 staging tile in shared memory by cp.async while the warps
+//     compute tile t; each thread splits the float4 chunks it copied itself (its own
+//     cp.async.wait_group is the only wait they need) into the three part tiles between two
+//     block barriers, then issues its chunks of tile t + 2. The passes run as one sequence of
+//     2 * ntiles tiles, so pass 2's first tile is in flight during pass 1's last.
+//   - pass 2 sums P over a row's G heads by butterfly shuffles of the fragment rows (lane
+//     bits 2 .. 2 + log2(G) - 1, plus the two fragment halves at G = 16) instead of a shared
+//     P tile, in a tree order rather than ascending heads; each of the G lane groups of a row
+//     then writes every G-th 8-window column of it.
+// Dynamic shared memory qa_prefill_async_smem_bytes(D) (src/cuda/ops/select.rs):
+// 3*64*(D+8)*2 + 64*D*4 bytes (two blocks of 8 warps fit an SM at D = 128).
+template <int D>
+__device__ __forceinline__ void qa_prefill_scores_async_impl(const bf16_t* __restrict__ q, int q_stride,
+                                                             const float* __restrict__ kc,
+                                                             const int* __restrict__ lens, float* __restrict__ s_out,
+                                                             int rows, int H, int hkv, int w_stride, int stride,
+                                                             int ksize, float scale) {
+    constexpr int NP = 3;
+    constexpr int RS = D + QP_PAD;
+    constexpr int NK = D / 16;
+    constexpr int F4 = D / 4;
+    constexpr int PART = QP_BN * RS;
+    extern __shared__ __align__(16) unsigned char qp_sh[];
+    __shared__ int qp_mc[QP_BM];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int h = blockIdx.y, G = H / hkv;
+    const int R = QP_BM / G;
+    const int b0 = blockIdx.x * R;
+    const int nr = min(R, rows - b0);
+    if (nr <= 0) return;  // uniform over the block
+    for (int i = tid; i < nr; i += QP_THREADS) qp_mc[i] = sel_windows(lens[b0 + i], stride, ksize);
+    __syncthreads();
+    int mc_max = 0;
+    for (int i = 0; i < nr; ++i) mc_max = max(mc_max, qp_mc[i]);
+    if (mc_max == 0) return;  // uniform: no row has a window yet
+
+    int ti[2], mcr[2];
+    u32 qa[NK][4];
+    {
+        const bf16_t* qr[2];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int m = warp * 16 + (lane >> 2) + 8 * k;
+            const int i = m / G;
+            if (i < nr) {
+                ti[k] = i;
+                mcr[k] = qp_mc[i];
+                qr[k] = q + (u64)(b0 + i) * q_stride + (u64)(h * G + (m - i * G)) * D;
+            } else {
+                ti[k] = -1;
+                mcr[k] = 0;
+                qr[k] = nullptr;
+            }
+        }
+        const int qc = (lane & 3) * 2;
+#pragma unroll
+        for (int kk = 0; kk < NK; ++kk) {
+            const int c0 = kk * 16 + qc;
+            qa[kk][0] = qr[0] != nullptr ? *(const u32*)(qr[0] + c0) : 0u;
+            qa[kk][1] = qr[1] != nullptr ? *(const u32*)(qr[1] + c0) : 0u;
+            qa[kk][2] = qr[0] != nullptr ? *(const u32*)(qr[0] + c0 + 8) : 0u;
+            qa[kk][3] = qr[1] != nullptr ? *(const u32*)(qr[1] + c0 + 8) : 0u;
+        }
+    }
+
+    bf16_t* Ks = (bf16_t*)qp_sh;            // [NP][QP_BN][RS]: hi, mid, lo
+    float* Fs = (float*)(Ks + NP * PART);   // [QP_BN][D] f32: the next tile as loaded
+    const u32 ks_lane = smem_addr(Ks + ldsm_k_lane(lane, RS));
+    const u64 kc_row = (u64)hkv * D;
+    const float* Kh = kc + (u64)h * D;
+    const int ntiles = (mc_max + QP_BN - 1) / QP_BN;
+    const int nseq = 2 * ntiles;  // pass 1's tiles, then pass 2's
+    constexpr int LD_ITERS = QP_BN * F4 / QP_THREADS;
+    static_assert(QP_BN * F4 % QP_THREADS == 0, "whole load passes");
+
+    // This thread's float4 chunks x = tid + j * QP_THREADS of tile `seq` (windows >= mc_max
+    // zero-filled) into the staging tile, as one cp.async group.
+    auto issue = [&](int seq) {
+        const int w0 = (seq % ntiles) * QP_BN;
+#pragma unroll
+        for (int j = 0; j < LD_ITERS; ++j) {
+            const int x = tid + j * QP_THREADS;
+            const int row = x / F4, c4 = x - row * F4;
+            const bool ok = w0 + row < mc_max;
+            cp_async16(Fs + 4 * x, ok ? (const void*)(Kh + (u64)(w0 + row) * kc_row + c4 * 4) : (const void*)kc, ok);
+        }
+        cp_async_commit();
+    };
+    // Waits for this thread's chunks, splits them into the part tiles (after every warp has
+    // finished with the previous tile) and makes the tile visible; then starts tile `seq` + 1.
+    auto advance = [&](int seq) {
+        cp_async_wait_all();
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < LD_ITERS; ++j) {
+            const int x = tid + j * QP_THREADS;
+            const int row = x / F4, c4 = x - row * F4;
+            const float4 v = *(const float4*)(Fs + 4 * x);
+            u32 a0, b0_, c0, a1, b1, c1;
+            qp_split2(v.x, v.y, a0, b0_, c0);
+            qp_split2(v.z, v.w, a1, b1, c1);
+            const int o = row * RS + c4 * 4;
+            *(uint2*)(Ks + o) = make_uint2(a0, a1);
+            *(uint2*)(Ks + PART + o) = make_uint2(b0_, b1);
+            *(uint2*)(Ks + 2 * PART + o) = make_uint2(c0, c1);
+        }
+        __syncthreads();
+        if (seq + 1 < nseq) issue(seq + 1);
+    };
+    auto tile_logits = [&](int w0, float (&s)[8][4]) {
+#pragma unroll
+        for (int c = 0; c < 8; ++c) s[c][0] = s[c][1] = s[c][2] = s[c][3] = 0.0f;
+#pragma unroll
+        for (int p = 0; p < NP; ++p) mma_qk_tile64<NK, RS>(s, qa, ks_lane + p * PART * 2);
+        const int cb = (lane & 3) * 2;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int w = w0 + cb + 8 * c + e;
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    const float v = s[c][2 * k + e] * scale;
+                    s[c][2 * k + e] = w < mcr[k] ? v : -INFINITY;
+                }
+            }
+        }
+    };
+
+    issue(0);
+    advance(0);
+    // Pass 1: running maximum and this lane's share of the sum of exp, per fragment row.
+    float mr[2] = {-INFINITY, -INFINITY}, lr[2] = {0.0f, 0.0f};
+    for (int t = 0; t < ntiles; ++t) {
+        float s[8][4];
+        tile_logits(t * QP_BN, s);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int c = 0; c < 8; ++c) mx = fmaxf(mx, fmaxf(s[c][2 * k], s[c][2 * k + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+            const float mn = fmaxf(mr[k], mx);
+            if (mn != -INFINITY) {
+                float l = mr[k] != -INFINITY ? lr[k] * expf(mr[k] - mn) : 0.0f;
+#pragma unroll
+                for (int c = 0; c < 8; ++c) {
+                    l += expf(s[c][2 * k] - mn);
+                    l += expf(s[c][2 * k + 1] - mn);
+                }
+                lr[k] = l;
+                mr[k] = mn;
+            }
+        }
+        advance(t + 1);
+    }
+    float il[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        float l = lr[k];
+        l += __shfl_xor_sync(FULL_MASK, l, 1);
+        l += __shfl_xor_sync(FULL_MASK, l, 2);
+        il[k] = l > 0.0f ? 1.0f / l : 0.0f;
+    }
+
+    // Pass 2: P, summed over each row's heads in registers. gl: this lane's head group (its
+    // fragment row's head, mod 8 at G = 16), which picks the columns it writes.
+    const int cb = (lane & 3) * 2;
+    const int gl = G == 16 ? (lane >> 2) : (lane >> 2) % G;
+    const int gw = G == 16 ? 8 : G;  // lane groups holding one row's sum
+    for (int t = 0; t < ntiles; ++t) {
+        const int w0 = t * QP_BN;
+        float s[8][4];
+        tile_logits(w0, s);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                const int k = x >> 1;
+                const float v = s[c][x];
+                s[c][x] = v != -INFINITY ? expf(v - mr[k]) * il[k] : 0.0f;
+            }
+            if (G == 16) {
+                s[c][0] += s[c][2];
+                s[c][1] += s[c][3];
+            }
+#pragma unroll
+            for (int o = 4; o < 4 * gw; o <<= 1) {
+#pragma unroll
+                for (int x = 0; x < 4; ++x) s[c][x] += __shfl_xor_sync(FULL_MASK, s[c][x], o);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            if ((G == 16 && k == 1) || ti[k] < 0) continue;
+            float* sr = s_out + ((u64)(b0 + ti[k]) * hkv + h) * w_stride;
+#pragma unroll
+            for (int c = 0; c < 8; ++c) {
+                if (c % gw != gl % gw) continue;
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int w = w0 + 8 * c + cb + e;
+                    if (w < mcr[k]) sr[w] = s[c][2 * k + e];
+                }
+            }
+        }
+        if (t + 1 < ntiles) advance(ntiles + t + 1);
+    }
+}
+
+#define QA_ASYNC_KERNEL(DIM)                                                                               \
+    extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_async_d##DIM(           \
+        const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens, \
+        float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) { \
+        qa_prefill_scores_async_impl<DIM>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, \
+                                          scale);                                                           \
+    }
+QA_ASYNC_KERNEL(64)
+QA_ASYNC_KERNEL(80)
+QA_ASYNC_KERNEL(128)
+
 extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_d64(
     const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens,
     float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) {

@@ -30,12 +30,12 @@
 #                                                decode step (dense and sparse attention); one process
 #                                                each (about 35 s), files *_base_<r>.json / *_new_<r>.json
 #   scripts/device/prefill.sh scores       OUT   the sparse prefill window-scoring kernels: gpu-check's kernel
-#                                                and selection cases (qa_prefill_scores among them) and gpu-check-e2e with
-#                                                SPARDA_PREFILL_SCORES=cublas, tensor-core and tensor-core-bf16x2, then
-#                                                sparse prefill at CONTEXT (default 32K,128K) with cublas,
-#                                                tensor-core and tensor-core-bf16x2, one process each, and a
-#                                                traced 32K prefill with cublas and tensor-core (its phases;
-#                                                about 6 minutes in all)
+#                                                and selection cases (qa_prefill_scores* among them), then per
+#                                                SPARDA_PREFILL_SCORES value in SCORES (default tensor-core
+#                                                tensor-core-staged) gpu-check-e2e and sparse prefill at CONTEXT
+#                                                (default 32K,128K), one process each, and a traced prefill of
+#                                                TRACE_TOKENS (default 32768) per value in TRACE_SCORES (default
+#                                                tensor-core; its phases); about 5 minutes in all
 # Then, here: sparda report OUT/prefill_*.json OUT/transformers_sdpa_prefill.json \
 #   --out benches/results/prefill_nosa8b_h200_<date>_<commit>   (a table and PREFIX.prefill.svg)
 # Env: SPARDA (default .device/bin/sparda), SPARDA_COMMIT, BATCH (default 1,4),
@@ -97,26 +97,31 @@ ab)
   done
   ;;
 scores)
-  # (the select group holds both prefill scoring kernels' cases against the CPU reference)
+  # (the select group holds the prefill scoring kernels' cases against the CPU reference)
+  # SCORES: the SPARDA_PREFILL_SCORES values to check end to end and time (default tensor-core,
+  # tensor-core-staged); TRACE_SCORES: those to trace at TRACE_TOKENS prompt tokens (default
+  # tensor-core at 32768)
+  kinds=${SCORES:-tensor-core tensor-core-staged}
   SPARDA_CHECK_ONLY=kernels,select "$SPARDA" gpu-check \
-    --json "$out/gpu_check_kernels_select.json" 2>&1 | grep -E "FAIL|error:|qa_|attention|cases" | tail -14
-  for k in cublas tensor-core tensor-core-bf16x2; do
+    --json "$out/gpu_check_kernels_select.json" 2>&1 | grep -E "FAIL|error:|qa_|attention|cases" | tail -16
+  for k in $kinds; do
     SPARDA_PREFILL_SCORES=$k "$SPARDA" gpu-check-e2e ${MODEL:+--model "$MODEL"} \
       --json "$out/gpu_check_e2e_scores_$k.json" --steps 48 2>&1 | grep -E "fail|FAIL|passed|sparse-tc" | sed "s/^/$k: /" | tail -6
   done
-  for k in cublas tensor-core tensor-core-bf16x2; do
+  for k in $kinds; do
     SPARDA_PREFILL_SCORES=$k "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
       --steps 0 --attention sparse --kv gpu --batch 1 --context "${CONTEXT:-32K,128K}" --prefill sparse \
       --json "$out/prefill_sparse_scores_$k.json" 2>&1 | grep -E "prefill only" | sed "s/^/$k: /"
   done
-  # where the time goes: a traced 32K sparse prefill with each (phases qkv, window_logits,
-  # window_scores, select, attention, o_proj, ffn; about 35 s each)
-  for k in cublas tensor-core; do
+  # where the time goes: a traced sparse prefill with each (phases qkv, window_logits,
+  # window_scores, select, attention, o_proj, ffn; about 35 s each at 32K)
+  tt=${TRACE_TOKENS:-32768}
+  for k in ${TRACE_SCORES:-tensor-core}; do
     SPARDA_PREFILL_SCORES=$k "$SPARDA" generate --model synth:nosa-8b --tokenizer "$tok" \
-      --prompt-file data/texts/hamlet.txt --prompt-tokens 32768 --max-new-tokens 2 --backend cuda \
+      --prompt-file data/texts/hamlet.txt --prompt-tokens "$tt" --max-new-tokens 2 --backend cuda \
       --prefill sparse --trace "$out/trace_$k.json" 2>&1 | grep "^prefill" | sed "s/^/$k: /"
-    "$SPARDA" trace summarize "$out/trace_$k.json" 2>&1 | head -14 > "$out/trace_sparse_32k_$k.txt"
-    cat "$out/trace_sparse_32k_$k.txt"; rm -f "$out/trace_$k.json"
+    "$SPARDA" trace summarize "$out/trace_$k.json" 2>&1 | head -14 > "$out/trace_sparse_${tt}_$k.txt"
+    cat "$out/trace_sparse_${tt}_$k.txt"; rm -f "$out/trace_$k.json"
   done
   ;;
 baseline)
