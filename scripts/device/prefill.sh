@@ -31,8 +31,8 @@
 #                                                each (about 35 s), files *_base_<r>.json / *_new_<r>.json
 #   scripts/device/prefill.sh scores       OUT   the sparse prefill window-scoring kernels: gpu-check's kernel
 #                                                and selection cases (qa_prefill_scores* among them), then per
-#                                                SPARDA_PREFILL_SCORES value in SCORES (default tensor-core
-#                                                tensor-core-staged) gpu-check-e2e and sparse prefill at CONTEXT
+#                                                SPARDA_PREFILL_SCORES value in SCORES (default cublas
+#                                                tensor-core tensor-core-bf16x2) gpu-check-e2e and sparse prefill at CONTEXT
 #                                                (default 32K,128K), one process each, and a traced prefill of
 #                                                TRACE_TOKENS (default 32768) per value in TRACE_SCORES (default
 #                                                tensor-core; its phases); about 5 minutes in all
@@ -98,10 +98,10 @@ ab)
   ;;
 scores)
   # (the select group holds the prefill scoring kernels' cases against the CPU reference)
-  # SCORES: the SPARDA_PREFILL_SCORES values to check end to end and time (default tensor-core,
-  # tensor-core-staged); TRACE_SCORES: those to trace at TRACE_TOKENS prompt tokens (default
+  # SCORES: the SPARDA_PREFILL_SCORES values to check end to end and time (default cublas,
+  # tensor-core, tensor-core-bf16x2); TRACE_SCORES: those to trace at TRACE_TOKENS prompt tokens (default
   # tensor-core at 32768)
-  kinds=${SCORES:-tensor-core tensor-core-staged}
+  kinds=${SCORES:-cublas tensor-core tensor-core-bf16x2}
   SPARDA_CHECK_ONLY=kernels,select "$SPARDA" gpu-check \
     --json "$out/gpu_check_kernels_select.json" 2>&1 | grep -E "FAIL|error:|qa_|attention|cases" | tail -16
   for k in $kinds; do

@@ -32,7 +32,7 @@ use crate::config::SparseConfig;
 use crate::cpu::ops as cpu_ops;
 use crate::cuda::device_error::DeviceErrors;
 use crate::cuda::ops::select::{
-    compress_append, compress_prefill, prefill_scores_async_takes, prefill_scores_tc_supported,
+    compress_append, compress_prefill, prefill_scores_tc_supported,
     select_from_scores, window_scores, window_scores_shared_kc, PooledScores, PrefillScores,
     SelectBatch, SelectWorkspace, SeqSelectState,
 };
@@ -813,15 +813,8 @@ fn shared_kc_case(
         TOLERANCE_F32_SCORES,
     )];
     if prefill_scores_tc_supported(d, g) {
-        if prefill_scores_async_takes(g) {
-            kernels.push((
-                PrefillScores::TensorCore,
-                "qa_prefill_scores_async (prefill rows, tensor cores, pipelined)",
-                TOLERANCE_F32_SCORES,
-            ));
-        }
         kernels.push((
-            PrefillScores::TensorCoreStaged,
+            PrefillScores::TensorCore,
             "qa_prefill_scores (prefill rows, tensor cores)",
             TOLERANCE_F32_SCORES,
         ));
@@ -1234,7 +1227,7 @@ pub fn check_selection(gpu: &Gpu, rng: &mut SmallRng) -> Vec<CaseResult> {
     shared_kc_case(gpu, &mut rnd, &mut rep, small(nosa), 1, 2, 64, 1_100, 70);
     shared_kc_case(gpu, &mut rnd, &mut rep, small(nosa), 64, 1, 128, 200, 3);
     shared_kc_case(gpu, &mut rnd, &mut rep, small(infl), 32, 1, 80, 1_050, 10);
-    // G 2 (the pipelined kernel's pairs of lanes) over several tiles.
+    // G 2 over several window tiles.
     shared_kc_case(gpu, &mut rnd, &mut rep, small(nosa), 2, 2, 80, 2_500, 90);
     // Decode steps: token by token across 16- and 64-token boundaries and
     // across the budget (q + 1 = S → S + 1).

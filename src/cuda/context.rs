@@ -162,9 +162,6 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
             "qa_prefill_scores_bf16x2_d64",
             "qa_prefill_scores_bf16x2_d80",
             "qa_prefill_scores_bf16x2_d128",
-            "qa_prefill_scores_async_d64",
-            "qa_prefill_scores_async_d80",
-            "qa_prefill_scores_async_d128",
         ],
     },
     KernelSource {

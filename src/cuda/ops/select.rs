@@ -974,19 +974,12 @@ pub enum PrefillScores {
     /// `qa_window_scores` over them; the path of head dims and groups the
     /// tensor-core kernel does not take.
     Cublas,
-    /// `tensor-core` (the default): the logits on the tensor cores from Kc
-    /// split into three exact bf16 parts and the softmax and scores in the
-    /// same kernel, with no logits in device memory (kernels/qa_prefill.cu);
-    /// head dims 64, 80 and 128 and 1 ≤ G ≤ 64 (others take `Cublas`). For
-    /// G dividing 16 the pipelined kernel `qa_prefill_scores_async` (Kc
-    /// tiles streamed by cp.async during the previous tile's products, the
-    /// heads summed in registers), for other G `qa_prefill_scores`.
+    /// `tensor-core` (the default): `qa_prefill_scores`
+    /// (kernels/qa_prefill.cu), the logits on the tensor cores from Kc split
+    /// into three exact bf16 parts and the softmax and scores in the same
+    /// kernel, with no logits in device memory; head dims 64, 80 and 128 and
+    /// 1 ≤ G ≤ 64 (others take `Cublas`).
     TensorCore,
-    /// `tensor-core-staged`: `qa_prefill_scores` for every G (Kc tiles
-    /// loaded through registers between the tiles' products, the heads
-    /// summed through a shared-memory P tile): the kernel of the G that do
-    /// not divide 16, selectable for comparison.
-    TensorCoreStaged,
     /// `tensor-core-bf16x2`: the same kernel on two bf16 parts of Kc (within
     /// 2^-16 of each value instead of exact; a third fewer tensor-core
     /// products): an experiment, whose selections and quality are to be
@@ -999,7 +992,7 @@ impl PrefillScores {
     pub fn kc_parts(self) -> usize {
         match self {
             PrefillScores::Cublas => 0,
-            PrefillScores::TensorCore | PrefillScores::TensorCoreStaged => 3,
+            PrefillScores::TensorCore => 3,
             PrefillScores::TensorCoreBf16x2 => 2,
         }
     }
@@ -1008,18 +1001,17 @@ impl PrefillScores {
 /// The environment variable that chooses [`PrefillScores`].
 pub const ENV_PREFILL_SCORES: &str = "SPARDA_PREFILL_SCORES";
 
-/// Reads a [`ENV_PREFILL_SCORES`] value: `cublas`, `tensor-core`,
-/// `tensor-core-staged` or `tensor-core-bf16x2`.
+/// Reads a [`ENV_PREFILL_SCORES`] value: `cublas`, `tensor-core` or
+/// `tensor-core-bf16x2`.
 ///
 /// Errors: [`Error::Input`] naming the variable, the value and the choices.
 pub fn parse_prefill_scores(v: &str) -> Result<PrefillScores> {
     match v.trim() {
         "cublas" => Ok(PrefillScores::Cublas),
         "tensor-core" => Ok(PrefillScores::TensorCore),
-        "tensor-core-staged" => Ok(PrefillScores::TensorCoreStaged),
         "tensor-core-bf16x2" => Ok(PrefillScores::TensorCoreBf16x2),
         _ => Err(Error::Input(format!(
-            "{ENV_PREFILL_SCORES}={v}: give cublas, tensor-core, tensor-core-staged or tensor-core-bf16x2 (the kernels that score a prefill chunk's windows)"
+            "{ENV_PREFILL_SCORES}={v}: give cublas, tensor-core or tensor-core-bf16x2 (the kernels that score a prefill chunk's windows)"
         ))),
     }
 }
@@ -1055,20 +1047,6 @@ const QP_THREADS: u32 = (QP_BM / 16 * 32) as u32;
 /// holds at least 2 rows).
 const QP_MAX_G: usize = 64;
 
-/// Whether [`PrefillScores::TensorCore`] takes the pipelined kernel
-/// `qa_prefill_scores_async` for `group` query heads per KV head: G
-/// divides 16 (a row's heads lie in one warp's fragment rows).
-pub fn prefill_scores_async_takes(group: usize) -> bool {
-    group > 0 && 16 % group == 0
-}
-
-/// Dynamic shared memory of `qa_prefill_scores_async` at head dim `d`,
-/// bytes: the three bf16 part tiles of 64 windows (rows of d + 8) and the
-/// f32 staging tile [64, d] (kernels/qa_prefill.cu).
-pub fn qa_prefill_async_smem_bytes(d: usize) -> usize {
-    3 * 64 * (d + 8) * 2 + 64 * d * 4
-}
-
 /// Dynamic shared memory of `qa_prefill_scores` at head dim `d` with
 /// `parts` Kc parts (3, or 2 for the bf16x2 entry points), bytes: the bf16
 /// part tiles of 64 windows (rows of d + 8) and the f32 P tile [128, 65]
@@ -1079,9 +1057,7 @@ pub fn qa_prefill_smem_bytes(d: usize, parts: usize) -> usize {
 
 /// Steps 1a and 1b for `d.rows` rows that all read one Kc (a prefill
 /// chunk) on the tensor cores, with the kernels `kernels` names
-/// (`qa_prefill_scores_async_d*` for [`PrefillScores::TensorCore`] where
-/// [`prefill_scores_async_takes`] G, else and for
-/// [`PrefillScores::TensorCoreStaged`] `qa_prefill_scores_d*`,
+/// (`qa_prefill_scores_d*` for [`PrefillScores::TensorCore`],
 /// `qa_prefill_scores_bf16x2_d*` for [`PrefillScores::TensorCoreBf16x2`];
 /// kernels/qa_prefill.cu): writes `d.scores` (the windows below each row's
 /// Mc) from the bf16 queries at `q` (row b at b·`q_stride`) and the f32 Kc
@@ -1103,19 +1079,17 @@ pub(crate) fn launch_prefill_scores(
     kernels: PrefillScores,
 ) -> Result<()> {
     const OP: &str = "qa_prefill_scores";
-    let g = d.heads / d.kv_heads.max(1);
-    let pipelined = kernels == PrefillScores::TensorCore && prefill_scores_async_takes(g);
     let entry = match kernels {
-        PrefillScores::TensorCore if pipelined => "qa_prefill_scores_async",
-        PrefillScores::TensorCore | PrefillScores::TensorCoreStaged => OP,
+        PrefillScores::TensorCore => OP,
         PrefillScores::TensorCoreBf16x2 => "qa_prefill_scores_bf16x2",
         PrefillScores::Cublas => {
             return Err(Error::Input(format!(
-                "{OP}: {kernels:?} is not a tensor-core choice (tensor-core, tensor-core-staged or tensor-core-bf16x2)"
+                "{OP}: {kernels:?} is not a tensor-core choice (tensor-core or tensor-core-bf16x2)"
             )))
         }
     };
     let parts = kernels.kc_parts();
+    let g = d.heads / d.kv_heads.max(1);
     if d.kv_heads == 0
         || !d.heads.is_multiple_of(d.kv_heads)
         || !prefill_scores_tc_supported(head_dim, g)
@@ -1135,12 +1109,13 @@ pub(crate) fn launch_prefill_scores(
     }
     let [h_, hk_, wst, _, st, ks] = d.i32s()?;
     let f = gpu.function(&format!("{entry}_d{head_dim}"))?;
-    let dynamic = if pipelined {
-        qa_prefill_async_smem_bytes(head_dim)
-    } else {
-        qa_prefill_smem_bytes(head_dim, parts)
-    };
-    let smem = ensure_smem(gpu, f, dynamic, QP_BM * 4, OP)?;
+    let smem = ensure_smem(
+        gpu,
+        f,
+        qa_prefill_smem_bytes(head_dim, parts),
+        QP_BM * 4,
+        OP,
+    )?;
     let cfg = LaunchConfig {
         grid_dim: (
             grid(d.rows.div_ceil(QP_BM / g), "row blocks")?,
@@ -1165,7 +1140,7 @@ pub(crate) fn launch_prefill_scores(
         .arg(&st)
         .arg(&ks)
         .arg(&scale);
-    // SAFETY: argument list matches qa_prefill_scores{,_async,_bf16x2}_d* in
+    // SAFETY: argument list matches qa_prefill_scores_d* in
     // kernels/qa_prefill.cu; q holds rows rows of H·D bf16 at q_stride, Kc
     // the windows below every row's Mc, the scores rows·Hkv·w_stride f32
     // with w_stride ≥ every row's Mc (the caller's contract, ScoreDims).
@@ -1522,18 +1497,13 @@ mod prefill_scores_tests {
             parse_prefill_scores("tensor-core-bf16x2").unwrap(),
             PrefillScores::TensorCoreBf16x2
         );
-        assert_eq!(
-            parse_prefill_scores("tensor-core-staged").unwrap(),
-            PrefillScores::TensorCoreStaged
-        );
         assert_eq!(PrefillScores::TensorCore.kc_parts(), 3);
-        assert_eq!(PrefillScores::TensorCoreStaged.kc_parts(), 3);
         assert_eq!(PrefillScores::TensorCoreBf16x2.kc_parts(), 2);
         for bad in ["", "tc", "TENSOR-CORE", "cuBLAS", "tensor-core-bf16x3"] {
             let e = parse_prefill_scores(bad).unwrap_err().to_string();
             assert!(
                 e.contains(&format!("{ENV_PREFILL_SCORES}={bad}"))
-                    && e.contains("cublas, tensor-core, tensor-core-staged or tensor-core-bf16x2"),
+                    && e.contains("cublas, tensor-core or tensor-core-bf16x2"),
                 "{bad}: {e}"
             );
         }
@@ -1551,10 +1521,6 @@ mod prefill_scores_tests {
         for d in [0, 32, 96, 112, 256] {
             assert!(!prefill_scores_tc_supported(d, 4), "D {d}");
         }
-        let piped: Vec<usize> = (0..=64)
-            .filter(|&g| prefill_scores_async_takes(g))
-            .collect();
-        assert_eq!(piped, [1, 2, 4, 8, 16]);
     }
 
     #[test]
@@ -1569,17 +1535,6 @@ mod prefill_scores_tests {
                 assert!(2 * per_block <= 228 * 1024, "D {d}: {per_block} bytes");
             }
         }
-        for d in [64, 80, 128] {
-            let per_block = qa_prefill_async_smem_bytes(d) + 1024 + QP_BM * 4;
-            assert!(
-                2 * per_block <= 228 * 1024,
-                "async D {d}: {per_block} bytes"
-            );
-        }
-        assert_eq!(
-            qa_prefill_async_smem_bytes(128),
-            3 * 64 * 136 * 2 + 64 * 128 * 4
-        );
         assert_eq!(2 * QP_THREADS as usize * 128, 65536);
         assert_eq!(
             qa_prefill_smem_bytes(128, 3),
