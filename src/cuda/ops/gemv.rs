@@ -119,11 +119,11 @@ fn gemv_blocks(
     warps.div_ceil(block_warps).max(1)
 }
 
-/// Warps per block of `gemv` launches. `$SPARDA_GEMV_WARPS`: 4 gives blocks of 4 warps (twice the blocks, spread
-/// more evenly over the SMs when a grid has few more blocks than SMs, e.g.
-/// NOSA-8B's QKV projection: 144 blocks of 8 warps on 132 SMs); anything
-/// else, or unset, 8 (another value is warned about). Read once, not at
-/// every launch.
+/// Warps per block of `gemv` launches. `$SPARDA_GEMV_WARPS`: 4 gives
+/// blocks of 4 warps (twice the blocks, spread more evenly over the SMs when
+/// a grid has few more blocks than SMs, e.g. NOSA-8B's QKV projection: 144
+/// blocks of 8 warps on 132 SMs); anything else, or unset, 8 (another value
+/// is warned about). Read once, not at every launch.
 pub fn block_warps() -> usize {
     static WARPS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *WARPS.get_or_init(|| {
