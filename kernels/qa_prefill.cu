@@ -49,6 +49,46 @@ __device__ __forceinline__ void qp_split2(float x0, float x1, u32& a, u32& b, u3
     c = pack_bf2_rn(r0 - bf2_lo(b), r1 - bf2_hi(b));
 }
 
+// Kc windows w0 .. w0+63 of one KV head (Kh: window 0 of the head, kc_row f32 elements per
+// window) into the NP bf16 part tiles at Ks (rows of D + QP_PAD; windows >= mc_max as 0), by
+// the block's THREADS threads. Thread tid takes float4 chunks tid + i*THREADS (row x / (D/4),
+// column chunk x % (D/4)); the loads of a batch are all issued before the first is used, so a
+// tile costs about one L2 latency per batch instead of one per chunk.
+template <int D, int NP, int THREADS>
+__device__ __forceinline__ void qp_load_tile(bf16_t* Ks, const float* __restrict__ Kh, u64 kc_row, int w0,
+                                             int mc_max, int tid) {
+    constexpr int RS = D + QP_PAD;
+    constexpr int F4 = D / 4;
+    constexpr int PART = QP_BN * RS;
+    constexpr int LD_ITERS = QP_BN * F4 / THREADS;  // 4, 5, 8 for D = 64, 80, 128 at 256 threads
+    static_assert(QP_BN * F4 % THREADS == 0, "whole load passes");
+    constexpr int LD_BATCH = LD_ITERS >= 10 ? LD_ITERS / 2 : LD_ITERS;
+    static_assert(LD_ITERS % LD_BATCH == 0, "whole load batches");
+#pragma unroll
+    for (int i0 = 0; i0 < LD_ITERS; i0 += LD_BATCH) {
+        float4 v[LD_BATCH];
+#pragma unroll
+        for (int j = 0; j < LD_BATCH; ++j) {
+            const int x = tid + (i0 + j) * THREADS;
+            const int row = x / F4, c4 = x - row * F4;
+            v[j] = w0 + row < mc_max ? *(const float4*)(Kh + (u64)(w0 + row) * kc_row + c4 * 4)
+                                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int j = 0; j < LD_BATCH; ++j) {
+            const int x = tid + (i0 + j) * THREADS;
+            const int row = x / F4, c4 = x - row * F4;
+            u32 a0, b0, c0, a1, b1, c1;
+            qp_split2(v[j].x, v[j].y, a0, b0, c0);
+            qp_split2(v[j].z, v[j].w, a1, b1, c1);
+            const int o = row * RS + c4 * 4;
+            *(uint2*)(Ks + o) = make_uint2(a0, a1);
+            *(uint2*)(Ks + PART + o) = make_uint2(b0, b1);
+            if (NP == 3) *(uint2*)(Ks + 2 * PART + o) = make_uint2(c0, c1);
+        }
+    }
+}
+
 // NP: the Kc parts summed, 3 (hi + mid + lo = x, the accuracy of an f32 dot product) or 2
 // (hi + mid, within 2^-16 |x| of x: the qa_prefill_scores_bf16x2_d* entry points, an
 // experiment in trading accuracy for a third fewer tensor-core products).
@@ -59,7 +99,6 @@ __device__ __forceinline__ void qa_prefill_scores_impl(const bf16_t* __restrict_
                                                        int w_stride, int stride, int ksize, float scale) {
     constexpr int RS = D + QP_PAD;  // shared row stride of a Kc part tile, bf16 elements
     constexpr int NK = D / 16;      // k-steps of S = Q.Kc^T
-    constexpr int F4 = D / 4;       // float4 per Kc row
     constexpr int PART = QP_BN * RS;  // bf16 elements per part tile
     extern __shared__ __align__(16) unsigned char qp_sh[];
     __shared__ int qp_mc[QP_BM];
@@ -116,39 +155,7 @@ __device__ __forceinline__ void qa_prefill_scores_impl(const bf16_t* __restrict_
     const float* Kh = kc + (u64)h * D;
     const int ntiles = (mc_max + QP_BN - 1) / QP_BN;
 
-    // Kc windows w0 .. w0+63 of head h into the three part tiles (windows >= mc_max as 0).
-    // Thread tid takes float4 chunks tid + i*QP_THREADS (row x / F4, column chunk x % F4); the
-    // loads of a batch are all issued before the first is used, so a tile costs about one
-    // L2 latency per batch instead of one per chunk.
-    constexpr int LD_ITERS = QP_BN * F4 / QP_THREADS;  // 4, 5, 8 for D = 64, 80, 128
-    static_assert(QP_BN * F4 % QP_THREADS == 0, "whole load passes");
-    constexpr int LD_BATCH = LD_ITERS >= 10 ? LD_ITERS / 2 : LD_ITERS;
-    static_assert(LD_ITERS % LD_BATCH == 0, "whole load batches");
-    auto load_tile = [&](int w0) {
-#pragma unroll
-        for (int i0 = 0; i0 < LD_ITERS; i0 += LD_BATCH) {
-            float4 v[LD_BATCH];
-#pragma unroll
-            for (int j = 0; j < LD_BATCH; ++j) {
-                const int x = tid + (i0 + j) * QP_THREADS;
-                const int row = x / F4, c4 = x - row * F4;
-                v[j] = w0 + row < mc_max ? *(const float4*)(Kh + (u64)(w0 + row) * kc_row + c4 * 4)
-                                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            }
-#pragma unroll
-            for (int j = 0; j < LD_BATCH; ++j) {
-                const int x = tid + (i0 + j) * QP_THREADS;
-                const int row = x / F4, c4 = x - row * F4;
-                u32 a0, b0_, c0, a1, b1, c1;
-                qp_split2(v[j].x, v[j].y, a0, b0_, c0);
-                qp_split2(v[j].z, v[j].w, a1, b1, c1);
-                const int o = row * RS + c4 * 4;
-                *(uint2*)(Ks + o) = make_uint2(a0, a1);
-                *(uint2*)(Ks + PART + o) = make_uint2(b0_, b1);
-                if (NP == 3) *(uint2*)(Ks + 2 * PART + o) = make_uint2(c0, c1);
-            }
-        }
-    };
+    auto load_tile = [&](int w0) { qp_load_tile<D, NP, QP_THREADS>(Ks, Kh, kc_row, w0, mc_max, tid); };
     // S = Q.Kc^T of the tile in shared memory, scaled, -inf at windows w >= the row's Mc:
     // s[c][2k + e] is fragment row lane/4 + 8k, window w0 + 8c + 2*(lane%4) + e.
     auto tile_logits = [&](int w0, float (&s)[8][4]) {
@@ -282,4 +289,251 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
     const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens,
     float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) {
     qa_prefill_scores_impl<128, 2>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
+}
+
+// ---------------------------------------------------------------------------------------------
+// qa_prefill_scores_m32_d*: the same scores for G dividing 16, with 32 M-rows per warp. A warp
+// holds two A tiles of Q (M-rows 32w .. 32w+15 and 32w+16 .. 32w+31 of the block's 128) and
+// multiplies both by every B fragment it reads from a Kc part tile, so the shared-memory bytes
+// read by ldmatrix per product are half those of the kernel above (where each of 8 warps reads
+// all NP part tiles of every 64-window tile: 384 KB per tile of a block at D = 128, as much as
+// the SM's shared memory delivers in the time of its mma.sync products). 4 warps of 32 M-rows
+// keep the block at 128 M-rows, so the Kc bytes read from L2 and split per M-row are unchanged.
+// A row's G query heads lie in one A tile (G divides 16: M-rows m = i*G + g with 16 | 32w +
+// 16a), in fragment rows lane/4 + 8k with the same (lane/4 + 8k) / G: they are summed by
+// shuffles over the lanes of those rows, with no shared P tile; for each (row, window) one lane
+// writes the sum. Everything else (tiles, parts, passes, masking) is the kernel above's; S is
+// computed in half tiles of 32 windows (32 registers), so the online softmax updates twice per
+// tile, and the head sums add in another order.
+//
+// Grid (ceil(rows / (128 / G)), hkv); block QP_M32_THREADS threads; dynamic shared memory
+// qa_prefill_m32_smem_bytes(D) (src/cuda/ops/select.rs: 3*64*(D+8)*2 bytes).
+
+#define QP_M32_WARPS 4
+#define QP_M32_THREADS (32 * QP_M32_WARPS)
+// Blocks per SM the register budget is fitted to (3: up to 168 registers, no spills at D = 128;
+// -DQP_M32_MIN_BLOCKS=4 through SPARDA_NVRTC_OPTIONS caps them at 128).
+#ifndef QP_M32_MIN_BLOCKS
+#define QP_M32_MIN_BLOCKS 3
+#endif
+
+// s[a] += Q.Kc^T for the warp's two A tiles qa[a] against 32 rows of Kc part rows in shared
+// memory (`ks` this lane's ldmatrix address of the first of them: as mma_qk_tile64 on half a
+// tile, each B fragment used by both A tiles); s[a][c] holds Kc rows 8c .. 8c+7.
+template <int NK, int RS>
+__device__ __forceinline__ void mma_qk_tile32_m32(float (&s)[2][4][4], const u32 (&qa)[2][NK][4], u32 ks) {
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) {
+#pragma unroll
+        for (int kk = 0; kk < NK; ++kk) {
+            u32 b[4];
+            ldsm_x4_at(b, ks + (nb * 16 * RS + kk * 16) * 2);
+#pragma unroll
+            for (int a = 0; a < 2; ++a) {
+                mma_bf16(s[a][2 * nb], qa[a][kk], b[0], b[1]);
+                mma_bf16(s[a][2 * nb + 1], qa[a][kk], b[2], b[3]);
+            }
+        }
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restrict__ q, int q_stride,
+                                                           const float* __restrict__ kc, const int* __restrict__ lens,
+                                                           float* __restrict__ s_out, int rows, int H, int hkv,
+                                                           int w_stride, int stride, int ksize, float scale) {
+    constexpr int NP = 3;
+    constexpr int RS = D + QP_PAD;
+    constexpr int NK = D / 16;
+    constexpr int PART = QP_BN * RS;
+    extern __shared__ __align__(16) unsigned char qp_sh[];
+    __shared__ int qp_mc[QP_BM];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int h = blockIdx.y, G = H / hkv;  // G divides 16 (the launcher's contract)
+    const int R = QP_BM / G;
+    const int b0 = blockIdx.x * R;
+    const int nr = min(R, rows - b0);
+    if (nr <= 0) return;  // uniform over the block
+    for (int i = tid; i < nr; i += QP_M32_THREADS) qp_mc[i] = sel_windows(lens[b0 + i], stride, ksize);
+    __syncthreads();
+    int mc_max = 0;
+    for (int i = 0; i < nr; ++i) mc_max = max(mc_max, qp_mc[i]);
+    if (mc_max == 0) return;  // uniform: no row has a window yet
+
+    // Fragment row lane/4 + 8k of A tile a: block M-row 32*warp + 16a + lane/4 + 8k, block row
+    // ti (-1 past the block's rows) and that row's Mc.
+    int ti[2][2], mcr[2][2];
+    u32 qa[2][NK][4];
+    const int qc = (lane & 3) * 2;
+#pragma unroll
+    for (int a = 0; a < 2; ++a) {
+        const bf16_t* qr[2];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int m = warp * 32 + a * 16 + (lane >> 2) + 8 * k;
+            const int i = m / G;
+            if (i < nr) {
+                ti[a][k] = i;
+                mcr[a][k] = qp_mc[i];
+                qr[k] = q + (u64)(b0 + i) * q_stride + (u64)(h * G + (m - i * G)) * D;
+            } else {
+                ti[a][k] = -1;
+                mcr[a][k] = 0;
+                qr[k] = nullptr;
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < NK; ++kk) {
+            const int c0 = kk * 16 + qc;
+            qa[a][kk][0] = qr[0] != nullptr ? *(const u32*)(qr[0] + c0) : 0u;
+            qa[a][kk][1] = qr[1] != nullptr ? *(const u32*)(qr[1] + c0) : 0u;
+            qa[a][kk][2] = qr[0] != nullptr ? *(const u32*)(qr[0] + c0 + 8) : 0u;
+            qa[a][kk][3] = qr[1] != nullptr ? *(const u32*)(qr[1] + c0 + 8) : 0u;
+        }
+    }
+
+    bf16_t* Ks = (bf16_t*)qp_sh;  // [NP][QP_BN][RS]: hi, mid, lo
+    const u32 ks_lane = smem_addr(Ks + ldsm_k_lane(lane, RS));
+    const u64 kc_row = (u64)hkv * D;
+    const float* Kh = kc + (u64)h * D;
+    const int ntiles = (mc_max + QP_BN - 1) / QP_BN;
+    const int cb = (lane & 3) * 2;
+
+    // S of both A tiles over the half tile of windows w0 .. w0+31 (w0 = tile start + 32*hf):
+    // s[a][c][2k + e] is fragment row lane/4 + 8k of tile a, window w0 + 8c + 2*(lane%4) + e;
+    // scaled, -inf at windows w >= the row's Mc. Half tiles keep S in 32 registers.
+    auto half_logits = [&](int w0, int hf, float (&s)[2][4][4]) {
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) s[a][c][0] = s[a][c][1] = s[a][c][2] = s[a][c][3] = 0.0f;
+#pragma unroll
+        for (int p = 0; p < NP; ++p) mma_qk_tile32_m32<NK, RS>(s, qa, ks_lane + (p * PART + hf * 32 * RS) * 2);
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int w = w0 + cb + 8 * c + e;
+#pragma unroll
+                    for (int k = 0; k < 2; ++k) {
+                        const float v = s[a][c][2 * k + e] * scale;
+                        s[a][c][2 * k + e] = w < mcr[a][k] ? v : -INFINITY;
+                    }
+                }
+    };
+
+    // Pass 1: running maximum and this lane's share of the sum of exp per fragment row.
+    float mr[2][2], lr[2][2];
+#pragma unroll
+    for (int a = 0; a < 2; ++a) mr[a][0] = mr[a][1] = -INFINITY, lr[a][0] = lr[a][1] = 0.0f;
+    for (int t = 0; t < ntiles; ++t) {
+        qp_load_tile<D, NP, QP_M32_THREADS>(Ks, Kh, kc_row, t * QP_BN, mc_max, tid);
+        __syncthreads();
+#pragma unroll 1
+        for (int hf = 0; hf < 2; ++hf) {
+            const int w0 = t * QP_BN + 32 * hf;
+            if (w0 >= mc_max) break;  // uniform: the last tile's second half is empty
+            float s[2][4][4];
+            half_logits(w0, hf, s);
+#pragma unroll
+            for (int a = 0; a < 2; ++a)
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    float mx = -INFINITY;
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) mx = fmaxf(mx, fmaxf(s[a][c][2 * k], s[a][c][2 * k + 1]));
+                    mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+                    const float mn = fmaxf(mr[a][k], mx);
+                    if (mn != -INFINITY) {
+                        float l = mr[a][k] != -INFINITY ? lr[a][k] * expf(mr[a][k] - mn) : 0.0f;
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) {
+                            l += expf(s[a][c][2 * k] - mn);
+                            l += expf(s[a][c][2 * k + 1] - mn);
+                        }
+                        lr[a][k] = l;
+                        mr[a][k] = mn;
+                    }
+                }
+        }
+        __syncthreads();  // the part tiles are rewritten by the next tile
+    }
+    float il[2][2];
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            float l = lr[a][k];
+            l += __shfl_xor_sync(FULL_MASK, l, 1);
+            l += __shfl_xor_sync(FULL_MASK, l, 2);
+            il[a][k] = l > 0.0f ? 1.0f / l : 0.0f;
+        }
+
+    // Pass 2: P in registers, summed over each row's G heads: the heads of fragment row group
+    // lane/4 are the lanes that differ in the low log2(min(G, 8)) bits of lane/4, and at G = 16
+    // also the two fragment rows k of a lane. A lane with those bits 0 writes the sum.
+    const int gl = G < 8 ? G : 8;
+    const bool writer = ((lane >> 2) & (gl - 1)) == 0;
+    for (int t = 0; t < ntiles; ++t) {
+        qp_load_tile<D, NP, QP_M32_THREADS>(Ks, Kh, kc_row, t * QP_BN, mc_max, tid);
+        __syncthreads();
+#pragma unroll 1
+        for (int hf = 0; hf < 2; ++hf) {
+            const int w0 = t * QP_BN + 32 * hf;
+            if (w0 >= mc_max) break;  // uniform: the last tile's second half is empty
+            float s[2][4][4];
+            half_logits(w0, hf, s);
+#pragma unroll
+            for (int a = 0; a < 2; ++a)
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float s0 = s[a][c][e], s1 = s[a][c][2 + e];
+                        float p0 = s0 != -INFINITY ? expf(s0 - mr[a][0]) * il[a][0] : 0.0f;
+                        float p1 = s1 != -INFINITY ? expf(s1 - mr[a][1]) * il[a][1] : 0.0f;
+                        if (G == 16) {
+                            p0 += p1;
+                            for (int off = 4; off < 32; off <<= 1) p0 += __shfl_xor_sync(FULL_MASK, p0, off);
+                        } else {
+                            for (int off = 4; off < 4 * gl; off <<= 1) {
+                                p0 += __shfl_xor_sync(FULL_MASK, p0, off);
+                                p1 += __shfl_xor_sync(FULL_MASK, p1, off);
+                            }
+                        }
+                        const int w = w0 + cb + 8 * c + e;
+                        if (writer) {
+#pragma unroll
+                            for (int k = 0; k < 2; ++k) {
+                                const int i = ti[a][k];
+                                if ((k == 0 || G < 16) && i >= 0 && w < mcr[a][k])
+                                    s_out[((u64)(b0 + i) * hkv + h) * w_stride + w] = k == 0 ? p0 : p1;
+                            }
+                        }
+                    }
+        }
+        __syncthreads();  // every warp has read the part tiles: the next tile may overwrite them
+    }
+}
+
+extern "C" __global__ __launch_bounds__(QP_M32_THREADS, QP_M32_MIN_BLOCKS) void qa_prefill_scores_m32_d64(
+    const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens,
+    float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) {
+    qa_prefill_scores_m32_impl<64>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
+}
+
+extern "C" __global__ __launch_bounds__(QP_M32_THREADS, QP_M32_MIN_BLOCKS) void qa_prefill_scores_m32_d80(
+    const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens,
+    float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) {
+    qa_prefill_scores_m32_impl<80>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
+}
+
+extern "C" __global__ __launch_bounds__(QP_M32_THREADS, QP_M32_MIN_BLOCKS) void qa_prefill_scores_m32_d128(
+    const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens,
+    float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) {
+    qa_prefill_scores_m32_impl<128>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
 }

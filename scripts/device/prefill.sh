@@ -31,11 +31,14 @@
 #                                                each (about 35 s), files *_base_<r>.json / *_new_<r>.json
 #   scripts/device/prefill.sh scores       OUT   the sparse prefill window-scoring kernels: gpu-check's kernel
 #                                                and selection cases (qa_prefill_scores* among them), then per
-#                                                SPARDA_PREFILL_SCORES value in SCORES (default cublas
-#                                                tensor-core tensor-core-bf16x2) gpu-check-e2e and sparse prefill at CONTEXT
-#                                                (default 32K,128K), one process each, and a traced prefill of
-#                                                TRACE_TOKENS (default 32768) per value in TRACE_SCORES (default
-#                                                tensor-core; its phases); about 5 minutes in all
+#                                                SPARDA_PREFILL_SCORES value in SCORES (default tensor-core
+#                                                tensor-core-m16) gpu-check-e2e and sparse prefill at CONTEXT
+#                                                (default 32K,128K), one process each; per SCORES_OPTS entry
+#                                                (label=NVRTC options) the select cases and the prefill again;
+#                                                with NCU=1 Nsight Compute sections of one window-scoring
+#                                                launch per value; and a traced prefill of TRACE_TOKENS
+#                                                (default 32768) per value in TRACE_SCORES (default
+#                                                tensor-core; its phases); about 5 minutes without options
 # Then, here: sparda report OUT/prefill_*.json OUT/transformers_sdpa_prefill.json \
 #   --out benches/results/prefill_nosa8b_h200_<date>_<commit>   (a table and PREFIX.prefill.svg)
 # Env: SPARDA (default .device/bin/sparda), SPARDA_COMMIT, BATCH (default 1,4),
@@ -98,10 +101,12 @@ ab)
   ;;
 scores)
   # (the select group holds the prefill scoring kernels' cases against the CPU reference)
-  # SCORES: the SPARDA_PREFILL_SCORES values to check end to end and time (default cublas,
-  # tensor-core, tensor-core-bf16x2); TRACE_SCORES: those to trace at TRACE_TOKENS prompt tokens (default
-  # tensor-core at 32768)
-  kinds=${SCORES:-cublas tensor-core tensor-core-bf16x2}
+  # SCORES: the SPARDA_PREFILL_SCORES values to check end to end and time (default tensor-core,
+  # tensor-core-m16); SCORES_OPTS: "label=NVRTC options;…", each timed (and its select cases
+  # checked) with SPARDA_NVRTC_OPTIONS set, files *_opts_<label>; TRACE_SCORES: those to trace at
+  # TRACE_TOKENS prompt tokens (default tensor-core at 32768); NCU=1: Nsight Compute sections of the
+  # last window-scoring launch of an 8K-token sparse prefill per SCORES value (ncu_<value>.txt)
+  kinds=${SCORES:-tensor-core tensor-core-m16}
   SPARDA_CHECK_ONLY=kernels,select "$SPARDA" gpu-check \
     --json "$out/gpu_check_kernels_select.json" 2>&1 | grep -E "FAIL|error:|qa_|attention|cases" | tail -16
   for k in $kinds; do
@@ -113,6 +118,29 @@ scores)
       --steps 0 --attention sparse --kv gpu --batch 1 --context "${CONTEXT:-32K,128K}" --prefill sparse \
       --json "$out/prefill_sparse_scores_$k.json" 2>&1 | grep -E "prefill only" | sed "s/^/$k: /"
   done
+  IFS=';' read -ra opts <<< "${SCORES_OPTS:-}"
+  for o in "${opts[@]}"; do
+    [[ "$o" == *=* ]] || { echo "SCORES_OPTS entry '$o': give label=options"; continue; }
+    l=${o%%=*}
+    SPARDA_NVRTC_OPTIONS="${o#*=}" SPARDA_CHECK_ONLY=select "$SPARDA" gpu-check \
+      --json "$out/gpu_check_select_opts_$l.json" 2>&1 | grep -E "FAIL|error:|cases" | sed "s/^/$l: /" | tail -4
+    SPARDA_NVRTC_OPTIONS="${o#*=}" "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
+      --steps 0 --attention sparse --kv gpu --batch 1 --context "${CONTEXT:-32K,128K}" --prefill sparse \
+      --json "$out/prefill_sparse_scores_opts_$l.json" 2>&1 | grep -E "prefill only|error" | sed "s/^/$l: /"
+  done
+  if [[ "${NCU:-0}" == 1 ]]; then
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for k in $kinds; do
+      # 8 chunks of 1024 rows x 32 layers: launch 255 is the last chunk's last layer
+      SPARDA_PREFILL_SCORES=$k "$ncu" --clock-control none -k regex:qa_prefill_scores --launch-skip 255 \
+        --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section Occupancy \
+        --section WarpStateStats --section LaunchStats "$SPARDA" generate --model synth:nosa-8b \
+        --tokenizer "$tok" --prompt-file data/texts/hamlet.txt --prompt-tokens 8192 --max-new-tokens 1 \
+        --backend cuda --prefill sparse > "$out/ncu_$k.txt" 2>&1
+      grep -E "qa_prefill|Duration|Throughput|Pipe|Bank|Registers|Achieved Occupancy|Stall|Issued" "$out/ncu_$k.txt" | head -40
+    done
+  fi
   # where the time goes: a traced sparse prefill with each (phases qkv, window_logits,
   # window_scores, select, attention, o_proj, ffn; about 35 s each at 32K)
   tt=${TRACE_TOKENS:-32768}

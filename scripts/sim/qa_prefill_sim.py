@@ -103,12 +103,13 @@ def check(cond, msg):
 class Shared:
     """Byte-addressed shared memory with bounds/alignment/uninitialised/race checks."""
 
-    def __init__(self, nbytes, name, rng):
+    def __init__(self, nbytes, name, rng, threads=QP_THREADS):
         self.n = nbytes
         self.name = name
+        self.threads = threads  # the block's threads (QP_THREADS, or QP_M32_THREADS for --kernel m32)
         self.mem = rng.integers(0, 256, nbytes, dtype=np.uint8)  # garbage, as on a GPU
         self.init = np.zeros(nbytes, bool)
-        self.nw = -(-QP_THREADS // 64)  # u64 thread-bitmask words per byte (tid >> 6, bit tid & 63)
+        self.nw = -(-threads // 64)  # u64 thread-bitmask words per byte (tid >> 6, bit tid & 63)
         self.wmask = np.zeros((nbytes, self.nw), np.uint64)  # writers in this barrier epoch
         self.rmask = np.zeros((nbytes, self.nw), np.uint64)  # readers in this barrier epoch
         self.max_byte = -1
@@ -129,7 +130,7 @@ class Shared:
         if oob.any():
             raise RuntimeError("shared OOB")
         self.max_byte = max(self.max_byte, int((addrs + width - 1).max()))
-        if not check(((tids >= 0) & (tids < QP_THREADS)).all(), f"{self.name}: thread id out of range ({what})"):
+        if not check(((tids >= 0) & (tids < self.threads)).all(), f"{self.name}: thread id out of range ({what})"):
             raise RuntimeError("thread id out of range")
         idx = addrs[:, None] + np.arange(width)[None, :]
         word = np.broadcast_to((tids >> 6)[:, None], idx.shape)
@@ -267,14 +268,20 @@ def mma_bf16(c, a, b0, b1):
     return out
 
 
-def shfl_xor(v, m):
-    """__shfl_xor_sync(FULL_MASK, v, m) over full warps (all lanes active)."""
+def shfl_xor(v, m, active=None):
+    """__shfl_xor_sync(FULL_MASK, v, m) over full warps (all lanes active). active: (threads,) bool, the
+    threads executing the shuffle, if given: checked to be whole warps (FULL_MASK with an inactive lane is
+    undefined behaviour); v may have trailing dimensions."""
     tid = np.arange(v.shape[0])
+    if active is not None:
+        aw = active.reshape(-1, 32)
+        check((aw.all(1) | ~aw.any(1)).all(), f"__shfl_xor_sync(FULL_MASK, ., {m}) with part of a warp active")
     return v[(tid & ~31) | ((tid & 31) ^ m)]
 
 
 # ---------------------------------------------------------------- the kernel
 NP = 3  # Kc parts summed (kernel template parameter NP; --parts)
+KERNEL = "qa"  # "qa": qa_prefill_scores_impl (default); "m32": qa_prefill_scores_m32_impl (--kernel m32)
 
 
 def smem_bytes(D):  # src/cuda/ops/select.rs qa_prefill_smem_bytes(D, NP)
@@ -296,13 +303,190 @@ class Globals:
         self.max_kc_w = -1
 
 
+def block_mc(bx, gl, G, stride, ksize, tid, mcs, syncthreads):
+    """The block's prologue, common to both kernels: R = QP_BM / G rows from b0 = bx*R, nr of them;
+    qp_mc[i] = sel_windows(lens[b0 + i]) by the block's threads, __syncthreads, each thread's mc_max.
+    Returns None where the kernel returns at once (nr <= 0), else (b0, nr, blk_mc, mc_max, done):
+    blk_mc the block's true max Mc (for the global-read checks), mc_max per thread, done where every
+    thread takes the early return (mc_max == 0)."""
+    nthr = tid.size
+    R = QP_BM // G
+    b0 = bx * R
+    nr = min(R, gl.rows - b0)
+    if nr <= 0:
+        return None  # uniform
+    # block's true limits (for the global-read checks)
+    blk_rows = np.arange(b0, b0 + nr)
+    blk_mc = int(gl.mc_rows[blk_rows].max())
+
+    # for (i = tid; i < nr; i += THREADS) qp_mc[i] = sel_windows(lens[b0 + i], ...)
+    for it in range((QP_BM + nthr - 1) // nthr + 1):
+        x = tid + it * nthr
+        act = x < nr
+        if not act.any():
+            break
+        li = b0 + x[act]
+        check(((li >= 0) & (li < gl.lens.size)).all(), "lens read out of bounds")
+        mc = sel_windows(gl.lens[li], stride, ksize).astype('<i4')
+        mcs.write(tid[act], 4 * x[act], np.ascontiguousarray(mc).view(np.uint8).reshape(-1, 4), 4, "qp_mc store")
+    syncthreads(np.ones(nthr, bool))
+    # int mc_max = 0; for (i < nr) mc_max = max(mc_max, qp_mc[i]);  (per thread)
+    mc_max = np.zeros(nthr, np.int64)
+    for i in range(nr):
+        v = bytes_to_u32(mcs.read(tid, np.full(nthr, 4 * i), 4, 4, "qp_mc load")).view('<i4')[:, 0]
+        mc_max = np.maximum(mc_max, v)
+    check((mc_max == mc_max[0]).all(), "mc_max not uniform over the block")
+    if (mc_max == 0).all():
+        return b0, nr, blk_mc, mc_max, True
+    check(not (mc_max == 0).any(), "early return taken by part of the block (divergent barrier)")
+    check(mc_max[0] == blk_mc, f"mc_max {mc_max[0]} != block max Mc {blk_mc}")
+    return b0, nr, blk_mc, mc_max, False
+
+
+def load_q_u32(gl, base, off):
+    """*(const u32*)(qr + off) where base (element offset of qr into q) >= 0, else 0 (qr == nullptr)."""
+    ok = base >= 0
+    e = base[ok] + off[ok]
+    out = np.zeros(base.shape[0], np.uint32)
+    check(((2 * e) % 4 == 0).all(), "q u32 load misaligned")
+    check(((e >= 0) & (e + 1 < gl.q.size)).all(), "q load out of bounds")
+    rowi = e // gl.q_stride
+    check((rowi < gl.rows).all(), "q load past row n-1")
+    gl.max_q_row = max(gl.max_q_row, int(rowi.max()) if rowi.size else -1)
+    out[ok] = gl.q[e].astype(np.uint32) | (gl.q[e + 1].astype(np.uint32) << 16)
+    return out
+
+
+def q_fragments(m0, lane, tid, nr, G, b0, h, gl, mcs):
+    """One A tile of Q: fragment rows lane/4 + 8k (k = 0, 1) are the block M-rows m0 + lane/4 + 8k
+    (m0 per thread: the tile's first M-row). Returns ti (block row, -1 past nr), mcr (that row's Mc
+    from qp_mc, 0 past nr), both (threads, 2), and qa (threads, NK, 4) u32 A fragments."""
+    nthr = tid.size
+    D = gl.D
+    NK = D // 16
+    ti = np.zeros((nthr, 2), np.int64)
+    mcr = np.zeros((nthr, 2), np.int64)
+    qr = np.full((nthr, 2), -1, np.int64)  # element offset into q, -1 = nullptr
+    for k in range(2):
+        m = m0 + (lane >> 2) + 8 * k
+        i = m // G
+        ok = i < nr
+        ti[:, k] = np.where(ok, i, -1)
+        v = bytes_to_u32(mcs.read(tid[ok], 4 * i[ok], 4, 4, "qp_mc load (mcr)")).view('<i4')[:, 0]
+        mcr[ok, k] = v
+        qr[ok, k] = (b0 + i[ok]) * gl.q_stride + (h * G + (m[ok] - i[ok] * G)) * D
+    qc = (lane & 3) * 2
+    qa = np.zeros((nthr, NK, 4), np.uint32)
+    for kk in range(NK):
+        c0 = kk * 16 + qc
+        qa[:, kk, 0] = load_q_u32(gl, qr[:, 0], c0)
+        qa[:, kk, 1] = load_q_u32(gl, qr[:, 1], c0)
+        qa[:, kk, 2] = load_q_u32(gl, qr[:, 0], c0 + 8)
+        qa[:, kk, 3] = load_q_u32(gl, qr[:, 1], c0 + 8)
+    return ti, mcr, qa
+
+
+def qp_load_tile(dyn, gl, tid, h, w0, mc_max, blk_mc, nparts, KS=0):
+    """qp_load_tile<D, NP = nparts, THREADS = tid.size>: Kc windows w0 .. w0+63 of KV head h, split,
+    into the nparts bf16 part tiles at byte KS of dyn (the loads of a batch come before its stores in the
+    kernel; per thread the same values, so the batches are not modelled)."""
+    nthr = tid.size
+    D = gl.D
+    RS = D + QP_PAD
+    F4 = D // 4
+    PART = QP_BN * RS
+    check(QP_BN * F4 % nthr == 0, f"qp_load_tile: {QP_BN * F4} float4 chunks not whole passes of {nthr} threads")
+    Kh = h * D
+    kc_row = gl.hkv * D
+    for it in range((QP_BN * F4 + nthr - 1) // nthr):
+        x = tid + it * nthr
+        act = x < QP_BN * F4
+        xa, ta = x[act], tid[act]
+        row = xa // F4
+        c4 = xa - row * F4
+        w = w0 + row
+        v = np.zeros((xa.size, 4), F32)
+        ld = w < mc_max[ta]
+        if ld.any():
+            e = Kh + w[ld] * kc_row + c4[ld] * 4
+            check((e % 4 == 0).all(), "Kc float4 load misaligned")
+            check(((e >= 0) & (e + 3 < gl.kc.size)).all(), "Kc load out of allocation")
+            check((w[ld] < blk_mc).all(), "Kc read past the block's max Mc")
+            gl.max_kc_w = max(gl.max_kc_w, int(w[ld].max()))
+            v[ld] = gl.kc[e[:, None] + np.arange(4)[None, :]]
+        a0, b0_, c0 = qp_split2(v[:, 0], v[:, 1])
+        a1, b1, c1 = qp_split2(v[:, 2], v[:, 3])
+        o = row * RS + c4 * 4  # bf16 elements
+        dyn.write(ta, KS + 2 * o, as_bytes_u32x2(a0, a1), 8, "uint2 store hi")
+        dyn.write(ta, KS + 2 * (PART + o), as_bytes_u32x2(b0_, b1), 8, "uint2 store mid")
+        if nparts == 3:
+            dyn.write(ta, KS + 2 * (2 * PART + o), as_bytes_u32x2(c0, c1), 8, "uint2 store lo")
+
+
+def ldsm_k_lane(l, rs):  # kernels/mma.cuh
+    return ((l & 7) + (l >> 4) * 8) * rs + ((l >> 3) & 1) * 8
+
+
+def mask_logits(s, w0, cb, mcr, scale):
+    """In place: s[:, c, 2k + e] (window w0 + cb + 8c + e, fragment row k) scaled, -inf at w >= mcr[:, k]."""
+    for c in range(s.shape[1]):
+        for e in range(2):
+            w = w0 + cb + 8 * c + e
+            for k in range(2):
+                v = (s[:, c, 2 * k + e] * F32(scale)).astype(F32)
+                s[:, c, 2 * k + e] = np.where(w < mcr[:, k], v, NEG_INF)
+
+
+def online_update(s, k, mr, lr, active=None):
+    """Pass 1 on fragment row k of s (threads, C, 4): the row maximum over the lane's 2C values and the
+    row's four lanes (shfl.xor 1, 2), then the running maximum mr and sum of exp lr. Returns (mr, lr)."""
+    mx = np.full(s.shape[0], NEG_INF, F32)
+    for c in range(s.shape[1]):
+        mx = np.fmax(mx, np.fmax(s[:, c, 2 * k], s[:, c, 2 * k + 1]))
+    mx = np.fmax(mx, shfl_xor(mx, 1, active))
+    mx = np.fmax(mx, shfl_xor(mx, 2, active))
+    mn = np.fmax(mr, mx)
+    upd = mn != NEG_INF
+    l = np.where(mr != NEG_INF, lr * np.exp((mr - mn).astype(F32)), F32(0)).astype(F32)
+    for c in range(s.shape[1]):
+        l = (l + np.exp((s[:, c, 2 * k] - mn).astype(F32))).astype(F32)
+        l = (l + np.exp((s[:, c, 2 * k + 1] - mn).astype(F32))).astype(F32)
+    return np.where(upd, mn, mr), np.where(upd, l, lr)
+
+
+def inv_row_sum(lr, mr, active=None):
+    """1/L of the row (the sum of lr over the row's four lanes; 0 for L = 0), after checking that the
+    four lanes hold the same maximum mr."""
+    check((mr == shfl_xor(mr, 1, active)).all() and (mr == shfl_xor(mr, 2, active)).all(),
+          "row maximum differs over the row's four lanes")
+    l = lr.copy()
+    l = (l + shfl_xor(l, 1, active)).astype(F32)
+    l = (l + shfl_xor(l, 2, active)).astype(F32)
+    return np.where(l > 0, (F32(1) / l).astype(F32), F32(0))
+
+
+def p_value(v, mr, il):
+    """v != -inf ? expf(v - mr) * il : 0."""
+    return np.where(v != NEG_INF, (np.exp((v - mr).astype(F32)) * il).astype(F32), F32(0)).astype(F32)
+
+
+def store_out(gl, h, brow, wa, vals):
+    """s_out[((b0 + i) * hkv + h) * w_stride + w] = vals (brow = b0 + i), with the output checks."""
+    idx = (brow * gl.hkv + h) * gl.w_stride + wa
+    ok = (idx >= 0) & (idx < gl.s.size)
+    check(ok.all(), "s_out write out of allocation")
+    check((brow < gl.rows).all(), "s_out write to row >= n")
+    check((wa < gl.mc_rows[np.minimum(brow, gl.rows - 1)]).all(), "s_out write at w >= Mc(row)")
+    check((wa < gl.w_stride).all(), "s_out write at w >= w_stride")
+    gl.s[idx[ok]] = vals[ok]
+    np.add.at(gl.written, idx[ok], 1)
+
+
 def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
     D = gl.D
     RS = D + QP_PAD
-    NK = D // 16
-    F4 = D // 4
     PART = QP_BN * RS
-    hkv, rows, w_stride = gl.hkv, gl.rows, gl.w_stride
+    hkv = gl.hkv
     tid = np.arange(QP_THREADS)
     lane, warp = tid & 31, tid >> 5
     dyn = Shared(smem_bytes(D), "dynamic smem", rng)
@@ -317,107 +501,26 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
             s.barrier()
 
     G = H // hkv
-    R = QP_BM // G
-    b0 = bx * R
-    nr = min(R, rows - b0)
-    if nr <= 0:
-        return 0  # uniform
-    # block's true limits (for the global-read checks)
-    blk_rows = np.arange(b0, b0 + nr)
-    blk_mc = int(gl.mc_rows[blk_rows].max())
-
-    # for (i = tid; i < nr; i += QP_THREADS) qp_mc[i] = sel_windows(lens[b0 + i], ...)
-    for it in range((QP_BM + QP_THREADS - 1) // QP_THREADS + 1):
-        x = tid + it * QP_THREADS
-        act = x < nr
-        if not act.any():
-            break
-        li = b0 + x[act]
-        check(((li >= 0) & (li < gl.lens.size)).all(), "lens read out of bounds")
-        mc = sel_windows(gl.lens[li], stride, ksize).astype('<i4')
-        mcs.write(tid[act], 4 * x[act], np.ascontiguousarray(mc).view(np.uint8).reshape(-1, 4), 4, "qp_mc store")
-    syncthreads(np.ones(QP_THREADS, bool))
-    # int mc_max = 0; for (i < nr) mc_max = max(mc_max, qp_mc[i]);  (per thread)
-    mc_max = np.zeros(QP_THREADS, np.int64)
-    for i in range(nr):
-        v = bytes_to_u32(mcs.read(tid, np.full(QP_THREADS, 4 * i), 4, 4, "qp_mc load")).view('<i4')[:, 0]
-        mc_max = np.maximum(mc_max, v)
-    check((mc_max == mc_max[0]).all(), "mc_max not uniform over the block")
-    if (mc_max == 0).all():
+    pro = block_mc(bx, gl, G, stride, ksize, tid, mcs, syncthreads)
+    if pro is None:
+        return 0
+    b0, nr, blk_mc, mc_max, done = pro
+    if done:
         return nbar[0]
-    check(not (mc_max == 0).any(), "early return taken by part of the block (divergent barrier)")
-    check(mc_max[0] == blk_mc, f"mc_max {mc_max[0]} != block max Mc {blk_mc}")
 
-    # ---- Q fragments
-    ti = np.zeros((QP_THREADS, 2), np.int64)
-    mcr = np.zeros((QP_THREADS, 2), np.int64)
-    qr = np.full((QP_THREADS, 2), -1, np.int64)  # element offset into q, -1 = nullptr
-    for k in range(2):
-        m = warp * 16 + (lane >> 2) + 8 * k
-        i = m // G
-        ok = i < nr
-        ti[:, k] = np.where(ok, i, -1)
-        v = bytes_to_u32(mcs.read(tid[ok], 4 * i[ok], 4, 4, "qp_mc load (mcr)")).view('<i4')[:, 0]
-        mcr[ok, k] = v
-        qr[ok, k] = (b0 + i[ok]) * gl.q_stride + (h * G + (m[ok] - i[ok] * G)) * D
-    qc = (lane & 3) * 2
-    qa = np.zeros((QP_THREADS, NK, 4), np.uint32)
-
-    def load_q_u32(base, off):
-        ok = base >= 0
-        e = base[ok] + off[ok]
-        out = np.zeros(QP_THREADS, np.uint32)
-        check(((2 * e) % 4 == 0).all(), "q u32 load misaligned")
-        check(((e >= 0) & (e + 1 < gl.q.size)).all(), "q load out of bounds")
-        rowi = e // gl.q_stride
-        check((rowi < gl.rows).all(), "q load past row n-1")
-        gl.max_q_row = max(gl.max_q_row, int(rowi.max()) if rowi.size else -1)
-        out[ok] = gl.q[e].astype(np.uint32) | (gl.q[e + 1].astype(np.uint32) << 16)
-        return out
-
-    for kk in range(NK):
-        c0 = kk * 16 + qc
-        qa[:, kk, 0] = load_q_u32(qr[:, 0], c0)
-        qa[:, kk, 1] = load_q_u32(qr[:, 1], c0)
-        qa[:, kk, 2] = load_q_u32(qr[:, 0], c0 + 8)
-        qa[:, kk, 3] = load_q_u32(qr[:, 1], c0 + 8)
+    # ---- Q fragments: warp w's M-rows 16w .. 16w+15
+    ti, mcr, qa = q_fragments(warp * 16, lane, tid, nr, G, b0, h, gl, mcs)
+    NK = qa.shape[1]
 
     KS = 0  # byte offset of Ks in the dynamic window
     PS = KS + 2 * NP * PART  # Ps = (float*)(Ks + NP*PART)
     check(PS % 16 == 0, "Ps not 16-byte aligned")
 
-    def ldsm_k_lane(l, rs):
-        return ((l & 7) + (l >> 4) * 8) * rs + ((l >> 3) & 1) * 8
-
     ks_lane = KS + 2 * ldsm_k_lane(lane, RS)
-    kc_row = hkv * D
-    Kh = h * D
     ntiles = (int(mc_max[0]) + QP_BN - 1) // QP_BN
 
     def load_tile(w0):
-        for it in range((QP_BN * F4 + QP_THREADS - 1) // QP_THREADS):
-            x = tid + it * QP_THREADS
-            act = x < QP_BN * F4
-            xa, ta = x[act], tid[act]
-            row = xa // F4
-            c4 = xa - row * F4
-            w = w0 + row
-            v = np.zeros((xa.size, 4), F32)
-            ld = w < mc_max[ta]
-            if ld.any():
-                e = Kh + w[ld] * kc_row + c4[ld] * 4
-                check((e % 4 == 0).all(), "Kc float4 load misaligned")
-                check(((e >= 0) & (e + 3 < gl.kc.size)).all(), "Kc load out of allocation")
-                check((w[ld] < blk_mc).all(), "Kc read past the block's max Mc")
-                gl.max_kc_w = max(gl.max_kc_w, int(w[ld].max()))
-                v[ld] = gl.kc[e[:, None] + np.arange(4)[None, :]]
-            a0, b0_, c0 = qp_split2(v[:, 0], v[:, 1])
-            a1, b1, c1 = qp_split2(v[:, 2], v[:, 3])
-            o = row * RS + c4 * 4  # bf16 elements
-            dyn.write(ta, KS + 2 * o, as_bytes_u32x2(a0, a1), 8, "uint2 store hi")
-            dyn.write(ta, KS + 2 * (PART + o), as_bytes_u32x2(b0_, b1), 8, "uint2 store mid")
-            if NP == 3:
-                dyn.write(ta, KS + 2 * (2 * PART + o), as_bytes_u32x2(c0, c1), 8, "uint2 store lo")
+        qp_load_tile(dyn, gl, tid, h, w0, mc_max, blk_mc, NP, KS)
 
     cb = (lane & 3) * 2
 
@@ -429,12 +532,7 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
                     b = ldmatrix_x4(dyn, tid, ks_lane + (p * PART + nb * 16 * RS + kk * 16) * 2)
                     s[:, 2 * nb] = mma_bf16(s[:, 2 * nb], qa[:, kk], b[:, 0], b[:, 1])
                     s[:, 2 * nb + 1] = mma_bf16(s[:, 2 * nb + 1], qa[:, kk], b[:, 2], b[:, 3])
-        for c in range(8):
-            for e in range(2):
-                w = w0 + cb + 8 * c + e
-                for k in range(2):
-                    v = (s[:, c, 2 * k + e] * F32(scale)).astype(F32)
-                    s[:, c, 2 * k + e] = np.where(w < mcr[:, k], v, NEG_INF)
+        mask_logits(s, w0, cb, mcr, scale)
         return s
 
     # ---- pass 1
@@ -447,30 +545,11 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
             syncthreads(np.ones(QP_THREADS, bool))
             s = tile_logits(w0)
             for k in range(2):
-                mx = np.full(QP_THREADS, NEG_INF, F32)
-                for c in range(8):
-                    mx = np.fmax(mx, np.fmax(s[:, c, 2 * k], s[:, c, 2 * k + 1]))
-                mx = np.fmax(mx, shfl_xor(mx, 1))
-                mx = np.fmax(mx, shfl_xor(mx, 2))
-                mn = np.fmax(mr[:, k], mx)
-                upd = mn != NEG_INF
-                l = np.where(mr[:, k] != NEG_INF, lr[:, k] * np.exp((mr[:, k] - mn).astype(F32)), F32(0)).astype(F32)
-                for c in range(8):
-                    l = (l + np.exp((s[:, c, 2 * k] - mn).astype(F32))).astype(F32)
-                    l = (l + np.exp((s[:, c, 2 * k + 1] - mn).astype(F32))).astype(F32)
-                lr[:, k] = np.where(upd, l, lr[:, k])
-                mr[:, k] = np.where(upd, mn, mr[:, k])
+                mr[:, k], lr[:, k] = online_update(s, k, mr[:, k], lr[:, k])
             syncthreads(np.ones(QP_THREADS, bool))
         il = np.zeros((QP_THREADS, 2), F32)
         for k in range(2):
-            l = lr[:, k].copy()
-            l = (l + shfl_xor(l, 1)).astype(F32)
-            l = (l + shfl_xor(l, 2)).astype(F32)
-            il[:, k] = np.where(l > 0, (F32(1) / l).astype(F32), F32(0))
-        # consistency: the four lanes of a fragment row hold the same maximum
-        for k in range(2):
-            check((mr[:, k] == shfl_xor(mr[:, k], 1)).all() and (mr[:, k] == shfl_xor(mr[:, k], 2)).all(),
-                  "row maximum differs over the row's four lanes")
+            il[:, k] = inv_row_sum(lr[:, k], mr[:, k])
 
         # ---- pass 2
         for t in range(ntiles):
@@ -482,8 +561,7 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
                 prow = warp * 16 + (lane >> 2) + 8 * k
                 for c in range(8):
                     for e in range(2):
-                        v = s[:, c, 2 * k + e]
-                        pv = np.where(v != NEG_INF, (np.exp((v - mr[:, k]).astype(F32)) * il[:, k]).astype(F32), F32(0)).astype(F32)
+                        pv = p_value(s[:, c, 2 * k + e], mr[:, k], il[:, k])
                         addr = PS + 4 * (prow * QP_PS + cb + 8 * c + e)
                         dyn.write(tid, addr, as_bytes_u32(pv.view(np.uint32)), 4, "P store")
             syncthreads(np.ones(QP_THREADS, bool))
@@ -506,16 +584,155 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
                     addr = PS + 4 * (ia * G * QP_PS + ca + g * QP_PS)
                     pv = bytes_to_u32(dyn.read(tw, addr, 4, 4, "P load")).view(F32)[:, 0]
                     acc = (acc + pv).astype(F32)
-                brow = b0 + ia
-                idx = (brow * hkv + h) * w_stride + wa
-                ok = (idx >= 0) & (idx < gl.s.size)
-                check(ok.all(), "s_out write out of allocation")
-                check((brow < gl.rows).all(), "s_out write to row >= n")
-                check((wa < gl.mc_rows[np.minimum(brow, gl.rows - 1)]).all(), "s_out write at w >= Mc(row)")
-                check((wa < w_stride).all(), "s_out write at w >= w_stride")
-                gl.s[idx[ok]] = acc[ok]
-                np.add.at(gl.written, idx[ok], 1)
+                store_out(gl, h, b0 + ia, wa, acc)
             # (no barrier at the end of a pass-2 tile: the kernel has none)
+    stats['ps_max_byte'] = max(stats.get('ps_max_byte', -1), dyn.max_byte)
+    return nbar[0]
+
+
+# ---------------------------------------------------------------- the m32 kernel (--kernel m32)
+# qa_prefill_scores_m32_impl<D>: QP_M32_WARPS = 4 warps of 32 M-rows (two A tiles), NP = 3 always,
+# S in half tiles of 32 windows, heads summed by shfl.xor and written by "writer" lanes, no P tile.
+QP_M32_WARPS = 4
+QP_M32_THREADS = 32 * QP_M32_WARPS
+QP_M32_NP = 3
+
+
+def smem_bytes_m32(D):  # src/cuda/ops/select.rs qa_prefill_m32_smem_bytes(D)
+    return QP_M32_NP * 64 * (D + 8) * 2
+
+
+def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
+    T = QP_M32_THREADS
+    NPm = QP_M32_NP
+    D = gl.D
+    RS = D + QP_PAD
+    PART = QP_BN * RS
+    hkv = gl.hkv
+    tid = np.arange(T)
+    lane, warp = tid & 31, tid >> 5
+    dyn = Shared(smem_bytes_m32(D), "dynamic smem", rng, threads=T)
+    mcs = Shared(QP_BM * 4, f"qp_mc[{QP_BM}]", rng, threads=T)
+    shareds = (dyn, mcs)
+    nbar = [0]
+    live = np.ones(T, bool)  # threads not returned (the kernel's returns are block-uniform)
+
+    def syncthreads(arriving):
+        check(arriving.all(), f"block ({bx},{h}): __syncthreads reached by {arriving.sum()}/{T} threads")
+        nbar[0] += 1
+        for s in shareds:
+            s.barrier()
+
+    G = H // hkv
+    check(G >= 1 and 16 % G == 0, f"m32 kernel launched with G = {G} (must divide 16)")
+    pro = block_mc(bx, gl, G, stride, ksize, tid, mcs, syncthreads)
+    if pro is None:
+        return 0
+    b0, nr, blk_mc, mc_max, done = pro
+    if done:
+        return nbar[0]
+
+    # ---- Q: A tile a of warp w is M-rows 32w + 16a .. +15
+    ti = np.zeros((T, 2, 2), np.int64)
+    mcr = np.zeros((T, 2, 2), np.int64)
+    NK = D // 16
+    qa = np.zeros((T, 2, NK, 4), np.uint32)
+    for a in range(2):
+        ti[:, a], mcr[:, a], qa[:, a] = q_fragments(warp * 32 + a * 16, lane, tid, nr, G, b0, h, gl, mcs)
+
+    ks_lane = 2 * ldsm_k_lane(lane, RS)  # Ks at byte 0 of the dynamic window
+    ntiles = (int(mc_max[0]) + QP_BN - 1) // QP_BN
+    cb = (lane & 3) * 2
+
+    def half_logits(w0, hf):
+        """s (T, 2, 4, 4): s[:, a, c, 2k + e] = fragment row lane/4 + 8k of tile a, window w0 + 8c + cb + e."""
+        s = np.zeros((T, 2, 4, 4), F32)
+        for p in range(NPm):
+            ks = ks_lane + (p * PART + hf * 32 * RS) * 2  # mma_qk_tile32_m32<NK, RS>(s, qa, ks)
+            for nb in range(2):
+                for kk in range(NK):
+                    b = ldmatrix_x4(dyn, tid, ks + (nb * 16 * RS + kk * 16) * 2)
+                    for a in range(2):
+                        s[:, a, 2 * nb] = mma_bf16(s[:, a, 2 * nb], qa[:, a, kk], b[:, 0], b[:, 1])
+                        s[:, a, 2 * nb + 1] = mma_bf16(s[:, a, 2 * nb + 1], qa[:, a, kk], b[:, 2], b[:, 3])
+        for a in range(2):
+            sa = s[:, a]
+            mask_logits(sa, w0, cb, mcr[:, a], scale)
+            s[:, a] = sa
+        return s
+
+    # "Right head" bookkeeping: alongside each p value, the count of every block M-row (0..127) in it;
+    # a written sum must hold each M-row of its block row i (i*G .. i*G + G-1) exactly once, nothing else.
+    ones_m = np.zeros((T, 2, 2, QP_BM), np.int64)  # [thread, a, k, M-row]
+    for a in range(2):
+        for k in range(2):
+            ones_m[tid, a, k, warp * 32 + a * 16 + (lane >> 2) + 8 * k] = 1
+
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        # ---- pass 1
+        mr = np.full((T, 2, 2), NEG_INF, F32)
+        lr = np.zeros((T, 2, 2), F32)
+        for t in range(ntiles):
+            qp_load_tile(dyn, gl, tid, h, t * QP_BN, mc_max, blk_mc, NPm)
+            syncthreads(live)
+            for hf in range(2):
+                w0 = t * QP_BN + 32 * hf
+                s = half_logits(w0, hf)
+                for a in range(2):
+                    for k in range(2):
+                        mr[:, a, k], lr[:, a, k] = online_update(s[:, a], k, mr[:, a, k], lr[:, a, k], live)
+            syncthreads(live)
+        il = np.zeros((T, 2, 2), F32)
+        for a in range(2):
+            for k in range(2):
+                il[:, a, k] = inv_row_sum(lr[:, a, k], mr[:, a, k], live)
+
+        # ---- pass 2
+        gl_ = G if G < 8 else 8
+        writer = ((lane >> 2) & (gl_ - 1)) == 0
+        for t in range(ntiles):
+            qp_load_tile(dyn, gl, tid, h, t * QP_BN, mc_max, blk_mc, NPm)
+            syncthreads(live)
+            for hf in range(2):
+                w0 = t * QP_BN + 32 * hf
+                s = half_logits(w0, hf)
+                for a in range(2):
+                    for c in range(4):
+                        for e in range(2):
+                            s0, s1 = s[:, a, c, e], s[:, a, c, 2 + e]
+                            p0 = p_value(s0, mr[:, a, 0], il[:, a, 0])
+                            p1 = p_value(s1, mr[:, a, 1], il[:, a, 1])
+                            t0, t1 = ones_m[:, a, 0].copy(), ones_m[:, a, 1].copy()
+                            if G == 16:
+                                p0 = (p0 + p1).astype(F32)
+                                t0 = t0 + t1
+                                off = 4
+                                while off < 32:
+                                    p0 = (p0 + shfl_xor(p0, off, live)).astype(F32)
+                                    t0 = t0 + shfl_xor(t0, off, live)
+                                    off <<= 1
+                            else:
+                                off = 4
+                                while off < 4 * gl_:
+                                    p0 = (p0 + shfl_xor(p0, off, live)).astype(F32)
+                                    p1 = (p1 + shfl_xor(p1, off, live)).astype(F32)
+                                    t0 = t0 + shfl_xor(t0, off, live)
+                                    t1 = t1 + shfl_xor(t1, off, live)
+                                    off <<= 1
+                            w = w0 + cb + 8 * c + e
+                            for k in range(2):
+                                i = ti[:, a, k]
+                                wr = writer & (k == 0 or G < 16) & (i >= 0) & (w < mcr[:, a, k])
+                                if not wr.any():
+                                    continue
+                                iw = i[wr]
+                                tags = (t0 if k == 0 else t1)[wr]
+                                want = ((np.arange(QP_BM)[None, :] // G) == iw[:, None]).astype(np.int64)
+                                bad = (tags != want).any(1)
+                                check(not bad.any(), f"block ({bx},{h}) tile {t} half {hf}: s_out sum of row(s) "
+                                      f"{iw[bad][:4]} holds M-rows {[list(np.nonzero(x)[0]) for x in tags[bad][:2]]}")
+                                store_out(gl, h, b0 + iw, w[wr], (p0 if k == 0 else p1)[wr])
+            syncthreads(live)
     stats['ps_max_byte'] = max(stats.get('ps_max_byte', -1), dyn.max_byte)
     return nbar[0]
 
@@ -530,7 +747,7 @@ def run_kernel(q, H, kc, lens, hkv, D, w_stride, stride, ksize, rng):
     stats = {}
     for h in range(hkv):
         for bx in range(gx):
-            simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats)
+            (simulate_block_m32 if KERNEL == "m32" else simulate_block)(bx, h, gl, H, stride, ksize, scale, rng, stats)
     return gl, stats
 
 
@@ -605,7 +822,7 @@ def run_shape(G, hkv, D, t0, n, seed, stride=16, ksize=32, label=None):
     if not cover_ok:
         LOG.err(f"written-once map mismatch: {(wr != want).sum()} entries")
     # P tile region bound
-    dyn_bytes = smem_bytes(D)
+    dyn_bytes = smem_bytes_m32(D) if KERNEL == "m32" else smem_bytes(D)
     name = label or f"G={G} hkv={hkv} D={D} t0={t0} n={n}"
     print(f"{name:42s} maxMc={M:4d} windows={int(mcr.sum())*hkv:7d} relL2={rel_l2:.3e} "
           f"max elem rel={maxrel:.3e} coverage={'ok' if cover_ok else 'BAD'} "

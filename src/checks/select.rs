@@ -32,7 +32,7 @@ use crate::config::SparseConfig;
 use crate::cpu::ops as cpu_ops;
 use crate::cuda::device_error::DeviceErrors;
 use crate::cuda::ops::select::{
-    compress_append, compress_prefill, prefill_scores_tc_supported, select_from_scores,
+    compress_append, compress_prefill, prefill_scores_m32_takes, prefill_scores_tc_supported, select_from_scores,
     window_scores, window_scores_shared_kc, PooledScores, PrefillScores, SelectBatch,
     SelectWorkspace, SeqSelectState,
 };
@@ -813,8 +813,15 @@ fn shared_kc_case(
         TOLERANCE_F32_SCORES,
     )];
     if prefill_scores_tc_supported(d, g) {
+        if prefill_scores_m32_takes(g) {
+            kernels.push((
+                PrefillScores::TensorCore,
+                "qa_prefill_scores_m32 (prefill rows, tensor cores, 32 M-rows per warp)",
+                TOLERANCE_F32_SCORES,
+            ));
+        }
         kernels.push((
-            PrefillScores::TensorCore,
+            PrefillScores::TensorCoreM16,
             "qa_prefill_scores (prefill rows, tensor cores)",
             TOLERANCE_F32_SCORES,
         ));

@@ -162,6 +162,9 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
             "qa_prefill_scores_bf16x2_d64",
             "qa_prefill_scores_bf16x2_d80",
             "qa_prefill_scores_bf16x2_d128",
+            "qa_prefill_scores_m32_d64",
+            "qa_prefill_scores_m32_d80",
+            "qa_prefill_scores_m32_d128",
         ],
     },
     KernelSource {

@@ -974,12 +974,18 @@ pub enum PrefillScores {
     /// `qa_window_scores` over them; the path of head dims and groups the
     /// tensor-core kernel does not take.
     Cublas,
-    /// `tensor-core` (the default): `qa_prefill_scores`
-    /// (kernels/qa_prefill.cu), the logits on the tensor cores from Kc split
-    /// into three exact bf16 parts and the softmax and scores in the same
-    /// kernel, with no logits in device memory; head dims 64, 80 and 128 and
-    /// 1 ≤ G ≤ 64 (others take `Cublas`).
+    /// `tensor-core` (the default): the logits on the tensor cores from Kc
+    /// split into three exact bf16 parts and the softmax and scores in the
+    /// same kernel, with no logits in device memory (kernels/qa_prefill.cu);
+    /// head dims 64, 80 and 128 and 1 ≤ G ≤ 64 (others take `Cublas`). For
+    /// G dividing 16 `qa_prefill_scores_m32` (32 M-rows per warp: each
+    /// shared-memory B fragment serves two A tiles; the heads summed in
+    /// registers), for other G `qa_prefill_scores`.
     TensorCore,
+    /// `tensor-core-m16`: `qa_prefill_scores` for every G (16 M-rows per
+    /// warp, the heads summed through a shared-memory P tile): the kernel of
+    /// the G that do not divide 16, selectable for comparison.
+    TensorCoreM16,
     /// `tensor-core-bf16x2`: the same kernel on two bf16 parts of Kc (within
     /// 2^-16 of each value instead of exact; a third fewer tensor-core
     /// products): an experiment, whose selections and quality are to be
@@ -992,7 +998,7 @@ impl PrefillScores {
     pub fn kc_parts(self) -> usize {
         match self {
             PrefillScores::Cublas => 0,
-            PrefillScores::TensorCore => 3,
+            PrefillScores::TensorCore | PrefillScores::TensorCoreM16 => 3,
             PrefillScores::TensorCoreBf16x2 => 2,
         }
     }
@@ -1001,17 +1007,18 @@ impl PrefillScores {
 /// The environment variable that chooses [`PrefillScores`].
 pub const ENV_PREFILL_SCORES: &str = "SPARDA_PREFILL_SCORES";
 
-/// Reads a [`ENV_PREFILL_SCORES`] value: `cublas`, `tensor-core` or
-/// `tensor-core-bf16x2`.
+/// Reads a [`ENV_PREFILL_SCORES`] value: `cublas`, `tensor-core`,
+/// `tensor-core-m16` or `tensor-core-bf16x2`.
 ///
 /// Errors: [`Error::Input`] naming the variable, the value and the choices.
 pub fn parse_prefill_scores(v: &str) -> Result<PrefillScores> {
     match v.trim() {
         "cublas" => Ok(PrefillScores::Cublas),
         "tensor-core" => Ok(PrefillScores::TensorCore),
+        "tensor-core-m16" => Ok(PrefillScores::TensorCoreM16),
         "tensor-core-bf16x2" => Ok(PrefillScores::TensorCoreBf16x2),
         _ => Err(Error::Input(format!(
-            "{ENV_PREFILL_SCORES}={v}: give cublas, tensor-core or tensor-core-bf16x2 (the kernels that score a prefill chunk's windows)"
+            "{ENV_PREFILL_SCORES}={v}: give cublas, tensor-core, tensor-core-m16 or tensor-core-bf16x2 (the kernels that score a prefill chunk's windows)"
         ))),
     }
 }
@@ -1047,6 +1054,24 @@ const QP_THREADS: u32 = (QP_BM / 16 * 32) as u32;
 /// holds at least 2 rows).
 const QP_MAX_G: usize = 64;
 
+/// Whether [`PrefillScores::TensorCore`] takes `qa_prefill_scores_m32`
+/// (32 M-rows per warp) for `group` query heads per KV head: G divides 16,
+/// so a row's heads lie in one A tile of a warp.
+pub fn prefill_scores_m32_takes(group: usize) -> bool {
+    group > 0 && 16 % group == 0
+}
+
+/// Threads per `qa_prefill_scores_m32` block: 4 warps of 32 M-rows, the
+/// kernel's QP_M32_THREADS.
+const QP_M32_THREADS: u32 = (QP_BM / 32 * 32) as u32;
+
+/// Dynamic shared memory of `qa_prefill_scores_m32` at head dim `d`,
+/// bytes: the three bf16 part tiles of 64 windows (rows of d + 8); no P
+/// tile (kernels/qa_prefill.cu).
+pub fn qa_prefill_m32_smem_bytes(d: usize) -> usize {
+    3 * 64 * (d + 8) * 2
+}
+
 /// Dynamic shared memory of `qa_prefill_scores` at head dim `d` with
 /// `parts` Kc parts (3, or 2 for the bf16x2 entry points), bytes: the bf16
 /// part tiles of 64 windows (rows of d + 8) and the f32 P tile [128, 65]
@@ -1057,7 +1082,9 @@ pub fn qa_prefill_smem_bytes(d: usize, parts: usize) -> usize {
 
 /// Steps 1a and 1b for `d.rows` rows that all read one Kc (a prefill
 /// chunk) on the tensor cores, with the kernels `kernels` names
-/// (`qa_prefill_scores_d*` for [`PrefillScores::TensorCore`],
+/// (`qa_prefill_scores_m32_d*` for [`PrefillScores::TensorCore`] where
+/// [`prefill_scores_m32_takes`] G, else and for
+/// [`PrefillScores::TensorCoreM16`] `qa_prefill_scores_d*`,
 /// `qa_prefill_scores_bf16x2_d*` for [`PrefillScores::TensorCoreBf16x2`];
 /// kernels/qa_prefill.cu): writes `d.scores` (the windows below each row's
 /// Mc) from the bf16 queries at `q` (row b at b·`q_stride`) and the f32 Kc
@@ -1079,17 +1106,19 @@ pub(crate) fn launch_prefill_scores(
     kernels: PrefillScores,
 ) -> Result<()> {
     const OP: &str = "qa_prefill_scores";
+    let g = d.heads / d.kv_heads.max(1);
+    let m32 = kernels == PrefillScores::TensorCore && prefill_scores_m32_takes(g);
     let entry = match kernels {
-        PrefillScores::TensorCore => OP,
+        PrefillScores::TensorCore if m32 => "qa_prefill_scores_m32",
+        PrefillScores::TensorCore | PrefillScores::TensorCoreM16 => OP,
         PrefillScores::TensorCoreBf16x2 => "qa_prefill_scores_bf16x2",
         PrefillScores::Cublas => {
             return Err(Error::Input(format!(
-                "{OP}: {kernels:?} is not a tensor-core choice (tensor-core or tensor-core-bf16x2)"
+                "{OP}: {kernels:?} is not a tensor-core choice (tensor-core, tensor-core-m16 or tensor-core-bf16x2)"
             )))
         }
     };
     let parts = kernels.kc_parts();
-    let g = d.heads / d.kv_heads.max(1);
     if d.kv_heads == 0
         || !d.heads.is_multiple_of(d.kv_heads)
         || !prefill_scores_tc_supported(head_dim, g)
@@ -1109,20 +1138,19 @@ pub(crate) fn launch_prefill_scores(
     }
     let [h_, hk_, wst, _, st, ks] = d.i32s()?;
     let f = gpu.function(&format!("{entry}_d{head_dim}"))?;
-    let smem = ensure_smem(
-        gpu,
-        f,
-        qa_prefill_smem_bytes(head_dim, parts),
-        QP_BM * 4,
-        OP,
-    )?;
+    let (dynamic, threads) = if m32 {
+        (qa_prefill_m32_smem_bytes(head_dim), QP_M32_THREADS)
+    } else {
+        (qa_prefill_smem_bytes(head_dim, parts), QP_THREADS)
+    };
+    let smem = ensure_smem(gpu, f, dynamic, QP_BM * 4, OP)?;
     let cfg = LaunchConfig {
         grid_dim: (
             grid(d.rows.div_ceil(QP_BM / g), "row blocks")?,
             grid(d.kv_heads, "Hkv")?,
             1,
         ),
-        block_dim: (QP_THREADS, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: smem,
     };
     let (qs, rows) = (i32_dim(q_stride, "q_stride")?, i32_dim(d.rows, "rows")?);
@@ -1140,7 +1168,7 @@ pub(crate) fn launch_prefill_scores(
         .arg(&st)
         .arg(&ks)
         .arg(&scale);
-    // SAFETY: argument list matches qa_prefill_scores_d* in
+    // SAFETY: argument list matches qa_prefill_scores{,_m32,_bf16x2}_d* in
     // kernels/qa_prefill.cu; q holds rows rows of H·D bf16 at q_stride, Kc
     // the windows below every row's Mc, the scores rows·Hkv·w_stride f32
     // with w_stride ≥ every row's Mc (the caller's contract, ScoreDims).
@@ -1497,13 +1525,18 @@ mod prefill_scores_tests {
             parse_prefill_scores("tensor-core-bf16x2").unwrap(),
             PrefillScores::TensorCoreBf16x2
         );
+        assert_eq!(
+            parse_prefill_scores("tensor-core-m16").unwrap(),
+            PrefillScores::TensorCoreM16
+        );
         assert_eq!(PrefillScores::TensorCore.kc_parts(), 3);
+        assert_eq!(PrefillScores::TensorCoreM16.kc_parts(), 3);
         assert_eq!(PrefillScores::TensorCoreBf16x2.kc_parts(), 2);
-        for bad in ["", "tc", "TENSOR-CORE", "cuBLAS", "tensor-core-bf16x3"] {
+        for bad in ["", "tc", "TENSOR-CORE", "cuBLAS", "tensor-core-bf16x3", "tensor-core-m32"] {
             let e = parse_prefill_scores(bad).unwrap_err().to_string();
             assert!(
                 e.contains(&format!("{ENV_PREFILL_SCORES}={bad}"))
-                    && e.contains("cublas, tensor-core or tensor-core-bf16x2"),
+                    && e.contains("cublas, tensor-core, tensor-core-m16 or tensor-core-bf16x2"),
                 "{bad}: {e}"
             );
         }
@@ -1521,6 +1554,8 @@ mod prefill_scores_tests {
         for d in [0, 32, 96, 112, 256] {
             assert!(!prefill_scores_tc_supported(d, 4), "D {d}");
         }
+        let m32: Vec<usize> = (0..=64).filter(|&g| prefill_scores_m32_takes(g)).collect();
+        assert_eq!(m32, [1, 2, 4, 8, 16]);
     }
 
     #[test]
@@ -1536,6 +1571,15 @@ mod prefill_scores_tests {
             }
         }
         assert_eq!(2 * QP_THREADS as usize * 128, 65536);
+        // qa_prefill_scores_m32: 3 blocks of QP_M32_THREADS at the 168
+        // registers __launch_bounds__(QP_M32_THREADS, 3) allows, and their
+        // shared memory.
+        assert!(3 * QP_M32_THREADS as usize * 168 <= 65536);
+        for d in [64, 80, 128] {
+            let per_block = qa_prefill_m32_smem_bytes(d) + 1024 + QP_BM * 4;
+            assert!(3 * per_block <= 228 * 1024, "m32 D {d}: {per_block} bytes");
+        }
+        assert_eq!(qa_prefill_m32_smem_bytes(128), 3 * 64 * 136 * 2);
         assert_eq!(
             qa_prefill_smem_bytes(128, 3),
             3 * 64 * 136 * 2 + 128 * 65 * 4
