@@ -292,30 +292,27 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 }
 
 // ---------------------------------------------------------------------------------------------
-// qa_prefill_scores_m32_d*: the same scores for G dividing 16, with 32 M-rows per warp. A warp
-// holds two A tiles of Q (M-rows 32w .. 32w+15 and 32w+16 .. 32w+31 of the block's 128) and
-// multiplies both by every B fragment it reads from a Kc part tile, so the shared-memory bytes
-// read by ldmatrix per product are half those of the kernel above (where each of 8 warps reads
-// all NP part tiles of every 64-window tile: 384 KB per tile of a block at D = 128, as much as
-// the SM's shared memory delivers in the time of its mma.sync products). 4 warps of 32 M-rows
-// keep the block at 128 M-rows, so the Kc bytes read from L2 and split per M-row are unchanged.
-// A row's G query heads lie in one A tile (G divides 16: M-rows m = i*G + g with 16 | 32w +
-// 16a), in fragment rows lane/4 + 8k with the same (lane/4 + 8k) / G: they are summed by
-// shuffles over the lanes of those rows, with no shared P tile; for each (row, window) one lane
-// writes the sum. Everything else (tiles, parts, passes, masking) is the kernel above's; S is
-// computed in half tiles of 32 windows (32 registers), so the online softmax updates twice per
-// tile, and the head sums add in another order.
+// qa_prefill_scores_m32_g<G>_d*: the same scores for G of 4, 8 and 16, with 32 M-rows per
+// warp. Warp w holds two A tiles of Q (block M-rows 32*(w%4) .. +15 and +16 .. +31) and takes half of every
+// 64-window tile (windows 32*(w/4) .. +31 of it): it multiplies both A tiles by every B
+// fragment it reads from a Kc part tile, so the shared-memory bytes ldmatrix reads per product
+// are half those of the kernel above (where each of 8 warps reads all NP part tiles of every
+// tile: 384 KB per tile of a block at D = 128, about what the SM's shared memory delivers in the
+// time of its mma.sync products). The block stays at 128 M-rows and 8 warps, so the Kc bytes
+// read from L2 and split per M-row, and the warps per SM, are unchanged. Pass 1 keeps each
+// warp's running maximum and sum of exp over its half of the windows; the two warps of a pair
+// merge them through shared memory before pass 2. A row's G query heads lie in one A tile (G
+// divides 16: M-rows m = i*G + g, 16 | 32*(w%4) + 16a), in fragment rows lane/4 + 8k with the
+// same (lane/4 + 8k) / G: pass 2 sums them by shuffles, with no shared P tile, and one lane
+// writes each (row, window) sum. Tiles, parts, masking and the expf are the kernel above's; the
+// sums of exp and over heads add in other orders.
 //
 // Grid (ceil(rows / (128 / G)), hkv); block QP_M32_THREADS threads; dynamic shared memory
-// qa_prefill_m32_smem_bytes(D) (src/cuda/ops/select.rs: 3*64*(D+8)*2 bytes).
+// qa_prefill_m32_smem_bytes(D) (src/cuda/ops/select.rs: 3*64*(D+8)*2 bytes, the part tiles; the
+// pairs' statistics reuse them between the passes).
 
-#define QP_M32_WARPS 4
+#define QP_M32_WARPS 8
 #define QP_M32_THREADS (32 * QP_M32_WARPS)
-// Blocks per SM the register budget is fitted to (3: up to 168 registers, no spills at D = 128;
-// -DQP_M32_MIN_BLOCKS=4 through SPARDA_NVRTC_OPTIONS caps them at 128).
-#ifndef QP_M32_MIN_BLOCKS
-#define QP_M32_MIN_BLOCKS 3
-#endif
 
 // s[a] += Q.Kc^T for the warp's two A tiles qa[a] against 32 rows of Kc part rows in shared
 // memory (`ks` this lane's ldmatrix address of the first of them: as mma_qk_tile64 on half a
@@ -337,7 +334,7 @@ __device__ __forceinline__ void mma_qk_tile32_m32(float (&s)[2][4][4], const u32
     }
 }
 
-template <int D>
+template <int D, int G>
 __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restrict__ q, int q_stride,
                                                            const float* __restrict__ kc, const int* __restrict__ lens,
                                                            float* __restrict__ s_out, int rows, int H, int hkv,
@@ -350,7 +347,9 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     __shared__ int qp_mc[QP_BM];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int h = blockIdx.y, G = H / hkv;  // G divides 16 (the launcher's contract)
+    const int wr = warp & 3, hf = warp >> 2;  // M-rows 32*wr .. 32*wr+31, windows 32*hf .. of a tile
+    static_assert(G >= 1 && 16 % G == 0, "a row's heads in one A tile");
+    const int h = blockIdx.y;  // H = G * hkv (the launcher's contract)
     const int R = QP_BM / G;
     const int b0 = blockIdx.x * R;
     const int nr = min(R, rows - b0);
@@ -361,9 +360,9 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     for (int i = 0; i < nr; ++i) mc_max = max(mc_max, qp_mc[i]);
     if (mc_max == 0) return;  // uniform: no row has a window yet
 
-    // Fragment row lane/4 + 8k of A tile a: block M-row 32*warp + 16a + lane/4 + 8k, block row
-    // ti (-1 past the block's rows) and that row's Mc.
-    int ti[2][2], mcr[2][2];
+    // Fragment row lane/4 + 8k of A tile a: block M-row 32*wr + 16a + lane/4 + 8k, block row
+    // (M-row) >> lg, and that row's Mc (0 past the block's rows).
+    int mcr[2][2];
     u32 qa[2][NK][4];
     const int qc = (lane & 3) * 2;
 #pragma unroll
@@ -371,14 +370,12 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
         const bf16_t* qr[2];
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
-            const int m = warp * 32 + a * 16 + (lane >> 2) + 8 * k;
+            const int m = wr * 32 + a * 16 + (lane >> 2) + 8 * k;
             const int i = m / G;
             if (i < nr) {
-                ti[a][k] = i;
                 mcr[a][k] = qp_mc[i];
                 qr[k] = q + (u64)(b0 + i) * q_stride + (u64)(h * G + (m - i * G)) * D;
             } else {
-                ti[a][k] = -1;
                 mcr[a][k] = 0;
                 qr[k] = nullptr;
             }
@@ -394,22 +391,22 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     }
 
     bf16_t* Ks = (bf16_t*)qp_sh;  // [NP][QP_BN][RS]: hi, mid, lo
-    const u32 ks_lane = smem_addr(Ks + ldsm_k_lane(lane, RS));
+    const u32 ks_lane = smem_addr(Ks + ldsm_k_lane(lane, RS) + hf * 32 * RS);
     const u64 kc_row = (u64)hkv * D;
     const float* Kh = kc + (u64)h * D;
     const int ntiles = (mc_max + QP_BN - 1) / QP_BN;
-    const int cb = (lane & 3) * 2;
+    const int cb = (lane & 3) * 2 + 32 * hf;
 
-    // S of both A tiles over the half tile of windows w0 .. w0+31 (w0 = tile start + 32*hf):
-    // s[a][c][2k + e] is fragment row lane/4 + 8k of tile a, window w0 + 8c + 2*(lane%4) + e;
-    // scaled, -inf at windows w >= the row's Mc. Half tiles keep S in 32 registers.
-    auto half_logits = [&](int w0, int hf, float (&s)[2][4][4]) {
+    // S of both A tiles over this warp's half of the tile at w0: s[a][c][2k + e] is fragment
+    // row lane/4 + 8k of tile a, window w0 + 32*hf + 8c + 2*(lane%4) + e; scaled, -inf at
+    // windows w >= the row's Mc.
+    auto half_logits = [&](int w0, float (&s)[2][4][4]) {
 #pragma unroll
         for (int a = 0; a < 2; ++a)
 #pragma unroll
             for (int c = 0; c < 4; ++c) s[a][c][0] = s[a][c][1] = s[a][c][2] = s[a][c][3] = 0.0f;
 #pragma unroll
-        for (int p = 0; p < NP; ++p) mma_qk_tile32_m32<NK, RS>(s, qa, ks_lane + (p * PART + hf * 32 * RS) * 2);
+        for (int p = 0; p < NP; ++p) mma_qk_tile32_m32<NK, RS>(s, qa, ks_lane + p * PART * 2);
 #pragma unroll
         for (int a = 0; a < 2; ++a)
 #pragma unroll
@@ -425,19 +422,18 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                 }
     };
 
-    // Pass 1: running maximum and this lane's share of the sum of exp per fragment row.
+    // Pass 1: running maximum and this lane's share of the sum of exp per fragment row, over
+    // this warp's halves of the tiles.
     float mr[2][2], lr[2][2];
 #pragma unroll
     for (int a = 0; a < 2; ++a) mr[a][0] = mr[a][1] = -INFINITY, lr[a][0] = lr[a][1] = 0.0f;
     for (int t = 0; t < ntiles; ++t) {
-        qp_load_tile<D, NP, QP_M32_THREADS>(Ks, Kh, kc_row, t * QP_BN, mc_max, tid);
+        const int w0 = t * QP_BN;
+        qp_load_tile<D, NP, QP_M32_THREADS>(Ks, Kh, kc_row, w0, mc_max, tid);
         __syncthreads();
-#pragma unroll 1
-        for (int hf = 0; hf < 2; ++hf) {
-            const int w0 = t * QP_BN + 32 * hf;
-            if (w0 >= mc_max) break;  // uniform: the last tile's second half is empty
+        if (w0 + 32 * hf < mc_max) {  // warp-uniform: the last tile's second half may be empty
             float s[2][4][4];
-            half_logits(w0, hf, s);
+            half_logits(w0, s);
 #pragma unroll
             for (int a = 0; a < 2; ++a)
 #pragma unroll
@@ -460,8 +456,12 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                     }
                 }
         }
-        __syncthreads();  // the part tiles are rewritten by the next tile
+        __syncthreads();  // the part tiles are rewritten by the next tile (or the statistics)
     }
+    // The row's sum over its four lanes, then the pair's merge: each warp writes its (max, sum)
+    // per fragment row into the (now unused) part tiles, reads its partner's, and keeps
+    // M = max(m0, m1), L = l0 exp(m0 - M) + l1 exp(m1 - M); 1/L (0 for a row without windows).
+    float* st = (float*)qp_sh;  // [2 halves][4 pairs][32 lanes][2 a][2 k][2: max, sum]
     float il[2][2];
 #pragma unroll
     for (int a = 0; a < 2; ++a)
@@ -470,23 +470,40 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
             float l = lr[a][k];
             l += __shfl_xor_sync(FULL_MASK, l, 1);
             l += __shfl_xor_sync(FULL_MASK, l, 2);
+            float* o = st + ((((hf * 4 + wr) * 32 + lane) * 2 + a) * 2 + k) * 2;
+            o[0] = mr[a][k];
+            o[1] = l;
+            lr[a][k] = l;
+        }
+    __syncthreads();
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const float* o = st + (((((1 - hf) * 4 + wr) * 32 + lane) * 2 + a) * 2 + k) * 2;
+            const float m1 = o[0], l1 = o[1], m0 = mr[a][k], l0 = lr[a][k];
+            const float mn = fmaxf(m0, m1);
+            float l = 0.0f;
+            if (mn != -INFINITY) {
+                l = (m0 != -INFINITY ? l0 * expf(m0 - mn) : 0.0f) + (m1 != -INFINITY ? l1 * expf(m1 - mn) : 0.0f);
+            }
+            mr[a][k] = mn;
             il[a][k] = l > 0.0f ? 1.0f / l : 0.0f;
         }
+    __syncthreads();  // the statistics are read before the first tile of pass 2 overwrites them
 
     // Pass 2: P in registers, summed over each row's G heads: the heads of fragment row group
     // lane/4 are the lanes that differ in the low log2(min(G, 8)) bits of lane/4, and at G = 16
     // also the two fragment rows k of a lane. A lane with those bits 0 writes the sum.
-    const int gl = G < 8 ? G : 8;
+    constexpr int gl = G < 8 ? G : 8;
     const bool writer = ((lane >> 2) & (gl - 1)) == 0;
     for (int t = 0; t < ntiles; ++t) {
-        qp_load_tile<D, NP, QP_M32_THREADS>(Ks, Kh, kc_row, t * QP_BN, mc_max, tid);
+        const int w0 = t * QP_BN;
+        qp_load_tile<D, NP, QP_M32_THREADS>(Ks, Kh, kc_row, w0, mc_max, tid);
         __syncthreads();
-#pragma unroll 1
-        for (int hf = 0; hf < 2; ++hf) {
-            const int w0 = t * QP_BN + 32 * hf;
-            if (w0 >= mc_max) break;  // uniform: the last tile's second half is empty
+        if (w0 + 32 * hf < mc_max) {  // warp-uniform
             float s[2][4][4];
-            half_logits(w0, hf, s);
+            half_logits(w0, s);
 #pragma unroll
             for (int a = 0; a < 2; ++a)
 #pragma unroll
@@ -498,8 +515,10 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                         float p1 = s1 != -INFINITY ? expf(s1 - mr[a][1]) * il[a][1] : 0.0f;
                         if (G == 16) {
                             p0 += p1;
+#pragma unroll
                             for (int off = 4; off < 32; off <<= 1) p0 += __shfl_xor_sync(FULL_MASK, p0, off);
                         } else {
+#pragma unroll
                             for (int off = 4; off < 4 * gl; off <<= 1) {
                                 p0 += __shfl_xor_sync(FULL_MASK, p0, off);
                                 p1 += __shfl_xor_sync(FULL_MASK, p1, off);
@@ -509,8 +528,8 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                         if (writer) {
 #pragma unroll
                             for (int k = 0; k < 2; ++k) {
-                                const int i = ti[a][k];
-                                if ((k == 0 || G < 16) && i >= 0 && w < mcr[a][k])
+                                const int i = (wr * 32 + a * 16 + (lane >> 2) + 8 * k) / G;
+                                if ((k == 0 || G < 16) && w < mcr[a][k])  // (Mc 0 past the rows)
                                     s_out[((u64)(b0 + i) * hkv + h) * w_stride + w] = k == 0 ? p0 : p1;
                             }
                         }
@@ -520,20 +539,22 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     }
 }
 
-extern "C" __global__ __launch_bounds__(QP_M32_THREADS, QP_M32_MIN_BLOCKS) void qa_prefill_scores_m32_d64(
-    const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens,
-    float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) {
-    qa_prefill_scores_m32_impl<64>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
-}
-
-extern "C" __global__ __launch_bounds__(QP_M32_THREADS, QP_M32_MIN_BLOCKS) void qa_prefill_scores_m32_d80(
-    const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens,
-    float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) {
-    qa_prefill_scores_m32_impl<80>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
-}
-
-extern "C" __global__ __launch_bounds__(QP_M32_THREADS, QP_M32_MIN_BLOCKS) void qa_prefill_scores_m32_d128(
-    const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens,
-    float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) {
-    qa_prefill_scores_m32_impl<128>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, scale);
-}
+// Entry points qa_prefill_scores_m32_g<G>_d<D>: G a compile-time constant (the row of a
+// fragment row, the shuffles and the writing lanes fold into constants; a runtime G spills at
+// D = 128 under the 128 registers of 2 blocks per SM), for G 4, 8 and 16.
+#define QP_M32_ENTRY(G, D)                                                                                     \
+    extern "C" __global__ __launch_bounds__(QP_M32_THREADS, 2) void qa_prefill_scores_m32_g##G##_d##D(         \
+        const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens, \
+        float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) { \
+        qa_prefill_scores_m32_impl<D, G>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, \
+                                         scale);                                                               \
+    }
+QP_M32_ENTRY(4, 64)
+QP_M32_ENTRY(4, 80)
+QP_M32_ENTRY(4, 128)
+QP_M32_ENTRY(8, 64)
+QP_M32_ENTRY(8, 80)
+QP_M32_ENTRY(8, 128)
+QP_M32_ENTRY(16, 64)
+QP_M32_ENTRY(16, 80)
+QP_M32_ENTRY(16, 128)

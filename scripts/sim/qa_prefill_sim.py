@@ -17,6 +17,14 @@ reads of never-written bytes and cross-thread races inside one barrier epoch; ev
 access for bounds/alignment and for the block's limits (Kc windows < the block's max Mc, q rows
 < n); every output write for (row < n, w < Mc(row), right head, exactly once). Barriers check
 that all QP_THREADS threads arrive.
+
+--kernel m32 (about 30 s; G = 1, 2, 4, 8, 16, D = 64, 80, 128: M32_SHAPES) simulates qa_prefill_scores_m32_impl
+(qa_prefill_scores_m32_d*, the 4-warp version) instead, with the same helpers and checks: QP_M32_THREADS = 128 threads (4 warps of
+32 M-rows as two A tiles, M-rows 32w + 16a ..), three parts, S in half tiles of 32 windows (mma_qk_tile32_m32; an empty last half skipped),
+the dynamic smem only the three part tiles (qa_prefill_m32_smem_bytes(D) = 3*64*(D+8)*2), pass-2 head sums by
+shfl.xor (checked to run on whole warps) written by the writer lanes. Each written sum also carries the set of
+block M-rows added into it, which must be exactly the G M-rows of the row written (the right heads, each once).
+Exit 1 on any error or a relative L2 above 1e-5.
 """
 import sys
 import numpy as np
@@ -360,15 +368,17 @@ def load_q_u32(gl, base, off):
 def q_fragments(m0, lane, tid, nr, G, b0, h, gl, mcs):
     """One A tile of Q: fragment rows lane/4 + 8k (k = 0, 1) are the block M-rows m0 + lane/4 + 8k
     (m0 per thread: the tile's first M-row). Returns ti (block row, -1 past nr), mcr (that row's Mc
-    from qp_mc, 0 past nr), both (threads, 2), and qa (threads, NK, 4) u32 A fragments."""
+    from qp_mc, 0 past nr), both (threads, 2), qa (threads, NK, 4) u32 A fragments and the M-rows m (threads, 2)."""
     nthr = tid.size
     D = gl.D
     NK = D // 16
     ti = np.zeros((nthr, 2), np.int64)
     mcr = np.zeros((nthr, 2), np.int64)
     qr = np.full((nthr, 2), -1, np.int64)  # element offset into q, -1 = nullptr
+    mrow = np.zeros((nthr, 2), np.int64)
     for k in range(2):
         m = m0 + (lane >> 2) + 8 * k
+        mrow[:, k] = m
         i = m // G
         ok = i < nr
         ti[:, k] = np.where(ok, i, -1)
@@ -383,7 +393,7 @@ def q_fragments(m0, lane, tid, nr, G, b0, h, gl, mcs):
         qa[:, kk, 1] = load_q_u32(gl, qr[:, 1], c0)
         qa[:, kk, 2] = load_q_u32(gl, qr[:, 0], c0 + 8)
         qa[:, kk, 3] = load_q_u32(gl, qr[:, 1], c0 + 8)
-    return ti, mcr, qa
+    return ti, mcr, qa, mrow
 
 
 def qp_load_tile(dyn, gl, tid, h, w0, mc_max, blk_mc, nparts, KS=0):
@@ -509,7 +519,7 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
         return nbar[0]
 
     # ---- Q fragments: warp w's M-rows 16w .. 16w+15
-    ti, mcr, qa = q_fragments(warp * 16, lane, tid, nr, G, b0, h, gl, mcs)
+    ti, mcr, qa, _ = q_fragments(warp * 16, lane, tid, nr, G, b0, h, gl, mcs)
     NK = qa.shape[1]
 
     KS = 0  # byte offset of Ks in the dynamic window
@@ -637,8 +647,9 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
     mcr = np.zeros((T, 2, 2), np.int64)
     NK = D // 16
     qa = np.zeros((T, 2, NK, 4), np.uint32)
+    mrow = np.zeros((T, 2, 2), np.int64)
     for a in range(2):
-        ti[:, a], mcr[:, a], qa[:, a] = q_fragments(warp * 32 + a * 16, lane, tid, nr, G, b0, h, gl, mcs)
+        ti[:, a], mcr[:, a], qa[:, a], mrow[:, a] = q_fragments(warp * 32 + a * 16, lane, tid, nr, G, b0, h, gl, mcs)
 
     ks_lane = 2 * ldsm_k_lane(lane, RS)  # Ks at byte 0 of the dynamic window
     ntiles = (int(mc_max[0]) + QP_BN - 1) // QP_BN
@@ -656,17 +667,17 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
                         s[:, a, 2 * nb] = mma_bf16(s[:, a, 2 * nb], qa[:, a, kk], b[:, 0], b[:, 1])
                         s[:, a, 2 * nb + 1] = mma_bf16(s[:, a, 2 * nb + 1], qa[:, a, kk], b[:, 2], b[:, 3])
         for a in range(2):
-            sa = s[:, a]
-            mask_logits(sa, w0, cb, mcr[:, a], scale)
-            s[:, a] = sa
+            mask_logits(s[:, a], w0, cb, mcr[:, a], scale)  # s[:, a] is a view: masked in place
         return s
 
-    # "Right head" bookkeeping: alongside each p value, the count of every block M-row (0..127) in it;
-    # a written sum must hold each M-row of its block row i (i*G .. i*G + G-1) exactly once, nothing else.
+    # "Right head" bookkeeping: alongside each p value, the count of every block M-row (0..127) in it
+    # (a lane's own: the M-row whose Q it loaded); a written sum must hold each M-row of its block row
+    # i (i*G .. i*G + G-1) exactly once, nothing else.
     ones_m = np.zeros((T, 2, 2, QP_BM), np.int64)  # [thread, a, k, M-row]
     for a in range(2):
         for k in range(2):
-            ones_m[tid, a, k, warp * 32 + a * 16 + (lane >> 2) + 8 * k] = 1
+            check(((mrow[:, a, k] >= 0) & (mrow[:, a, k] < QP_BM)).all(), "M-row out of the block's 128")
+            ones_m[tid, a, k, np.clip(mrow[:, a, k], 0, QP_BM - 1)] = 1
 
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         # ---- pass 1
@@ -677,6 +688,10 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
             syncthreads(live)
             for hf in range(2):
                 w0 = t * QP_BN + 32 * hf
+                brk = w0 >= mc_max  # if (w0 >= mc_max) break;  (the last tile's empty second half)
+                check(brk.all() or not brk.any(), "half-tile break not uniform over the block")
+                if brk.all():
+                    break
                 s = half_logits(w0, hf)
                 for a in range(2):
                     for k in range(2):
@@ -695,6 +710,10 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
             syncthreads(live)
             for hf in range(2):
                 w0 = t * QP_BN + 32 * hf
+                brk = w0 >= mc_max  # if (w0 >= mc_max) break;  (the last tile's empty second half)
+                check(brk.all() or not brk.any(), "half-tile break not uniform over the block")
+                if brk.all():
+                    break
                 s = half_logits(w0, hf)
                 for a in range(2):
                     for c in range(4):
@@ -730,7 +749,7 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
                                 want = ((np.arange(QP_BM)[None, :] // G) == iw[:, None]).astype(np.int64)
                                 bad = (tags != want).any(1)
                                 check(not bad.any(), f"block ({bx},{h}) tile {t} half {hf}: s_out sum of row(s) "
-                                      f"{iw[bad][:4]} holds M-rows {[list(np.nonzero(x)[0]) for x in tags[bad][:2]]}")
+                                      f"{iw[bad][:4].tolist()} (G = {G}) holds M-rows {[np.nonzero(x)[0].tolist() for x in tags[bad][:2]]}")
                                 store_out(gl, h, b0 + iw, w[wr], (p0 if k == 0 else p1)[wr])
             syncthreads(live)
     stats['ps_max_byte'] = max(stats.get('ps_max_byte', -1), dyn.max_byte)
@@ -833,12 +852,48 @@ def run_shape(G, hkv, D, t0, n, seed, stride=16, ksize=32, label=None):
     return rel_l2, list(LOG.errors)
 
 
+M32_SHAPES = [  # (G, hkv, D, t0, n): row b has lens t0 + b + 1, Mc = (lens - 32) // 16 + 1 (0 below 32)
+    (1, 2, 64, 1100, 140),  # R = 128: blocks of 128 + 12 rows (last: warp 0 tile 0 only), Mc 67..76, 2 tiles
+    (1, 1, 80, 30, 150),    # first row Mc = 0, Mc <= 10; 128 + 22 rows
+    (1, 1, 128, 0, 40),     # rows 0..30 Mc = 0, then Mc = 1: one partial block
+    (2, 1, 80, 10, 100),    # R = 64: 64 + 36 rows; block 0 mixing Mc = 0 and Mc > 0
+    (2, 2, 128, 2000, 70),  # 64 + 6 rows; Mc 124..128, 2 tiles
+    (2, 2, 64, 300, 64),    # exactly one full block, Mc 17..21
+    (4, 2, 128, 3990, 37),  # R = 32: 32 + 5 rows; Mc 248..250, 4 tiles
+    (4, 3, 80, 700, 50),    # 32 + 18 rows; Mc 42..45: the second half tile partly masked
+    (4, 1, 64, 3000, 40),   # Mc 186..188, 3 tiles
+    (8, 2, 64, 1050, 20),   # R = 16: 16 + 4 rows; Mc 64 -> 65 crosses a tile edge inside block 0
+    (8, 2, 80, 17, 64),     # Mc <= 4, 4 blocks, first rows Mc = 0
+    (8, 1, 128, 1500, 9),   # one partial block (9 of 16 rows), Mc 92..93, 2 tiles
+    (16, 2, 128, 20, 20),   # R = 8: 8 + 8 + 4 rows; block 0 Mc = 0 (early return), block 1 mixed
+    (16, 1, 80, 500, 13),   # Mc 30..31 (< 32: the second half tile all masked); 8 + 5 rows
+    (16, 2, 64, 1000, 20),  # Mc 61..62 of 64 windows; 8 + 8 + 4 rows
+    (16, 2, 128, 2100, 24), # Mc 130..131, 3 tiles; 3 full blocks of 8 rows
+    (1, 1, 128, 1300, 130), # Mc 80..88, 2 tiles; 128 + 2 rows
+    (8, 1, 80, 2200, 40),   # Mc 136..138, 3 tiles; 16 + 16 + 8 rows
+    (2, 1, 64, 3500, 65),   # Mc 217..221, 4 tiles; 64 + 1 rows
+]
+
+
 if __name__ == "__main__":
     if "--parts" in sys.argv:
         NP = int(sys.argv[sys.argv.index("--parts") + 1])
         assert NP in (2, 3), "--parts 2 or 3"
+    if "--kernel" in sys.argv:
+        KERNEL = sys.argv[sys.argv.index("--kernel") + 1]
+        assert KERNEL in ("qa", "m32"), "--kernel qa|m32"
+        assert not (KERNEL == "m32" and "--parts" in sys.argv), "the m32 kernel has three parts only"
     rng = np.random.default_rng(1)
     print("split hi+mid+lo == x  (f32 sum, exact sum, pack halves, RNE ties):", split_exactness_test(rng))
+    if KERNEL == "m32":
+        worst = 0.0
+        allerr = []
+        for i, sh in enumerate(M32_SHAPES):
+            r, e = run_shape(*sh, seed=200 + i)
+            worst = max(worst, r)
+            allerr += e
+        print(f"m32: worst relL2 {worst:.3e}; total errors {len(allerr)}")
+        sys.exit(1 if allerr or worst > 1e-5 else 0)
     shapes = [
         (3, 2, 64, 0, 20), (8, 2, 80, 17, 64), (16, 2, 128, 1000, 100), (4, 8, 128, 3990, 37),
         (4, 2, 128, 0, 200),

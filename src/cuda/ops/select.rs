@@ -978,7 +978,7 @@ pub enum PrefillScores {
     /// split into three exact bf16 parts and the softmax and scores in the
     /// same kernel, with no logits in device memory (kernels/qa_prefill.cu);
     /// head dims 64, 80 and 128 and 1 ≤ G ≤ 64 (others take `Cublas`). For
-    /// G dividing 16 `qa_prefill_scores_m32` (32 M-rows per warp: each
+    /// G of 4, 8 and 16 `qa_prefill_scores_m32_g*` (32 M-rows per warp: each
     /// shared-memory B fragment serves two A tiles; the heads summed in
     /// registers), for other G `qa_prefill_scores`.
     TensorCore,
@@ -1055,15 +1055,16 @@ const QP_THREADS: u32 = (QP_BM / 16 * 32) as u32;
 const QP_MAX_G: usize = 64;
 
 /// Whether [`PrefillScores::TensorCore`] takes `qa_prefill_scores_m32`
-/// (32 M-rows per warp) for `group` query heads per KV head: G divides 16,
-/// so a row's heads lie in one A tile of a warp.
+/// (32 M-rows per warp) for `group` query heads per KV head: G of 4, 8 or
+/// 16, its entry points (G a compile-time constant; a row's heads lie in
+/// one A tile of a warp).
 pub fn prefill_scores_m32_takes(group: usize) -> bool {
-    group > 0 && 16 % group == 0
+    matches!(group, 4 | 8 | 16)
 }
 
-/// Threads per `qa_prefill_scores_m32` block: 4 warps of 32 M-rows, the
-/// kernel's QP_M32_THREADS.
-const QP_M32_THREADS: u32 = (QP_BM / 32 * 32) as u32;
+/// Threads per `qa_prefill_scores_m32` block: 8 warps, pairs of warps on
+/// 32 M-rows (the kernel's QP_M32_THREADS).
+const QP_M32_THREADS: u32 = 256;
 
 /// Dynamic shared memory of `qa_prefill_scores_m32` at head dim `d`,
 /// bytes: the three bf16 part tiles of 64 windows (rows of d + 8); no P
@@ -1082,7 +1083,7 @@ pub fn qa_prefill_smem_bytes(d: usize, parts: usize) -> usize {
 
 /// Steps 1a and 1b for `d.rows` rows that all read one Kc (a prefill
 /// chunk) on the tensor cores, with the kernels `kernels` names
-/// (`qa_prefill_scores_m32_d*` for [`PrefillScores::TensorCore`] where
+/// (`qa_prefill_scores_m32_g<G>_d*` for [`PrefillScores::TensorCore`] where
 /// [`prefill_scores_m32_takes`] G, else and for
 /// [`PrefillScores::TensorCoreM16`] `qa_prefill_scores_d*`,
 /// `qa_prefill_scores_bf16x2_d*` for [`PrefillScores::TensorCoreBf16x2`];
@@ -1109,7 +1110,7 @@ pub(crate) fn launch_prefill_scores(
     let g = d.heads / d.kv_heads.max(1);
     let m32 = kernels == PrefillScores::TensorCore && prefill_scores_m32_takes(g);
     let entry = match kernels {
-        PrefillScores::TensorCore if m32 => "qa_prefill_scores_m32",
+        PrefillScores::TensorCore if m32 => &format!("qa_prefill_scores_m32_g{g}"),
         PrefillScores::TensorCore | PrefillScores::TensorCoreM16 => OP,
         PrefillScores::TensorCoreBf16x2 => "qa_prefill_scores_bf16x2",
         PrefillScores::Cublas => {
@@ -1168,7 +1169,7 @@ pub(crate) fn launch_prefill_scores(
         .arg(&st)
         .arg(&ks)
         .arg(&scale);
-    // SAFETY: argument list matches qa_prefill_scores{,_m32,_bf16x2}_d* in
+    // SAFETY: argument list matches qa_prefill_scores{,_m32_g*,_bf16x2}_d* in
     // kernels/qa_prefill.cu; q holds rows rows of H·D bf16 at q_stride, Kc
     // the windows below every row's Mc, the scores rows·Hkv·w_stride f32
     // with w_stride ≥ every row's Mc (the caller's contract, ScoreDims).
@@ -1555,7 +1556,7 @@ mod prefill_scores_tests {
             assert!(!prefill_scores_tc_supported(d, 4), "D {d}");
         }
         let m32: Vec<usize> = (0..=64).filter(|&g| prefill_scores_m32_takes(g)).collect();
-        assert_eq!(m32, [1, 2, 4, 8, 16]);
+        assert_eq!(m32, [4, 8, 16]);
     }
 
     #[test]
@@ -1571,13 +1572,14 @@ mod prefill_scores_tests {
             }
         }
         assert_eq!(2 * QP_THREADS as usize * 128, 65536);
-        // qa_prefill_scores_m32: 3 blocks of QP_M32_THREADS at the 168
-        // registers __launch_bounds__(QP_M32_THREADS, 3) allows, and their
-        // shared memory.
-        assert!(3 * QP_M32_THREADS as usize * 168 <= 65536);
+        // qa_prefill_scores_m32: 2 blocks of QP_M32_THREADS at the 128
+        // registers __launch_bounds__(QP_M32_THREADS, 2) allows, and their
+        // shared memory (which also holds the warp pairs' statistics, 8 KB).
+        assert_eq!(2 * QP_M32_THREADS as usize * 128, 65536);
         for d in [64, 80, 128] {
             let per_block = qa_prefill_m32_smem_bytes(d) + 1024 + QP_BM * 4;
-            assert!(3 * per_block <= 228 * 1024, "m32 D {d}: {per_block} bytes");
+            assert!(2 * per_block <= 228 * 1024, "m32 D {d}: {per_block} bytes");
+            assert!(qa_prefill_m32_smem_bytes(d) >= 2 * 4 * 32 * 8 * 4, "m32 D {d}");
         }
         assert_eq!(qa_prefill_m32_smem_bytes(128), 3 * 64 * 136 * 2);
         assert_eq!(
