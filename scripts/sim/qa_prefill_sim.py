@@ -18,13 +18,23 @@ access for bounds/alignment and for the block's limits (Kc windows < the block's
 < n); every output write for (row < n, w < Mc(row), right head, exactly once). Barriers check
 that all QP_THREADS threads arrive.
 
---kernel m32 (about 30 s; G = 1, 2, 4, 8, 16, D = 64, 80, 128: M32_SHAPES) simulates qa_prefill_scores_m32_impl
-(qa_prefill_scores_m32_d*, the 4-warp version) instead, with the same helpers and checks: QP_M32_THREADS = 128 threads (4 warps of
-32 M-rows as two A tiles, M-rows 32w + 16a ..), three parts, S in half tiles of 32 windows (mma_qk_tile32_m32; an empty last half skipped),
-the dynamic smem only the three part tiles (qa_prefill_m32_smem_bytes(D) = 3*64*(D+8)*2), pass-2 head sums by
-shfl.xor (checked to run on whole warps) written by the writer lanes. Each written sum also carries the set of
-block M-rows added into it, which must be exactly the G M-rows of the row written (the right heads, each once).
-Exit 1 on any error or a relative L2 above 1e-5.
+--kernel m32 (about 15 s; M32_SHAPES: G = 4, 8, 16 at D = 64, 80, 128) simulates the current
+qa_prefill_scores_m32_impl<D, G> (entry points qa_prefill_scores_m32_g{4,8,16}_d{64,80,128}) instead,
+with the same helpers and checks: QP_M32_THREADS = 256 threads, 8 warps; warp w has wr = w & 3 (block
+M-rows 32wr .. 32wr+31 as two A tiles, 32wr + 16a ..) and hf = w >> 2 (windows 32hf .. 32hf+31 of every
+64-window tile, by mma_qk_tile32_m32 from part-tile row 32hf; the half skipped by the whole warp where
+w0 + 32hf >= mc_max, checked warp-uniform, as are its ldmatrix and shuffles); three parts; the dynamic smem
+only the three part tiles (qa_prefill_m32_smem_bytes(D) = 3*64*(D+8)*2). Between the passes the pair
+(wr, 0)/(wr, 1) merges its softmax statistics through st = the first 8 KB of the part tiles
+([2 hf][4 wr][32 lanes][2 a][2 k][max, sum] f32, two barriers around the reads): the part tiles are
+marked never-written at that point, so a read of st that no thread wrote is reported, and the races of
+the st stores/loads with the part-tile loads are checked like any other; the merged (max, 1/L) are
+checked equal over a row's four lanes and over the pair. Pass 2: P in registers, head sums by shfl.xor
+written by the writer lanes. Each written sum also carries the set of block M-rows added into it, which
+must be exactly the G M-rows of the row written (the right heads, each once). Shapes: partial last
+blocks, blocks of rows all Mc = 0 (the early return) and mixed with Mc = 0 / 1 rows, rows with Mc < 32
+and < 64, several tiles, max Mc a multiple of 64 (128, 192), of 32 only (96), and last tiles whose second
+half is empty (e.g. 65, 70, 129, 193). Exit 1 on any error or a relative L2 above 1e-5.
 """
 import sys
 import numpy as np
@@ -601,15 +611,52 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
 
 
 # ---------------------------------------------------------------- the m32 kernel (--kernel m32)
-# qa_prefill_scores_m32_impl<D>: QP_M32_WARPS = 4 warps of 32 M-rows (two A tiles), NP = 3 always,
-# S in half tiles of 32 windows, heads summed by shfl.xor and written by "writer" lanes, no P tile.
-QP_M32_WARPS = 4
+# qa_prefill_scores_m32_impl<D, G> (entry points qa_prefill_scores_m32_g{4,8,16}_d{64,80,128}):
+# QP_M32_WARPS = 8 warps; warp w: wr = w & 3 (block M-rows 32wr .. 32wr+31 as two A tiles, 32wr + 16a ..),
+# hf = w >> 2 (windows 32hf .. 32hf+31 of every 64-window tile); NP = 3 always; the pair (wr, 0)/(wr, 1)
+# merges its pass-1 statistics through shared memory (st, over the part tiles); heads summed by shfl.xor
+# and written by "writer" lanes, no P tile.
+QP_M32_WARPS = 8
 QP_M32_THREADS = 32 * QP_M32_WARPS
 QP_M32_NP = 3
+QP_M32_GS = (4, 8, 16)  # the G of the entry points
 
 
 def smem_bytes_m32(D):  # src/cuda/ops/select.rs qa_prefill_m32_smem_bytes(D)
     return QP_M32_NP * 64 * (D + 8) * 2
+
+
+def ldmatrix_x4_act(sh, tid, addr, act):
+    """ldmatrix_x4 executed by the threads act only (a warp-uniform branch): checked to be whole warps
+    (.sync.aligned), shared reads only for them; the other threads' registers are returned as 0."""
+    aw = act.reshape(-1, 32)
+    check((aw.all(1) | ~aw.any(1)).all(), "ldmatrix.sync.aligned with part of a warp active")
+    words = np.zeros((tid.size, 4), np.uint32)
+    words[act] = bytes_to_u32(sh.read(tid[act], addr[act], 16, 16, "ldmatrix row"))
+    return words[LDSM_SRC[:tid.size], LDSM_WORD[:tid.size]]
+
+
+def mma_bf16_x(c, a, b0, b1):
+    """mma_bf16 batched over warps and X independent products: c (T, X, 4) f32, a (T, X, 4) u32,
+    b0, b1 (T, X) u32 (the same model: exact products, summed in f64 with c, rounded to f32 once)."""
+    T, X = c.shape[0], c.shape[1]
+    nw = T // 32
+
+    def lanes(v):  # (T, X, ...) -> (nw, X, 32, ...)
+        return np.swapaxes(v.reshape((nw, 32) + v.shape[1:]), 1, 2)
+
+    alo, ahi = u32_lo_hi_f(a)
+    A = np.zeros((nw, X, 16, 16))
+    A[:, :, A_ROW[:, :, 0], A_COL[:, :, 0]] = lanes(alo)
+    A[:, :, A_ROW[:, :, 1], A_COL[:, :, 1]] = lanes(ahi)
+    blo, bhi = u32_lo_hi_f(np.stack([b0, b1], -1))
+    B = np.zeros((nw, X, 16, 8))
+    B[:, :, B_ROW[:, :, 0], B_COL[:, :, 0]] = lanes(blo)
+    B[:, :, B_ROW[:, :, 1], B_COL[:, :, 1]] = lanes(bhi)
+    Cm = np.zeros((nw, X, 16, 8))
+    Cm[:, :, C_ROW, C_COL] = lanes(c.astype(np.float64))
+    Dm = Cm + A @ B
+    return np.swapaxes(Dm[:, :, C_ROW, C_COL], 1, 2).reshape(T, X, 4).astype(F32)
 
 
 def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
@@ -618,14 +665,16 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
     D = gl.D
     RS = D + QP_PAD
     PART = QP_BN * RS
+    NK = D // 16
     hkv = gl.hkv
     tid = np.arange(T)
     lane, warp = tid & 31, tid >> 5
+    wr, hf = warp & 3, warp >> 2  # M-rows 32*wr .. 32*wr+31, windows 32*hf .. of a tile
     dyn = Shared(smem_bytes_m32(D), "dynamic smem", rng, threads=T)
     mcs = Shared(QP_BM * 4, f"qp_mc[{QP_BM}]", rng, threads=T)
     shareds = (dyn, mcs)
     nbar = [0]
-    live = np.ones(T, bool)  # threads not returned (the kernel's returns are block-uniform)
+    live = np.ones(T, bool)  # every barrier is outside the kernel's branches: all threads must reach it
 
     def syncthreads(arriving):
         check(arriving.all(), f"block ({bx},{h}): __syncthreads reached by {arriving.sum()}/{T} threads")
@@ -634,7 +683,8 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
             s.barrier()
 
     G = H // hkv
-    check(G >= 1 and 16 % G == 0, f"m32 kernel launched with G = {G} (must divide 16)")
+    check(G in QP_M32_GS, f"m32 kernel launched with G = {G} (entry points for G = 4, 8, 16 only)")
+    check(G >= 1 and 16 % G == 0, f"m32 kernel launched with G = {G} (static_assert: 16 % G == 0)")
     pro = block_mc(bx, gl, G, stride, ksize, tid, mcs, syncthreads)
     if pro is None:
         return 0
@@ -642,33 +692,42 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
     if done:
         return nbar[0]
 
-    # ---- Q: A tile a of warp w is M-rows 32w + 16a .. +15
-    ti = np.zeros((T, 2, 2), np.int64)
+    # ---- Q: fragment row lane/4 + 8k of A tile a is block M-row 32*wr + 16a + lane/4 + 8k
     mcr = np.zeros((T, 2, 2), np.int64)
-    NK = D // 16
     qa = np.zeros((T, 2, NK, 4), np.uint32)
     mrow = np.zeros((T, 2, 2), np.int64)
     for a in range(2):
-        ti[:, a], mcr[:, a], qa[:, a], mrow[:, a] = q_fragments(warp * 32 + a * 16, lane, tid, nr, G, b0, h, gl, mcs)
+        _, mcr[:, a], qa[:, a], mrow[:, a] = q_fragments(wr * 32 + a * 16, lane, tid, nr, G, b0, h, gl, mcs)
 
-    ks_lane = 2 * ldsm_k_lane(lane, RS)  # Ks at byte 0 of the dynamic window
+    ks_lane = 2 * (ldsm_k_lane(lane, RS) + hf * 32 * RS)  # smem_addr(Ks + ldsm_k_lane + hf*32*RS)
     ntiles = (int(mc_max[0]) + QP_BN - 1) // QP_BN
-    cb = (lane & 3) * 2
+    cb = (lane & 3) * 2 + 32 * hf
 
-    def half_logits(w0, hf):
-        """s (T, 2, 4, 4): s[:, a, c, 2k + e] = fragment row lane/4 + 8k of tile a, window w0 + 8c + cb + e."""
+    def half_logits(w0, act):
+        """s (T, 2, 4, 4): s[:, a, c, 2k + e] = fragment row lane/4 + 8k of tile a, window w0 + cb + 8c + e
+        (cb includes 32*hf), computed by the threads act (0 elsewhere)."""
         s = np.zeros((T, 2, 4, 4), F32)
         for p in range(NPm):
-            ks = ks_lane + (p * PART + hf * 32 * RS) * 2  # mma_qk_tile32_m32<NK, RS>(s, qa, ks)
+            ks = ks_lane + p * PART * 2  # mma_qk_tile32_m32<NK, RS>(s, qa, ks_lane + p*PART*2)
             for nb in range(2):
                 for kk in range(NK):
-                    b = ldmatrix_x4(dyn, tid, ks + (nb * 16 * RS + kk * 16) * 2)
-                    for a in range(2):
-                        s[:, a, 2 * nb] = mma_bf16(s[:, a, 2 * nb], qa[:, a, kk], b[:, 0], b[:, 1])
-                        s[:, a, 2 * nb + 1] = mma_bf16(s[:, a, 2 * nb + 1], qa[:, a, kk], b[:, 2], b[:, 3])
+                    b = ldmatrix_x4_act(dyn, tid, ks + (nb * 16 * RS + kk * 16) * 2, act)
+                    # [a][0]: s[a][2nb] += qa[a][kk] . (b0, b1); [a][1]: s[a][2nb+1] += qa[a][kk] . (b2, b3)
+                    cc = s[:, :, 2 * nb:2 * nb + 2].reshape(T, 4, 4)
+                    aa = np.repeat(qa[:, :, kk], 2, axis=1)  # (T, 4, 4): a = 0, 0, 1, 1
+                    bb0 = np.tile(b[:, [0, 2]], 2)  # (T, 4): b0, b2, b0, b2
+                    bb1 = np.tile(b[:, [1, 3]], 2)
+                    s[:, :, 2 * nb:2 * nb + 2] = mma_bf16_x(cc, aa, bb0, bb1).reshape(T, 2, 2, 4)
         for a in range(2):
             mask_logits(s[:, a], w0, cb, mcr[:, a], scale)  # s[:, a] is a view: masked in place
         return s
+
+    def half_active(w0):
+        """if (w0 + 32 * hf < mc_max): the warps computing the tile's half (checked warp-uniform)."""
+        act = w0 + 32 * hf < mc_max
+        aw = act.reshape(-1, 32)
+        check((aw.all(1) | ~aw.any(1)).all(), "half-tile branch not warp-uniform")
+        return act
 
     # "Right head" bookkeeping: alongside each p value, the count of every block M-row (0..127) in it
     # (a lane's own: the M-row whose Q it loaded); a written sum must hold each M-row of its block row
@@ -680,41 +739,68 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
             ones_m[tid, a, k, np.clip(mrow[:, a, k], 0, QP_BM - 1)] = 1
 
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        # ---- pass 1
+        # ---- pass 1: per warp, over its halves of the tiles
         mr = np.full((T, 2, 2), NEG_INF, F32)
         lr = np.zeros((T, 2, 2), F32)
         for t in range(ntiles):
-            qp_load_tile(dyn, gl, tid, h, t * QP_BN, mc_max, blk_mc, NPm)
+            w0 = t * QP_BN
+            qp_load_tile(dyn, gl, tid, h, w0, mc_max, blk_mc, NPm)
             syncthreads(live)
-            for hf in range(2):
-                w0 = t * QP_BN + 32 * hf
-                brk = w0 >= mc_max  # if (w0 >= mc_max) break;  (the last tile's empty second half)
-                check(brk.all() or not brk.any(), "half-tile break not uniform over the block")
-                if brk.all():
-                    break
-                s = half_logits(w0, hf)
+            act = half_active(w0)
+            if act.any():
+                s = half_logits(w0, act)
                 for a in range(2):
                     for k in range(2):
-                        mr[:, a, k], lr[:, a, k] = online_update(s[:, a], k, mr[:, a, k], lr[:, a, k], live)
+                        m_, l_ = online_update(s[:, a], k, mr[:, a, k], lr[:, a, k], act)
+                        mr[:, a, k] = np.where(act, m_, mr[:, a, k])
+                        lr[:, a, k] = np.where(act, l_, lr[:, a, k])
             syncthreads(live)
+
+        # ---- the pair's merge through st = (float*)qp_sh: [2 hf][4 wr][32 lanes][2 a][2 k][2: max, sum].
+        # The part tiles are dead from here (pass 2 reloads its first tile): their bytes are marked
+        # unwritten, so a read of st that no thread wrote since is reported as a read of never-written bytes.
+        dyn.init[:] = False
+        for a in range(2):
+            for k in range(2):
+                l = lr[:, a, k].copy()
+                l = (l + shfl_xor(l, 1, live)).astype(F32)
+                l = (l + shfl_xor(l, 2, live)).astype(F32)
+                o = 4 * ((((hf * 4 + wr) * 32 + lane) * 2 + a) * 2 + k) * 2  # byte address of o[0]
+                dyn.write(tid, o, as_bytes_u32(mr[:, a, k].view(np.uint32)), 4, "st max store")
+                dyn.write(tid, o + 4, as_bytes_u32(l.view(np.uint32)), 4, "st sum store")
+                lr[:, a, k] = l
+        syncthreads(live)
         il = np.zeros((T, 2, 2), F32)
         for a in range(2):
             for k in range(2):
-                il[:, a, k] = inv_row_sum(lr[:, a, k], mr[:, a, k], live)
+                o = 4 * (((((1 - hf) * 4 + wr) * 32 + lane) * 2 + a) * 2 + k) * 2
+                m1 = bytes_to_u32(dyn.read(tid, o, 4, 4, "st max load")).view(F32)[:, 0]
+                l1 = bytes_to_u32(dyn.read(tid, o + 4, 4, 4, "st sum load")).view(F32)[:, 0]
+                m0, l0 = mr[:, a, k], lr[:, a, k]
+                mn = np.fmax(m0, m1)
+                e0 = np.where(m0 != NEG_INF, (l0 * np.exp((m0 - mn).astype(F32))).astype(F32), F32(0))
+                e1 = np.where(m1 != NEG_INF, (l1 * np.exp((m1 - mn).astype(F32))).astype(F32), F32(0))
+                l = np.where(mn != NEG_INF, (e0 + e1).astype(F32), F32(0)).astype(F32)
+                mr[:, a, k] = mn
+                il[:, a, k] = np.where(l > 0, (F32(1) / l).astype(F32), F32(0))
+                # the pair and the row's four lanes agree on the row's statistics
+                check((mn == shfl_xor(mn, 1)).all() and (mn == shfl_xor(mn, 2)).all(),
+                      "merged row maximum differs over the row's four lanes")
+        pair = (np.arange(T) + 128) % T  # the partner thread: warp (wr, 1 - hf), same lane
+        check((mr == mr[pair]).all() and (il == il[pair]).all(),
+              "the pair's merged statistics differ")
+        syncthreads(live)
 
         # ---- pass 2
         gl_ = G if G < 8 else 8
         writer = ((lane >> 2) & (gl_ - 1)) == 0
         for t in range(ntiles):
-            qp_load_tile(dyn, gl, tid, h, t * QP_BN, mc_max, blk_mc, NPm)
+            w0 = t * QP_BN
+            qp_load_tile(dyn, gl, tid, h, w0, mc_max, blk_mc, NPm)
             syncthreads(live)
-            for hf in range(2):
-                w0 = t * QP_BN + 32 * hf
-                brk = w0 >= mc_max  # if (w0 >= mc_max) break;  (the last tile's empty second half)
-                check(brk.all() or not brk.any(), "half-tile break not uniform over the block")
-                if brk.all():
-                    break
-                s = half_logits(w0, hf)
+            act = half_active(w0)
+            if act.any():
+                s = half_logits(w0, act)
                 for a in range(2):
                     for c in range(4):
                         for e in range(2):
@@ -727,30 +813,32 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
                                 t0 = t0 + t1
                                 off = 4
                                 while off < 32:
-                                    p0 = (p0 + shfl_xor(p0, off, live)).astype(F32)
-                                    t0 = t0 + shfl_xor(t0, off, live)
+                                    p0 = (p0 + shfl_xor(p0, off, act)).astype(F32)
+                                    t0 = t0 + shfl_xor(t0, off, act)
                                     off <<= 1
                             else:
                                 off = 4
                                 while off < 4 * gl_:
-                                    p0 = (p0 + shfl_xor(p0, off, live)).astype(F32)
-                                    p1 = (p1 + shfl_xor(p1, off, live)).astype(F32)
-                                    t0 = t0 + shfl_xor(t0, off, live)
-                                    t1 = t1 + shfl_xor(t1, off, live)
+                                    p0 = (p0 + shfl_xor(p0, off, act)).astype(F32)
+                                    p1 = (p1 + shfl_xor(p1, off, act)).astype(F32)
+                                    t0 = t0 + shfl_xor(t0, off, act)
+                                    t1 = t1 + shfl_xor(t1, off, act)
                                     off <<= 1
                             w = w0 + cb + 8 * c + e
                             for k in range(2):
-                                i = ti[:, a, k]
-                                wr = writer & (k == 0 or G < 16) & (i >= 0) & (w < mcr[:, a, k])
-                                if not wr.any():
+                                i = (wr * 32 + a * 16 + (lane >> 2) + 8 * k) // G
+                                wrt = act & writer & (k == 0 or G < 16) & (w < mcr[:, a, k])
+                                if not wrt.any():
                                     continue
-                                iw = i[wr]
-                                tags = (t0 if k == 0 else t1)[wr]
+                                iw = i[wrt]
+                                check((iw < nr).all(), "s_out write for a block row past nr")
+                                tags = (t0 if k == 0 else t1)[wrt]
                                 want = ((np.arange(QP_BM)[None, :] // G) == iw[:, None]).astype(np.int64)
                                 bad = (tags != want).any(1)
-                                check(not bad.any(), f"block ({bx},{h}) tile {t} half {hf}: s_out sum of row(s) "
-                                      f"{iw[bad][:4].tolist()} (G = {G}) holds M-rows {[np.nonzero(x)[0].tolist() for x in tags[bad][:2]]}")
-                                store_out(gl, h, b0 + iw, w[wr], (p0 if k == 0 else p1)[wr])
+                                check(not bad.any(), f"block ({bx},{h}) tile {t}: s_out sum of row(s) "
+                                      f"{iw[bad][:4].tolist()} (G = {G}) holds M-rows "
+                                      f"{[np.nonzero(x)[0].tolist() for x in tags[bad][:2]]}")
+                                store_out(gl, h, b0 + iw, w[wrt], (p0 if k == 0 else p1)[wrt])
             syncthreads(live)
     stats['ps_max_byte'] = max(stats.get('ps_max_byte', -1), dyn.max_byte)
     return nbar[0]
@@ -811,10 +899,13 @@ def split_exactness_test(rng, n=2_000_000):
     return ok_f32, ok_exact, ok_pack, tie and tie2
 
 
-def run_shape(G, hkv, D, t0, n, seed, stride=16, ksize=32, label=None):
+def run_shape(G, hkv, D, t0, n, seed, stride=16, ksize=32, label=None, lens=None):
+    """Rows b = 0 .. n-1 with lens t0 + b + 1, or the given lens (then t0 is unused and n = lens.size)."""
     rng = np.random.default_rng(seed)
     H = G * hkv
-    lens = (t0 + np.arange(n) + 1).astype(np.int32)
+    if lens is None:
+        lens = (t0 + np.arange(n) + 1).astype(np.int32)
+    n = lens.size
     mc = sel_windows(lens, stride, ksize)
     M = int(mc.max())
     w_stride = max(64, -(-M // 64) * 64)
@@ -852,26 +943,39 @@ def run_shape(G, hkv, D, t0, n, seed, stride=16, ksize=32, label=None):
     return rel_l2, list(LOG.errors)
 
 
-M32_SHAPES = [  # (G, hkv, D, t0, n): row b has lens t0 + b + 1, Mc = (lens - 32) // 16 + 1 (0 below 32)
-    (1, 2, 64, 1100, 140),  # R = 128: blocks of 128 + 12 rows (last: warp 0 tile 0 only), Mc 67..76, 2 tiles
-    (1, 1, 80, 30, 150),    # first row Mc = 0, Mc <= 10; 128 + 22 rows
-    (1, 1, 128, 0, 40),     # rows 0..30 Mc = 0, then Mc = 1: one partial block
-    (2, 1, 80, 10, 100),    # R = 64: 64 + 36 rows; block 0 mixing Mc = 0 and Mc > 0
-    (2, 2, 128, 2000, 70),  # 64 + 6 rows; Mc 124..128, 2 tiles
-    (2, 2, 64, 300, 64),    # exactly one full block, Mc 17..21
-    (4, 2, 128, 3990, 37),  # R = 32: 32 + 5 rows; Mc 248..250, 4 tiles
-    (4, 3, 80, 700, 50),    # 32 + 18 rows; Mc 42..45: the second half tile partly masked
-    (4, 1, 64, 3000, 40),   # Mc 186..188, 3 tiles
-    (8, 2, 64, 1050, 20),   # R = 16: 16 + 4 rows; Mc 64 -> 65 crosses a tile edge inside block 0
-    (8, 2, 80, 17, 64),     # Mc <= 4, 4 blocks, first rows Mc = 0
-    (8, 1, 128, 1500, 9),   # one partial block (9 of 16 rows), Mc 92..93, 2 tiles
-    (16, 2, 128, 20, 20),   # R = 8: 8 + 8 + 4 rows; block 0 Mc = 0 (early return), block 1 mixed
-    (16, 1, 80, 500, 13),   # Mc 30..31 (< 32: the second half tile all masked); 8 + 5 rows
-    (16, 2, 64, 1000, 20),  # Mc 61..62 of 64 windows; 8 + 8 + 4 rows
-    (16, 2, 128, 2100, 24), # Mc 130..131, 3 tiles; 3 full blocks of 8 rows
-    (1, 1, 128, 1300, 130), # Mc 80..88, 2 tiles; 128 + 2 rows
-    (8, 1, 80, 2200, 40),   # Mc 136..138, 3 tiles; 16 + 16 + 8 rows
-    (2, 1, 64, 3500, 65),   # Mc 217..221, 4 tiles; 64 + 1 rows
+def lens_mc(mcs, rng):
+    """Row lengths with the given Mc (stride 16, ksize 32): Mc 0 -> lens 0..31, Mc m -> 32 + 16(m-1) + 0..15."""
+    mcs = np.asarray(mcs, np.int64)
+    return np.where(mcs > 0, 32 + 16 * (mcs - 1) + rng.integers(0, 16, mcs.size), rng.integers(0, 32, mcs.size)).astype(np.int32)
+
+
+def consec(t0, n):  # a prefill chunk: row b sees t0 + b + 1 tokens
+    return (t0 + np.arange(n) + 1).astype(np.int32)
+
+
+_r = np.random.default_rng(7)
+# (G, hkv, D, lens, label): Mc = (lens - 32) // 16 + 1 (0 below 32); R = 128 / G rows per block.
+M32_SHAPES = [
+    (4, 2, 64, consec(1100, 40), "G4 D64 Mc 67..70; 32+8 rows"),  # 2 tiles, the last one's second half empty
+    (4, 1, 80, consec(2040, 40), "G4 D80 Mc 126..129; 32+8 rows"),  # block 0 max Mc 128 = 2*64 exactly, block 1 129 (3 tiles, 1 window)
+    (4, 2, 128, np.concatenate([lens_mc([0] * 32, _r),  # block 0: every row Mc 0 (early return)
+                                lens_mc([0, 1, 2, 31, 32, 33, 62, 5] * 4, _r),  # max 62: one tile, second half partly masked
+                                lens_mc([96, 0, 17, 95, 3, 64, 1, 90, 0, 33, 96, 40], _r)]),  # partial, max 96 = 3*32
+     "G4 D128 mixed Mc 0..96; 32+32+12 rows"),
+    (8, 2, 64, consec(1050, 20), "G8 D64 Mc 64..65; 16+4 rows"),  # Mc 64 -> 65 inside block 0
+    (8, 1, 80, consec(0, 50), "G8 D80 Mc 0..2; 16*3+2 rows"),  # block 0 all Mc 0; rows shorter than a window
+    (8, 1, 128, consec(2200, 40), "G8 D128 Mc 136..139; 16+16+8 rows"),  # 3 tiles, last second half empty
+    (8, 2, 64, lens_mc([0, 1, 31, 32, 33, 63, 64, 65, 96, 127, 128, 129, 5, 0, 17, 150, 0, 0, 3], _r),
+     "G8 D64 mixed Mc 0..150; 16+3 rows"),  # a row of Mc 0 / 1 in a block of 3 tiles
+    (16, 2, 64, consec(1000, 20), "G16 D64 Mc 61..62; 8+8+4 rows"),  # < 64: one tile, second half partial
+    (16, 1, 80, consec(500, 13), "G16 D80 Mc 30..31; 8+5 rows"),  # < 32: every second half empty
+    (16, 2, 128, consec(20, 20), "G16 D128 Mc 0..1; 8+8+4 rows"),  # block 0 Mc 0 (early return), block 1 mixed
+    (16, 1, 128, consec(3080, 24), "G16 D128 Mc 191..193; 8+8+8 rows"),  # max Mc 192 = 3*64 (blocks 0, 1), 193
+    (16, 1, 80, lens_mc([0, 200, 1, 64, 32, 0, 31, 100, 65, 0, 2], _r), "G16 D80 mixed Mc 0..200; 8+3 rows"),
+    (4, 3, 128, consec(3990, 70), "G4 D128 hkv 3 Mc 248..252; 32+32+6 rows"),  # 4 tiles
+    (4, 1, 64, lens_mc(_r.choice([0, 1, 31, 32, 33, 63, 64, 65, 96, 128], 45), _r), "G4 D64 random Mc 0..128; 32+13"),
+    (8, 2, 80, lens_mc(_r.integers(0, 260, 40), _r), "G8 D80 random Mc 0..259; 16+16+8 rows"),
+    (16, 3, 64, lens_mc(_r.integers(0, 130, 20), _r), "G16 D64 hkv 3 random Mc 0..129; 8+8+4"),
 ]
 
 
@@ -888,8 +992,8 @@ if __name__ == "__main__":
     if KERNEL == "m32":
         worst = 0.0
         allerr = []
-        for i, sh in enumerate(M32_SHAPES):
-            r, e = run_shape(*sh, seed=200 + i)
+        for i, (G, hkv, D, lens, label) in enumerate(M32_SHAPES):
+            r, e = run_shape(G, hkv, D, None, lens.size, seed=200 + i, label=label, lens=lens)
             worst = max(worst, r)
             allerr += e
         print(f"m32: worst relL2 {worst:.3e}; total errors {len(allerr)}")
