@@ -334,11 +334,15 @@ __device__ __forceinline__ void mma_qk_tile32_m32(float (&s)[2][4][4], const u32
     }
 }
 
-template <int D, int G>
+// SPLIT: the Kc part tiles come from `parts` (qa_split_kc's bf16 parts, [hkv][3][p_stride][D])
+// by cp.async, two tiles in flight (the next tile's copies run during this tile's products),
+// instead of being read as f32 through registers and split by the block (kc, not read then).
+template <int D, int G, bool SPLIT>
 __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restrict__ q, int q_stride,
                                                            const float* __restrict__ kc, const int* __restrict__ lens,
                                                            float* __restrict__ s_out, int rows, int H, int hkv,
-                                                           int w_stride, int stride, int ksize, float scale) {
+                                                           int w_stride, int stride, int ksize, float scale,
+                                                           const bf16_t* __restrict__ parts, int p_stride) {
     constexpr int NP = 3;
     constexpr int RS = D + QP_PAD;
     constexpr int NK = D / 16;
@@ -390,23 +394,68 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
         }
     }
 
-    bf16_t* Ks = (bf16_t*)qp_sh;  // [NP][QP_BN][RS]: hi, mid, lo
+    bf16_t* Ks = (bf16_t*)qp_sh;  // [SPLIT ? 2 : 1][NP][QP_BN][RS]: hi, mid, lo
     const u32 ks_lane = smem_addr(Ks + ldsm_k_lane(lane, RS) + hf * 32 * RS);
     const u64 kc_row = (u64)hkv * D;
     const float* Kh = kc + (u64)h * D;
     const int ntiles = (mc_max + QP_BN - 1) / QP_BN;
+    // SPLIT: the NP part tiles of windows w0 .. w0+63 into buffer buf by cp.async (16-byte
+    // chunks, thread tid takes chunks tid + i*THREADS; windows >= mc_max zero-filled), one group.
+    const bf16_t* Ph = parts + (u64)h * NP * p_stride * D;
+    const u32 ks_base = smem_addr(Ks);
+    auto issue_tile = [&](int w0, int buf) {
+        constexpr int CH = D / 8;  // 16-byte chunks per row
+        if (QP_M32_THREADS % CH == 0) {
+            // thread tid: column chunk tid % CH of rows tid / CH + j * RSTEP of each part
+            constexpr int RSTEP = QP_M32_THREADS / CH;
+            const int c = tid % CH, row0 = tid / CH;
+            const bf16_t* src0 = Ph + (u64)(w0 + row0) * D + c * 8;
+            const u32 dst0 = ks_base + ((buf * NP) * PART + row0 * RS + c * 8) * 2;
+#pragma unroll
+            for (int p = 0; p < NP; ++p)
+#pragma unroll
+                for (int j = 0; j < QP_BN / RSTEP; ++j) {
+                    const bool ok = w0 + row0 + j * RSTEP < mc_max;
+                    cp_async16_at(dst0 + (p * PART + j * RSTEP * RS) * 2,
+                                  ok ? src0 + (u64)p * p_stride * D + j * RSTEP * D : Ph, ok);
+                }
+        } else {
+            constexpr int TOTAL = NP * QP_BN * CH;  // chunks per tile
+#pragma unroll 1
+            for (int x = tid; x < TOTAL; x += QP_M32_THREADS) {
+                const int p = x / (QP_BN * CH), r = x - p * (QP_BN * CH);
+                const int row = r / CH, c = r - row * CH;
+                const bool ok = w0 + row < mc_max;
+                const bf16_t* src = Ph + ((u64)p * p_stride + (ok ? w0 + row : 0)) * D + c * 8;
+                cp_async16_at(ks_base + ((buf * NP + p) * PART + row * RS + c * 8) * 2, src, ok);
+            }
+        }
+        cp_async_commit();
+    };
+    // Tile t's part tiles in shared memory, in buffer t & 1 under SPLIT (the next tile's copies
+    // issued first), in the one buffer otherwise; returns the buffer.
+    auto stage_tile = [&](int t) -> int {
+        if (SPLIT) {
+            if (t + 1 < ntiles) issue_tile((t + 1) * QP_BN, (t + 1) & 1);
+            else cp_async_commit();  // an empty group: wait_one below then waits for tile t
+            cp_async_wait_one();
+            return t & 1;
+        }
+        qp_load_tile<D, NP, QP_M32_THREADS>(Ks, Kh, kc_row, t * QP_BN, mc_max, tid);
+        return 0;
+    };
     const int cb = (lane & 3) * 2 + 32 * hf;
 
     // S of both A tiles over this warp's half of the tile at w0: s[a][c][2k + e] is fragment
     // row lane/4 + 8k of tile a, window w0 + 32*hf + 8c + 2*(lane%4) + e; scaled, -inf at
     // windows w >= the row's Mc.
-    auto half_logits = [&](int w0, float (&s)[2][4][4]) {
+    auto half_logits = [&](int w0, int buf, float (&s)[2][4][4]) {
 #pragma unroll
         for (int a = 0; a < 2; ++a)
 #pragma unroll
             for (int c = 0; c < 4; ++c) s[a][c][0] = s[a][c][1] = s[a][c][2] = s[a][c][3] = 0.0f;
 #pragma unroll
-        for (int p = 0; p < NP; ++p) mma_qk_tile32_m32<NK, RS>(s, qa, ks_lane + p * PART * 2);
+        for (int p = 0; p < NP; ++p) mma_qk_tile32_m32<NK, RS>(s, qa, ks_lane + (buf * NP + p) * PART * 2);
 #pragma unroll
         for (int a = 0; a < 2; ++a)
 #pragma unroll
@@ -427,13 +476,14 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     float mr[2][2], lr[2][2];
 #pragma unroll
     for (int a = 0; a < 2; ++a) mr[a][0] = mr[a][1] = -INFINITY, lr[a][0] = lr[a][1] = 0.0f;
+    if (SPLIT) issue_tile(0, 0);
     for (int t = 0; t < ntiles; ++t) {
         const int w0 = t * QP_BN;
-        qp_load_tile<D, NP, QP_M32_THREADS>(Ks, Kh, kc_row, w0, mc_max, tid);
+        const int buf = stage_tile(t);
         __syncthreads();
         if (w0 + 32 * hf < mc_max) {  // warp-uniform: the last tile's second half may be empty
             float s[2][4][4];
-            half_logits(w0, s);
+            half_logits(w0, buf, s);
 #pragma unroll
             for (int a = 0; a < 2; ++a)
 #pragma unroll
@@ -497,13 +547,14 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     // also the two fragment rows k of a lane. A lane with those bits 0 writes the sum.
     constexpr int gl = G < 8 ? G : 8;
     const bool writer = ((lane >> 2) & (gl - 1)) == 0;
+    if (SPLIT) issue_tile(0, 0);
     for (int t = 0; t < ntiles; ++t) {
         const int w0 = t * QP_BN;
-        qp_load_tile<D, NP, QP_M32_THREADS>(Ks, Kh, kc_row, w0, mc_max, tid);
+        const int buf = stage_tile(t);
         __syncthreads();
         if (w0 + 32 * hf < mc_max) {  // warp-uniform
             float s[2][4][4];
-            half_logits(w0, s);
+            half_logits(w0, buf, s);
 #pragma unroll
             for (int a = 0; a < 2; ++a)
 #pragma unroll
@@ -539,15 +590,48 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     }
 }
 
-// Entry points qa_prefill_scores_m32_g<G>_d<D>: G a compile-time constant (the row of a
+// Kc f32 [mc, hkv, D] as the three exact bf16 parts of qp_split2, [hkv][3][p_stride][D] (p_stride
+// >= mc): what the SPLIT scoring kernels read, once per chunk instead of once per block and pass.
+// One thread per float4; grid-stride loop.
+extern "C" __global__ void qa_split_kc(const float* __restrict__ kc, bf16_t* __restrict__ parts, int mc, int hkv,
+                                       int D, int p_stride) {
+    const int f4 = D / 4;
+    const long long total = (long long)mc * hkv * f4;
+    for (long long x = (long long)blockIdx.x * blockDim.x + threadIdx.x; x < total;
+         x += (long long)gridDim.x * blockDim.x) {
+        const int c4 = (int)(x % f4);
+        const long long wh = x / f4;
+        const int hh = (int)(wh % hkv);
+        const long long w = wh / hkv;
+        const float4 v = ((const float4*)kc)[x];
+        u32 a0, b0, c0, a1, b1, c1;
+        qp_split2(v.x, v.y, a0, b0, c0);
+        qp_split2(v.z, v.w, a1, b1, c1);
+        const u64 o = (((u64)hh * 3) * p_stride + w) * D + c4 * 4;
+        const u64 ps = (u64)p_stride * D;
+        *(uint2*)(parts + o) = make_uint2(a0, a1);
+        *(uint2*)(parts + o + ps) = make_uint2(b0, b1);
+        *(uint2*)(parts + o + 2 * ps) = make_uint2(c0, c1);
+    }
+}
+
+// Entry points qa_prefill_scores_m32{,s}_g<G>_d<D>: G a compile-time constant (the row of a
 // fragment row, the shuffles and the writing lanes fold into constants; a runtime G spills at
-// D = 128 under the 128 registers of 2 blocks per SM), for G 4, 8 and 16.
+// D = 128 under the 128 registers of 2 blocks per SM), for G 4, 8 and 16; m32s the SPLIT kernel
+// (parts from qa_split_kc, two tile buffers in dynamic shared memory).
 #define QP_M32_ENTRY(G, D)                                                                                     \
     extern "C" __global__ __launch_bounds__(QP_M32_THREADS, 2) void qa_prefill_scores_m32_g##G##_d##D(         \
         const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens, \
         float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) { \
-        qa_prefill_scores_m32_impl<D, G>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride, ksize, \
-                                         scale);                                                               \
+        qa_prefill_scores_m32_impl<D, G, false>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride,  \
+                                                ksize, scale, nullptr, 0);                                     \
+    }                                                                                                          \
+    extern "C" __global__ __launch_bounds__(QP_M32_THREADS, 2) void qa_prefill_scores_m32s_g##G##_d##D(        \
+        const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens, \
+        float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale,  \
+        const bf16_t* __restrict__ parts, int p_stride) {                                                      \
+        qa_prefill_scores_m32_impl<D, G, true>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride,   \
+                                               ksize, scale, parts, p_stride);                                 \
     }
 QP_M32_ENTRY(4, 64)
 QP_M32_ENTRY(4, 80)

@@ -32,9 +32,9 @@ use crate::config::SparseConfig;
 use crate::cpu::ops as cpu_ops;
 use crate::cuda::device_error::DeviceErrors;
 use crate::cuda::ops::select::{
-    compress_append, compress_prefill, prefill_scores_m32_takes, prefill_scores_tc_supported, select_from_scores,
-    window_scores, window_scores_shared_kc, PooledScores, PrefillScores, SelectBatch,
-    SelectWorkspace, SeqSelectState,
+    compress_append, compress_prefill, prefill_scores_m32_takes, prefill_scores_tc_supported,
+    select_from_scores, window_scores, window_scores_shared_kc, PooledScores, PrefillScores,
+    SelectBatch, SelectWorkspace, SeqSelectState,
 };
 use crate::cuda::{Bf16, Gpu};
 use crate::model::select::{self as msel, Budget, SelectionRule};
@@ -817,6 +817,11 @@ fn shared_kc_case(
             kernels.push((
                 PrefillScores::TensorCore,
                 "qa_prefill_scores_m32 (prefill rows, tensor cores, 32 M-rows per warp)",
+                TOLERANCE_F32_SCORES,
+            ));
+            kernels.push((
+                PrefillScores::TensorCoreSplit,
+                "qa_prefill_scores_m32s (prefill rows, tensor cores, Kc parts split once)",
                 TOLERANCE_F32_SCORES,
             ));
         }

@@ -490,6 +490,16 @@ impl GpuModel {
                     ws.qa_logits = unsafe { s.alloc(n * hq * w_stride) }
                         .cuda("allocating the window-score workspace")?;
                 }
+                // tensor-core-split: the logits buffer holds Kc's bf16 parts
+                let parts = crate::cuda::ops::select::split_kc_scratch_f32(hk, w_stride, dh);
+                if !logits_in_memory
+                    && crate::cuda::ops::select::prefill_scores()
+                        == crate::cuda::ops::select::PrefillScores::TensorCoreSplit
+                    && ws.qa_logits.len() < parts
+                {
+                    ws.qa_logits =
+                        unsafe { s.alloc(parts) }.cuda("allocating the window-score workspace")?;
+                }
                 if logits_in_memory && ws.qa_stats.len() < n * hq * ntiles * 2 {
                     ws.qa_stats = unsafe { s.alloc(n * hq * ntiles * 2) }
                         .cuda("allocating the window-score workspace")?;

@@ -5,7 +5,7 @@
 use super::*;
 use crate::cuda::ops::select::{
     launch_prefill_scores, launch_window_logits, launch_window_scores, qa_logits_shared_kc,
-    ScoreDims,
+    PrefillScores, ScoreDims,
 };
 
 impl GpuModel {
@@ -76,7 +76,11 @@ impl GpuModel {
                 Some(kc) if tc => {
                     phase("window_scores")?;
                     let kernels = crate::cuda::ops::select::prefill_scores();
-                    launch_prefill_scores(gpu, &dims, qp, self.qkv_cols, dh, kc, kernels)?;
+                    // (tensor-core-split: Kc's parts in the logits buffer the
+                    // tensor-core kernels do not otherwise use; prefill sizes it)
+                    let split = (kernels == PrefillScores::TensorCoreSplit)
+                        .then(|| (dptr(gpu, &ws.qa_logits), geo.mc));
+                    launch_prefill_scores(gpu, &dims, qp, self.qkv_cols, dh, kc, kernels, split)?;
                 }
                 // Rows of one sequence: cuBLAS reads each Kc tile once.
                 Some(kc) => {

@@ -800,6 +800,18 @@ pub fn window_scores_shared_kc(
         budget: *budget,
     };
     if kernels != PrefillScores::Cublas {
+        // SAFETY: written by qa_split_kc before the scoring kernel reads it.
+        let parts = if kernels == PrefillScores::TensorCoreSplit {
+            Some(
+                unsafe {
+                    gpu.stream()
+                        .alloc::<f32>(split_kc_scratch_f32(hk, ws.w_stride, d))
+                }
+                .cuda(OP)?,
+            )
+        } else {
+            None
+        };
         launch_prefill_scores(
             gpu,
             &dims,
@@ -808,6 +820,7 @@ pub fn window_scores_shared_kc(
             d,
             dptr(gpu, kc),
             kernels,
+            parts.as_ref().map(|p| (dptr(gpu, p), mc)),
         )?;
         // the uploads live until the kernel that reads them is done
         return gpu.synchronize();
@@ -982,6 +995,13 @@ pub enum PrefillScores {
     /// shared-memory B fragment serves two A tiles; the heads summed in
     /// registers), for other G `qa_prefill_scores`.
     TensorCore,
+    /// `tensor-core-split`: as `tensor-core`, with Kc split into its three
+    /// bf16 parts once per chunk (`qa_split_kc`, into a scratch of
+    /// [`split_kc_scratch_f32`]) and the part tiles copied into shared
+    /// memory by cp.async, the next tile's during this tile's products
+    /// (`qa_prefill_scores_m32s_g*`; for G of 4, 8 and 16, other G as
+    /// `tensor-core`).
+    TensorCoreSplit,
     /// `tensor-core-m16`: `qa_prefill_scores` for every G (16 M-rows per
     /// warp, the heads summed through a shared-memory P tile): the kernel of
     /// the G that do not divide 16, selectable for comparison.
@@ -998,7 +1018,9 @@ impl PrefillScores {
     pub fn kc_parts(self) -> usize {
         match self {
             PrefillScores::Cublas => 0,
-            PrefillScores::TensorCore | PrefillScores::TensorCoreM16 => 3,
+            PrefillScores::TensorCore
+            | PrefillScores::TensorCoreSplit
+            | PrefillScores::TensorCoreM16 => 3,
             PrefillScores::TensorCoreBf16x2 => 2,
         }
     }
@@ -1008,17 +1030,18 @@ impl PrefillScores {
 pub const ENV_PREFILL_SCORES: &str = "SPARDA_PREFILL_SCORES";
 
 /// Reads a [`ENV_PREFILL_SCORES`] value: `cublas`, `tensor-core`,
-/// `tensor-core-m16` or `tensor-core-bf16x2`.
+/// `tensor-core-split`, `tensor-core-m16` or `tensor-core-bf16x2`.
 ///
 /// Errors: [`Error::Input`] naming the variable, the value and the choices.
 pub fn parse_prefill_scores(v: &str) -> Result<PrefillScores> {
     match v.trim() {
         "cublas" => Ok(PrefillScores::Cublas),
         "tensor-core" => Ok(PrefillScores::TensorCore),
+        "tensor-core-split" => Ok(PrefillScores::TensorCoreSplit),
         "tensor-core-m16" => Ok(PrefillScores::TensorCoreM16),
         "tensor-core-bf16x2" => Ok(PrefillScores::TensorCoreBf16x2),
         _ => Err(Error::Input(format!(
-            "{ENV_PREFILL_SCORES}={v}: give cublas, tensor-core, tensor-core-m16 or tensor-core-bf16x2 (the kernels that score a prefill chunk's windows)"
+            "{ENV_PREFILL_SCORES}={v}: give cublas, tensor-core, tensor-core-split, tensor-core-m16 or tensor-core-bf16x2 (the kernels that score a prefill chunk's windows)"
         ))),
     }
 }
@@ -1067,10 +1090,18 @@ pub fn prefill_scores_m32_takes(group: usize) -> bool {
 const QP_M32_THREADS: u32 = 256;
 
 /// Dynamic shared memory of `qa_prefill_scores_m32` at head dim `d`,
-/// bytes: the three bf16 part tiles of 64 windows (rows of d + 8); no P
-/// tile (kernels/qa_prefill.cu).
-pub fn qa_prefill_m32_smem_bytes(d: usize) -> usize {
-    3 * 64 * (d + 8) * 2
+/// bytes: the three bf16 part tiles of 64 windows (rows of d + 8), twice
+/// for the `m32s` kernels (`split`: two tiles in flight); no P tile
+/// (kernels/qa_prefill.cu).
+pub fn qa_prefill_m32_smem_bytes(d: usize, split: bool) -> usize {
+    3 * 64 * (d + 8) * 2 * if split { 2 } else { 1 }
+}
+
+/// f32 elements of the scratch [`PrefillScores::TensorCoreSplit`] needs
+/// for Kc's bf16 parts: bf16 [Hkv, 3, `w_stride`, D] (`w_stride` ≥ the
+/// windows split), rounded up to whole f32.
+pub fn split_kc_scratch_f32(kv_heads: usize, w_stride: usize, head_dim: usize) -> usize {
+    (kv_heads * 3 * w_stride * head_dim).div_ceil(2)
 }
 
 /// Dynamic shared memory of `qa_prefill_scores` at head dim `d` with
@@ -1105,13 +1136,29 @@ pub(crate) fn launch_prefill_scores(
     head_dim: usize,
     kc: u64,
     kernels: PrefillScores,
+    split: Option<(u64, usize)>,
 ) -> Result<()> {
     const OP: &str = "qa_prefill_scores";
     let g = d.heads / d.kv_heads.max(1);
-    let m32 = kernels == PrefillScores::TensorCore && prefill_scores_m32_takes(g);
+    let m32 = matches!(
+        kernels,
+        PrefillScores::TensorCore | PrefillScores::TensorCoreSplit
+    ) && prefill_scores_m32_takes(g);
+    let split = match (kernels, split) {
+        (PrefillScores::TensorCoreSplit, Some(sp)) if m32 => Some(sp),
+        (PrefillScores::TensorCoreSplit, None) if m32 => {
+            return Err(Error::Input(format!(
+                "{OP}: tensor-core-split needs a Kc part scratch (split_kc_scratch_f32)"
+            )))
+        }
+        _ => None,
+    };
     let entry = match kernels {
-        PrefillScores::TensorCore if m32 => &format!("qa_prefill_scores_m32_g{g}"),
-        PrefillScores::TensorCore | PrefillScores::TensorCoreM16 => OP,
+        _ if split.is_some() => &format!("qa_prefill_scores_m32s_g{g}"),
+        PrefillScores::TensorCore | PrefillScores::TensorCoreSplit if m32 => {
+            &format!("qa_prefill_scores_m32_g{g}")
+        }
+        PrefillScores::TensorCore | PrefillScores::TensorCoreSplit | PrefillScores::TensorCoreM16 => OP,
         PrefillScores::TensorCoreBf16x2 => "qa_prefill_scores_bf16x2",
         PrefillScores::Cublas => {
             return Err(Error::Input(format!(
@@ -1140,7 +1187,10 @@ pub(crate) fn launch_prefill_scores(
     let [h_, hk_, wst, _, st, ks] = d.i32s()?;
     let f = gpu.function(&format!("{entry}_d{head_dim}"))?;
     let (dynamic, threads) = if m32 {
-        (qa_prefill_m32_smem_bytes(head_dim), QP_M32_THREADS)
+        (
+            qa_prefill_m32_smem_bytes(head_dim, split.is_some()),
+            QP_M32_THREADS,
+        )
     } else {
         (qa_prefill_smem_bytes(head_dim, parts), QP_THREADS)
     };
@@ -1169,7 +1219,45 @@ pub(crate) fn launch_prefill_scores(
         .arg(&st)
         .arg(&ks)
         .arg(&scale);
-    // SAFETY: argument list matches qa_prefill_scores{,_m32_g*,_bf16x2}_d* in
+    let (parts, pst) = match split {
+        Some((parts, mc)) => {
+            // Kc's parts first (the same stream): windows < mc, the most any
+            // row reads; p_stride = w_stride ≥ mc.
+            let sf = gpu.function("qa_split_kc")?;
+            let n4 = mc * d.kv_heads * head_dim / 4;
+            let (mc_, d_) = (i32_dim(mc, "Mc")?, i32_dim(head_dim, "D")?);
+            if mc > d.w_stride {
+                return Err(Error::Input(format!(
+                    "{OP}: {mc} windows to split exceed w_stride {}",
+                    d.w_stride
+                )));
+            }
+            let scfg = LaunchConfig {
+                grid_dim: (grid(n4.div_ceil(256).clamp(1, 4096), "split blocks")?, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut sl = gpu.stream().launch_builder(sf);
+            sl.arg(&kc)
+                .arg(&parts)
+                .arg(&mc_)
+                .arg(&hk_)
+                .arg(&d_)
+                .arg(&wst);
+            // SAFETY: matches qa_split_kc(kc, parts, mc, hkv, D, p_stride):
+            // Kc holds ≥ mc windows of Hkv·D f32 (the caller's contract), the
+            // scratch Hkv·3·w_stride·D bf16 (split_kc_scratch_f32).
+            if mc > 0 {
+                unsafe { sl.launch(scfg) }.cuda("qa_split_kc")?;
+            }
+            (parts, wst)
+        }
+        None => (0u64, 0i32),
+    };
+    if split.is_some() {
+        l.arg(&parts).arg(&pst);
+    }
+    // SAFETY: argument list matches qa_prefill_scores{,_m32_g*,_m32s_g*,_bf16x2}_d* in
     // kernels/qa_prefill.cu; q holds rows rows of H·D bf16 at q_stride, Kc
     // the windows below every row's Mc, the scores rows·Hkv·w_stride f32
     // with w_stride ≥ every row's Mc (the caller's contract, ScoreDims).
@@ -1532,12 +1620,26 @@ mod prefill_scores_tests {
         );
         assert_eq!(PrefillScores::TensorCore.kc_parts(), 3);
         assert_eq!(PrefillScores::TensorCoreM16.kc_parts(), 3);
+        assert_eq!(
+            parse_prefill_scores("tensor-core-split").unwrap(),
+            PrefillScores::TensorCoreSplit
+        );
+        assert_eq!(PrefillScores::TensorCoreSplit.kc_parts(), 3);
         assert_eq!(PrefillScores::TensorCoreBf16x2.kc_parts(), 2);
-        for bad in ["", "tc", "TENSOR-CORE", "cuBLAS", "tensor-core-bf16x3", "tensor-core-m32"] {
+        for bad in [
+            "",
+            "tc",
+            "TENSOR-CORE",
+            "cuBLAS",
+            "tensor-core-bf16x3",
+            "tensor-core-m32",
+        ] {
             let e = parse_prefill_scores(bad).unwrap_err().to_string();
             assert!(
                 e.contains(&format!("{ENV_PREFILL_SCORES}={bad}"))
-                    && e.contains("cublas, tensor-core, tensor-core-m16 or tensor-core-bf16x2"),
+                    && e.contains(
+                        "cublas, tensor-core, tensor-core-split, tensor-core-m16 or tensor-core-bf16x2"
+                    ),
                 "{bad}: {e}"
             );
         }
@@ -1577,11 +1679,17 @@ mod prefill_scores_tests {
         // shared memory (which also holds the warp pairs' statistics, 8 KB).
         assert_eq!(2 * QP_M32_THREADS as usize * 128, 65536);
         for d in [64, 80, 128] {
-            let per_block = qa_prefill_m32_smem_bytes(d) + 1024 + QP_BM * 4;
-            assert!(2 * per_block <= 228 * 1024, "m32 D {d}: {per_block} bytes");
-            assert!(qa_prefill_m32_smem_bytes(d) >= 2 * 4 * 32 * 8 * 4, "m32 D {d}");
+            for split in [false, true] {
+                let per_block = qa_prefill_m32_smem_bytes(d, split) + 1024 + QP_BM * 4;
+                assert!(2 * per_block <= 228 * 1024, "m32 D {d}: {per_block} bytes");
+                assert!(qa_prefill_m32_smem_bytes(d, split) >= 2 * 4 * 32 * 8 * 4);
+            }
         }
-        assert_eq!(qa_prefill_m32_smem_bytes(128), 3 * 64 * 136 * 2);
+        assert_eq!(qa_prefill_m32_smem_bytes(128, false), 3 * 64 * 136 * 2);
+        assert_eq!(qa_prefill_m32_smem_bytes(128, true), 2 * 3 * 64 * 136 * 2);
+        // bf16 [Hkv, 3, w_stride, D] as f32, rounded up
+        assert_eq!(split_kc_scratch_f32(2, 4096, 128), 2 * 3 * 4096 * 128 / 2);
+        assert_eq!(split_kc_scratch_f32(1, 1, 1), 2);
         assert_eq!(
             qa_prefill_smem_bytes(128, 3),
             3 * 64 * 136 * 2 + 128 * 65 * 4
