@@ -1118,6 +1118,10 @@ pub fn qa_prefill_smem_bytes(d: usize, parts: usize) -> usize {
 /// [`prefill_scores_m32_takes`] G, else and for
 /// [`PrefillScores::TensorCoreM16`] `qa_prefill_scores_d*`,
 /// `qa_prefill_scores_bf16x2_d*` for [`PrefillScores::TensorCoreBf16x2`];
+/// for [`PrefillScores::TensorCoreSplit`] where the m32 kernels take G,
+/// `qa_split_kc` then `qa_prefill_scores_m32s_g<G>_d*`, with `split` =
+/// (the scratch for Kc's parts, [`split_kc_scratch_f32`] f32 at
+/// `d.w_stride`; the windows to split, ≥ every row's Mc);
 /// kernels/qa_prefill.cu): writes `d.scores` (the windows below each row's
 /// Mc) from the bf16 queries at `q` (row b at b·`q_stride`) and the f32 Kc
 /// at `kc` (≥ max Mc windows of Hkv·`head_dim`); `d.logits` and `d.stats`
@@ -1126,8 +1130,10 @@ pub fn qa_prefill_smem_bytes(d: usize, parts: usize) -> usize {
 /// Errors: [`Error::Input`] for [`PrefillScores::Cublas`], when the shape
 /// is not one the kernel takes ([`prefill_scores_tc_supported`]),
 /// `q_stride` is odd, `q` is not 4-byte or `kc` not 16-byte aligned, a
-/// dimension exceeds i32 or the shared memory does not fit;
+/// dimension exceeds i32, the shared memory does not fit, or the split
+/// kernels lack `split` or its windows exceed `d.w_stride`;
 /// [`Error::Cuda`] on a launch failure.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_prefill_scores(
     gpu: &Gpu,
     d: &ScoreDims,
