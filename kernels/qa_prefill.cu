@@ -311,6 +311,20 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 // qa_prefill_m32_smem_bytes(D) (src/cuda/ops/select.rs: 3*64*(D+8)*2 bytes, the part tiles; the
 // pairs' statistics reuse them between the passes).
 
+// QP_FAST_EXP=1 (through SPARDA_NVRTC_OPTIONS): the m32 kernels' softmax in base 2, the logits
+// scaled by log2(e)/sqrt(D) and exp as ex2.approx.ftz (one SFU instruction; expf adds a range
+// reduction of several instructions), the same P up to the rounding of the two.
+#ifndef QP_FAST_EXP
+#define QP_FAST_EXP 0
+#endif
+#if QP_FAST_EXP
+#define qp_exp(x) ex2_ftz(x)
+#define QP_LOGIT_SCALE(scale) ((scale) * 1.4426950408889634f)
+#else
+#define qp_exp(x) expf(x)
+#define QP_LOGIT_SCALE(scale) (scale)
+#endif
+
 #define QP_M32_WARPS 8
 #define QP_M32_THREADS (32 * QP_M32_WARPS)
 
@@ -445,6 +459,7 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
         return 0;
     };
     const int cb = (lane & 3) * 2 + 32 * hf;
+    const float lscale = QP_LOGIT_SCALE(scale);  // logits in the units of qp_exp
 
     // S of both A tiles over this warp's half of the tile at w0: s[a][c][2k + e] is fragment
     // row lane/4 + 8k of tile a, window w0 + 32*hf + 8c + 2*(lane%4) + e; scaled, -inf at
@@ -465,7 +480,7 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                     const int w = w0 + cb + 8 * c + e;
 #pragma unroll
                     for (int k = 0; k < 2; ++k) {
-                        const float v = s[a][c][2 * k + e] * scale;
+                        const float v = s[a][c][2 * k + e] * lscale;
                         s[a][c][2 * k + e] = w < mcr[a][k] ? v : -INFINITY;
                     }
                 }
@@ -495,11 +510,11 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                     mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
                     const float mn = fmaxf(mr[a][k], mx);
                     if (mn != -INFINITY) {
-                        float l = mr[a][k] != -INFINITY ? lr[a][k] * expf(mr[a][k] - mn) : 0.0f;
+                        float l = mr[a][k] != -INFINITY ? lr[a][k] * qp_exp(mr[a][k] - mn) : 0.0f;
 #pragma unroll
                         for (int c = 0; c < 4; ++c) {
-                            l += expf(s[a][c][2 * k] - mn);
-                            l += expf(s[a][c][2 * k + 1] - mn);
+                            l += qp_exp(s[a][c][2 * k] - mn);
+                            l += qp_exp(s[a][c][2 * k + 1] - mn);
                         }
                         lr[a][k] = l;
                         mr[a][k] = mn;
@@ -535,7 +550,7 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
             const float mn = fmaxf(m0, m1);
             float l = 0.0f;
             if (mn != -INFINITY) {
-                l = (m0 != -INFINITY ? l0 * expf(m0 - mn) : 0.0f) + (m1 != -INFINITY ? l1 * expf(m1 - mn) : 0.0f);
+                l = (m0 != -INFINITY ? l0 * qp_exp(m0 - mn) : 0.0f) + (m1 != -INFINITY ? l1 * qp_exp(m1 - mn) : 0.0f);
             }
             mr[a][k] = mn;
             il[a][k] = l > 0.0f ? 1.0f / l : 0.0f;
@@ -562,8 +577,8 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const float s0 = s[a][c][e], s1 = s[a][c][2 + e];
-                        float p0 = s0 != -INFINITY ? expf(s0 - mr[a][0]) * il[a][0] : 0.0f;
-                        float p1 = s1 != -INFINITY ? expf(s1 - mr[a][1]) * il[a][1] : 0.0f;
+                        float p0 = s0 != -INFINITY ? qp_exp(s0 - mr[a][0]) * il[a][0] : 0.0f;
+                        float p1 = s1 != -INFINITY ? qp_exp(s1 - mr[a][1]) * il[a][1] : 0.0f;
                         if (G == 16) {
                             p0 += p1;
 #pragma unroll

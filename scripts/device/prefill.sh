@@ -102,8 +102,9 @@ ab)
 scores)
   # (the select group holds the prefill scoring kernels' cases against the CPU reference)
   # SCORES: the SPARDA_PREFILL_SCORES values to check end to end and time (default tensor-core,
-  # tensor-core-m16); SCORES_OPTS: "label=NVRTC options;…", each timed (and its select cases
-  # checked) with SPARDA_NVRTC_OPTIONS set, files *_opts_<label>; TRACE_SCORES: those to trace at
+  # tensor-core-m16); SCORES_OPTS: "label=NVRTC options;…", each timed with SPARDA_PREFILL_SCORES
+  # = OPTS_SCORES (default tensor-core) and its select cases checked, with SPARDA_NVRTC_OPTIONS
+  # set, files *_opts_<label>; TRACE_SCORES: those to trace at
   # TRACE_TOKENS prompt tokens (default tensor-core at 32768); NCU=1: Nsight Compute sections of the
   # last window-scoring launch of an 8K-token sparse prefill per SCORES value (ncu_<value>.txt)
   kinds=${SCORES:-tensor-core tensor-core-m16}
@@ -124,7 +125,7 @@ scores)
     l=${o%%=*}
     SPARDA_NVRTC_OPTIONS="${o#*=}" SPARDA_CHECK_ONLY=select "$SPARDA" gpu-check \
       --json "$out/gpu_check_select_opts_$l.json" 2>&1 | grep -E "FAIL|error:|cases" | sed "s/^/$l: /" | tail -4
-    SPARDA_NVRTC_OPTIONS="${o#*=}" "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
+    SPARDA_PREFILL_SCORES=${OPTS_SCORES:-tensor-core} SPARDA_NVRTC_OPTIONS="${o#*=}" "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
       --steps 0 --attention sparse --kv gpu --batch 1 --context "${CONTEXT:-32K,128K}" --prefill sparse \
       --json "$out/prefill_sparse_scores_opts_$l.json" 2>&1 | grep -E "prefill only|error" | sed "s/^/$l: /"
   done
