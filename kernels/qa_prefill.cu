@@ -634,26 +634,36 @@ extern "C" __global__ void qa_split_kc(const float* __restrict__ kc, bf16_t* __r
 // fragment row, the shuffles and the writing lanes fold into constants; a runtime G spills at
 // D = 128 under the 128 registers of 2 blocks per SM), for G 4, 8 and 16; m32s the SPLIT kernel
 // (parts from qa_split_kc, two tile buffers in dynamic shared memory).
-#define QP_M32_ENTRY(G, D)                                                                                     \
-    extern "C" __global__ __launch_bounds__(QP_M32_THREADS, 2) void qa_prefill_scores_m32_g##G##_d##D(         \
+#define QP_M32_ENTRY(NAME, G, D)                                                                               \
+    extern "C" __global__ __launch_bounds__(QP_M32_THREADS, 2) void NAME(                                      \
         const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens, \
         float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) { \
         qa_prefill_scores_m32_impl<D, G, false>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride,  \
                                                 ksize, scale, nullptr, 0);                                     \
-    }                                                                                                          \
-    extern "C" __global__ __launch_bounds__(QP_M32_THREADS, 2) void qa_prefill_scores_m32s_g##G##_d##D(        \
+    }
+#define QP_M32S_ENTRY(NAME, G, D)                                                                              \
+    extern "C" __global__ __launch_bounds__(QP_M32_THREADS, 2) void NAME(                                      \
         const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens, \
         float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale,  \
         const bf16_t* __restrict__ parts, int p_stride) {                                                      \
         qa_prefill_scores_m32_impl<D, G, true>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride,   \
                                                ksize, scale, parts, p_stride);                                 \
     }
-QP_M32_ENTRY(4, 64)
-QP_M32_ENTRY(4, 80)
-QP_M32_ENTRY(4, 128)
-QP_M32_ENTRY(8, 64)
-QP_M32_ENTRY(8, 80)
-QP_M32_ENTRY(8, 128)
-QP_M32_ENTRY(16, 64)
-QP_M32_ENTRY(16, 80)
-QP_M32_ENTRY(16, 128)
+QP_M32_ENTRY(qa_prefill_scores_m32_g4_d64, 4, 64)
+QP_M32_ENTRY(qa_prefill_scores_m32_g4_d80, 4, 80)
+QP_M32_ENTRY(qa_prefill_scores_m32_g4_d128, 4, 128)
+QP_M32_ENTRY(qa_prefill_scores_m32_g8_d64, 8, 64)
+QP_M32_ENTRY(qa_prefill_scores_m32_g8_d80, 8, 80)
+QP_M32_ENTRY(qa_prefill_scores_m32_g8_d128, 8, 128)
+QP_M32_ENTRY(qa_prefill_scores_m32_g16_d64, 16, 64)
+QP_M32_ENTRY(qa_prefill_scores_m32_g16_d80, 16, 80)
+QP_M32_ENTRY(qa_prefill_scores_m32_g16_d128, 16, 128)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_g4_d64, 4, 64)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_g4_d80, 4, 80)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_g4_d128, 4, 128)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_g8_d64, 8, 64)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_g8_d80, 8, 80)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_g8_d128, 8, 128)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_g16_d64, 16, 64)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_g16_d80, 16, 80)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_g16_d128, 16, 128)
