@@ -106,7 +106,8 @@ scores)
   # = OPTS_SCORES (default tensor-core) and its select cases checked, with SPARDA_NVRTC_OPTIONS
   # set, files *_opts_<label>; TRACE_SCORES: those to trace at
   # TRACE_TOKENS prompt tokens (default tensor-core at 32768); NCU=1: Nsight Compute sections of the
-  # last window-scoring launch of an 8K-token sparse prefill per SCORES value (ncu_<value>.txt)
+  # last window-scoring launch of an 8K-token sparse prefill per SCORES value (or NCU_SCORES;
+  # ncu_<value>.txt)
   kinds=${SCORES:-tensor-core tensor-core-m16}
   SPARDA_CHECK_ONLY=kernels,select "$SPARDA" gpu-check \
     --json "$out/gpu_check_kernels_select.json" 2>&1 | grep -E "FAIL|error:|qa_|attention|cases" | tail -16
@@ -131,7 +132,7 @@ scores)
   done
   if [[ "${NCU:-0}" == 1 ]]; then
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    for k in $kinds; do
+    for k in ${NCU_SCORES:-$kinds}; do
       # 8 chunks of 1024 rows x 32 layers: launch 255 is the last chunk's last layer
       SPARDA_PREFILL_SCORES=$k "$ncu" --clock-control none -k regex:qa_prefill_scores --launch-skip 255 \
         --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
