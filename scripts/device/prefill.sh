@@ -32,7 +32,7 @@
 #   scripts/device/prefill.sh scores       OUT   the sparse prefill window-scoring kernels: gpu-check's kernel
 #                                                and selection cases (qa_prefill_scores* among them), then per
 #                                                SPARDA_PREFILL_SCORES value in SCORES (default tensor-core
-#                                                tensor-core-m16) gpu-check-e2e and sparse prefill at CONTEXT
+#                                                tensor-core-m32 tensor-core-split) gpu-check-e2e and sparse prefill at CONTEXT
 #                                                (default 32K,128K), one process each; per SCORES_OPTS entry
 #                                                (label=NVRTC options) the select cases and the prefill again;
 #                                                with NCU=1 Nsight Compute sections of one window-scoring
@@ -102,13 +102,13 @@ ab)
 scores)
   # (the select group holds the prefill scoring kernels' cases against the CPU reference)
   # SCORES: the SPARDA_PREFILL_SCORES values to check end to end and time (default tensor-core,
-  # tensor-core-m16); SCORES_OPTS: "label=NVRTC options;…", each timed with SPARDA_PREFILL_SCORES
+  # tensor-core-m32, tensor-core-split); SCORES_OPTS: "label=NVRTC options;…", each timed with SPARDA_PREFILL_SCORES
   # = OPTS_SCORES (default tensor-core) and its select cases checked, with SPARDA_NVRTC_OPTIONS
   # set, files *_opts_<label>; TRACE_SCORES: those to trace at
   # TRACE_TOKENS prompt tokens (default tensor-core at 32768); NCU=1: Nsight Compute sections of the
   # last window-scoring launch of an 8K-token sparse prefill per SCORES value (or NCU_SCORES;
   # ncu_<value>.txt)
-  kinds=${SCORES:-tensor-core tensor-core-m16}
+  kinds=${SCORES:-tensor-core tensor-core-m32 tensor-core-split}
   SPARDA_CHECK_ONLY=kernels,select "$SPARDA" gpu-check \
     --json "$out/gpu_check_kernels_select.json" 2>&1 | grep -E "FAIL|error:|qa_|attention|cases" | tail -16
   for k in $kinds; do

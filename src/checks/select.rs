@@ -815,7 +815,7 @@ fn shared_kc_case(
     if prefill_scores_tc_supported(d, g) {
         if prefill_scores_m32_takes(g) {
             kernels.push((
-                PrefillScores::TensorCore,
+                PrefillScores::TensorCoreM32,
                 "qa_prefill_scores_m32 (prefill rows, tensor cores, 32 M-rows per warp)",
                 TOLERANCE_F32_SCORES,
             ));
@@ -826,7 +826,7 @@ fn shared_kc_case(
             ));
         }
         kernels.push((
-            PrefillScores::TensorCoreM16,
+            PrefillScores::TensorCore,
             "qa_prefill_scores (prefill rows, tensor cores)",
             TOLERANCE_F32_SCORES,
         ));

@@ -990,22 +990,22 @@ pub enum PrefillScores {
     /// `tensor-core` (the default): the logits on the tensor cores from Kc
     /// split into three exact bf16 parts and the softmax and scores in the
     /// same kernel, with no logits in device memory (kernels/qa_prefill.cu);
-    /// head dims 64, 80 and 128 and 1 ≤ G ≤ 64 (others take `Cublas`). For
-    /// G of 4, 8 and 16 `qa_prefill_scores_m32_g*` (32 M-rows per warp: each
-    /// shared-memory B fragment serves two A tiles; the heads summed in
-    /// registers), for other G `qa_prefill_scores`.
+    /// head dims 64, 80 and 128 and 1 ≤ G ≤ 64 (others take `Cublas`):
+    /// `qa_prefill_scores`, 16 M-rows per warp, the heads summed through a
+    /// shared-memory P tile.
     TensorCore,
-    /// `tensor-core-split`: as `tensor-core`, with Kc split into its three
-    /// bf16 parts once per chunk (`qa_split_kc`, into a scratch of
+    /// `tensor-core-m32`: for G of 4, 8 and 16 `qa_prefill_scores_m32_g*`
+    /// (32 M-rows per warp, pairs of warps on half tiles: each shared-memory
+    /// B fragment serves two A tiles; the heads summed in registers), other
+    /// G as `tensor-core`. Selectable for comparison: its speed against
+    /// `tensor-core` is what README's prefill section records.
+    TensorCoreM32,
+    /// `tensor-core-split`: as `tensor-core-m32`, with Kc split into its
+    /// three bf16 parts once per chunk (`qa_split_kc`, into a scratch of
     /// [`split_kc_scratch_f32`]) and the part tiles copied into shared
     /// memory by cp.async, the next tile's during this tile's products
-    /// (`qa_prefill_scores_m32s_g*`; for G of 4, 8 and 16, other G as
-    /// `tensor-core`).
+    /// (`qa_prefill_scores_m32s_g*`; other G as `tensor-core`).
     TensorCoreSplit,
-    /// `tensor-core-m16`: `qa_prefill_scores` for every G (16 M-rows per
-    /// warp, the heads summed through a shared-memory P tile): the kernel of
-    /// the G that do not divide 16, selectable for comparison.
-    TensorCoreM16,
     /// `tensor-core-bf16x2`: the same kernel on two bf16 parts of Kc (within
     /// 2^-16 of each value instead of exact; a third fewer tensor-core
     /// products): an experiment, whose selections and quality are to be
@@ -1019,8 +1019,8 @@ impl PrefillScores {
         match self {
             PrefillScores::Cublas => 0,
             PrefillScores::TensorCore
-            | PrefillScores::TensorCoreSplit
-            | PrefillScores::TensorCoreM16 => 3,
+            | PrefillScores::TensorCoreM32
+            | PrefillScores::TensorCoreSplit => 3,
             PrefillScores::TensorCoreBf16x2 => 2,
         }
     }
@@ -1030,18 +1030,18 @@ impl PrefillScores {
 pub const ENV_PREFILL_SCORES: &str = "SPARDA_PREFILL_SCORES";
 
 /// Reads a [`ENV_PREFILL_SCORES`] value: `cublas`, `tensor-core`,
-/// `tensor-core-split`, `tensor-core-m16` or `tensor-core-bf16x2`.
+/// `tensor-core-m32`, `tensor-core-split` or `tensor-core-bf16x2`.
 ///
 /// Errors: [`Error::Input`] naming the variable, the value and the choices.
 pub fn parse_prefill_scores(v: &str) -> Result<PrefillScores> {
     match v.trim() {
         "cublas" => Ok(PrefillScores::Cublas),
         "tensor-core" => Ok(PrefillScores::TensorCore),
+        "tensor-core-m32" => Ok(PrefillScores::TensorCoreM32),
         "tensor-core-split" => Ok(PrefillScores::TensorCoreSplit),
-        "tensor-core-m16" => Ok(PrefillScores::TensorCoreM16),
         "tensor-core-bf16x2" => Ok(PrefillScores::TensorCoreBf16x2),
         _ => Err(Error::Input(format!(
-            "{ENV_PREFILL_SCORES}={v}: give cublas, tensor-core, tensor-core-split, tensor-core-m16 or tensor-core-bf16x2 (the kernels that score a prefill chunk's windows)"
+            "{ENV_PREFILL_SCORES}={v}: give cublas, tensor-core, tensor-core-m32, tensor-core-split or tensor-core-bf16x2 (the kernels that score a prefill chunk's windows)"
         ))),
     }
 }
@@ -1077,7 +1077,7 @@ const QP_THREADS: u32 = (QP_BM / 16 * 32) as u32;
 /// holds at least 2 rows).
 const QP_MAX_G: usize = 64;
 
-/// Whether [`PrefillScores::TensorCore`] takes `qa_prefill_scores_m32`
+/// Whether [`PrefillScores::TensorCoreM32`] takes `qa_prefill_scores_m32`
 /// (32 M-rows per warp) for `group` query heads per KV head: G of 4, 8 or
 /// 16, its entry points (G a compile-time constant; a row's heads lie in
 /// one A tile of a warp).
@@ -1114,9 +1114,9 @@ pub fn qa_prefill_smem_bytes(d: usize, parts: usize) -> usize {
 
 /// Steps 1a and 1b for `d.rows` rows that all read one Kc (a prefill
 /// chunk) on the tensor cores, with the kernels `kernels` names
-/// (`qa_prefill_scores_m32_g<G>_d*` for [`PrefillScores::TensorCore`] where
-/// [`prefill_scores_m32_takes`] G, else and for
-/// [`PrefillScores::TensorCoreM16`] `qa_prefill_scores_d*`,
+/// (`qa_prefill_scores_m32_g<G>_d*` for [`PrefillScores::TensorCoreM32`]
+/// where [`prefill_scores_m32_takes`] G, else and for
+/// [`PrefillScores::TensorCore`] `qa_prefill_scores_d*`,
 /// `qa_prefill_scores_bf16x2_d*` for [`PrefillScores::TensorCoreBf16x2`];
 /// for [`PrefillScores::TensorCoreSplit`] where the m32 kernels take G,
 /// `qa_split_kc` then `qa_prefill_scores_m32s_g<G>_d*`, with `split` =
@@ -1148,7 +1148,7 @@ pub(crate) fn launch_prefill_scores(
     let g = d.heads / d.kv_heads.max(1);
     let m32 = matches!(
         kernels,
-        PrefillScores::TensorCore | PrefillScores::TensorCoreSplit
+        PrefillScores::TensorCoreM32 | PrefillScores::TensorCoreSplit
     ) && prefill_scores_m32_takes(g);
     let split = match (kernels, split) {
         (PrefillScores::TensorCoreSplit, Some(sp)) if m32 => Some(sp),
@@ -1161,14 +1161,14 @@ pub(crate) fn launch_prefill_scores(
     };
     let entry = match kernels {
         _ if split.is_some() => &format!("qa_prefill_scores_m32s_g{g}"),
-        PrefillScores::TensorCore | PrefillScores::TensorCoreSplit if m32 => {
+        PrefillScores::TensorCoreM32 | PrefillScores::TensorCoreSplit if m32 => {
             &format!("qa_prefill_scores_m32_g{g}")
         }
-        PrefillScores::TensorCore | PrefillScores::TensorCoreSplit | PrefillScores::TensorCoreM16 => OP,
+        PrefillScores::TensorCore | PrefillScores::TensorCoreM32 | PrefillScores::TensorCoreSplit => OP,
         PrefillScores::TensorCoreBf16x2 => "qa_prefill_scores_bf16x2",
         PrefillScores::Cublas => {
             return Err(Error::Input(format!(
-                "{OP}: {kernels:?} is not a tensor-core choice (tensor-core, tensor-core-m16 or tensor-core-bf16x2)"
+                "{OP}: {kernels:?} is not a tensor-core choice (tensor-core, tensor-core-m32, tensor-core-split or tensor-core-bf16x2)"
             )))
         }
     };
@@ -1621,11 +1621,11 @@ mod prefill_scores_tests {
             PrefillScores::TensorCoreBf16x2
         );
         assert_eq!(
-            parse_prefill_scores("tensor-core-m16").unwrap(),
-            PrefillScores::TensorCoreM16
+            parse_prefill_scores("tensor-core-m32").unwrap(),
+            PrefillScores::TensorCoreM32
         );
         assert_eq!(PrefillScores::TensorCore.kc_parts(), 3);
-        assert_eq!(PrefillScores::TensorCoreM16.kc_parts(), 3);
+        assert_eq!(PrefillScores::TensorCoreM32.kc_parts(), 3);
         assert_eq!(
             parse_prefill_scores("tensor-core-split").unwrap(),
             PrefillScores::TensorCoreSplit
@@ -1638,13 +1638,13 @@ mod prefill_scores_tests {
             "TENSOR-CORE",
             "cuBLAS",
             "tensor-core-bf16x3",
-            "tensor-core-m32",
+            "tensor-core-m16",
         ] {
             let e = parse_prefill_scores(bad).unwrap_err().to_string();
             assert!(
                 e.contains(&format!("{ENV_PREFILL_SCORES}={bad}"))
                     && e.contains(
-                        "cublas, tensor-core, tensor-core-split, tensor-core-m16 or tensor-core-bf16x2"
+                        "cublas, tensor-core, tensor-core-m32, tensor-core-split or tensor-core-bf16x2"
                     ),
                 "{bad}: {e}"
             );
