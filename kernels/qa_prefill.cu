@@ -89,6 +89,22 @@ __device__ __forceinline__ void qp_load_tile(bf16_t* Ks, const float* __restrict
     }
 }
 
+// Q of one A tile as mma A fragments (row-major 16 x 16 per k-step): this lane's fragment rows
+// lane/4 and lane/4 + 8 at qr0 and qr1 (nullptr: a row past the block's rows, zeros), columns
+// 2*(lane%4) (+1) and +8 of each of the NK k-steps.
+template <int NK>
+__device__ __forceinline__ void qp_q_frags(u32 (&qa)[NK][4], const bf16_t* qr0, const bf16_t* qr1, int lane) {
+    const int qc = (lane & 3) * 2;
+#pragma unroll
+    for (int kk = 0; kk < NK; ++kk) {
+        const int c0 = kk * 16 + qc;
+        qa[kk][0] = qr0 != nullptr ? *(const u32*)(qr0 + c0) : 0u;
+        qa[kk][1] = qr1 != nullptr ? *(const u32*)(qr1 + c0) : 0u;
+        qa[kk][2] = qr0 != nullptr ? *(const u32*)(qr0 + c0 + 8) : 0u;
+        qa[kk][3] = qr1 != nullptr ? *(const u32*)(qr1 + c0 + 8) : 0u;
+    }
+}
+
 // NP: the Kc parts summed, 3 (hi + mid + lo = x, the accuracy of an f32 dot product) or 2
 // (hi + mid, within 2^-16 |x| of x: the qa_prefill_scores_bf16x2_d* entry points, an
 // experiment in trading accuracy for a third fewer tensor-core products).
@@ -135,17 +151,7 @@ __device__ __forceinline__ void qa_prefill_scores_impl(const bf16_t* __restrict_
                 qr[k] = nullptr;
             }
         }
-        // Q fragments (A operand, row-major 16 x 16 per k-step): rows lane/4 (+8), columns
-        // 2*(lane%4) (+1) and +8 of each k-step.
-        const int qc = (lane & 3) * 2;
-#pragma unroll
-        for (int kk = 0; kk < NK; ++kk) {
-            const int c0 = kk * 16 + qc;
-            qa[kk][0] = qr[0] != nullptr ? *(const u32*)(qr[0] + c0) : 0u;
-            qa[kk][1] = qr[1] != nullptr ? *(const u32*)(qr[1] + c0) : 0u;
-            qa[kk][2] = qr[0] != nullptr ? *(const u32*)(qr[0] + c0 + 8) : 0u;
-            qa[kk][3] = qr[1] != nullptr ? *(const u32*)(qr[1] + c0 + 8) : 0u;
-        }
+        qp_q_frags<NK>(qa, qr[0], qr[1], lane);
     }
 
     bf16_t* Ks = (bf16_t*)qp_sh;           // [NP][QP_BN][RS]: hi, mid (, lo)
@@ -293,8 +299,8 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 
 // ---------------------------------------------------------------------------------------------
 // qa_prefill_scores_m32_g<G>_d*: the same scores for G of 4, 8 and 16, with 32 M-rows per
-// warp. Warp w holds two A tiles of Q (block M-rows 32*(w%4) .. +15 and +16 .. +31) and takes half of every
-// 64-window tile (windows 32*(w/4) .. +31 of it): it multiplies both A tiles by every B
+// warp. Warp w holds two A tiles of Q (block M-rows 32*(w%4) .. +15 and +16 .. +31) and takes
+// half of every 64-window tile (windows 32*(w/4) .. +31 of it): it multiplies both A tiles by every B
 // fragment it reads from a Kc part tile, so the shared-memory bytes ldmatrix reads per product
 // are half those of the kernel above (where each of 8 warps reads all NP part tiles of every
 // tile: 384 KB per tile of a block at D = 128, about what the SM's shared memory delivers in the
@@ -304,12 +310,12 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 // merge them through shared memory before pass 2. A row's G query heads lie in one A tile (G
 // divides 16: M-rows m = i*G + g, 16 | 32*(w%4) + 16a), in fragment rows lane/4 + 8k with the
 // same (lane/4 + 8k) / G: pass 2 sums them by shuffles, with no shared P tile, and one lane
-// writes each (row, window) sum. Tiles, parts, masking and the expf are the kernel above's; the
-// sums of exp and over heads add in other orders.
+// writes each (row, window) sum. Tiles, parts and masking are the kernel above's, and the expf
+// unless QP_FAST_EXP; the sums of exp and over heads add in other orders.
 //
 // Grid (ceil(rows / (128 / G)), hkv); block QP_M32_THREADS threads; dynamic shared memory
-// qa_prefill_m32_smem_bytes(D) (src/cuda/ops/select.rs: 3*64*(D+8)*2 bytes, the part tiles; the
-// pairs' statistics reuse them between the passes).
+// qa_prefill_m32_smem_bytes(D, split) (src/cuda/ops/select.rs: 3*64*(D+8)*2 bytes, the part
+// tiles, twice for the m32s entry points; the pairs' statistics reuse them between the passes).
 
 // QP_FAST_EXP=1 (through SPARDA_NVRTC_OPTIONS): the m32 kernels' softmax in base 2, the logits
 // scaled by log2(e)/sqrt(D) and exp as ex2.approx.ftz (one SFU instruction; expf adds a range
@@ -379,10 +385,9 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     if (mc_max == 0) return;  // uniform: no row has a window yet
 
     // Fragment row lane/4 + 8k of A tile a: block M-row 32*wr + 16a + lane/4 + 8k, block row
-    // (M-row) >> lg, and that row's Mc (0 past the block's rows).
+    // (M-row) / G, and that row's Mc (0 past the block's rows).
     int mcr[2][2];
     u32 qa[2][NK][4];
-    const int qc = (lane & 3) * 2;
 #pragma unroll
     for (int a = 0; a < 2; ++a) {
         const bf16_t* qr[2];
@@ -398,14 +403,7 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                 qr[k] = nullptr;
             }
         }
-#pragma unroll
-        for (int kk = 0; kk < NK; ++kk) {
-            const int c0 = kk * 16 + qc;
-            qa[a][kk][0] = qr[0] != nullptr ? *(const u32*)(qr[0] + c0) : 0u;
-            qa[a][kk][1] = qr[1] != nullptr ? *(const u32*)(qr[1] + c0) : 0u;
-            qa[a][kk][2] = qr[0] != nullptr ? *(const u32*)(qr[0] + c0 + 8) : 0u;
-            qa[a][kk][3] = qr[1] != nullptr ? *(const u32*)(qr[1] + c0 + 8) : 0u;
-        }
+        qp_q_frags<NK>(qa[a], qr[0], qr[1], lane);
     }
 
     bf16_t* Ks = (bf16_t*)qp_sh;  // [SPLIT ? 2 : 1][NP][QP_BN][RS]: hi, mid, lo
