@@ -31,10 +31,12 @@ use super::kernels::{rel_l2, CaseResult, TOLERANCE_BF16};
 use crate::config::SparseConfig;
 use crate::cpu::ops as cpu_ops;
 use crate::cuda::device_error::DeviceErrors;
+use crate::cuda::ops::prefill_scores::{
+    prefill_scores_m32_takes, prefill_scores_tc_supported, PrefillScores,
+};
 use crate::cuda::ops::select::{
-    compress_append, compress_prefill, prefill_scores_m32_takes, prefill_scores_tc_supported,
-    select_from_scores, window_scores, window_scores_shared_kc, PooledScores, PrefillScores,
-    SelectBatch, SelectWorkspace, SeqSelectState,
+    compress_append, compress_prefill, select_from_scores, window_scores, window_scores_shared_kc,
+    PooledScores, SelectBatch, SelectWorkspace, SeqSelectState,
 };
 use crate::cuda::{Bf16, Gpu};
 use crate::model::select::{self as msel, Budget, SelectionRule};

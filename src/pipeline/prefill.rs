@@ -181,7 +181,7 @@ impl GpuModel {
     /// `cublas`, and a head dim and group the kernel takes; a chunk of fewer than
     /// `QA_GEMM_MIN_ROWS` rows still takes `qa_window_logits`).
     pub(crate) fn prefill_scores_tc(&self) -> bool {
-        use crate::cuda::ops::select::{
+        use crate::cuda::ops::prefill_scores::{
             prefill_scores, prefill_scores_tc_supported, PrefillScores,
         };
         let c = &self.config;
@@ -491,10 +491,11 @@ impl GpuModel {
                         .cuda("allocating the window-score workspace")?;
                 }
                 // tensor-core-split: the logits buffer holds Kc's bf16 parts
-                let parts = crate::cuda::ops::select::split_kc_scratch_f32(hk, w_stride, dh);
+                let parts =
+                    crate::cuda::ops::prefill_scores::split_kc_scratch_f32(hk, w_stride, dh);
                 if !logits_in_memory
-                    && crate::cuda::ops::select::prefill_scores()
-                        == crate::cuda::ops::select::PrefillScores::TensorCoreSplit
+                    && crate::cuda::ops::prefill_scores::prefill_scores()
+                        == crate::cuda::ops::prefill_scores::PrefillScores::TensorCoreSplit
                     && ws.qa_logits.len() < parts
                 {
                     ws.qa_logits =

@@ -3,9 +3,9 @@
 //! selection of the check path.
 
 use super::*;
+use crate::cuda::ops::prefill_scores::{launch_prefill_scores, prefill_scores, PrefillScores};
 use crate::cuda::ops::select::{
-    launch_prefill_scores, launch_window_logits, launch_window_scores, qa_logits_shared_kc,
-    PrefillScores, ScoreDims,
+    launch_window_logits, launch_window_scores, qa_logits_shared_kc, ScoreDims,
 };
 
 impl GpuModel {
@@ -75,7 +75,7 @@ impl GpuModel {
                 // logits, softmax and scores in one kernel.
                 Some(kc) if tc => {
                     phase("window_scores")?;
-                    let kernels = crate::cuda::ops::select::prefill_scores();
+                    let kernels = prefill_scores();
                     // (tensor-core-split: Kc's parts in the logits buffer the
                     // tensor-core kernels do not otherwise use; prefill sizes it)
                     let split = (kernels == PrefillScores::TensorCoreSplit)

@@ -13,6 +13,7 @@ pub mod attention;
 pub mod gemv;
 pub mod offload;
 pub mod prefill_attention;
+pub mod prefill_scores;
 pub mod select;
 
 pub use attention::*;

@@ -1,0 +1,411 @@
+//! Window scores of a prefill chunk on the tensor cores (spec/nosa-model.md
+//! §4.1): the rows of one chunk share one Kc, so their query-aware window
+//! scores s[i, h] = Σ_g softmax_i(q_g·Kc[i, h]/√D) are a matrix product
+//! followed by a softmax per row and head. [`PrefillScores`] names the
+//! kernels that compute them (`kernels/qa_prefill.cu`, or the cuBLAS path
+//! of [`super::select`]); `launch_prefill_scores` launches the chosen
+//! one over the `ScoreDims` of a chunk.
+//!
+//! Kc is kept in f32 (see [`super::select`]); the tensor-core kernels split
+//! it into bf16 parts whose sum is the f32 value, so the logits equal the
+//! CPU reference's to f32 rounding.
+
+use super::select::{ensure_smem, ScoreDims};
+use crate::cuda::context::{grid, i32_dim, CudaResultExt};
+use crate::cuda::Gpu;
+use crate::{Error, Result};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+/// Which kernels score the windows of a prefill chunk's rows (rows that
+/// share one Kc, spec §4.1): read once from `SPARDA_PREFILL_SCORES`
+/// ([`prefill_scores`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillScores {
+    /// `cublas`: the f32 logits of all rows and windows as SGEMMs into
+    /// device memory (`qa_logits_shared_kc`), then the tile statistics and
+    /// `qa_window_scores` over them; the path of head dims and groups the
+    /// tensor-core kernel does not take.
+    Cublas,
+    /// `tensor-core` (the default): the logits on the tensor cores from Kc
+    /// split into three exact bf16 parts and the softmax and scores in the
+    /// same kernel, with no logits in device memory (kernels/qa_prefill.cu);
+    /// head dims 64, 80 and 128 and 1 ≤ G ≤ 64 (others take `Cublas`):
+    /// `qa_prefill_scores`, 16 M-rows per warp, the heads summed through a
+    /// shared-memory P tile.
+    TensorCore,
+    /// `tensor-core-m32`: for G of 4, 8 and 16 `qa_prefill_scores_m32_g*`
+    /// (32 M-rows per warp, pairs of warps on half tiles: each shared-memory
+    /// B fragment serves two A tiles; the heads summed in registers), other
+    /// G as `tensor-core`. Selectable for comparison: its speed against
+    /// `tensor-core` is what README's prefill section records.
+    TensorCoreM32,
+    /// `tensor-core-split`: as `tensor-core-m32`, with Kc split into its
+    /// three bf16 parts once per chunk (`qa_split_kc`, into a scratch of
+    /// [`split_kc_scratch_f32`]) and the part tiles copied into shared
+    /// memory by cp.async, the next tile's during this tile's products
+    /// (`qa_prefill_scores_m32s_g*`; other G as `tensor-core`).
+    TensorCoreSplit,
+    /// `tensor-core-bf16x2`: the same kernel on two bf16 parts of Kc (within
+    /// 2^-16 of each value instead of exact; a third fewer tensor-core
+    /// products): an experiment, whose selections and quality are to be
+    /// measured against the exact kernels before any use.
+    TensorCoreBf16x2,
+}
+
+impl PrefillScores {
+    /// Kc parts the tensor-core kernel sums (0 for [`PrefillScores::Cublas`]).
+    pub fn kc_parts(self) -> usize {
+        match self {
+            PrefillScores::Cublas => 0,
+            PrefillScores::TensorCore
+            | PrefillScores::TensorCoreM32
+            | PrefillScores::TensorCoreSplit => 3,
+            PrefillScores::TensorCoreBf16x2 => 2,
+        }
+    }
+}
+
+/// The environment variable that chooses [`PrefillScores`].
+pub const ENV_PREFILL_SCORES: &str = "SPARDA_PREFILL_SCORES";
+
+/// Reads a [`ENV_PREFILL_SCORES`] value: `cublas`, `tensor-core`,
+/// `tensor-core-m32`, `tensor-core-split` or `tensor-core-bf16x2`.
+///
+/// Errors: [`Error::Input`] naming the variable, the value and the choices.
+pub fn parse_prefill_scores(v: &str) -> Result<PrefillScores> {
+    match v.trim() {
+        "cublas" => Ok(PrefillScores::Cublas),
+        "tensor-core" => Ok(PrefillScores::TensorCore),
+        "tensor-core-m32" => Ok(PrefillScores::TensorCoreM32),
+        "tensor-core-split" => Ok(PrefillScores::TensorCoreSplit),
+        "tensor-core-bf16x2" => Ok(PrefillScores::TensorCoreBf16x2),
+        _ => Err(Error::Input(format!(
+            "{ENV_PREFILL_SCORES}={v}: give cublas, tensor-core, tensor-core-m32, tensor-core-split or tensor-core-bf16x2 (the kernels that score a prefill chunk's windows)"
+        ))),
+    }
+}
+
+/// The prefill window-scoring kernels of this process: `$SPARDA_PREFILL_SCORES`
+/// when set to a valid value ([`parse_prefill_scores`]), else
+/// [`PrefillScores::TensorCore`]; another value is refused with a one-line
+/// warning.
+pub fn prefill_scores() -> PrefillScores {
+    static CHOICE: std::sync::OnceLock<PrefillScores> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var(ENV_PREFILL_SCORES) {
+        Err(_) => PrefillScores::TensorCore,
+        Ok(v) => parse_prefill_scores(&v).unwrap_or_else(|e| {
+            eprintln!("warning: {e}; scoring prefill windows with tensor-core");
+            PrefillScores::TensorCore
+        }),
+    })
+}
+
+/// Whether `qa_prefill_scores` takes head dim `head_dim` and `group` query
+/// heads per KV head: D of 64, 80 or 128 (its entry points) and 1 ≤ G ≤ 64
+/// (`QP_MAX_G`: at least two rows per block).
+pub fn prefill_scores_tc_supported(head_dim: usize, group: usize) -> bool {
+    matches!(head_dim, 64 | 80 | 128) && (1..=QP_MAX_G).contains(&group)
+}
+
+/// (row, query head) pairs per `qa_prefill_scores` block (8 warps of 16).
+const QP_BM: usize = 128;
+/// Threads per `qa_prefill_scores` block: a warp per 16 M-rows, as the
+/// kernel's QP_THREADS = 32 * QP_WARPS.
+const QP_THREADS: u32 = (QP_BM / 16 * 32) as u32;
+/// The most query heads per KV head `qa_prefill_scores` takes (a block
+/// holds at least 2 rows).
+const QP_MAX_G: usize = 64;
+
+/// Whether [`PrefillScores::TensorCoreM32`] takes `qa_prefill_scores_m32`
+/// (32 M-rows per warp) for `group` query heads per KV head: G of 4, 8 or
+/// 16, its entry points (G a compile-time constant; a row's heads lie in
+/// one A tile of a warp).
+pub fn prefill_scores_m32_takes(group: usize) -> bool {
+    matches!(group, 4 | 8 | 16)
+}
+
+/// Threads per `qa_prefill_scores_m32` block: 8 warps, pairs of warps on
+/// 32 M-rows (the kernel's QP_M32_THREADS).
+const QP_M32_THREADS: u32 = 256;
+
+/// Dynamic shared memory of `qa_prefill_scores_m32` at head dim `d`,
+/// bytes: the three bf16 part tiles of 64 windows (rows of d + 8), twice
+/// for the `m32s` kernels (`split`: two tiles in flight); no P tile
+/// (kernels/qa_prefill.cu).
+pub fn qa_prefill_m32_smem_bytes(d: usize, split: bool) -> usize {
+    3 * 64 * (d + 8) * 2 * if split { 2 } else { 1 }
+}
+
+/// f32 elements of the scratch [`PrefillScores::TensorCoreSplit`] needs
+/// for Kc's bf16 parts: bf16 [Hkv, 3, `w_stride`, D] (`w_stride` ≥ the
+/// windows split), rounded up to whole f32.
+pub fn split_kc_scratch_f32(kv_heads: usize, w_stride: usize, head_dim: usize) -> usize {
+    (kv_heads * 3 * w_stride * head_dim).div_ceil(2)
+}
+
+/// Dynamic shared memory of `qa_prefill_scores` at head dim `d` with
+/// `parts` Kc parts (3, or 2 for the bf16x2 entry points), bytes: the bf16
+/// part tiles of 64 windows (rows of d + 8) and the f32 P tile [128, 65]
+/// (kernels/qa_prefill.cu).
+pub fn qa_prefill_smem_bytes(d: usize, parts: usize) -> usize {
+    parts * 64 * (d + 8) * 2 + QP_BM * 65 * 4
+}
+
+/// Steps 1a and 1b for `d.rows` rows that all read one Kc (a prefill
+/// chunk) on the tensor cores, with the kernels `kernels` names
+/// (`qa_prefill_scores_m32_g<G>_d*` for [`PrefillScores::TensorCoreM32`]
+/// where [`prefill_scores_m32_takes`] G, else and for
+/// [`PrefillScores::TensorCore`] `qa_prefill_scores_d*`,
+/// `qa_prefill_scores_bf16x2_d*` for [`PrefillScores::TensorCoreBf16x2`];
+/// for [`PrefillScores::TensorCoreSplit`] where the m32 kernels take G,
+/// `qa_split_kc` then `qa_prefill_scores_m32s_g<G>_d*`, with `split` =
+/// (the scratch for Kc's parts, [`split_kc_scratch_f32`] f32 at
+/// `d.w_stride`; the windows to split, ≥ every row's Mc);
+/// kernels/qa_prefill.cu): writes `d.scores` (the windows below each row's
+/// Mc) from the bf16 queries at `q` (row b at b·`q_stride`) and the f32 Kc
+/// at `kc` (≥ max Mc windows of Hkv·`head_dim`); `d.logits` and `d.stats`
+/// are not used.
+///
+/// Errors: [`Error::Input`] for [`PrefillScores::Cublas`], when the shape
+/// is not one the kernel takes ([`prefill_scores_tc_supported`]),
+/// `q_stride` is odd, `q` is not 4-byte or `kc` not 16-byte aligned, a
+/// dimension exceeds i32, the shared memory does not fit, or the split
+/// kernels lack `split` or its windows exceed `d.w_stride`;
+/// [`Error::Cuda`] on a launch failure.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_prefill_scores(
+    gpu: &Gpu,
+    d: &ScoreDims,
+    q: u64,
+    q_stride: usize,
+    head_dim: usize,
+    kc: u64,
+    kernels: PrefillScores,
+    split: Option<(u64, usize)>,
+) -> Result<()> {
+    const OP: &str = "qa_prefill_scores";
+    let g = d.heads / d.kv_heads.max(1);
+    let m32 = matches!(
+        kernels,
+        PrefillScores::TensorCoreM32 | PrefillScores::TensorCoreSplit
+    ) && prefill_scores_m32_takes(g);
+    let split = match (kernels, split) {
+        (PrefillScores::TensorCoreSplit, Some(sp)) if m32 => Some(sp),
+        (PrefillScores::TensorCoreSplit, None) if m32 => {
+            return Err(Error::Input(format!(
+                "{OP}: tensor-core-split needs a Kc part scratch (split_kc_scratch_f32)"
+            )))
+        }
+        _ => None,
+    };
+    let entry = match kernels {
+        _ if split.is_some() => &format!("qa_prefill_scores_m32s_g{g}"),
+        PrefillScores::TensorCoreM32 | PrefillScores::TensorCoreSplit if m32 => {
+            &format!("qa_prefill_scores_m32_g{g}")
+        }
+        PrefillScores::TensorCore | PrefillScores::TensorCoreM32 | PrefillScores::TensorCoreSplit => OP,
+        PrefillScores::TensorCoreBf16x2 => "qa_prefill_scores_bf16x2",
+        PrefillScores::Cublas => {
+            return Err(Error::Input(format!(
+                "{OP}: {kernels:?} is not a tensor-core choice (tensor-core, tensor-core-m32, tensor-core-split or tensor-core-bf16x2)"
+            )))
+        }
+    };
+    let parts = kernels.kc_parts();
+    if d.kv_heads == 0
+        || !d.heads.is_multiple_of(d.kv_heads)
+        || !prefill_scores_tc_supported(head_dim, g)
+    {
+        return Err(Error::Input(format!(
+            "{OP}: H {} / Hkv {} at head dim {head_dim}: the kernel takes head dims 64, 80, 128 and 1 ≤ G ≤ {QP_MAX_G} query heads per KV head",
+            d.heads, d.kv_heads
+        )));
+    }
+    if !q_stride.is_multiple_of(2) || !q.is_multiple_of(4) || !kc.is_multiple_of(16) {
+        return Err(Error::Input(format!(
+            "{OP}: q stride {q_stride} (need even), q address {q:#x} (need 4-byte aligned), Kc address {kc:#x} (need 16-byte aligned)"
+        )));
+    }
+    if d.rows == 0 {
+        return Ok(());
+    }
+    let [h_, hk_, wst, _, st, ks] = d.i32s()?;
+    let f = gpu.function(&format!("{entry}_d{head_dim}"))?;
+    let (dynamic, threads) = if m32 {
+        (
+            qa_prefill_m32_smem_bytes(head_dim, split.is_some()),
+            QP_M32_THREADS,
+        )
+    } else {
+        (qa_prefill_smem_bytes(head_dim, parts), QP_THREADS)
+    };
+    let smem = ensure_smem(gpu, f, dynamic, QP_BM * 4, OP)?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            grid(d.rows.div_ceil(QP_BM / g), "row blocks")?,
+            grid(d.kv_heads, "Hkv")?,
+            1,
+        ),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let (qs, rows) = (i32_dim(q_stride, "q_stride")?, i32_dim(d.rows, "rows")?);
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let mut l = gpu.stream().launch_builder(f);
+    l.arg(&q)
+        .arg(&qs)
+        .arg(&kc)
+        .arg(&d.lens)
+        .arg(&d.scores)
+        .arg(&rows)
+        .arg(&h_)
+        .arg(&hk_)
+        .arg(&wst)
+        .arg(&st)
+        .arg(&ks)
+        .arg(&scale);
+    let (parts, pst) = match split {
+        Some((parts, mc)) => {
+            // Kc's parts first (the same stream): windows < mc, the most any
+            // row reads; p_stride = w_stride ≥ mc.
+            let sf = gpu.function("qa_split_kc")?;
+            let n4 = mc * d.kv_heads * head_dim / 4;
+            let (mc_, d_) = (i32_dim(mc, "Mc")?, i32_dim(head_dim, "D")?);
+            if mc > d.w_stride {
+                return Err(Error::Input(format!(
+                    "{OP}: {mc} windows to split exceed w_stride {}",
+                    d.w_stride
+                )));
+            }
+            let scfg = LaunchConfig {
+                grid_dim: (grid(n4.div_ceil(256).clamp(1, 4096), "split blocks")?, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut sl = gpu.stream().launch_builder(sf);
+            sl.arg(&kc)
+                .arg(&parts)
+                .arg(&mc_)
+                .arg(&hk_)
+                .arg(&d_)
+                .arg(&wst);
+            // SAFETY: matches qa_split_kc(kc, parts, mc, hkv, D, p_stride):
+            // Kc holds ≥ mc windows of Hkv·D f32 (the caller's contract), the
+            // scratch Hkv·3·w_stride·D bf16 (split_kc_scratch_f32).
+            if mc > 0 {
+                unsafe { sl.launch(scfg) }.cuda("qa_split_kc")?;
+            }
+            (parts, wst)
+        }
+        None => (0u64, 0i32),
+    };
+    if split.is_some() {
+        l.arg(&parts).arg(&pst);
+    }
+    // SAFETY: argument list matches qa_prefill_scores{,_m32_g*,_m32s_g*,_bf16x2}_d* in
+    // kernels/qa_prefill.cu; q holds rows rows of H·D bf16 at q_stride, Kc
+    // the windows below every row's Mc, the scores rows·Hkv·w_stride f32
+    // with w_stride ≥ every row's Mc (the caller's contract, ScoreDims).
+    unsafe { l.launch(cfg) }.cuda(OP).map(drop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_scores_values_and_errors() {
+        assert_eq!(
+            parse_prefill_scores("cublas").unwrap(),
+            PrefillScores::Cublas
+        );
+        assert_eq!(
+            parse_prefill_scores(" tensor-core ").unwrap(),
+            PrefillScores::TensorCore
+        );
+        assert_eq!(
+            parse_prefill_scores("tensor-core-bf16x2").unwrap(),
+            PrefillScores::TensorCoreBf16x2
+        );
+        assert_eq!(
+            parse_prefill_scores("tensor-core-m32").unwrap(),
+            PrefillScores::TensorCoreM32
+        );
+        assert_eq!(PrefillScores::TensorCore.kc_parts(), 3);
+        assert_eq!(PrefillScores::TensorCoreM32.kc_parts(), 3);
+        assert_eq!(
+            parse_prefill_scores("tensor-core-split").unwrap(),
+            PrefillScores::TensorCoreSplit
+        );
+        assert_eq!(PrefillScores::TensorCoreSplit.kc_parts(), 3);
+        assert_eq!(PrefillScores::TensorCoreBf16x2.kc_parts(), 2);
+        for bad in [
+            "",
+            "tc",
+            "TENSOR-CORE",
+            "cuBLAS",
+            "tensor-core-bf16x3",
+            "tensor-core-m16",
+        ] {
+            let e = parse_prefill_scores(bad).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("{ENV_PREFILL_SCORES}={bad}"))
+                    && e.contains(
+                        "cublas, tensor-core, tensor-core-m32, tensor-core-split or tensor-core-bf16x2"
+                    ),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn tensor_core_scores_take_the_kernel_head_dims_and_groups() {
+        for d in [64, 80, 128] {
+            for g in [1, 3, 4, 8, 16, 64] {
+                assert!(prefill_scores_tc_supported(d, g), "D {d} G {g}");
+            }
+            assert!(!prefill_scores_tc_supported(d, 0));
+            assert!(!prefill_scores_tc_supported(d, 65));
+        }
+        for d in [0, 32, 96, 112, 256] {
+            assert!(!prefill_scores_tc_supported(d, 4), "D {d}");
+        }
+        let m32: Vec<usize> = (0..=64).filter(|&g| prefill_scores_m32_takes(g)).collect();
+        assert_eq!(m32, [4, 8, 16]);
+    }
+
+    #[test]
+    fn tensor_core_scores_fit_two_blocks_per_h200_sm() {
+        // 228 KB of shared memory per SM on the H100/H200, 1 KB reserved per
+        // block, the kernel's 512 bytes of static Mc values; and 2 blocks of
+        // QP_THREADS at the 128 registers __launch_bounds__(QP_THREADS, 2)
+        // allows fill the 64K-register file.
+        for d in [64, 80, 128] {
+            for parts in [2, 3] {
+                let per_block = qa_prefill_smem_bytes(d, parts) + 1024 + QP_BM * 4;
+                assert!(2 * per_block <= 228 * 1024, "D {d}: {per_block} bytes");
+            }
+        }
+        assert_eq!(2 * QP_THREADS as usize * 128, 65536);
+        // qa_prefill_scores_m32: 2 blocks of QP_M32_THREADS at the 128
+        // registers __launch_bounds__(QP_M32_THREADS, 2) allows, and their
+        // shared memory (which also holds the warp pairs' statistics, 8 KB).
+        assert_eq!(2 * QP_M32_THREADS as usize * 128, 65536);
+        for d in [64, 80, 128] {
+            for split in [false, true] {
+                let per_block = qa_prefill_m32_smem_bytes(d, split) + 1024 + QP_BM * 4;
+                assert!(2 * per_block <= 228 * 1024, "m32 D {d}: {per_block} bytes");
+                assert!(qa_prefill_m32_smem_bytes(d, split) >= 2 * 4 * 32 * 8 * 4);
+            }
+        }
+        assert_eq!(qa_prefill_m32_smem_bytes(128, false), 3 * 64 * 136 * 2);
+        assert_eq!(qa_prefill_m32_smem_bytes(128, true), 2 * 3 * 64 * 136 * 2);
+        // bf16 [Hkv, 3, w_stride, D] as f32, rounded up
+        assert_eq!(split_kc_scratch_f32(2, 4096, 128), 2 * 3 * 4096 * 128 / 2);
+        assert_eq!(split_kc_scratch_f32(1, 1, 1), 2);
+        assert_eq!(
+            qa_prefill_smem_bytes(128, 3),
+            3 * 64 * 136 * 2 + 128 * 65 * 4
+        );
+    }
+}
