@@ -51,6 +51,12 @@
 #ifndef GEMV_X_DIRECT
 #define GEMV_X_DIRECT 0
 #endif
+// GEMV_NEXT_PF 1: a warp with a further row pair loads that pair's first GEMV_PF chunks per row
+// before it reduces and stores the current pair, so its weight stream does not drain between
+// pairs (0: only the first pair's chunks are loaded ahead, before pdl_wait()).
+#ifndef GEMV_NEXT_PF
+#define GEMV_NEXT_PF 0
+#endif
 #define GEMV_NORM_REGS 4
 
 #define GX_BF16 0
@@ -133,6 +139,30 @@ __device__ __forceinline__ void gemv_pair_dots(const uint4* __restrict__ xr, con
     }
 }
 
+// The two weight rows of row pair `pair` (rows (2p, 2p + 1), the last row twice when out is odd;
+// (p, p + half) for GY_SWIGLU) and whether the second is a row of its own.
+__device__ __forceinline__ bool gemv_pair_rows(const bf16_t* __restrict__ W, int pair, int in, int out,
+                                               bool glu, int half, const uint4** w0, const uint4** w1) {
+    const int row0 = glu ? pair : pair * GEMV_ROWS;
+    const bool has1 = glu || row0 + 1 < out;
+    *w0 = (const uint4*)(W + (u64)row0 * in);
+    *w1 = (const uint4*)(W + (u64)(glu ? pair + half : has1 ? row0 + 1 : row0) * in);
+    return has1;
+}
+
+// Chunks c = lane + 32 u < kch, u < GEMV_PF, of both rows of a pair into pa, pb.
+__device__ __forceinline__ void gemv_pair_prefetch(const uint4* w0, const uint4* w1, int kch, int lane,
+                                                   uint4* pa, uint4* pb) {
+#pragma unroll
+    for (int u = 0; u < GEMV_PF; ++u) {
+        const int c = lane + 32 * u;
+        if (c < kch) {
+            pa[u] = ld_weights(w0 + c);
+            pb[u] = ld_weights(w1 + c);
+        }
+    }
+}
+
 // One instance per batch size N (gemv1 ... gemv4 below): the accumulators stay in registers.
 template <int N>
 __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const bf16_t* __restrict__ norm,
@@ -153,18 +183,9 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
     // The first row pair's first chunks, before the dependency on the previous kernel.
     uint4 pa[GEMV_PF], pb[GEMV_PF];
     if (pair < pairs) {
-        const int ra = glu ? pair : pair * GEMV_ROWS;
-        const int rb = glu ? pair + half : min(ra + 1, out - 1);
-        const uint4* w0 = (const uint4*)(W + (u64)ra * in);
-        const uint4* w1 = (const uint4*)(W + (u64)rb * in);
-#pragma unroll
-        for (int u = 0; u < GEMV_PF; ++u) {
-            const int c = lane + 32 * u;
-            if (c < kch) {
-                pa[u] = ld_weights(w0 + c);
-                pb[u] = ld_weights(w1 + c);
-            }
-        }
+        const uint4 *w0, *w1;
+        gemv_pair_rows(W, pair, in, out, glu, half, &w0, &w1);
+        gemv_pair_prefetch(w0, w1, kch, lane, pa, pb);
     }
     // The norm weights do not depend on the previous kernel either: this thread's first
     // GEMV_NORM_REGS groups of four, into registers before the wait.
@@ -237,9 +258,8 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
     bool first = true;
     for (; pair < pairs; pair += nwarps) {
         const int row0 = glu ? pair : pair * GEMV_ROWS;
-        const bool has1 = glu || row0 + 1 < out;
-        const uint4* w0 = (const uint4*)(W + (u64)row0 * in);
-        const uint4* w1 = (const uint4*)(W + (u64)(glu ? pair + half : has1 ? row0 + 1 : row0) * in);
+        const uint4 *w0, *w1;
+        const bool has1 = gemv_pair_rows(W, pair, in, out, glu, half, &w0, &w1);
         float a0[N], a1[N];
         if (xg) {
             gemv_pair_dots<N>((const uint4*)xsrc, w0, w1, kch, lane, first, pa, pb, a0, a1);
@@ -247,6 +267,12 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
             gemv_pair_dots<N>(xs, w0, w1, kch, lane, first, pa, pb, a0, a1);
         }
         first = false;
+        if (GEMV_NEXT_PF && pair + nwarps < pairs) {
+            const uint4 *n0, *n1;
+            gemv_pair_rows(W, pair + nwarps, in, out, glu, half, &n0, &n1);
+            gemv_pair_prefetch(n0, n1, kch, lane, pa, pb);
+            first = true;
+        }
 #pragma unroll
         for (int i = 0; i < N; ++i) {
             const float s0 = warp_sum(a0[i]);
