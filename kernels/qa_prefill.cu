@@ -29,7 +29,7 @@
 // Layouts: q bf16, row b's H*D post-RoPE query values at b*q_stride, head g at g*D; kc f32
 // [>= max Mc, hkv, D]; lens i32 [rows] (row b's query sees lens[b] tokens); s f32, row (b, h)
 // at (b*hkv + h)*w_stride (w_stride >= every row's Mc). Grid (ceil(rows / R), hkv); block
-// QP_THREADS threads; dynamic shared memory qa_prefill_smem_bytes(D, NP) (src/cuda/ops/select.rs:
+// QP_THREADS threads; dynamic shared memory qa_prefill_smem_bytes(D, NP) (src/cuda/ops/prefill_scores.rs:
 // NP*64*(D+8)*2 + 128*(64+1)*4 bytes, NP the Kc parts below). G <= 64; D a template parameter (64, 80, 128: the entry
 // points at the end).
 
@@ -314,7 +314,7 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 // unless QP_FAST_EXP; the sums of exp and over heads add in other orders.
 //
 // Grid (ceil(rows / (128 / G)), hkv); block QP_M32_THREADS threads; dynamic shared memory
-// qa_prefill_m32_smem_bytes(D, split) (src/cuda/ops/select.rs: 3*64*(D+8)*2 bytes, the part
+// qa_prefill_m32_smem_bytes(D, split) (src/cuda/ops/prefill_scores.rs: 3*64*(D+8)*2 bytes, the part
 // tiles, twice for the m32s entry points; the pairs' statistics reuse them between the passes).
 
 // QP_FAST_EXP=1 (through SPARDA_NVRTC_OPTIONS): the m32 kernels' softmax in base 2, the logits
