@@ -105,7 +105,7 @@ scores)
   # tensor-core-m32, tensor-core-split); SCORES_OPTS: "label=NVRTC options;…", each timed with SPARDA_PREFILL_SCORES
   # = OPTS_SCORES (default tensor-core) and its select cases checked, with SPARDA_NVRTC_OPTIONS
   # set, files *_opts_<label>; TRACE_SCORES: those to trace at
-  # TRACE_TOKENS prompt tokens (default tensor-core at 32768); NCU=1: Nsight Compute sections of the
+  # TRACE_TOKENS prompt tokens (default tensor-core-split, the default kernels, at 32768); NCU=1: Nsight Compute sections of the
   # last window-scoring launch of an 8K-token sparse prefill per SCORES value (or NCU_SCORES;
   # ncu_<value>.txt)
   kinds=${SCORES:-tensor-core tensor-core-m32 tensor-core-split}
@@ -146,7 +146,7 @@ scores)
   # where the time goes: a traced sparse prefill with each (phases qkv, window_logits,
   # window_scores, select, attention, o_proj, ffn; about 35 s each at 32K)
   tt=${TRACE_TOKENS:-32768}
-  for k in ${TRACE_SCORES:-tensor-core}; do
+  for k in ${TRACE_SCORES:-tensor-core-split}; do
     SPARDA_PREFILL_SCORES=$k "$SPARDA" generate --model synth:nosa-8b --tokenizer "$tok" \
       --prompt-file data/texts/hamlet.txt --prompt-tokens "$tt" --max-new-tokens 2 --backend cuda \
       --prefill sparse --trace "$out/trace_$k.json" 2>&1 | grep "^prefill" | sed "s/^/$k: /"

@@ -26,20 +26,21 @@ pub enum PrefillScores {
     /// `qa_window_scores` over them; the path of head dims and groups the
     /// tensor-core kernel does not take.
     Cublas,
-    /// `tensor-core` (the default): the logits on the tensor cores from Kc
-    /// split into three exact bf16 parts and the softmax and scores in the
-    /// same kernel, with no logits in device memory (kernels/qa_prefill.cu);
-    /// head dims 64, 80 and 128 and 1 ≤ G ≤ 64 (others take `Cublas`):
+    /// `tensor-core`: the logits on the tensor cores from Kc split into
+    /// three exact bf16 parts and the softmax and scores in the same kernel,
+    /// with no logits in device memory (kernels/qa_prefill.cu); head dims
+    /// 64, 80 and 128 and 1 ≤ G ≤ 64 (others take `Cublas`):
     /// `qa_prefill_scores`, 16 M-rows per warp, the heads summed through a
     /// shared-memory P tile.
     TensorCore,
     /// `tensor-core-m32`: for G of 4, 8 and 16 `qa_prefill_scores_m32_g*`
     /// (32 M-rows per warp, pairs of warps on half tiles: each shared-memory
     /// B fragment serves two A tiles; the heads summed in registers), other
-    /// G as `tensor-core`. Selectable for comparison: its speed against
-    /// `tensor-core` is what README's prefill section records.
+    /// G as `tensor-core`. Selectable for comparison (README's prefill
+    /// section records its speed: no faster than `tensor-core`).
     TensorCoreM32,
-    /// `tensor-core-split`: as `tensor-core-m32`, with Kc split into its
+    /// `tensor-core-split` (the default; [`DEFAULT_PREFILL_SCORES`]): as
+    /// `tensor-core-m32`, with Kc split into its
     /// three bf16 parts once per chunk (`qa_split_kc`, into a scratch of
     /// [`split_kc_scratch_f32`]) and the part tiles copied into shared
     /// memory by cp.async, the next tile's during this tile's products
@@ -65,6 +66,10 @@ impl PrefillScores {
     }
 }
 
+/// The window-scoring kernels when `SPARDA_PREFILL_SCORES` is unset: the
+/// fastest measured at 32K and 127K (README, prefill section).
+pub const DEFAULT_PREFILL_SCORES: PrefillScores = PrefillScores::TensorCoreSplit;
+
 /// The environment variable that chooses [`PrefillScores`].
 pub const ENV_PREFILL_SCORES: &str = "SPARDA_PREFILL_SCORES";
 
@@ -87,15 +92,15 @@ pub fn parse_prefill_scores(v: &str) -> Result<PrefillScores> {
 
 /// The prefill window-scoring kernels of this process: `$SPARDA_PREFILL_SCORES`
 /// when set to a valid value ([`parse_prefill_scores`]), else
-/// [`PrefillScores::TensorCore`]; another value is refused with a one-line
+/// [`DEFAULT_PREFILL_SCORES`]; another value is refused with a one-line
 /// warning.
 pub fn prefill_scores() -> PrefillScores {
     static CHOICE: std::sync::OnceLock<PrefillScores> = std::sync::OnceLock::new();
     *CHOICE.get_or_init(|| match std::env::var(ENV_PREFILL_SCORES) {
-        Err(_) => PrefillScores::TensorCore,
+        Err(_) => DEFAULT_PREFILL_SCORES,
         Ok(v) => parse_prefill_scores(&v).unwrap_or_else(|e| {
-            eprintln!("warning: {e}; scoring prefill windows with tensor-core");
-            PrefillScores::TensorCore
+            eprintln!("warning: {e}; scoring prefill windows with the default, {DEFAULT_PREFILL_SCORES:?}");
+            DEFAULT_PREFILL_SCORES
         }),
     })
 }
