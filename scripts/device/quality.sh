@@ -17,7 +17,7 @@
 #            about 80 s on 16 cores; about 100 s per CPU run)
 #   scores   the sparse prefill window-scoring kernels (SPARDA_PREFILL_SCORES): InfLLM-V2
 #            budget 64 at 8K on hamlet with the cuBLAS logits (the base, against dense too),
-#            then tensor-core and tensor-core-bf16x2 scored against it (KL, top-1, Δ perplexity:
+#            then tensor-core-split (the default), tensor-core and tensor-core-bf16x2 scored against it (KL, top-1, Δ perplexity:
 #            what each kernel's selections cost; the exact kernels should be near zero)
 # Then: python3 scripts/quality_table.py OUT_DIR > OUT_DIR.md
 # Env: SPARDA (binary, default .device/bin/sparda), SPARDA_COMMIT, CHUNKS (per text, default 2),
@@ -63,7 +63,7 @@ table|table-cpu|scores)
     ppl dense "${g[@]}" --save-logits "$L/dense.logits"
     SPARDA_PREFILL_SCORES=cublas ppl infllmv2_b64_s16_cublas_scores "${g[@]}" "${b64[@]}" \
       --kl-base "$L/dense.logits" --save-logits "$L/cublas.logits"
-    for k in tensor-core tensor-core-bf16x2; do
+    for k in tensor-core-split tensor-core tensor-core-bf16x2; do
       SPARDA_PREFILL_SCORES=$k ppl "infllmv2_b64_s16_${k//-/_}_scores_vs_cublas" "${g[@]}" "${b64[@]}" \
         --kl-base "$L/cublas.logits"
     done
