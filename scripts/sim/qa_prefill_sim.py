@@ -302,7 +302,7 @@ NP = 3  # Kc parts summed (kernel template parameter NP; --parts)
 KERNEL = "qa"  # "qa": qa_prefill_scores_impl (default); "m32": qa_prefill_scores_m32_impl (--kernel m32)
 
 
-def smem_bytes(D):  # src/cuda/ops/select.rs qa_prefill_smem_bytes(D, NP)
+def smem_bytes(D):  # src/cuda/ops/prefill_scores.rs qa_prefill_smem_bytes(D, NP)
     return NP * 64 * (D + 8) * 2 + QP_BM * 65 * 4  # NP part tiles [64][D+8] bf16 + P [QP_BM][65] f32
 
 
@@ -622,7 +622,7 @@ QP_M32_NP = 3
 QP_M32_GS = (4, 8, 16)  # the G of the entry points
 
 
-def smem_bytes_m32(D):  # src/cuda/ops/select.rs qa_prefill_m32_smem_bytes(D)
+def smem_bytes_m32(D):  # src/cuda/ops/prefill_scores.rs qa_prefill_m32_smem_bytes(D)
     return QP_M32_NP * 64 * (D + 8) * 2
 
 
