@@ -31,14 +31,16 @@
 #                                                each (about 35 s), files *_base_<r>.json / *_new_<r>.json
 #   scripts/device/prefill.sh scores       OUT   the sparse prefill window-scoring kernels: gpu-check's kernel
 #                                                and selection cases (qa_prefill_scores* among them), then per
-#                                                SPARDA_PREFILL_SCORES value in SCORES (default tensor-core
-#                                                tensor-core-m32 tensor-core-split) gpu-check-e2e and sparse prefill at CONTEXT
+#                                                SPARDA_PREFILL_SCORES value in SCORES (default: the set to
+#                                                compare, tensor-core tensor-core-m32 tensor-core-split) gpu-check-e2e and sparse prefill at CONTEXT
 #                                                (default 32K,128K), one process each; per SCORES_OPTS entry
 #                                                (label=NVRTC options) the select cases and the prefill again;
 #                                                with NCU=1 Nsight Compute sections of one window-scoring
 #                                                launch per value; and a traced prefill of TRACE_TOKENS
-#                                                (default 32768) per value in TRACE_SCORES (default
-#                                                tensor-core; its phases); about 5 minutes without options
+#                                                (default 32768; past hamlet.txt's 52.8K tokens the prompt is
+#                                                hamlet.txt repeated, or TRACE_PROMPT) per value in TRACE_SCORES
+#                                                (default tensor-core-split, the default; its phases); about
+#                                                5 minutes without options
 # Then, here: sparda report OUT/prefill_*.json OUT/transformers_sdpa_prefill.json \
 #   --out benches/results/prefill_nosa8b_h200_<date>_<commit>   (a table and PREFIX.prefill.svg)
 # Env: SPARDA (default .device/bin/sparda), SPARDA_COMMIT, BATCH (default 1,4),
@@ -103,9 +105,10 @@ scores)
   # (the select group holds the prefill scoring kernels' cases against the CPU reference)
   # SCORES: the SPARDA_PREFILL_SCORES values to check end to end and time (default tensor-core,
   # tensor-core-m32, tensor-core-split); SCORES_OPTS: "label=NVRTC options;…", each timed with SPARDA_PREFILL_SCORES
-  # = OPTS_SCORES (default tensor-core) and its select cases checked, with SPARDA_NVRTC_OPTIONS
+  # = OPTS_SCORES (default tensor-core-split, the default) and its select cases checked, with SPARDA_NVRTC_OPTIONS
   # set, files *_opts_<label>; TRACE_SCORES: those to trace at
-  # TRACE_TOKENS prompt tokens (default tensor-core-split, the default kernels, at 32768); NCU=1: Nsight Compute sections of the
+  # TRACE_TOKENS prompt tokens (default tensor-core-split, the default kernels, at 32768; the prompt
+  # TRACE_PROMPT, default hamlet.txt, four copies of it past 50,000 tokens); NCU=1: Nsight Compute sections of the
   # last window-scoring launch of an 8K-token sparse prefill per SCORES value (or NCU_SCORES;
   # ncu_<value>.txt)
   kinds=${SCORES:-tensor-core tensor-core-m32 tensor-core-split}
@@ -126,7 +129,7 @@ scores)
     l=${o%%=*}
     SPARDA_NVRTC_OPTIONS="${o#*=}" SPARDA_CHECK_ONLY=select "$SPARDA" gpu-check \
       --json "$out/gpu_check_select_opts_$l.json" 2>&1 | grep -E "FAIL|error:|cases" | sed "s/^/$l: /" | tail -4
-    SPARDA_PREFILL_SCORES=${OPTS_SCORES:-tensor-core} SPARDA_NVRTC_OPTIONS="${o#*=}" "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
+    SPARDA_PREFILL_SCORES=${OPTS_SCORES:-tensor-core-split} SPARDA_NVRTC_OPTIONS="${o#*=}" "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
       --steps 0 --attention sparse --kv gpu --batch 1 --context "${CONTEXT:-32K,128K}" --prefill sparse \
       --json "$out/prefill_sparse_scores_opts_$l.json" 2>&1 | grep -E "prefill only|error" | sed "s/^/$l: /"
   done
@@ -146,13 +149,19 @@ scores)
   # where the time goes: a traced sparse prefill with each (phases qkv, window_logits,
   # window_scores, select, attention, o_proj, ffn; about 35 s each at 32K)
   tt=${TRACE_TOKENS:-32768}
+  tp=${TRACE_PROMPT:-data/texts/hamlet.txt}
+  if [[ -z "${TRACE_PROMPT:-}" && $tt -gt 50000 ]]; then  # hamlet.txt is 52.8K tokens
+    tp="$out/.trace_prompt.txt"
+    for _ in 1 2 3 4; do cat data/texts/hamlet.txt; done > "$tp"
+  fi
   for k in ${TRACE_SCORES:-tensor-core-split}; do
     SPARDA_PREFILL_SCORES=$k "$SPARDA" generate --model synth:nosa-8b --tokenizer "$tok" \
-      --prompt-file data/texts/hamlet.txt --prompt-tokens "$tt" --max-new-tokens 2 --backend cuda \
+      --prompt-file "$tp" --prompt-tokens "$tt" --max-new-tokens 2 --backend cuda \
       --prefill sparse --trace "$out/trace_$k.json" 2>&1 | grep "^prefill" | sed "s/^/$k: /"
     "$SPARDA" trace summarize "$out/trace_$k.json" 2>&1 | head -14 > "$out/trace_sparse_${tt}_$k.txt"
     cat "$out/trace_sparse_${tt}_$k.txt"; rm -f "$out/trace_$k.json"
   done
+  rm -f "$out/.trace_prompt.txt"
   ;;
 baseline)
   python3 benches/baselines/transformers_prefill.py --context 4K,16K,32K,64K,128K \

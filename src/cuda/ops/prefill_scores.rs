@@ -37,7 +37,7 @@ pub enum PrefillScores {
     /// (32 M-rows per warp, pairs of warps on half tiles: each shared-memory
     /// B fragment serves two A tiles; the heads summed in registers), other
     /// G as `tensor-core`. Selectable for comparison (README's prefill
-    /// section records its speed: no faster than `tensor-core`).
+    /// section records its speed: within noise of `tensor-core`).
     TensorCoreM32,
     /// `tensor-core-split` (the default; [`DEFAULT_PREFILL_SCORES`]): as
     /// `tensor-core-m32`, with Kc split into its
@@ -54,6 +54,18 @@ pub enum PrefillScores {
 }
 
 impl PrefillScores {
+    /// The [`ENV_PREFILL_SCORES`] value that chooses `self`
+    /// ([`parse_prefill_scores`] reads it back).
+    pub fn name(self) -> &'static str {
+        match self {
+            PrefillScores::Cublas => "cublas",
+            PrefillScores::TensorCore => "tensor-core",
+            PrefillScores::TensorCoreM32 => "tensor-core-m32",
+            PrefillScores::TensorCoreSplit => "tensor-core-split",
+            PrefillScores::TensorCoreBf16x2 => "tensor-core-bf16x2",
+        }
+    }
+
     /// Kc parts the tensor-core kernel sums (0 for [`PrefillScores::Cublas`]).
     pub fn kc_parts(self) -> usize {
         match self {
@@ -67,7 +79,8 @@ impl PrefillScores {
 }
 
 /// The window-scoring kernels when `SPARDA_PREFILL_SCORES` is unset: the
-/// fastest measured at 32K and 127K (README, prefill section).
+/// fastest of the tensor-core choices at 32K and 127K when last compared
+/// in one run (README, prefill section).
 pub const DEFAULT_PREFILL_SCORES: PrefillScores = PrefillScores::TensorCoreSplit;
 
 /// The environment variable that chooses [`PrefillScores`].
@@ -99,7 +112,10 @@ pub fn prefill_scores() -> PrefillScores {
     *CHOICE.get_or_init(|| match std::env::var(ENV_PREFILL_SCORES) {
         Err(_) => DEFAULT_PREFILL_SCORES,
         Ok(v) => parse_prefill_scores(&v).unwrap_or_else(|e| {
-            eprintln!("warning: {e}; scoring prefill windows with the default, {DEFAULT_PREFILL_SCORES:?}");
+            eprintln!(
+                "warning: {e}; scoring prefill windows with the default, {}",
+                DEFAULT_PREFILL_SCORES.name()
+            );
             DEFAULT_PREFILL_SCORES
         }),
     })
@@ -344,6 +360,15 @@ mod tests {
         );
         assert_eq!(PrefillScores::TensorCoreSplit.kc_parts(), 3);
         assert_eq!(PrefillScores::TensorCoreBf16x2.kc_parts(), 2);
+        for k in [
+            PrefillScores::Cublas,
+            PrefillScores::TensorCore,
+            PrefillScores::TensorCoreM32,
+            PrefillScores::TensorCoreSplit,
+            PrefillScores::TensorCoreBf16x2,
+        ] {
+            assert_eq!(parse_prefill_scores(k.name()).unwrap(), k);
+        }
         for bad in [
             "",
             "tc",
