@@ -417,7 +417,7 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     const u32 ks_base = smem_addr(Ks);
     auto issue_tile = [&](int w0, int buf) {
         constexpr int CH = D / 8;  // 16-byte chunks per row
-        if (QP_M32_THREADS % CH == 0) {
+        if constexpr (QP_M32_THREADS % CH == 0) {
             // thread tid: column chunk tid % CH of rows tid / CH + j * RSTEP of each part
             constexpr int RSTEP = QP_M32_THREADS / CH;
             const int c = tid % CH, row0 = tid / CH;
