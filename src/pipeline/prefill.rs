@@ -494,8 +494,7 @@ impl GpuModel {
                 let parts =
                     crate::cuda::ops::prefill_scores::split_kc_scratch_f32(hk, w_stride, dh);
                 if !logits_in_memory
-                    && crate::cuda::ops::prefill_scores::prefill_scores()
-                        == crate::cuda::ops::prefill_scores::PrefillScores::TensorCoreSplit
+                    && crate::cuda::ops::prefill_scores::prefill_scores().splits_kc(hq / hk)
                     && ws.qa_logits.len() < parts
                 {
                     ws.qa_logits =

@@ -3,7 +3,7 @@
 //! selection of the check path.
 
 use super::*;
-use crate::cuda::ops::prefill_scores::{launch_prefill_scores, prefill_scores, PrefillScores};
+use crate::cuda::ops::prefill_scores::{launch_prefill_scores, prefill_scores};
 use crate::cuda::ops::select::{
     launch_window_logits, launch_window_scores, qa_logits_shared_kc, ScoreDims,
 };
@@ -78,7 +78,8 @@ impl GpuModel {
                     let kernels = prefill_scores();
                     // (tensor-core-split: Kc's parts in the logits buffer the
                     // tensor-core kernels do not otherwise use; prefill sizes it)
-                    let split = (kernels == PrefillScores::TensorCoreSplit)
+                    let split = kernels
+                        .splits_kc(hq / hk)
                         .then(|| (dptr(gpu, &ws.qa_logits), geo.mc));
                     launch_prefill_scores(gpu, &dims, qp, self.qkv_cols, dh, kc, kernels, split)?;
                 }

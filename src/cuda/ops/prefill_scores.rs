@@ -66,6 +66,15 @@ impl PrefillScores {
         }
     }
 
+    /// Whether these kernels split Kc into its bf16 parts once per chunk
+    /// at `group` query heads per KV head (`qa_split_kc` before
+    /// `qa_prefill_scores_m32s_g*`): [`PrefillScores::TensorCoreSplit`]
+    /// where [`prefill_scores_m32_takes`] G. Only then does
+    /// `launch_prefill_scores` take a scratch of [`split_kc_scratch_f32`].
+    pub fn splits_kc(self, group: usize) -> bool {
+        self == PrefillScores::TensorCoreSplit && prefill_scores_m32_takes(group)
+    }
+
     /// Kc parts the tensor-core kernel sums (0 for [`PrefillScores::Cublas`]).
     pub fn kc_parts(self) -> usize {
         match self {
@@ -210,14 +219,14 @@ pub(crate) fn launch_prefill_scores(
         kernels,
         PrefillScores::TensorCoreM32 | PrefillScores::TensorCoreSplit
     ) && prefill_scores_m32_takes(g);
-    let split = match (kernels, split) {
-        (PrefillScores::TensorCoreSplit, Some(sp)) if m32 => Some(sp),
-        (PrefillScores::TensorCoreSplit, None) if m32 => {
+    let split = match (kernels.splits_kc(g), split) {
+        (true, Some(sp)) => Some(sp),
+        (true, None) => {
             return Err(Error::Input(format!(
                 "{OP}: tensor-core-split needs a Kc part scratch (split_kc_scratch_f32)"
             )))
         }
-        _ => None,
+        (false, _) => None,
     };
     let entry = match kernels {
         _ if split.is_some() => &format!("qa_prefill_scores_m32s_g{g}"),
@@ -402,6 +411,18 @@ mod tests {
         }
         let m32: Vec<usize> = (0..=64).filter(|&g| prefill_scores_m32_takes(g)).collect();
         assert_eq!(m32, [4, 8, 16]);
+        let split: Vec<usize> = (0..=64)
+            .filter(|&g| PrefillScores::TensorCoreSplit.splits_kc(g))
+            .collect();
+        assert_eq!(split, [4, 8, 16]);
+        for k in [
+            PrefillScores::Cublas,
+            PrefillScores::TensorCore,
+            PrefillScores::TensorCoreM32,
+            PrefillScores::TensorCoreBf16x2,
+        ] {
+            assert!((0..=64).all(|g| !k.splits_kc(g)), "{k:?}");
+        }
     }
 
     #[test]

@@ -802,7 +802,7 @@ pub fn window_scores_shared_kc(
     };
     if kernels != PrefillScores::Cublas {
         // SAFETY: written by qa_split_kc before the scoring kernel reads it.
-        let parts = if kernels == PrefillScores::TensorCoreSplit {
+        let parts = if kernels.splits_kc(heads / hk) {
             Some(
                 unsafe {
                     gpu.stream()
