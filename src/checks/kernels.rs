@@ -762,6 +762,205 @@ fn check_qkv_append(c: &mut Checker<'_>) {
     }
 }
 
+/// The QKV projection with RoPE + K/V append + eviction score folded in
+/// (`gemv` GY_APPEND, [`ops::gemv_rope_append`]) at decode batches of 1–4
+/// rows: against the same product from a plain `gemv` launch finished by
+/// `qkv_rope_append` (rows, K/V cache rows and c; tolerance 0, the same
+/// bits), and against the CPU reference (linear, bf16 rounding, RoPE; c
+/// from the rows' v) within the bf16 and [`TOLERANCE_EVICTION_F32`]
+/// tolerances.
+fn check_gemv_append(c: &mut Checker<'_>) {
+    let hk = 2usize;
+    // (G, D, positions (one decode row each), ring, bias, in_features)
+    let mut cases: Vec<(usize, usize, Vec<usize>, usize, bool, usize)> = Vec::new();
+    for &g in &[3usize, 8, 16] {
+        for &d in &[64usize, 80, 128] {
+            cases.push((g, d, vec![17], 0, g == 8, 512));
+            cases.push((g, d, vec![5, 64, 1500, 4095], 0, g != 8, 256));
+        }
+    }
+    cases.push((8, 64, vec![100, 255, 4000], 128, true, 512));
+    cases.push((3, 80, vec![63, 64], 0, false, 1024));
+    // NOSA-8B's shape at B = 1
+    cases.push((16, 128, vec![4100], 0, false, 4096));
+    for (g, d, positions, ring, bias, k) in cases {
+        let hq = g * hk;
+        let kvd = hk * d;
+        let qkv_w = (hq + 2 * hk) * d;
+        // Extra columns past q|k|v (forecast rows in the engine): plain outputs.
+        let row = qkv_w + 16;
+        let n = positions.len();
+        let shape = json!({"G": g, "H": hq, "Hkv": hk, "D": d, "n": n, "in": k,
+            "positions": positions, "ring": ring, "bias": bias, "row_stride": row});
+        let r = (|| -> Result<[(Vec<f32>, Vec<f32>); 3]> {
+            let gpu = c.gpu;
+            let inp = &mut c.inp;
+            let rope = crate::config::Rope::new(d, 10_000.0, 8192, RopeScaling::Default);
+            let tables = RopeTables::from_rope(gpu, &rope, d, 4096, 4096)?;
+            let (xb, xf) = inp.bf16(n * k, 1.0);
+            let (wb, wf) = inp.bf16(row * k, 1.0 / (k as f32).sqrt());
+            let df = inp.normal(hk * kvd, 1.0 / (kvd as f32).sqrt());
+            let a = inp.uniform(hk, 0.2, 2.0);
+            let b = bias.then(|| inp.uniform(hk, -1.0, 1.0));
+            let head = EvictionWeights::new(gpu, &a, &df, b.as_deref(), hk, d)?;
+            let (x, w) = (gpu.upload(&xb)?, gpu.upload(&wb)?);
+            let cap = if ring > 0 {
+                ring
+            } else {
+                positions.iter().max().copied().unwrap_or(0) + 1
+            };
+            let c_cap = positions.iter().max().copied().unwrap_or(0) + 1;
+            let append_shape = ops::AppendShape {
+                row_stride: row,
+                heads: hq,
+                kv_heads: hk,
+                head_dim: d,
+                ring,
+            };
+            let arrivals = gpu.zeros::<u32>(1)?;
+            let errs = DeviceErrors::new(gpu)?;
+            // Both paths: the rows, then each row's K, V cache row and c.
+            let mut outs = Vec::new();
+            for folded in [true, false] {
+                let mut caches = Vec::with_capacity(n);
+                for _ in 0..n {
+                    caches.push((
+                        poison_bf16(gpu, cap * kvd)?,
+                        poison_bf16(gpu, cap * kvd)?,
+                        poison_f32(gpu, c_cap * hk)?,
+                    ));
+                }
+                let rows: Vec<ops::AppendRow<'_>> = positions
+                    .iter()
+                    .zip(&caches)
+                    .map(|(&pos, (k, v, cc))| ops::AppendRow {
+                        pos,
+                        k,
+                        v,
+                        c: Some(cc),
+                    })
+                    .collect();
+                let mut y = poison_bf16(gpu, n * row)?;
+                if folded {
+                    // SAFETY: x n·k and W row·k bf16, uploaded above.
+                    unsafe {
+                        ops::gemv_rope_append(
+                            gpu,
+                            dptr(gpu, &x),
+                            k,
+                            dptr(gpu, &w),
+                            &mut y,
+                            &append_shape,
+                            &rows,
+                            &tables,
+                            Some(&head),
+                            errs.sink(3),
+                            dptr(gpu, &arrivals),
+                        )
+                    }?;
+                } else {
+                    let args = ops::GemvArgs {
+                        x: ops::GemvInput::Bf16(dptr(gpu, &x)),
+                        w: dptr(gpu, &w),
+                        y: ops::GemvOutput::Bf16(dptr(gpu, &y)),
+                        n,
+                        in_features: k,
+                        out_features: row,
+                    };
+                    // SAFETY: x n·k, W row·k, y n·row, distinct buffers.
+                    unsafe { ops::launch_gemv(gpu, &args) }?;
+                    ops::qkv_rope_append(
+                        gpu,
+                        &mut y,
+                        row,
+                        hq,
+                        hk,
+                        d,
+                        &rows,
+                        &tables,
+                        Some(&head),
+                        ring,
+                        errs.sink(3),
+                    )?;
+                }
+                let yh = to_f32(&gpu.download(&y)?);
+                let (mut kv_rows, mut c_rows) = (Vec::new(), Vec::new());
+                for (&p, (kc, vc, cc)) in positions.iter().zip(&caches) {
+                    let slot = if ring > 0 { p % ring } else { p };
+                    kv_rows.extend_from_slice(
+                        &to_f32(&gpu.download(kc)?)[slot * kvd..(slot + 1) * kvd],
+                    );
+                    kv_rows.extend_from_slice(
+                        &to_f32(&gpu.download(vc)?)[slot * kvd..(slot + 1) * kvd],
+                    );
+                    c_rows.extend_from_slice(&gpu.download(cc)?[p * hk..(p + 1) * hk]);
+                }
+                outs.push((yh, kv_rows, c_rows));
+            }
+            gpu.synchronize()?;
+            errs.take()?;
+            let left = gpu.download(&arrivals)?;
+            if left != [0] {
+                return Err(Error::Cuda(format!(
+                    "arrivals counter left at {left:?}, want 0"
+                )));
+            }
+            let (fold, plain) = (&outs[0], &outs[1]);
+            let cat = |o: &(Vec<f32>, Vec<f32>, Vec<f32>)| {
+                let mut v = o.0.clone();
+                v.extend_from_slice(&o.1);
+                v.extend_from_slice(&o.2);
+                v
+            };
+            // The CPU reference: rows (rotated q|k, v, extra columns) and cache rows.
+            let lin = cpu_ops::linear(&xf, n, &wf, None, row);
+            let rb = |v: f32| half::bf16::from_f32(v).to_f32();
+            let (mut want, mut got) = (Vec::new(), Vec::new());
+            let (mut v_rows, mut cs, mut sn) =
+                (Vec::new(), vec![0.0f32; d / 2], vec![0.0f32; d / 2]);
+            for (i, &p) in positions.iter().enumerate() {
+                let yr: Vec<f32> = lin[i * row..(i + 1) * row].iter().map(|&v| rb(v)).collect();
+                let mut qk = yr[..(hq + hk) * d].to_vec();
+                rope.cos_sin(p, 4096, &mut cs, &mut sn);
+                cpu_ops::rope_in_place(&mut qk, &cs, &sn);
+                want.extend_from_slice(&qk);
+                want.extend_from_slice(&yr[(hq + hk) * d..]);
+                want.extend_from_slice(&qk[hq * d..]);
+                want.extend_from_slice(&yr[(hq + hk) * d..qkv_w]);
+                got.extend_from_slice(&fold.0[i * row..(i + 1) * row]);
+                got.extend_from_slice(&fold.1[2 * i * kvd..2 * (i + 1) * kvd]);
+                v_rows.extend_from_slice(&fold.0[i * row + (hq + hk) * d..i * row + qkv_w]);
+            }
+            let want_c = cpu_ops::eviction_scores(&v_rows, n, &df, b.as_deref(), &a);
+            Ok([
+                (cat(fold), cat(plain)),
+                (got, want),
+                (fold.2.clone(), want_c),
+            ])
+        })();
+        let [r0, r1, r2] = match r {
+            Ok([x, y, z]) => [Ok(x), Ok(y), Ok(z)],
+            Err(e) => {
+                let m = e.to_string();
+                [0, 1, 2].map(|_| Err(Error::Cuda(m.clone())))
+            }
+        };
+        c.push(
+            "gemv_rope_append (= gemv + qkv_rope_append)",
+            shape.clone(),
+            0.0,
+            r0,
+        );
+        c.push(
+            "gemv_rope_append (q|k|v, K/V)",
+            shape.clone(),
+            TOLERANCE_BF16,
+            r1,
+        );
+        c.push("gemv_rope_append (c)", shape, TOLERANCE_EVICTION_F32, r2);
+    }
+}
+
 /// One sequence's random KV state for the attention checks: the CPU
 /// reference's [`LayerKv`] (f32 of the bf16-rounded values, compressed
 /// state completed) plus the device copies.
@@ -1309,6 +1508,7 @@ pub fn gpu_check(out_json: &Path) -> Result<bool> {
         check_swiglu(&mut c);
         check_eviction(&mut c);
         check_qkv_append(&mut c);
+        check_gemv_append(&mut c);
         check_dense_attention(&mut c);
         check_prefill_attention(&mut c);
         check_sparse_attention(&mut c);

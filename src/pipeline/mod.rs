@@ -282,7 +282,9 @@ pub enum StepPart {
     NormIn,
     /// Fused QKV GEMM (+bias).
     Qkv,
-    /// RoPE, K/V append, eviction score (δ·v in f32).
+    /// RoPE, K/V append, eviction score (δ·v in f32); on the fused GEMVs
+    /// part of [`StepPart::Qkv`] unless `$SPARDA_GEMV_APPEND` is 0
+    /// ([`GpuModel::gemv_folds_append`]).
     RopeAppend,
     /// Incremental compression (Kc, p).
     Compress,
@@ -311,6 +313,13 @@ pub enum StepPart {
     LmHead,
     /// Greedy argmax and the advance of the step inputs.
     Argmax,
+}
+
+/// `$SPARDA_GEMV_APPEND` is not `0` ([`GpuModel::gemv_folds_append`]).
+/// Read once.
+pub(crate) fn fold_append_env() -> bool {
+    static FOLD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FOLD.get_or_init(|| std::env::var("SPARDA_GEMV_APPEND").map_or(true, |v| v.trim() != "0"))
 }
 
 impl StepPart {
@@ -466,6 +475,9 @@ pub struct GpuModel {
     /// The device error record every guarded kernel of this model reports
     /// to (see the module doc); its address never changes.
     pub(crate) device_errors: DeviceErrors,
+    /// u32 \[1\], 0 between launches: the block arrivals of the QKV GEMV
+    /// that folds the eviction score in ([`ops::GemvAppend::arrivals`]).
+    pub(crate) gemv_arrivals: CudaSlice<u32>,
 }
 
 impl std::fmt::Debug for GpuModel {
@@ -652,6 +664,7 @@ impl GpuModel {
             fetch_spans: std::cell::RefCell::new(Vec::new()),
             trace_fetches: std::cell::RefCell::new(Vec::new()),
             device_errors: DeviceErrors::new(g)?,
+            gemv_arrivals: g.zeros(1)?,
             prefill_mode: opts.prefill,
             prefill_attention: PrefillAttention::for_head_dim(cfg.head_dim),
             plan,
@@ -752,6 +765,15 @@ impl GpuModel {
     /// Whether piece `p` of a step is enqueued (always, unless profiling another piece).
     pub(crate) fn on(&self, p: StepPart) -> bool {
         self.only_part.get().is_none_or(|q| q == p)
+    }
+
+    /// Whether the fused QKV GEMV also applies RoPE and appends to the K/V
+    /// caches (+ eviction score) in place of `qkv_rope_append`
+    /// ([`ops::GemvOutput::RopeAppend`]): in the steps on the fused GEMVs
+    /// ([`GpuModel::gemv_fusion_applies`]), unless `$SPARDA_GEMV_APPEND`
+    /// is `0` (the separate kernel, for comparison). Read once.
+    pub(crate) fn gemv_folds_append(&self) -> bool {
+        self.fused_gemv.get() && fold_append_env()
     }
 
     /// Whether a decode step of `n` rows runs its layers on the fused

@@ -2,15 +2,17 @@
 //! n ≤ [`GEMV_MAX_N`] rows, memory-bound, with the decode step's
 //! neighbours of a GEMM folded in — the RMSNorm before the QKV and gate|up
 //! projections, SwiGLU after the gate|up projection, the residual add after
-//! the O and down projections (spec/nosa-model.md §7; runtime.md §1's
-//! step). Each fold computes what the separate kernel (rmsnorm.cu,
-//! swiglu.cu) computes, with the same roundings; the dot products sum in
-//! another order than cuBLAS.
+//! the O and down projections, RoPE and the K/V append (+ eviction score)
+//! after the QKV projection (spec/nosa-model.md §1, §3, §7; runtime.md
+//! §1's step). Each fold computes what the separate kernel (rmsnorm.cu,
+//! swiglu.cu, kv_append.cu) computes, with the same roundings; the dot
+//! products sum in another order than cuBLAS.
 
-use crate::cuda::context::CudaResultExt;
+use super::QkvAppendArgs;
+use crate::cuda::context::{i32_dim, CudaResultExt};
 use crate::cuda::Gpu;
 use crate::{Error, Result};
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 /// Largest batch `gemv` takes (`GEMV_MAX_N` in kernels/gemv.cu).
 pub const GEMV_MAX_N: usize = 4;
@@ -65,6 +67,108 @@ pub enum GemvOutput {
     /// [n, I] at this address gets bf16(silu(g) · u) of the rounded gate and
     /// up outputs g, u (what the gate|up GEMM and `ops::swiglu` write).
     Swiglu(u64),
+    /// W is the fused QKV weight: bf16 [n, out] rows [q | k | v | …] at
+    /// `qkv`, finished as `qkv_rope_append` finishes them (RoPE of q and k,
+    /// k and v into the K/V caches, the eviction score from v; the same
+    /// bits): what a [`GemvOutput::Bf16`] launch followed by
+    /// `ops::launch_qkv_rope_append` with the same arguments writes.
+    RopeAppend {
+        /// bf16 [n, out] device address (the append's `qkv`; its row stride
+        /// is `out_features`).
+        qkv: u64,
+        /// The append's positions, tables, caches and eviction head.
+        append: GemvAppend,
+    },
+}
+
+/// The RoPE + K/V append folded into the QKV projection
+/// ([`GemvOutput::RopeAppend`]): `GemvAppend` of kernels/gemv.cu, field
+/// for field (device addresses, then i32 sizes). Built from the separate
+/// kernel's arguments by [`GemvAppend::new`].
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GemvAppend {
+    /// i32 \[n\]: each row's position.
+    pub pos: u64,
+    /// f32 RoPE cosines [table_rows, D/2].
+    pub cos: u64,
+    /// f32 RoPE sines [table_rows, D/2].
+    pub sin: u64,
+    /// u64 \[n\]: each row's K cache, bf16 [cap, Hkv, D].
+    pub kptr: u64,
+    /// u64 \[n\]: each row's V cache, bf16 [cap, Hkv, D].
+    pub vptr: u64,
+    /// u64 \[n\] of f32 c caches [cap, Hkv] (0 = none), or 0.
+    pub cptr: u64,
+    /// Eviction head A f32 \[Hkv\], or 0 (no score).
+    pub evict_a: u64,
+    /// δ f32 [Hkv, Hkv·D].
+    pub evict_delta: u64,
+    /// b f32 \[Hkv\], or 0.
+    pub evict_b: u64,
+    /// The device error record, or 0.
+    pub err: u64,
+    /// A u32 that is 0 between launches (the blocks count their arrivals in
+    /// it for the eviction score; the last one resets it).
+    pub arrivals: u64,
+    /// Positions the tables cover.
+    pub table_rows: i32,
+    /// H.
+    pub heads: i32,
+    /// Hkv.
+    pub kv_heads: i32,
+    /// D.
+    pub head_dim: i32,
+    /// Tail-ring tokens of an offloaded layer, 0 = none.
+    pub ring: i32,
+    /// Layer reported with an error.
+    pub layer: i32,
+}
+
+// SAFETY: plain #[repr(C)] data (u64 and i32 fields), the layout of
+// kernels/gemv.cu's GemvAppend, passed by value as a kernel argument.
+unsafe impl DeviceRepr for GemvAppend {}
+
+impl GemvAppend {
+    /// The folded append of `a` (its `qkv`, `row_stride` and `rows` are
+    /// the GEMV's y, out_features and n), counting block arrivals at the
+    /// u32 device address `arrivals` (0 between launches; needed with an
+    /// eviction head).
+    ///
+    /// Errors: [`Error::Input`] for sizes past i32, an odd head dim, or an
+    /// eviction head without an `arrivals` counter.
+    pub(crate) fn new(a: &QkvAppendArgs, arrivals: u64) -> Result<Self> {
+        if !a.head_dim.is_multiple_of(2) {
+            return Err(Error::Input(format!(
+                "gemv RoPE append: head dim {} must be even",
+                a.head_dim
+            )));
+        }
+        if a.evict_a != 0 && a.cptr != 0 && arrivals == 0 {
+            return Err(Error::Input(
+                "gemv RoPE append: an eviction head needs the arrivals counter".into(),
+            ));
+        }
+        Ok(GemvAppend {
+            pos: a.pos,
+            cos: a.cos,
+            sin: a.sin,
+            kptr: a.kptr,
+            vptr: a.vptr,
+            cptr: a.cptr,
+            evict_a: a.evict_a,
+            evict_delta: a.evict_delta,
+            evict_b: a.evict_b,
+            err: a.err.record,
+            arrivals,
+            table_rows: i32_dim(a.table_rows, "rope rows")?,
+            heads: i32_dim(a.heads, "H")?,
+            kv_heads: i32_dim(a.kv_heads, "Hkv")?,
+            head_dim: i32_dim(a.head_dim, "D")?,
+            ring: i32_dim(a.ring, "ring tokens")?,
+            layer: a.err.layer_arg()?,
+        })
+    }
 }
 
 /// One `gemv` launch: y = x · Wᵀ, W bf16 [out_features, in_features] at `w`.
@@ -197,6 +301,24 @@ pub unsafe fn launch_gemv(gpu: &Gpu, a: &GemvArgs) -> Result<()> {
         GemvOutput::F32(p) => (p, 1, 0.0),
         GemvOutput::Residual { resid, scale } => (resid, 2, scale),
         GemvOutput::Swiglu(p) => (p, 3, 0.0),
+        GemvOutput::RopeAppend { qkv, .. } => (qkv, 4, 0.0),
+    };
+    let append = match a.y {
+        GemvOutput::RopeAppend { append, .. } => {
+            let rope_rows =
+                (append.heads as i64 + 2 * append.kv_heads as i64) * append.head_dim as i64;
+            if append.head_dim <= 0 || append.head_dim % 2 != 0 || rope_rows > m as i64 {
+                return Err(Error::Input(format!(
+                    "{}: RoPE append of {} + 2 × {} heads of {} overruns the row of {m}",
+                    shape(),
+                    append.heads,
+                    append.kv_heads,
+                    append.head_dim
+                )));
+            }
+            Some(append)
+        }
+        _ => None,
     };
     if ymode == 3 && !m.is_multiple_of(2) {
         return Err(Error::Input(format!(
@@ -227,7 +349,17 @@ pub unsafe fn launch_gemv(gpu: &Gpu, a: &GemvArgs) -> Result<()> {
         block_dim: ((32 * block_warps()) as u32, 1, 1),
         shared_mem_bytes: (n * k * 2) as u32,
     };
-    let f = gpu.function(["gemv1", "gemv2", "gemv3", "gemv4"][n - 1])?;
+    let f = gpu.function(if append.is_some() {
+        [
+            "gemv1_append",
+            "gemv2_append",
+            "gemv3_append",
+            "gemv4_append",
+        ][n - 1]
+    } else {
+        ["gemv1", "gemv2", "gemv3", "gemv4"][n - 1]
+    })?;
+    let append = append.unwrap_or_default();
     let mut b = gpu.launch_builder(f);
     b.arg(&xp)
         .arg(&norm)
@@ -238,7 +370,8 @@ pub unsafe fn launch_gemv(gpu: &Gpu, a: &GemvArgs) -> Result<()> {
         .arg(&k_)
         .arg(&m_)
         .arg(&xmode)
-        .arg(&ymode);
+        .arg(&ymode)
+        .arg(&append);
     // SAFETY: argument list matches kernels/gemv.cu; the caller vouches for
     // the buffers (this function's contract); shape and alignment checked.
     unsafe { b.launch(cfg) }.cuda(&shape()).map(drop)
