@@ -380,6 +380,70 @@ pub unsafe fn launch_gemv(gpu: &Gpu, a: &GemvArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::device_error::ErrorSink;
+
+    fn append_args(head_dim: usize, evict_a: u64) -> QkvAppendArgs {
+        QkvAppendArgs {
+            qkv: 0x1000,
+            row_stride: 4608,
+            heads: 32,
+            kv_heads: 2,
+            head_dim,
+            pos: 0x2000,
+            cos: 0x3000,
+            sin: 0x4000,
+            table_rows: 8192,
+            kptr: 0x5000,
+            vptr: 0x6000,
+            cptr: 0x7000,
+            evict_a,
+            evict_delta: 0x9000,
+            evict_b: 0,
+            ring: 128,
+            rows: 1,
+            err: ErrorSink {
+                record: 0xa000,
+                layer: 7,
+            },
+        }
+    }
+
+    #[test]
+    fn append_arguments_have_the_kernels_layout() {
+        // kernels/gemv.cu GemvAppend: eleven 8-byte addresses, then six i32
+        assert_eq!(std::mem::size_of::<GemvAppend>(), 11 * 8 + 6 * 4);
+        assert_eq!(std::mem::align_of::<GemvAppend>(), 8);
+        let g = GemvAppend::new(&append_args(128, 0x8000), 0xb000).unwrap();
+        assert_eq!(
+            (g.pos, g.kptr, g.cptr, g.err, g.arrivals),
+            (0x2000, 0x5000, 0x7000, 0xa000, 0xb000)
+        );
+        assert_eq!(
+            (
+                g.table_rows,
+                g.heads,
+                g.kv_heads,
+                g.head_dim,
+                g.ring,
+                g.layer
+            ),
+            (8192, 32, 2, 128, 128, 7)
+        );
+    }
+
+    #[test]
+    fn append_needs_an_even_head_dim_and_a_counter_for_the_eviction_score() {
+        let odd = GemvAppend::new(&append_args(127, 0), 0)
+            .unwrap_err()
+            .to_string();
+        assert!(odd.contains("head dim 127"), "{odd}");
+        let e = GemvAppend::new(&append_args(128, 0x8000), 0)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("arrivals"), "{e}");
+        // no eviction head: no counter needed
+        assert!(GemvAppend::new(&append_args(128, 0), 0).is_ok());
+    }
 
     #[test]
     fn fits_only_small_batches_of_whole_chunks_within_shared_memory() {
