@@ -28,6 +28,11 @@
 //!   widened to f32), and c = A·softplus(z) in f32 (spec §3), exactly what
 //!   the CPU reference computes on that v.
 //! - gate_proj and up_proj are stacked into one [2I, d] GEMM weight.
+//! - Steps on the small-batch GEMVs (`GpuModel::gemv_fusion_applies`)
+//!   fold the norms, SwiGLU and residual adds into the projections, and
+//!   RoPE + the K/V append + the eviction score into the QKV projection
+//!   ([`ops::GemvOutput::RopeAppend`], the same bits as `qkv_rope_append`;
+//!   `$SPARDA_GEMV_APPEND=0` keeps the separate kernel).
 //! - The muP logit divisor is folded into the final norm weight at load
 //!   (w / divisor, rounded to bf16; exact when the divisor is a power of two,
 //!   as for NOSA-8B's 4096/256 = 16).
@@ -283,8 +288,7 @@ pub enum StepPart {
     /// Fused QKV GEMM (+bias).
     Qkv,
     /// RoPE, K/V append, eviction score (δ·v in f32); on the fused GEMVs
-    /// part of [`StepPart::Qkv`] unless `$SPARDA_GEMV_APPEND` is 0
-    /// ([`GpuModel::gemv_folds_append`]).
+    /// part of [`StepPart::Qkv`] unless `$SPARDA_GEMV_APPEND` is 0.
     RopeAppend,
     /// Incremental compression (Kc, p).
     Compress,

@@ -84,7 +84,7 @@ pub enum GemvOutput {
 /// The RoPE + K/V append folded into the QKV projection
 /// ([`GemvOutput::RopeAppend`]): `GemvAppend` of kernels/gemv.cu, field
 /// for field (device addresses, then i32 sizes). Built from the separate
-/// kernel's arguments by [`GemvAppend::new`].
+/// kernel's arguments by `GemvAppend::new`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GemvAppend {
