@@ -187,7 +187,16 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         file: "gemv.cu",
         text: include_str!("../../kernels/gemv.cu"),
         preludes: &[],
-        functions: &["gemv1", "gemv2", "gemv3", "gemv4"],
+        functions: &[
+            "gemv1",
+            "gemv2",
+            "gemv3",
+            "gemv4",
+            "gemv1_append",
+            "gemv2_append",
+            "gemv3_append",
+            "gemv4_append",
+        ],
     },
     KernelSource {
         file: "forecast.cu",
@@ -1184,6 +1193,57 @@ mod tests {
                 assert!(defines_kernel(s.text, f), "{} lacks {f}", s.file);
             }
             assert!(s.full_text().starts_with(COMMON_PRELUDE));
+        }
+    }
+
+    /// The kernels `text` defines: `extern "C" __global__ … void f(` (a
+    /// macro's upper-case parameter left out) and lines stamping one by a
+    /// macro (`GEMV_KERNEL(f, 1, false)`).
+    fn kernels_defined(text: &str) -> Vec<String> {
+        let ident = |s: &str| -> String {
+            s.chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect()
+        };
+        let mut out = Vec::new();
+        for part in text.split("extern \"C\" __global__").skip(1) {
+            if let Some((_, after)) = part.split_once("void ") {
+                let f = ident(after.trim_start());
+                if f.chars().any(|c| c.is_ascii_lowercase()) {
+                    out.push(f);
+                }
+            }
+        }
+        for l in text.lines() {
+            if let Some((name, rest)) = l.split_once('(') {
+                let f = ident(rest);
+                if !name.is_empty()
+                    && name
+                        .chars()
+                        .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+                    && rest[f.len()..].starts_with(',')
+                    && f.starts_with(|c: char| c.is_ascii_lowercase())
+                {
+                    out.push(f);
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_kernel_a_source_defines_is_loaded() {
+        let text = "#define K(NAME, N) extern \"C\" __global__ void NAME(int)\nK(gemv1, 1)\n\
+                    extern \"C\" __global__ __launch_bounds__(64) void f(int x)\n";
+        assert_eq!(kernels_defined(text), ["f", "gemv1"]);
+        for s in KERNEL_SOURCES {
+            for f in kernels_defined(s.text) {
+                assert!(
+                    s.functions.contains(&f.as_str()),
+                    "{} defines {f}, which its functions do not list (it would not load)",
+                    s.file
+                );
+            }
         }
     }
 }
