@@ -48,24 +48,14 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// NeoX RoPE of one pair (a, b) = (x[i], x[i + D/2]) at (c, s) = (cos, sin) of the position
-// (nosa-model.md §1): (a c - b s, b c + a s), each product rounded to f32 on its own (no fused
-// multiply-add, the CPU reference's arithmetic), then to bf16. qkv_rope_append and gemv's
-// GY_APPEND both call this, so their rotated q and k agree bit for bit.
-__device__ __forceinline__ void rope_pair(float a, float b, float c, float s, bf16_t* lo, bf16_t* hi) {
-    *lo = f2bf(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
-    *hi = f2bf(__fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s)));
-}
-
 // NOSA eviction score of one (row, KV head) by one whole warp (nosa-model.md
 // §3): A * softplus(delta_h . v + b), softplus linear above 20, in f32 from the
 // row's bf16 v (kvd = Hkv*D values) and f32 delta_h [kvd]. Every lane gets it.
-// qkv_rope_append, gemv's GY_APPEND and eviction_score call this, so their c agree bit for bit
-// (v read through L2: gemv's last block reads the v that other blocks wrote).
+// qkv_rope_append and eviction_score both call this, so their c agree bit for bit.
 __device__ __forceinline__ float eviction_c(const float* delta_h, const bf16_t* v, int kvd, float b, float A) {
     const int lane = threadIdx.x & 31;
     float acc = 0.0f;
-    for (int i = lane; i < kvd; i += 32) acc += delta_h[i] * bf2f(__ldcg(v + i));
+    for (int i = lane; i < kvd; i += 32) acc += delta_h[i] * bf2f(v[i]);
     const float z = warp_sum(acc) + b;
     const float sp = z > 20.0f ? z : log1pf(expf(z));
     return A * sp;

@@ -16,15 +16,6 @@
 //   GY_SWIGLU   W is the fused [gate; up] weight (out = 2 I rows): y bf16 [n, I] gets
 //               bf16(silu(g) * u) of g = bf16(gate row o), u = bf16(up row o) (swiglu.cu's formula
 //               on the rounded GEMM outputs).
-//   GY_APPEND   W is the fused QKV weight: y is the bf16 [n, out] rows [q | k | v | ...], and the
-//               kernel also does what kv_append.cu's qkv_rope_append does after a GY_BF16 launch,
-//               with the same roundings (the same bits): q and k heads rotated (rope_pair at
-//               position ap.pos[i]), k and v written to row i's K/V cache (token slot pos, or
-//               pos % ring), and, with an eviction head (ap.A and ap.cptr non-null), the score
-//               c[pos, h] (eviction_c on the stored v) by the block that arrives last (counted in
-//               ap.arrivals, which it sets back to 0). A position outside the RoPE table leaves
-//               the row unrotated and unappended and is reported to ap.err (DEVERR_ROPE_POSITION),
-//               as there. Columns past the (H + 2 hkv) D of q|k|v are plain GY_BF16 outputs.
 // Kernels gemv1 ... gemv4: n = 1 ... 4 rows (GEMV_MAX_N), the same arguments.
 // Memory-bound: every weight is read once with 16-byte streaming loads, several in flight per
 // lane. The weights do not depend on the previous kernel, so under programmatic dependent launch
@@ -34,11 +25,8 @@
 // for the sum of squares in registers for the normalisation (the same sums, bit for bit).
 // Work: warp w of the grid (blockIdx.x * warps per block + w) computes row pairs w, w + W,
 // w + 2W, ... (W = gridDim.x * warps per block in all); pair p is rows (2p, 2p + 1), or
-// (p, p + I) for GY_SWIGLU, or for GY_APPEND and p < (H + 2 hkv) D / 2 the two halves of one
-// head that RoPE rotates together (jD + i, jD + i + D/2), j = p / (D/2), i = p % (D/2); lane l
-// reads 16-byte chunks l, l + 32, ... of both rows; the partial sums are reduced over the warp
-// (warp_sum), and lane 0 stores them (GY_APPEND: lane i stores input row i's, the lane holding
-// that row's position, cache pointers and RoPE factors).
+// (p, p + I) for GY_SWIGLU; lane l reads 16-byte chunks l, l + 32, ... of both rows; the
+// partial sums are reduced over the warp (warp_sum).
 // Requires: in % 8 == 0, xsrc and W 16-byte aligned, norm 8-byte aligned, out even for
 // GY_SWIGLU, dynamic shared memory n * in * 2 bytes (allocated under GEMV_X_DIRECT too),
 // blockDim.x a multiple of 32, at most 32 * GEMV_WARPS (the launch bounds: 128 registers a
@@ -77,27 +65,6 @@
 #define GY_F32 1
 #define GY_RESID 2
 #define GY_SWIGLU 3
-#define GY_APPEND 4
-
-// GY_APPEND's arguments (src/cuda/ops/gemv.rs GemvAppend, the same layout; zero for the other
-// modes): i32 pos [n]; f32 RoPE tables cos_t, sin_t [table_rows, D/2]; u64 kptr, vptr [n]
-// (bf16 K/V caches [cap, hkv, D]); cptr [n] (f32 c caches [cap, hkv], 0 = none) or null; the
-// eviction head A [hkv], delta [hkv, hkv D], eb [hkv] (null: none / no bias); the device error
-// record err (nullable); arrivals: a u32 that is 0 between launches.
-struct GemvAppend {
-    const int* pos;
-    const float* cos_t;
-    const float* sin_t;
-    const u64* kptr;
-    const u64* vptr;
-    const u64* cptr;
-    const float* A;
-    const float* delta;
-    const float* eb;
-    int* err;
-    u32* arrivals;
-    int table_rows, H, hkv, D, ring, layer;
-};
 
 __device__ __forceinline__ float bf_lo(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
@@ -172,53 +139,15 @@ __device__ __forceinline__ void gemv_pair_dots(const uint4* __restrict__ xr, con
     }
 }
 
-// The two output rows r0, r1 of row pair `pair` and their weight rows: (2p, 2p + 1), the last row
-// twice when out is odd; (p, p + half) for GY_SWIGLU; (jD + i, jD + i + D/2) for GY_APPEND's
-// first rope_pairs pairs (hd = D/2; 0 for the other modes). Returns whether the second row is a
-// row of its own.
+// The two weight rows of row pair `pair` (rows (2p, 2p + 1), the last row twice when out is odd;
+// (p, p + half) for GY_SWIGLU) and whether the second is a row of its own.
 __device__ __forceinline__ bool gemv_pair_rows(const bf16_t* __restrict__ W, int pair, int in, int out,
-                                               bool glu, int half, int rope_pairs, int hd, int* r0,
-                                               int* r1, const uint4** w0, const uint4** w1) {
-    if (rope_pairs > 0 && pair < rope_pairs) {
-        *r0 = pair + (pair / hd) * hd;  // j D + (pair - j hd), j = pair / hd
-        *r1 = *r0 + hd;
-        *w0 = (const uint4*)(W + (u64)*r0 * in);
-        *w1 = (const uint4*)(W + (u64)*r1 * in);
-        return true;
-    }
+                                               bool glu, int half, const uint4** w0, const uint4** w1) {
     const int row0 = glu ? pair : pair * GEMV_ROWS;
     const bool has1 = glu || row0 + 1 < out;
-    *r0 = row0;
-    *r1 = glu ? pair + half : has1 ? row0 + 1 : row0;
     *w0 = (const uint4*)(W + (u64)row0 * in);
-    *w1 = (const uint4*)(W + (u64)*r1 * in);
+    *w1 = (const uint4*)(W + (u64)(glu ? pair + half : has1 ? row0 + 1 : row0) * in);
     return has1;
-}
-
-// GY_APPEND's store of input row i's pair (r0, r1) of sums (s0, s1), by the lane that holds the
-// row's position p (ok: inside the RoPE table) and the pair's RoPE factors (c, s) (q and k
-// heads). What qkv_rope_append does to those two values of the row.
-__device__ __forceinline__ void gemv_append_store(const GemvAppend& ap, bf16_t* __restrict__ yr, int i, int r0,
-                                                  int r1, bool has1, float s0, float s1, int rope_rows,
-                                                  int p, bool ok, float c, float s) {
-    if (r0 >= rope_rows) {  // past q|k|v
-        yr[r0] = f2bf(s0);
-        if (has1) yr[r1] = f2bf(s1);
-        return;
-    }
-    const int j = r0 / ap.D, d0 = r0 - j * ap.D;  // head, dimension (< D/2)
-    bf16_t lo = f2bf(s0), hi = f2bf(s1);
-    if (ok && j < ap.H + ap.hkv) rope_pair(bf2f(lo), bf2f(hi), c, s, &lo, &hi);
-    yr[r0] = lo;
-    yr[r1] = hi;
-    if (ok && j >= ap.H) {
-        const u64 kv_row = ap.ring > 0 ? (u64)(p % ap.ring) : (u64)p;
-        const bool is_k = j < ap.H + ap.hkv;
-        const int h = is_k ? j - ap.H : j - ap.H - ap.hkv;
-        bf16_t* cache = (bf16_t*)(is_k ? ap.kptr[i] : ap.vptr[i]) + (kv_row * ap.hkv + h) * ap.D + d0;
-        cache[0] = lo;
-        cache[ap.D >> 1] = hi;
-    }
 }
 
 // Chunks c = lane + 32 u < kch, u < GEMV_PF, of both rows of a pair into pa, pb.
@@ -235,13 +164,10 @@ __device__ __forceinline__ void gemv_pair_prefetch(const uint4* w0, const uint4*
 }
 
 // One instance per batch size N (gemv1 ... gemv4 below): the accumulators stay in registers.
-// APP: the GY_APPEND instance (gemv1_append ... gemv4_append), so that the other modes' kernels
-// carry none of its registers.
-template <int N, bool APP>
+template <int N>
 __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const bf16_t* __restrict__ norm,
                                           float eps, const bf16_t* __restrict__ W, void* __restrict__ y,
-                                          float scale, int in, int out, int xmode, int ymode,
-                                          const GemvAppend& ap) {
+                                          float scale, int in, int out, int xmode, int ymode) {
     const int n = N;
     extern __shared__ __align__(16) unsigned char gemv_sh[];
     __shared__ float red[32];
@@ -252,19 +178,13 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
     const bool glu = ymode == GY_SWIGLU;
     const int half = out >> 1;
     const int pairs = glu ? half : (out + GEMV_ROWS - 1) / GEMV_ROWS;
-    const bool app = APP;
-    if (APP) ymode = GY_APPEND;
-    const int hd = app ? ap.D >> 1 : 1;
-    const int rope_rows = app ? (ap.H + 2 * ap.hkv) * ap.D : 0;
-    const int rope_pairs = rope_rows >> 1;
     int pair = blockIdx.x * bwarps + warp;
 
     // The first row pair's first chunks, before the dependency on the previous kernel.
     uint4 pa[GEMV_PF], pb[GEMV_PF];
     if (pair < pairs) {
         const uint4 *w0, *w1;
-        int r0, r1;
-        gemv_pair_rows(W, pair, in, out, glu, half, rope_pairs, hd, &r0, &r1, &w0, &w1);
+        gemv_pair_rows(W, pair, in, out, glu, half, &w0, &w1);
         gemv_pair_prefetch(w0, w1, kch, lane, pa, pb);
     }
     // The norm weights do not depend on the previous kernel either: this thread's first
@@ -279,16 +199,6 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
     }
     pdl_wait();
     pdl_trigger();
-    // GY_APPEND: lane i < N holds input row i's position and cache pointers (written by earlier
-    // kernels, so read after the wait); warp 0 of block 0 reports a position outside the table.
-    int apos = 0;
-    bool aok = false;
-    if (app) {
-        apos = ap.pos[lane < N ? lane : 0];
-        aok = apos >= 0 && apos < ap.table_rows;
-        if (!aok && lane < N && blockIdx.x == 0 && warp == 0)
-            raise_device_error(ap.err, DEVERR_ROPE_POSITION, lane, ap.layer, -1, apos, ap.table_rows);
-    }
 
     // Stage x: 16-byte (bf16) or float4 (f32) loads, several in flight per thread.
     uint4* xs = (uint4*)gemv_sh;  // [n, kch] chunks
@@ -347,16 +257,9 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
 
     bool first = true;
     for (; pair < pairs; pair += nwarps) {
+        const int row0 = glu ? pair : pair * GEMV_ROWS;
         const uint4 *w0, *w1;
-        int row0, row1;
-        const bool has1 = gemv_pair_rows(W, pair, in, out, glu, half, rope_pairs, hd, &row0, &row1, &w0, &w1);
-        // GY_APPEND: this lane's row's RoPE factors of the pair, loaded before the dot products.
-        float rc = 0.0f, rs = 0.0f;
-        if (app && aok && pair < rope_pairs && lane < N) {
-            const u64 t = (u64)apos * hd + (pair % hd);
-            rc = ap.cos_t[t];
-            rs = ap.sin_t[t];
-        }
+        const bool has1 = gemv_pair_rows(W, pair, in, out, glu, half, &w0, &w1);
         float a0[N], a1[N];
         if (xg) {
             gemv_pair_dots<N>((const uint4*)xsrc, w0, w1, kch, lane, first, pa, pb, a0, a1);
@@ -366,8 +269,7 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
         first = false;
         if (GEMV_NEXT_PF && pair + nwarps < pairs) {
             const uint4 *n0, *n1;
-            int n0r, n1r;
-            gemv_pair_rows(W, pair + nwarps, in, out, glu, half, rope_pairs, hd, &n0r, &n1r, &n0, &n1);
+            gemv_pair_rows(W, pair + nwarps, in, out, glu, half, &n0, &n1);
             gemv_pair_prefetch(n0, n1, kch, lane, pa, pb);
             first = true;
         }
@@ -375,11 +277,7 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
         for (int i = 0; i < N; ++i) {
             const float s0 = warp_sum(a0[i]);
             const float s1 = warp_sum(a1[i]);
-            if (app) {
-                if (lane == i)
-                    gemv_append_store(ap, (bf16_t*)y + (u64)i * out, i, row0, row1, has1, s0, s1, rope_rows,
-                                      apos, aok, rc, rs);
-            } else if (lane == 0) {
+            if (lane == 0) {
                 const u64 o = (u64)i * out + row0;
                 if (glu) {
                     const float g = round_bf(s0), u = round_bf(s1);
@@ -398,44 +296,16 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
             }
         }
     }
-    // GY_APPEND with an eviction head: the last block to finish scores every (row, KV head) on
-    // the v the whole grid wrote (warp t % warps per block takes (t / hkv, t % hkv)).
-    if (app && ap.A != nullptr && ap.cptr != nullptr) {
-        __shared__ bool last;
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) last = atomicAdd(ap.arrivals, 1u) == gridDim.x - 1;
-        __syncthreads();
-        if (last) {
-            __threadfence();
-            const int kvd = ap.hkv * ap.D;
-            for (int t = warp; t < N * ap.hkv; t += bwarps) {
-                const int i = t / ap.hkv, h = t - i * ap.hkv;
-                const int p = ap.pos[i];
-                const u64 cp = ap.cptr[i];
-                if (p < 0 || p >= ap.table_rows || cp == 0ull) continue;
-                const bf16_t* vrow = (const bf16_t*)y + (u64)i * out + (u64)(ap.H + ap.hkv) * ap.D;
-                const float c = eviction_c(ap.delta + (u64)h * kvd, vrow, kvd, ap.eb != nullptr ? ap.eb[h] : 0.0f,
-                                           ap.A[h]);
-                if (lane == 0) ((float*)cp)[(u64)p * ap.hkv + h] = c;
-            }
-            if (threadIdx.x == 0) *ap.arrivals = 0u;
-        }
-    }
 }
 
-#define GEMV_KERNEL(NAME, N, APP)                                                                          \
+#define GEMV_KERNEL(NAME, N)                                                                               \
     extern "C" __global__ __launch_bounds__(32 * GEMV_WARPS, 2) void NAME(                               \
         const void* __restrict__ xsrc, const bf16_t* __restrict__ norm, float eps,                       \
         const bf16_t* __restrict__ W, void* __restrict__ y, float scale, int in, int out, int xmode,     \
-        int ymode, const GemvAppend ap) {                                                                \
-        gemv_rows<N, APP>(xsrc, norm, eps, W, y, scale, in, out, xmode, ymode, ap);                      \
+        int ymode) {                                                                                     \
+        gemv_rows<N>(xsrc, norm, eps, W, y, scale, in, out, xmode, ymode);                               \
     }
-GEMV_KERNEL(gemv1, 1, false)
-GEMV_KERNEL(gemv2, 2, false)
-GEMV_KERNEL(gemv3, 3, false)
-GEMV_KERNEL(gemv4, 4, false)
-GEMV_KERNEL(gemv1_append, 1, true)
-GEMV_KERNEL(gemv2_append, 2, true)
-GEMV_KERNEL(gemv3_append, 3, true)
-GEMV_KERNEL(gemv4_append, 4, true)
+GEMV_KERNEL(gemv1, 1)
+GEMV_KERNEL(gemv2, 2)
+GEMV_KERNEL(gemv3, 3)
+GEMV_KERNEL(gemv4, 4)

@@ -1,7 +1,7 @@
 // Finishes the fused QKV GEMM output of n query rows and appends the new tokens to the KV
 // cache (nosa-model.md §1 RoPE, §3 state):
 //   - q heads (columns [0, H*D)) and k heads ([H*D, (H+hkv)*D)) are rotated in place
-//     with NeoX RoPE at position pos[r] (common.cuh rope_pair: f32 math, rounded to bf16);
+//     with NeoX RoPE at position pos[r] (f32 math, rounded to bf16, as rope.cu);
 //   - the rotated k heads and the v heads ([(H+hkv)*D, (H+2*hkv)*D)) are written to the
 //     cache of row r: K/V bf16 [cap, hkv, D] at kptr[r] / vptr[r], token slot pos[r]
 //     (pos[r] % ring when ring > 0: the tail ring of an offloaded layer, kv/mod.rs);
@@ -44,8 +44,9 @@ extern "C" __global__ void qkv_rope_append(bf16_t* __restrict__ qkv, int row_str
         bf16_t* K = nullptr;
         if (j >= H) K = (bf16_t*)kptr[r] + (kv_row * hkv + (j - H)) * D;
         for (int i = threadIdx.x; i < half; i += blockDim.x) {
-            bf16_t lo, hi;
-            rope_pair(bf2f(v[i]), bf2f(v[i + half]), c[i], s[i], &lo, &hi);
+            const float a = bf2f(v[i]), b = bf2f(v[i + half]);
+            const bf16_t lo = f2bf(a * c[i] - b * s[i]);
+            const bf16_t hi = f2bf(b * c[i] + a * s[i]);
             v[i] = lo;
             v[i + half] = hi;
             if (K != nullptr) {

@@ -401,8 +401,7 @@ gemv)
   # capped at one warp per row pair (SPARDA_GEMV_GRID=cap, the earlier grid), the
   # balanced grid on one block per SM, and cuBLAS + separate norms (SPARDA_GEMV=0);
   # then B 4 4K sparse (cuBLAS either way: the default takes one row). GEMV_CASES (a
-  # list of base balanced alt cap one_per_sm warps4 cublas sepappend splits64 splits32 splits16;
-  # sepappend: RoPE + K/V append as its own kernel after the QKV GEMV, SPARDA_GEMV_APPEND=0; alt:
+  # list of base balanced alt cap one_per_sm warps4 cublas splits64 splits32 splits16; alt:
   # the binary at ALT, default .device/alt/sparda, if there) picks the cases of each round;
   # warps4 runs blocks of 4 warps (SPARDA_GEMV_WARPS=4, after a gpu-check of the kernel
   # group with it); splitsN caps dense attention at N splits (SPARDA_ATTN_MAX_SPLITS).
@@ -452,7 +451,6 @@ gemv)
     if want warps4; then gb "warps4_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_WARPS=4; fi
     if want one_per_sm; then gb "balanced_1_per_sm_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_BLOCKS_PER_SM=1; fi
     if want cublas; then gb "cublas_$r" "$bin" SPARDA_GEMV=0; fi
-    if want sepappend; then gb "sepappend_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_APPEND=0; fi
     for oc in "${opt_cases[@]}"; do
       [ -n "$oc" ] && gb "opt_${oc%%=*}_$r" "$bin" SPARDA_GEMV=1 SPARDA_NVRTC_OPTIONS="${oc#*=}"
     done

@@ -10,8 +10,6 @@
 //!
 //! - `qkv_rope_append (guard)`: a position equal to the RoPE table's rows
 //!   (and, second part, two bad rows: the first error wins, one is kept);
-//!   `gemv_rope_append (guard)`: the same through the QKV GEMV that folds
-//!   the append in;
 //! - `select_blocks (guard)`: a row with more blocks than the launch's cap;
 //! - `slot_diff (guard)`: a (row, KV head) with 6 misses and 4 free slots;
 //! - `GpuModel (guard)`: the engine end to end — a device-fed decode step
@@ -139,19 +137,13 @@ fn finish(out: &mut Vec<CaseResult>, kernel: &str, shape: Value, r: Result<Asser
 /// Runs every guard case; failures are recorded, never returned.
 pub fn check_guards(gpu: &Arc<Gpu>, rng: &mut SmallRng) -> Vec<CaseResult> {
     let mut out = Vec::new();
-    for folded in [false, true] {
-        let r = rope_guard(gpu, rng, folded);
-        finish(
-            &mut out,
-            if folded {
-                "gemv_rope_append (guard)"
-            } else {
-                "qkv_rope_append (guard)"
-            },
-            json!({"G": 8, "Hkv": 2, "D": 128, "table_rows": 64, "positions": [5, 64, 7], "then": [5, 70, 80], "layer": 11}),
-            r,
-        );
-    }
+    let r = rope_guard(gpu, rng);
+    finish(
+        &mut out,
+        "qkv_rope_append (guard)",
+        json!({"G": 8, "Hkv": 2, "D": 128, "table_rows": 64, "positions": [5, 64, 7], "then": [5, 70, 80], "layer": 11}),
+        r,
+    );
     let r = select_guard(gpu, rng);
     finish(
         &mut out,
@@ -182,9 +174,7 @@ fn bf16_randn(rng: &mut SmallRng, n: usize) -> Vec<Bf16> {
     super::kernels::bf16_normal(rng, n, 1.0).0
 }
 
-/// `folded`: through the QKV GEMV that folds the append in
-/// ([`ops::gemv_rope_append`], random x and W of 256 input features).
-fn rope_guard(gpu: &Gpu, rng: &mut SmallRng, folded: bool) -> Result<Asserts> {
+fn rope_guard(gpu: &Gpu, rng: &mut SmallRng) -> Result<Asserts> {
     let (g, hk, d) = (8usize, 2usize, 128usize);
     let (hq, kvd) = (g * hk, hk * d);
     let row = (hq + 2 * hk) * d;
@@ -221,49 +211,19 @@ fn rope_guard(gpu: &Gpu, rng: &mut SmallRng, folded: bool) -> Result<Asserts> {
             })
             .collect();
         let mut x = gpu.upload(&bf16_randn(rng, 3 * row))?;
-        if folded {
-            let k = 256usize;
-            let xin = gpu.upload(&bf16_randn(rng, 3 * k))?;
-            let w = gpu.upload(&super::kernels::bf16_normal(rng, row * k, 0.0625).0)?;
-            let arrivals = gpu.zeros::<u32>(1)?;
-            let shape = ops::AppendShape {
-                row_stride: row,
-                heads: hq,
-                kv_heads: hk,
-                head_dim: d,
-                ring: 0,
-            };
-            // SAFETY: xin 3·k and W row·k bf16, uploaded above.
-            unsafe {
-                ops::gemv_rope_append(
-                    gpu,
-                    dptr(gpu, &xin),
-                    k,
-                    dptr(gpu, &w),
-                    &mut x,
-                    &shape,
-                    &rows,
-                    &tables,
-                    Some(&head),
-                    errs.sink(layer),
-                    dptr(gpu, &arrivals),
-                )
-            }?;
-        } else {
-            ops::qkv_rope_append(
-                gpu,
-                &mut x,
-                row,
-                hq,
-                hk,
-                d,
-                &rows,
-                &tables,
-                Some(&head),
-                0,
-                errs.sink(layer),
-            )?;
-        }
+        ops::qkv_rope_append(
+            gpu,
+            &mut x,
+            row,
+            hq,
+            hk,
+            d,
+            &rows,
+            &tables,
+            Some(&head),
+            0,
+            errs.sink(layer),
+        )?;
         gpu.synchronize()?;
         // Rows inside the table are appended and scored; rows outside are not.
         for (i, (&pos, (k, _, c))) in positions.iter().zip(&caches).enumerate() {

@@ -187,16 +187,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         file: "gemv.cu",
         text: include_str!("../../kernels/gemv.cu"),
         preludes: &[],
-        functions: &[
-            "gemv1",
-            "gemv2",
-            "gemv3",
-            "gemv4",
-            "gemv1_append",
-            "gemv2_append",
-            "gemv3_append",
-            "gemv4_append",
-        ],
+        functions: &["gemv1", "gemv2", "gemv3", "gemv4"],
     },
     KernelSource {
         file: "forecast.cu",

@@ -73,10 +73,40 @@ impl GpuModel {
             )?;
         }
         let qp = dptr(gpu, &ws.qkv) + (qkv_off * 2) as u64;
-        // RoPE + append (+ eviction score): folded into the QKV GEMV, or after it.
+        if fused && self.on(StepPart::Qkv) {
+            let args = ops::GemvArgs {
+                x: ops::GemvInput::RmsNorm {
+                    resid: dptr(gpu, &ws.resid),
+                    weight: dptr(gpu, &lw.input_norm),
+                    eps: cfg.rms_norm_eps,
+                },
+                w: dptr(gpu, &lw.wqkv),
+                y: ops::GemvOutput::Bf16(qp),
+                n,
+                in_features: d,
+                out_features: w,
+            };
+            // SAFETY: resid holds n·d f32, the norm d and W w·d bf16, and the
+            // QKV rows at qp n·w bf16 (the workspace's step sizes); no bias
+            // (gemv_fusion_applies).
+            unsafe { ops::launch_gemv(gpu, &args) }?;
+        } else if self.on(StepPart::Qkv) {
+            gpu.linear(
+                &ws.xn.slice(0..n * d),
+                n,
+                d,
+                &lw.wqkv,
+                w,
+                &mut ws.qkv.slice_mut(qkv_off..qkv_off + n * w),
+            )?;
+            if let Some(b) = &lw.bqkv {
+                Self::bias_add(gpu, qp, w, b, n, w)?;
+            }
+        }
+        // RoPE + append (+ eviction score).
         let t = self.rope_tables.as_ref().expect("rope tables ensured");
         let eh = lw.evict_head.as_ref();
-        let append = ops::QkvAppendArgs {
+        let args = ops::QkvAppendArgs {
             qkv: qp,
             row_stride: w,
             heads: hq,
@@ -96,54 +126,12 @@ impl GpuModel {
             rows: n,
             err: self.device_errors.sink(l),
         };
-        let fold = self.gemv_folds_append();
-        if (fused || fold) && self.on(StepPart::Qkv) {
-            let args = ops::GemvArgs {
-                x: if fused {
-                    ops::GemvInput::RmsNorm {
-                        resid: dptr(gpu, &ws.resid),
-                        weight: dptr(gpu, &lw.input_norm),
-                        eps: cfg.rms_norm_eps,
-                    }
-                } else {
-                    ops::GemvInput::Bf16(dptr(gpu, &ws.xn))
-                },
-                w: dptr(gpu, &lw.wqkv),
-                y: if fold {
-                    ops::GemvOutput::RopeAppend {
-                        qkv: qp,
-                        append: ops::GemvAppend::new(&append, dptr(gpu, &self.gemv_arrivals))?,
-                    }
-                } else {
-                    ops::GemvOutput::Bf16(qp)
-                },
-                n,
-                in_features: d,
-                out_features: w,
-            };
-            // SAFETY: resid holds n·d f32 (or xn n·d bf16), the norm d and W
-            // w·d bf16, and the QKV rows at qp n·w bf16 (the workspace's step
-            // sizes); no bias (gemv_fusion_applies). Folded append: as below.
-            unsafe { ops::launch_gemv(gpu, &args) }?;
-        } else if self.on(StepPart::Qkv) {
-            gpu.linear(
-                &ws.xn.slice(0..n * d),
-                n,
-                d,
-                &lw.wqkv,
-                w,
-                &mut ws.qkv.slice_mut(qkv_off..qkv_off + n * w),
-            )?;
-            if let Some(b) = &lw.bqkv {
-                Self::bias_add(gpu, qp, w, b, n, w)?;
-            }
-        }
-        if !fold && self.on(StepPart::RopeAppend) {
+        if self.on(StepPart::RopeAppend) {
             // SAFETY: every row's position is below its sequence's capacity
             // (ensure_capacity; ring slots below the ring) and the kernel skips
             // (and reports) positions past the RoPE table; pointer tables hold
             // n rows; the eviction head is [Hkv] / [Hkv, Hkv·D] f32.
-            unsafe { ops::launch_qkv_rope_append(gpu, &append) }?;
+            unsafe { ops::launch_qkv_rope_append(gpu, &args) }?;
         }
         if let Some((n_new, gx)) = comp {
             if gx > 0 && self.on(StepPart::Compress) {

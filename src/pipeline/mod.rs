@@ -28,11 +28,6 @@
 //!   widened to f32), and c = A·softplus(z) in f32 (spec §3), exactly what
 //!   the CPU reference computes on that v.
 //! - gate_proj and up_proj are stacked into one [2I, d] GEMM weight.
-//! - Steps on the small-batch GEMVs (`GpuModel::gemv_fusion_applies`)
-//!   fold the norms, SwiGLU and residual adds into the projections, and
-//!   RoPE + the K/V append + the eviction score into the QKV projection
-//!   ([`ops::GemvOutput::RopeAppend`], the same bits as `qkv_rope_append`;
-//!   `$SPARDA_GEMV_APPEND=0` keeps the separate kernel).
 //! - The muP logit divisor is folded into the final norm weight at load
 //!   (w / divisor, rounded to bf16; exact when the divisor is a power of two,
 //!   as for NOSA-8B's 4096/256 = 16).
@@ -287,8 +282,7 @@ pub enum StepPart {
     NormIn,
     /// Fused QKV GEMM (+bias).
     Qkv,
-    /// RoPE, K/V append, eviction score (δ·v in f32); on the fused GEMVs
-    /// part of [`StepPart::Qkv`] unless `$SPARDA_GEMV_APPEND` is 0.
+    /// RoPE, K/V append, eviction score (δ·v in f32).
     RopeAppend,
     /// Incremental compression (Kc, p).
     Compress,
@@ -317,13 +311,6 @@ pub enum StepPart {
     LmHead,
     /// Greedy argmax and the advance of the step inputs.
     Argmax,
-}
-
-/// `$SPARDA_GEMV_APPEND` is not `0` ([`GpuModel::gemv_folds_append`]).
-/// Read once.
-pub(crate) fn fold_append_env() -> bool {
-    static FOLD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FOLD.get_or_init(|| std::env::var("SPARDA_GEMV_APPEND").map_or(true, |v| v.trim() != "0"))
 }
 
 impl StepPart {
@@ -479,9 +466,6 @@ pub struct GpuModel {
     /// The device error record every guarded kernel of this model reports
     /// to (see the module doc); its address never changes.
     pub(crate) device_errors: DeviceErrors,
-    /// u32 \[1\], 0 between launches: the block arrivals of the QKV GEMV
-    /// that folds the eviction score in ([`ops::GemvAppend::arrivals`]).
-    pub(crate) gemv_arrivals: CudaSlice<u32>,
 }
 
 impl std::fmt::Debug for GpuModel {
@@ -668,7 +652,6 @@ impl GpuModel {
             fetch_spans: std::cell::RefCell::new(Vec::new()),
             trace_fetches: std::cell::RefCell::new(Vec::new()),
             device_errors: DeviceErrors::new(g)?,
-            gemv_arrivals: g.zeros(1)?,
             prefill_mode: opts.prefill,
             prefill_attention: PrefillAttention::for_head_dim(cfg.head_dim),
             plan,
@@ -769,15 +752,6 @@ impl GpuModel {
     /// Whether piece `p` of a step is enqueued (always, unless profiling another piece).
     pub(crate) fn on(&self, p: StepPart) -> bool {
         self.only_part.get().is_none_or(|q| q == p)
-    }
-
-    /// Whether the fused QKV GEMV also applies RoPE and appends to the K/V
-    /// caches (+ eviction score) in place of `qkv_rope_append`
-    /// ([`ops::GemvOutput::RopeAppend`]): in the steps on the fused GEMVs
-    /// ([`GpuModel::gemv_fusion_applies`]), unless `$SPARDA_GEMV_APPEND`
-    /// is `0` (the separate kernel, for comparison). Read once.
-    pub(crate) fn gemv_folds_append(&self) -> bool {
-        self.fused_gemv.get() && fold_append_env()
     }
 
     /// Whether a decode step of `n` rows runs its layers on the fused

@@ -64,7 +64,6 @@ impl GpuModel {
             let applies = match part {
                 StepPart::Argmax => false,
                 StepPart::NormPost | StepPart::Swiglu | StepPart::FinalNorm => !fused,
-                StepPart::RopeAppend => !(fused && fold_append_env()),
                 StepPart::Compress => gpu_sel,
                 StepPart::WindowScores | StepPart::Select => sparse,
                 _ => true,

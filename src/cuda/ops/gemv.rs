@@ -2,17 +2,15 @@
 //! n ≤ [`GEMV_MAX_N`] rows, memory-bound, with the decode step's
 //! neighbours of a GEMM folded in — the RMSNorm before the QKV and gate|up
 //! projections, SwiGLU after the gate|up projection, the residual add after
-//! the O and down projections, RoPE and the K/V append (+ eviction score)
-//! after the QKV projection (spec/nosa-model.md §1, §3, §7; runtime.md
-//! §1's step). Each fold computes what the separate kernel (rmsnorm.cu,
-//! swiglu.cu, kv_append.cu) computes, with the same roundings; the dot
-//! products sum in another order than cuBLAS.
+//! the O and down projections (spec/nosa-model.md §7; runtime.md §1's
+//! step). Each fold computes what the separate kernel (rmsnorm.cu,
+//! swiglu.cu) computes, with the same roundings; the dot products sum in
+//! another order than cuBLAS.
 
-use super::QkvAppendArgs;
-use crate::cuda::context::{i32_dim, CudaResultExt};
+use crate::cuda::context::CudaResultExt;
 use crate::cuda::Gpu;
 use crate::{Error, Result};
-use cudarc::driver::{DeviceRepr, LaunchConfig};
+use cudarc::driver::LaunchConfig;
 
 /// Largest batch `gemv` takes (`GEMV_MAX_N` in kernels/gemv.cu).
 pub const GEMV_MAX_N: usize = 4;
@@ -67,108 +65,6 @@ pub enum GemvOutput {
     /// [n, I] at this address gets bf16(silu(g) · u) of the rounded gate and
     /// up outputs g, u (what the gate|up GEMM and `ops::swiglu` write).
     Swiglu(u64),
-    /// W is the fused QKV weight: bf16 [n, out] rows [q | k | v | …] at
-    /// `qkv`, finished as `qkv_rope_append` finishes them (RoPE of q and k,
-    /// k and v into the K/V caches, the eviction score from v; the same
-    /// bits): what a [`GemvOutput::Bf16`] launch followed by
-    /// `ops::launch_qkv_rope_append` with the same arguments writes.
-    RopeAppend {
-        /// bf16 [n, out] device address (the append's `qkv`; its row stride
-        /// is `out_features`).
-        qkv: u64,
-        /// The append's positions, tables, caches and eviction head.
-        append: GemvAppend,
-    },
-}
-
-/// The RoPE + K/V append folded into the QKV projection
-/// ([`GemvOutput::RopeAppend`]): `GemvAppend` of kernels/gemv.cu, field
-/// for field (device addresses, then i32 sizes). Built from the separate
-/// kernel's arguments by `GemvAppend::new`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct GemvAppend {
-    /// i32 \[n\]: each row's position.
-    pub pos: u64,
-    /// f32 RoPE cosines [table_rows, D/2].
-    pub cos: u64,
-    /// f32 RoPE sines [table_rows, D/2].
-    pub sin: u64,
-    /// u64 \[n\]: each row's K cache, bf16 [cap, Hkv, D].
-    pub kptr: u64,
-    /// u64 \[n\]: each row's V cache, bf16 [cap, Hkv, D].
-    pub vptr: u64,
-    /// u64 \[n\] of f32 c caches [cap, Hkv] (0 = none), or 0.
-    pub cptr: u64,
-    /// Eviction head A f32 \[Hkv\], or 0 (no score).
-    pub evict_a: u64,
-    /// δ f32 [Hkv, Hkv·D].
-    pub evict_delta: u64,
-    /// b f32 \[Hkv\], or 0.
-    pub evict_b: u64,
-    /// The device error record, or 0.
-    pub err: u64,
-    /// A u32 that is 0 between launches (the blocks count their arrivals in
-    /// it for the eviction score; the last one resets it).
-    pub arrivals: u64,
-    /// Positions the tables cover.
-    pub table_rows: i32,
-    /// H.
-    pub heads: i32,
-    /// Hkv.
-    pub kv_heads: i32,
-    /// D.
-    pub head_dim: i32,
-    /// Tail-ring tokens of an offloaded layer, 0 = none.
-    pub ring: i32,
-    /// Layer reported with an error.
-    pub layer: i32,
-}
-
-// SAFETY: plain #[repr(C)] data (u64 and i32 fields), the layout of
-// kernels/gemv.cu's GemvAppend, passed by value as a kernel argument.
-unsafe impl DeviceRepr for GemvAppend {}
-
-impl GemvAppend {
-    /// The folded append of `a` (its `qkv`, `row_stride` and `rows` are
-    /// the GEMV's y, out_features and n), counting block arrivals at the
-    /// u32 device address `arrivals` (0 between launches; needed with an
-    /// eviction head).
-    ///
-    /// Errors: [`Error::Input`] for sizes past i32, an odd head dim, or an
-    /// eviction head without an `arrivals` counter.
-    pub(crate) fn new(a: &QkvAppendArgs, arrivals: u64) -> Result<Self> {
-        if !a.head_dim.is_multiple_of(2) {
-            return Err(Error::Input(format!(
-                "gemv RoPE append: head dim {} must be even",
-                a.head_dim
-            )));
-        }
-        if a.evict_a != 0 && a.cptr != 0 && arrivals == 0 {
-            return Err(Error::Input(
-                "gemv RoPE append: an eviction head needs the arrivals counter".into(),
-            ));
-        }
-        Ok(GemvAppend {
-            pos: a.pos,
-            cos: a.cos,
-            sin: a.sin,
-            kptr: a.kptr,
-            vptr: a.vptr,
-            cptr: a.cptr,
-            evict_a: a.evict_a,
-            evict_delta: a.evict_delta,
-            evict_b: a.evict_b,
-            err: a.err.record,
-            arrivals,
-            table_rows: i32_dim(a.table_rows, "rope rows")?,
-            heads: i32_dim(a.heads, "H")?,
-            kv_heads: i32_dim(a.kv_heads, "Hkv")?,
-            head_dim: i32_dim(a.head_dim, "D")?,
-            ring: i32_dim(a.ring, "ring tokens")?,
-            layer: a.err.layer_arg()?,
-        })
-    }
 }
 
 /// One `gemv` launch: y = x · Wᵀ, W bf16 [out_features, in_features] at `w`.
@@ -301,24 +197,6 @@ pub unsafe fn launch_gemv(gpu: &Gpu, a: &GemvArgs) -> Result<()> {
         GemvOutput::F32(p) => (p, 1, 0.0),
         GemvOutput::Residual { resid, scale } => (resid, 2, scale),
         GemvOutput::Swiglu(p) => (p, 3, 0.0),
-        GemvOutput::RopeAppend { qkv, .. } => (qkv, 4, 0.0),
-    };
-    let append = match a.y {
-        GemvOutput::RopeAppend { append, .. } => {
-            let rope_rows =
-                (append.heads as i64 + 2 * append.kv_heads as i64) * append.head_dim as i64;
-            if append.head_dim <= 0 || append.head_dim % 2 != 0 || rope_rows > m as i64 {
-                return Err(Error::Input(format!(
-                    "{}: RoPE append of {} + 2 × {} heads of {} overruns the row of {m}",
-                    shape(),
-                    append.heads,
-                    append.kv_heads,
-                    append.head_dim
-                )));
-            }
-            Some(append)
-        }
-        _ => None,
     };
     if ymode == 3 && !m.is_multiple_of(2) {
         return Err(Error::Input(format!(
@@ -349,17 +227,7 @@ pub unsafe fn launch_gemv(gpu: &Gpu, a: &GemvArgs) -> Result<()> {
         block_dim: ((32 * block_warps()) as u32, 1, 1),
         shared_mem_bytes: (n * k * 2) as u32,
     };
-    let f = gpu.function(if append.is_some() {
-        [
-            "gemv1_append",
-            "gemv2_append",
-            "gemv3_append",
-            "gemv4_append",
-        ][n - 1]
-    } else {
-        ["gemv1", "gemv2", "gemv3", "gemv4"][n - 1]
-    })?;
-    let append = append.unwrap_or_default();
+    let f = gpu.function(["gemv1", "gemv2", "gemv3", "gemv4"][n - 1])?;
     let mut b = gpu.launch_builder(f);
     b.arg(&xp)
         .arg(&norm)
@@ -370,8 +238,7 @@ pub unsafe fn launch_gemv(gpu: &Gpu, a: &GemvArgs) -> Result<()> {
         .arg(&k_)
         .arg(&m_)
         .arg(&xmode)
-        .arg(&ymode)
-        .arg(&append);
+        .arg(&ymode);
     // SAFETY: argument list matches kernels/gemv.cu; the caller vouches for
     // the buffers (this function's contract); shape and alignment checked.
     unsafe { b.launch(cfg) }.cuda(&shape()).map(drop)
@@ -380,70 +247,6 @@ pub unsafe fn launch_gemv(gpu: &Gpu, a: &GemvArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::device_error::ErrorSink;
-
-    fn append_args(head_dim: usize, evict_a: u64) -> QkvAppendArgs {
-        QkvAppendArgs {
-            qkv: 0x1000,
-            row_stride: 4608,
-            heads: 32,
-            kv_heads: 2,
-            head_dim,
-            pos: 0x2000,
-            cos: 0x3000,
-            sin: 0x4000,
-            table_rows: 8192,
-            kptr: 0x5000,
-            vptr: 0x6000,
-            cptr: 0x7000,
-            evict_a,
-            evict_delta: 0x9000,
-            evict_b: 0,
-            ring: 128,
-            rows: 1,
-            err: ErrorSink {
-                record: 0xa000,
-                layer: 7,
-            },
-        }
-    }
-
-    #[test]
-    fn append_arguments_have_the_kernels_layout() {
-        // kernels/gemv.cu GemvAppend: eleven 8-byte addresses, then six i32
-        assert_eq!(std::mem::size_of::<GemvAppend>(), 11 * 8 + 6 * 4);
-        assert_eq!(std::mem::align_of::<GemvAppend>(), 8);
-        let g = GemvAppend::new(&append_args(128, 0x8000), 0xb000).unwrap();
-        assert_eq!(
-            (g.pos, g.kptr, g.cptr, g.err, g.arrivals),
-            (0x2000, 0x5000, 0x7000, 0xa000, 0xb000)
-        );
-        assert_eq!(
-            (
-                g.table_rows,
-                g.heads,
-                g.kv_heads,
-                g.head_dim,
-                g.ring,
-                g.layer
-            ),
-            (8192, 32, 2, 128, 128, 7)
-        );
-    }
-
-    #[test]
-    fn append_needs_an_even_head_dim_and_a_counter_for_the_eviction_score() {
-        let odd = GemvAppend::new(&append_args(127, 0), 0)
-            .unwrap_err()
-            .to_string();
-        assert!(odd.contains("head dim 127"), "{odd}");
-        let e = GemvAppend::new(&append_args(128, 0x8000), 0)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("arrivals"), "{e}");
-        // no eviction head: no counter needed
-        assert!(GemvAppend::new(&append_args(128, 0), 0).is_ok());
-    }
 
     #[test]
     fn fits_only_small_batches_of_whole_chunks_within_shared_memory() {

@@ -803,113 +803,7 @@ pub fn qkv_rope_append<Q: DevicePtrMut<Bf16>>(
     ring: usize,
     err: ErrorSink,
 ) -> Result<()> {
-    let shape = AppendShape {
-        row_stride,
-        heads,
-        kv_heads,
-        head_dim,
-        ring,
-    };
-    let Some(a) = append_args(gpu, qkv, &shape, rows, tables, evict, err)? else {
-        return Ok(());
-    };
-    // SAFETY: shapes checked by append_args; the pointer tables live until
-    // their stream-ordered free after the launch.
-    unsafe { launch_qkv_rope_append(gpu, &a.args) }
-}
-
-/// [`qkv_rope_append`] folded into the QKV projection that produces its
-/// rows, as the engine's small-batch decode steps run it
-/// ([`GemvOutput::RopeAppend`]): `qkv` = x · Wᵀ (x bf16 [rows, `in_features`]
-/// at device address `x`, W bf16 [`row_stride`, `in_features`] at `w`,
-/// both 16-byte aligned) in one `gemv` launch that also rotates, appends
-/// and scores exactly as [`qkv_rope_append`] does on that product (the
-/// same bits). `arrivals`: a u32 device address holding 0 (the launch
-/// leaves it 0); needed with `evict`.
-///
-/// Errors: [`qkv_rope_append`]'s, and [`launch_gemv`]'s for a shape the
-/// GEMV does not take (more than [`GEMV_MAX_N`] rows).
-///
-/// # Safety
-/// `x` and `w` must be live device buffers of the sizes given.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn gemv_rope_append<Q: DevicePtrMut<Bf16>>(
-    gpu: &Gpu,
-    x: u64,
-    in_features: usize,
-    w: u64,
-    qkv: &mut Q,
-    shape: &AppendShape,
-    rows: &[AppendRow<'_>],
-    tables: &RopeTables,
-    evict: Option<&EvictionWeights>,
-    err: ErrorSink,
-    arrivals: u64,
-) -> Result<()> {
-    let Some(a) = append_args(gpu, qkv, shape, rows, tables, evict, err)? else {
-        return Ok(());
-    };
-    let args = GemvArgs {
-        x: GemvInput::Bf16(x),
-        w,
-        y: GemvOutput::RopeAppend {
-            qkv: a.args.qkv,
-            append: GemvAppend::new(&a.args, arrivals)?,
-        },
-        n: rows.len(),
-        in_features,
-        out_features: shape.row_stride,
-    };
-    // SAFETY: x and W as the caller promises; qkv rows·row_stride and the
-    // caches checked by append_args; the tables live past the launch.
-    unsafe { launch_gemv(gpu, &args) }
-}
-
-/// The layout of the fused QKV rows an append works on: `row_stride`
-/// elements per row, H, Hkv heads of D (q | k | v from column 0), and the
-/// tail ring of an offloaded layer (`ring` tokens, 0 = none).
-#[derive(Debug, Clone, Copy)]
-pub struct AppendShape {
-    /// Elements per fused row.
-    pub row_stride: usize,
-    /// H.
-    pub heads: usize,
-    /// Hkv.
-    pub kv_heads: usize,
-    /// D.
-    pub head_dim: usize,
-    /// Tail-ring tokens, 0 = none.
-    pub ring: usize,
-}
-
-/// An append's launch arguments with the device tables they point to
-/// (kept alive until the launch is enqueued).
-struct UploadedAppend {
-    args: QkvAppendArgs,
-    _tables: [CudaSlice<u64>; 3],
-    _pos: CudaSlice<i32>,
-}
-
-/// Checks an append's rows against its shape and uploads the pointer
-/// tables; `None` for no rows.
-#[allow(clippy::too_many_arguments)]
-fn append_args<Q: DevicePtrMut<Bf16>>(
-    gpu: &Gpu,
-    qkv: &mut Q,
-    shape: &AppendShape,
-    rows: &[AppendRow<'_>],
-    tables: &RopeTables,
-    evict: Option<&EvictionWeights>,
-    err: ErrorSink,
-) -> Result<Option<UploadedAppend>> {
     const OP: &str = "qkv_rope_append";
-    let &AppendShape {
-        row_stride,
-        heads,
-        kv_heads,
-        head_dim,
-        ring,
-    } = shape;
     if kv_heads == 0 || heads == 0 || !heads.is_multiple_of(kv_heads) {
         return Err(Error::Input(format!(
             "{OP}: {heads} query heads is not a positive multiple of {kv_heads} KV heads"
@@ -938,7 +832,7 @@ fn append_args<Q: DevicePtrMut<Bf16>>(
         }
     }
     if n == 0 {
-        return Ok(None);
+        return Ok(());
     }
     let (mut kp, mut vp, mut cp, mut pos) = (
         Vec::with_capacity(n),
@@ -999,11 +893,9 @@ fn append_args<Q: DevicePtrMut<Bf16>>(
         rows: n,
         err,
     };
-    Ok(Some(UploadedAppend {
-        args,
-        _tables: [kd, vd, cd],
-        _pos: pd,
-    }))
+    // SAFETY: shapes checked above; the pointer tables live until their
+    // stream-ordered free after the launch.
+    unsafe { launch_qkv_rope_append(gpu, &args) }
 }
 
 #[cfg(test)]
