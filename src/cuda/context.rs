@@ -1152,19 +1152,9 @@ mod tests {
         }
     }
 
-    /// Whether `text` defines the kernel `f`: written out (`void f(`) or
-    /// stamped by a macro on a line of its own (`GEMV_KERNEL(f, 1)`).
+    /// Whether `text` defines the kernel `f` ([`kernels_defined`]).
     fn defines_kernel(text: &str, f: &str) -> bool {
-        text.contains(&format!("void {f}("))
-            || text.lines().any(|l| {
-                l.split_once('(').is_some_and(|(name, rest)| {
-                    !name.is_empty()
-                        && name
-                            .chars()
-                            .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
-                        && rest.starts_with(&format!("{f},"))
-                })
-            })
+        kernels_defined(text).iter().any(|k| k == f)
     }
 
     #[test]
