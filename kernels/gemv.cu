@@ -140,11 +140,14 @@ __device__ __forceinline__ void gemv_pair_dots(const uint4* __restrict__ xr, con
 }
 
 // The two weight rows of row pair `pair` (rows (2p, 2p + 1), the last row twice when out is odd;
-// (p, p + half) for GY_SWIGLU) and whether the second is a row of its own.
+// (p, p + half) for GY_SWIGLU), the first row's index in *row0, and whether the second is a row
+// of its own.
 __device__ __forceinline__ bool gemv_pair_rows(const bf16_t* __restrict__ W, int pair, int in, int out,
-                                               bool glu, int half, const uint4** w0, const uint4** w1) {
+                                               bool glu, int half, int* row0_out, const uint4** w0,
+                                               const uint4** w1) {
     const int row0 = glu ? pair : pair * GEMV_ROWS;
     const bool has1 = glu || row0 + 1 < out;
+    *row0_out = row0;
     *w0 = (const uint4*)(W + (u64)row0 * in);
     *w1 = (const uint4*)(W + (u64)(glu ? pair + half : has1 ? row0 + 1 : row0) * in);
     return has1;
@@ -184,7 +187,8 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
     uint4 pa[GEMV_PF], pb[GEMV_PF];
     if (pair < pairs) {
         const uint4 *w0, *w1;
-        gemv_pair_rows(W, pair, in, out, glu, half, &w0, &w1);
+        int row0;
+        gemv_pair_rows(W, pair, in, out, glu, half, &row0, &w0, &w1);
         gemv_pair_prefetch(w0, w1, kch, lane, pa, pb);
     }
     // The norm weights do not depend on the previous kernel either: this thread's first
@@ -257,9 +261,9 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
 
     bool first = true;
     for (; pair < pairs; pair += nwarps) {
-        const int row0 = glu ? pair : pair * GEMV_ROWS;
         const uint4 *w0, *w1;
-        const bool has1 = gemv_pair_rows(W, pair, in, out, glu, half, &w0, &w1);
+        int row0;
+        const bool has1 = gemv_pair_rows(W, pair, in, out, glu, half, &row0, &w0, &w1);
         float a0[N], a1[N];
         if (xg) {
             gemv_pair_dots<N>((const uint4*)xsrc, w0, w1, kch, lane, first, pa, pb, a0, a1);
@@ -269,7 +273,8 @@ __device__ __forceinline__ void gemv_rows(const void* __restrict__ xsrc, const b
         first = false;
         if (GEMV_NEXT_PF && pair + nwarps < pairs) {
             const uint4 *n0, *n1;
-            gemv_pair_rows(W, pair + nwarps, in, out, glu, half, &n0, &n1);
+            int nrow0;
+            gemv_pair_rows(W, pair + nwarps, in, out, glu, half, &nrow0, &n0, &n1);
             gemv_pair_prefetch(n0, n1, kch, lane, pa, pb);
             first = true;
         }
