@@ -331,6 +331,14 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 #define QP_LOGIT_SCALE(scale) (scale)
 #endif
 
+// QP_M32_PARTS=2 (through SPARDA_NVRTC_OPTIONS): the m32 kernels read only the first two Kc parts
+// (hi, mid: each Kc value within 2^-16 of itself, as the bf16x2 kernels above), a third fewer
+// products; 3 (the default) is exact.
+#ifndef QP_M32_PARTS
+#define QP_M32_PARTS 3
+#endif
+static_assert(QP_M32_PARTS == 2 || QP_M32_PARTS == 3, "QP_M32_PARTS: 2 or 3 Kc parts");
+
 #define QP_M32_WARPS 8
 #define QP_M32_THREADS (32 * QP_M32_WARPS)
 
@@ -363,7 +371,7 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                                                            float* __restrict__ s_out, int rows, int H, int hkv,
                                                            int w_stride, int stride, int ksize, float scale,
                                                            const bf16_t* __restrict__ parts, int p_stride) {
-    constexpr int NP = 3;
+    constexpr int NP = QP_M32_PARTS;  // parts read (qa_split_kc writes three)
     constexpr int RS = D + QP_PAD;
     constexpr int NK = D / 16;
     constexpr int PART = QP_BN * RS;
@@ -413,7 +421,7 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     const int ntiles = (mc_max + QP_BN - 1) / QP_BN;
     // SPLIT: the NP part tiles of windows w0 .. w0+63 into buffer buf by cp.async (16-byte
     // chunks, thread tid takes chunks tid + i*THREADS; windows >= mc_max zero-filled), one group.
-    const bf16_t* Ph = parts + (u64)h * NP * p_stride * D;
+    const bf16_t* Ph = parts + (u64)h * 3 * p_stride * D;  // qa_split_kc's three parts per head
     const u32 ks_base = smem_addr(Ks);
     auto issue_tile = [&](int w0, int buf) {
         constexpr int CH = D / 8;  // 16-byte chunks per row

@@ -105,8 +105,8 @@ scores)
   # (the select group holds the prefill scoring kernels' cases against the CPU reference)
   # SCORES: the SPARDA_PREFILL_SCORES values to check end to end and time (default tensor-core,
   # tensor-core-m32, tensor-core-split); SCORES_OPTS: "label=NVRTC options;…", each timed with SPARDA_PREFILL_SCORES
-  # = OPTS_SCORES (default tensor-core-split, the default) and its select cases checked, with SPARDA_NVRTC_OPTIONS
-  # set, files *_opts_<label>; TRACE_SCORES: those to trace at
+  # = OPTS_SCORES (default tensor-core-split, the default), its select cases and (unless OPTS_E2E=0)
+  # gpu-check-e2e checked, with SPARDA_NVRTC_OPTIONS set, files *_opts_<label>; TRACE_SCORES: those to trace at
   # TRACE_TOKENS prompt tokens (default tensor-core-split, the default kernels, at 32768; the prompt
   # TRACE_PROMPT, default hamlet.txt, four copies of it past 50,000 tokens); NCU=1: Nsight Compute sections of the
   # last window-scoring launch of an 8K-token sparse prefill per SCORES value (or NCU_SCORES;
@@ -129,6 +129,9 @@ scores)
     l=${o%%=*}
     SPARDA_NVRTC_OPTIONS="${o#*=}" SPARDA_CHECK_ONLY=select "$SPARDA" gpu-check \
       --json "$out/gpu_check_select_opts_$l.json" 2>&1 | grep -E "FAIL|error:|cases" | sed "s/^/$l: /" | tail -4
+    [[ "${OPTS_E2E:-1}" == 1 ]] && SPARDA_PREFILL_SCORES=${OPTS_SCORES:-tensor-core-split} SPARDA_NVRTC_OPTIONS="${o#*=}" \
+      "$SPARDA" gpu-check-e2e ${MODEL:+--model "$MODEL"} --json "$out/gpu_check_e2e_opts_$l.json" --steps 48 2>&1 \
+      | grep -E "fail|FAIL|passed|sparse-tc" | sed "s/^/$l: /" | tail -6
     SPARDA_PREFILL_SCORES=${OPTS_SCORES:-tensor-core-split} SPARDA_NVRTC_OPTIONS="${o#*=}" "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
       --steps 0 --attention sparse --kv gpu --batch 1 --context "${CONTEXT:-32K,128K}" --prefill sparse \
       --json "$out/prefill_sparse_scores_opts_$l.json" 2>&1 | grep -E "prefill only|error" | sed "s/^/$l: /"
