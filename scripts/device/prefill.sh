@@ -107,7 +107,7 @@ scores)
   # tensor-core-m32, tensor-core-split); SCORES_OPTS: "label=NVRTC options;…", each timed with SPARDA_PREFILL_SCORES
   # = OPTS_SCORES (default tensor-core-split, the default), its select cases and (unless OPTS_E2E=0)
   # gpu-check-e2e checked, with SPARDA_NVRTC_OPTIONS set, files *_opts_<label>; TRACE_SCORES: those to trace at
-  # TRACE_TOKENS prompt tokens (default tensor-core-split, the default kernels, at 32768; the prompt
+  # TRACE_TOKENS prompt tokens (default tensor-core-split, the default kernels, at 32768; 0: none; the prompt
   # TRACE_PROMPT, default hamlet.txt, four copies of it past 50,000 tokens); NCU=1: Nsight Compute sections of the
   # last window-scoring launch of an 8K-token sparse prefill per SCORES value (or NCU_SCORES;
   # ncu_<value>.txt)
@@ -157,7 +157,7 @@ scores)
     tp="$out/.trace_prompt.txt"
     for _ in 1 2 3 4; do cat data/texts/hamlet.txt; done > "$tp"
   fi
-  for k in ${TRACE_SCORES:-tensor-core-split}; do
+  [[ $tt == 0 ]] || for k in ${TRACE_SCORES:-tensor-core-split}; do
     SPARDA_PREFILL_SCORES=$k "$SPARDA" generate --model synth:nosa-8b --tokenizer "$tok" \
       --prompt-file "$tp" --prompt-tokens "$tt" --max-new-tokens 2 --backend cuda \
       --prefill sparse --trace "$out/trace_$k.json" 2>&1 | grep "^prefill" | sed "s/^/$k: /"
