@@ -2,10 +2,10 @@
 # Quality runs on the GPU machine with the SmolLM2 real-weights fixture:
 #   scripts/device/quality.sh PHASE OUT_DIR
 # Phases:
-#   fixture  join the GGUF parts (.device/fx1/part1 + .device/fx2/part2, carried in two
-#            calls: one call carries at most 64 MiB), check its sha256 and convert it with
-#            the project's converter (scripts/fixture.py; the `gguf` package is carried in
-#            .device/fx2/py) into .fixtures/smollm2-135m-instruct
+#   fixture  join the GGUF parts (.device/fx1/part1, .device/fx2/part2, … in that order, one
+#            carried per call: a call carries at most 64 MiB with the working tree), check its
+#            sha256 and convert it with the project's converter (scripts/fixture.py; the `gguf`
+#            package is carried in .device/fx<N>/py beside a part) into .fixtures/smollm2-135m-instruct
 #   e2e      sparda gpu-check-e2e with the fixture on real text (data/texts/hamlet.txt)
 #   table    the quality table on the GPU: `sparda perplexity` at 8K context in every mode,
 #            each scored against the dense run (KL, top-1, Δ perplexity); identity pairs
@@ -33,11 +33,13 @@ case "$phase" in
 fixture)
   mkdir -p .fixtures/cache
   gguf=.fixtures/cache/SmolLM2-135M-Instruct.Q4_1.gguf
-  cat .device/fx1/part1 .device/fx2/part2 > "$gguf"
+  parts=(); for ((i = 1; i <= 9; i++)); do [[ -f .device/fx$i/part$i ]] && parts+=(.device/fx$i/part$i); done
+  cat "${parts[@]}" > "$gguf"
+  py=$(ls -d .device/fx*/py 2>/dev/null | head -1)
   want=$(grep -o 'GGUF_SHA256="[0-9a-f]*"' scripts/fixture.sh | cut -d'"' -f2)
   got=$(sha256sum "$gguf" | cut -d' ' -f1)
   [[ "$got" == "$want" ]] || { echo "GGUF sha256 $got != $want"; exit 1; }
-  PYTHONPATH=.device/fx2/py python3 scripts/fixture.py --gguf "$gguf" --out "$FX" --gguf-sha256 "$want"
+  PYTHONPATH=$py python3 scripts/fixture.py --gguf "$gguf" --out "$FX" --gguf-sha256 "$want"
   ;;
 e2e)
   "$SPARDA" gpu-check-e2e --model "$FX" --text data/texts/hamlet.txt \
