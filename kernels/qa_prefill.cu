@@ -310,18 +310,19 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 // merge them through shared memory before pass 2. A row's G query heads lie in one A tile (G
 // divides 16: M-rows m = i*G + g, 16 | 32*(w%4) + 16a), in fragment rows lane/4 + 8k with the
 // same (lane/4 + 8k) / G: pass 2 sums them by shuffles, with no shared P tile, and one lane
-// writes each (row, window) sum. Tiles, parts and masking are the kernel above's, and the expf
-// unless QP_FAST_EXP; the sums of exp and over heads add in other orders.
+// writes each (row, window) sum. Tiles, parts and masking are the kernel above's; the exponent
+// in base 2 (QP_FAST_EXP below); the sums of exp and over heads add in other orders.
 //
 // Grid (ceil(rows / (128 / G)), hkv); block QP_M32_THREADS threads; dynamic shared memory
 // qa_prefill_m32_smem_bytes(D, split) (src/cuda/ops/prefill_scores.rs: 3*64*(D+8)*2 bytes, the part
 // tiles, twice for the m32s entry points; the pairs' statistics reuse them between the passes).
 
-// QP_FAST_EXP=1 (through SPARDA_NVRTC_OPTIONS): the m32 kernels' softmax in base 2, the logits
-// scaled by log2(e)/sqrt(D) and exp as ex2.approx.ftz (one SFU instruction; expf adds a range
-// reduction of several instructions), the same P up to the rounding of the two.
+// QP_FAST_EXP (1 unless set to 0 through SPARDA_NVRTC_OPTIONS): the m32 kernels' softmax in
+// base 2, the logits scaled by log2(e)/sqrt(D) and exp as ex2.approx.ftz (one SFU instruction;
+// expf adds a range reduction of several instructions), the same P up to the rounding of the
+// two. 5 % faster sparse prefill at 127K than expf (README, prefill section).
 #ifndef QP_FAST_EXP
-#define QP_FAST_EXP 0
+#define QP_FAST_EXP 1
 #endif
 #if QP_FAST_EXP
 #define qp_exp(x) ex2_ftz(x)
@@ -330,14 +331,6 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 #define qp_exp(x) expf(x)
 #define QP_LOGIT_SCALE(scale) (scale)
 #endif
-
-// QP_M32_PARTS=2 (through SPARDA_NVRTC_OPTIONS): the m32 kernels read only the first two Kc parts
-// (hi, mid: each Kc value within 2^-16 of itself, as the bf16x2 kernels above), a third fewer
-// products; 3 (the default) is exact.
-#ifndef QP_M32_PARTS
-#define QP_M32_PARTS 3
-#endif
-static_assert(QP_M32_PARTS == 2 || QP_M32_PARTS == 3, "QP_M32_PARTS: 2 or 3 Kc parts");
 
 #define QP_M32_WARPS 8
 #define QP_M32_THREADS (32 * QP_M32_WARPS)
@@ -365,13 +358,15 @@ __device__ __forceinline__ void mma_qk_tile32_m32(float (&s)[2][4][4], const u32
 // SPLIT: the Kc part tiles come from `parts` (qa_split_kc's bf16 parts, [hkv][3][p_stride][D])
 // by cp.async, two tiles in flight (the next tile's copies run during this tile's products),
 // instead of being read as f32 through registers and split by the block (kc, not read then).
-template <int D, int G, bool SPLIT>
+// NP: the Kc parts summed, 3 (exact) or 2 (hi and mid only: each Kc value within 2^-16 of
+// itself, as the bf16x2 kernels above; a third fewer products).
+template <int D, int G, bool SPLIT, int NP>
 __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restrict__ q, int q_stride,
                                                            const float* __restrict__ kc, const int* __restrict__ lens,
                                                            float* __restrict__ s_out, int rows, int H, int hkv,
                                                            int w_stride, int stride, int ksize, float scale,
                                                            const bf16_t* __restrict__ parts, int p_stride) {
-    constexpr int NP = QP_M32_PARTS;  // parts read (qa_split_kc writes three)
+    static_assert(NP == 2 || NP == 3, "two or three Kc parts");
     constexpr int RS = D + QP_PAD;
     constexpr int NK = D / 16;
     constexpr int PART = QP_BN * RS;
@@ -414,7 +409,7 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
         qp_q_frags<NK>(qa[a], qr[0], qr[1], lane);
     }
 
-    bf16_t* Ks = (bf16_t*)qp_sh;  // [SPLIT ? 2 : 1][NP][QP_BN][RS]: hi, mid, lo
+    bf16_t* Ks = (bf16_t*)qp_sh;  // [SPLIT ? 2 : 1][NP][QP_BN][RS]: hi, mid (, lo)
     const u32 ks_lane = smem_addr(Ks + ldsm_k_lane(lane, RS) + hf * 32 * RS);
     const u64 kc_row = (u64)hkv * D;
     const float* Kh = kc + (u64)h * D;
@@ -636,24 +631,25 @@ extern "C" __global__ void qa_split_kc(const float* __restrict__ kc, bf16_t* __r
     }
 }
 
-// Entry points qa_prefill_scores_m32{,s}_g<G>_d<D>: G a compile-time constant (the row of a
-// fragment row, the shuffles and the writing lanes fold into constants; a runtime G spills at
-// D = 128 under the 128 registers of 2 blocks per SM), for G 4, 8 and 16; m32s the SPLIT kernel
-// (parts from qa_split_kc, two tile buffers in dynamic shared memory).
+// Entry points qa_prefill_scores_m32{,s,s_bf16x2}_g<G>_d<D>: G a compile-time constant (the row
+// of a fragment row, the shuffles and the writing lanes fold into constants; a runtime G spills
+// at D = 128 under the 128 registers of 2 blocks per SM), for G 4, 8 and 16; m32s the SPLIT
+// kernel (parts from qa_split_kc, two tile buffers in dynamic shared memory), m32s_bf16x2 the
+// same on the first two parts.
 #define QP_M32_ENTRY(NAME, G, D)                                                                               \
     extern "C" __global__ __launch_bounds__(QP_M32_THREADS, 2) void NAME(                                      \
         const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens, \
         float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale) { \
-        qa_prefill_scores_m32_impl<D, G, false>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride,  \
-                                                ksize, scale, nullptr, 0);                                     \
+        qa_prefill_scores_m32_impl<D, G, false, 3>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride,       \
+                                                   stride, ksize, scale, nullptr, 0);                          \
     }
-#define QP_M32S_ENTRY(NAME, G, D)                                                                              \
+#define QP_M32S_ENTRY(NAME, G, D, NP)                                                                          \
     extern "C" __global__ __launch_bounds__(QP_M32_THREADS, 2) void NAME(                                      \
         const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens, \
         float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale,  \
         const bf16_t* __restrict__ parts, int p_stride) {                                                      \
-        qa_prefill_scores_m32_impl<D, G, true>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride, stride,   \
-                                               ksize, scale, parts, p_stride);                                 \
+        qa_prefill_scores_m32_impl<D, G, true, NP>(q, q_stride, kc, lens, s_out, rows, H, hkv, w_stride,       \
+                                                   stride, ksize, scale, parts, p_stride);                     \
     }
 QP_M32_ENTRY(qa_prefill_scores_m32_g4_d64, 4, 64)
 QP_M32_ENTRY(qa_prefill_scores_m32_g4_d80, 4, 80)
@@ -664,12 +660,21 @@ QP_M32_ENTRY(qa_prefill_scores_m32_g8_d128, 8, 128)
 QP_M32_ENTRY(qa_prefill_scores_m32_g16_d64, 16, 64)
 QP_M32_ENTRY(qa_prefill_scores_m32_g16_d80, 16, 80)
 QP_M32_ENTRY(qa_prefill_scores_m32_g16_d128, 16, 128)
-QP_M32S_ENTRY(qa_prefill_scores_m32s_g4_d64, 4, 64)
-QP_M32S_ENTRY(qa_prefill_scores_m32s_g4_d80, 4, 80)
-QP_M32S_ENTRY(qa_prefill_scores_m32s_g4_d128, 4, 128)
-QP_M32S_ENTRY(qa_prefill_scores_m32s_g8_d64, 8, 64)
-QP_M32S_ENTRY(qa_prefill_scores_m32s_g8_d80, 8, 80)
-QP_M32S_ENTRY(qa_prefill_scores_m32s_g8_d128, 8, 128)
-QP_M32S_ENTRY(qa_prefill_scores_m32s_g16_d64, 16, 64)
-QP_M32S_ENTRY(qa_prefill_scores_m32s_g16_d80, 16, 80)
-QP_M32S_ENTRY(qa_prefill_scores_m32s_g16_d128, 16, 128)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_g4_d64, 4, 64, 3)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_g4_d80, 4, 80, 3)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_g4_d128, 4, 128, 3)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_g8_d64, 8, 64, 3)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_g8_d80, 8, 80, 3)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_g8_d128, 8, 128, 3)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_g16_d64, 16, 64, 3)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_g16_d80, 16, 80, 3)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_g16_d128, 16, 128, 3)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g4_d64, 4, 64, 2)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g4_d80, 4, 80, 2)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g4_d128, 4, 128, 2)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g8_d64, 8, 64, 2)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g8_d80, 8, 80, 2)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g8_d128, 8, 128, 2)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g16_d64, 16, 64, 2)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g16_d80, 16, 80, 2)
+QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g16_d128, 16, 128, 2)

@@ -17,7 +17,7 @@
 #            about 80 s on 16 cores; about 100 s per CPU run)
 #   scores   the sparse prefill window-scoring kernels (SPARDA_PREFILL_SCORES): InfLLM-V2
 #            budget 64 at 8K on hamlet with the cuBLAS logits (the base, against dense too),
-#            then tensor-core-split (the default), tensor-core and tensor-core-bf16x2 scored against it (KL, top-1, Δ perplexity:
+#            then tensor-core-split, tensor-core and tensor-core-bf16x2 (the default) scored against it (KL, top-1, Δ perplexity:
 #            what each kernel's selections cost; the exact kernels should be near zero)
 # Then: python3 scripts/quality_table.py OUT_DIR > OUT_DIR.md
 # Env: SPARDA (binary, default .device/bin/sparda), SPARDA_COMMIT, CHUNKS (per text, default 2),

@@ -982,6 +982,12 @@ pub fn gpu_check_e2e(
         original_max_position_embeddings: 256,
     };
     let tiny_ntk = synth::build_config(&ntk_cfg, true, 9)?;
+    // 16 query heads on 2 KV heads (G 8): the prefill window scores take the
+    // 32-M-row kernels (qa_prefill_scores_m32*, G 4/8/16), which the tiny
+    // model's G 3 does not reach.
+    let mut g8_cfg = Preset::Tiny.config();
+    g8_cfg.num_attention_heads = 16;
+    let tiny_g8 = synth::build_config(&g8_cfg, true, 10)?;
     let fixture = model_dir.map(Checkpoint::open).transpose()?;
     let text_ids = match model_dir {
         Some(dir) => {
@@ -1128,6 +1134,18 @@ pub fn gpu_check_e2e(
             inputs: Inputs::Random {
                 prompt_lens: vec![20, 150, 1029, 1300],
                 seed: 21,
+            },
+            min_steps: 0,
+            prefill_attention: PrefillAttention::TensorCore,
+        },
+        CaseSpec {
+            name: "tiny-g8-nosa-sparse-tc-prefill",
+            ckpt: &tiny_g8,
+            opts: opts(ov(None, None), PrefillMode::Auto),
+            path: SelectionPath::Gpu,
+            inputs: Inputs::Random {
+                prompt_lens: vec![150, 1300],
+                seed: 23,
             },
             min_steps: 0,
             prefill_attention: PrefillAttention::TensorCore,

@@ -490,7 +490,7 @@ impl GpuModel {
                     ws.qa_logits = unsafe { s.alloc(n * hq * w_stride) }
                         .cuda("allocating the window-score workspace")?;
                 }
-                // tensor-core-split: the logits buffer holds Kc's bf16 parts
+                // split kernels (tensor-core-split, tensor-core-bf16x2): the logits buffer holds Kc's bf16 parts
                 let parts =
                     crate::cuda::ops::prefill_scores::split_kc_scratch_f32(hk, w_stride, dh);
                 if !logits_in_memory

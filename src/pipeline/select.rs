@@ -76,7 +76,7 @@ impl GpuModel {
                 Some(kc) if tc => {
                     phase("window_scores")?;
                     let kernels = prefill_scores();
-                    // (tensor-core-split: Kc's parts in the logits buffer the
+                    // (split kernels: Kc's parts in the logits buffer the
                     // tensor-core kernels do not otherwise use; prefill sizes it)
                     let split = kernels
                         .splits_kc(hq / hk)

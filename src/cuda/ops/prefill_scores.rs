@@ -7,8 +7,10 @@
 //! one over the `ScoreDims` of a chunk.
 //!
 //! Kc is kept in f32 (see [`super::select`]); the tensor-core kernels split
-//! it into bf16 parts whose sum is the f32 value, so the logits equal the
-//! CPU reference's to f32 rounding.
+//! it into bf16 parts: three whose sum is the f32 value (the logits equal
+//! the CPU reference's to f32 rounding), or, by default, the first two
+//! (each Kc value within 2^-16 of itself; README's prefill section gives
+//! what that costs in KL and speed).
 
 use super::select::{ensure_smem, ScoreDims};
 use crate::cuda::context::{grid, i32_dim, CudaResultExt};
@@ -39,17 +41,23 @@ pub enum PrefillScores {
     /// G as `tensor-core`. Selectable for comparison (README's prefill
     /// section records its speed: within noise of `tensor-core`).
     TensorCoreM32,
-    /// `tensor-core-split` (the default; [`DEFAULT_PREFILL_SCORES`]): as
-    /// `tensor-core-m32`, with Kc split into its
+    /// `tensor-core-split`: as `tensor-core-m32`, with Kc split into its
     /// three bf16 parts once per chunk (`qa_split_kc`, into a scratch of
     /// [`split_kc_scratch_f32`]) and the part tiles copied into shared
     /// memory by cp.async, the next tile's during this tile's products
-    /// (`qa_prefill_scores_m32s_g*`; other G as `tensor-core`).
+    /// (`qa_prefill_scores_m32s_g*`; other G as `tensor-core`). The fastest
+    /// exact choice.
     TensorCoreSplit,
-    /// `tensor-core-bf16x2`: the same kernel on two bf16 parts of Kc (within
-    /// 2^-16 of each value instead of exact; a third fewer tensor-core
-    /// products): an experiment, whose selections and quality are to be
-    /// measured against the exact kernels before any use.
+    /// `tensor-core-bf16x2` (the default; [`DEFAULT_PREFILL_SCORES`]): the
+    /// logits from the first two bf16 parts of Kc only (each value within
+    /// 2^-16 of itself instead of exact; a third fewer tensor-core
+    /// products): for G of 4, 8 and 16 `tensor-core-split`'s kernels on two
+    /// parts (`qa_split_kc`, then `qa_prefill_scores_m32s_bf16x2_g*`), other
+    /// G `qa_prefill_scores_bf16x2_d*` (the `tensor-core` kernel on two
+    /// parts). Scores within 1e-5 relative L2 of the CPU reference's
+    /// (gpu-check's select group); on SmolLM2 at 8K (G 3) KL 3.1e-4 mean
+    /// against the cuBLAS f32 logits' selections, where the exact kernels'
+    /// summation order alone gives 1.6e-4 (README, prefill section).
     TensorCoreBf16x2,
 }
 
@@ -68,11 +76,15 @@ impl PrefillScores {
 
     /// Whether these kernels split Kc into its bf16 parts once per chunk
     /// at `group` query heads per KV head (`qa_split_kc` before
-    /// `qa_prefill_scores_m32s_g*`): [`PrefillScores::TensorCoreSplit`]
-    /// where [`prefill_scores_m32_takes`] G. Only then does
+    /// `qa_prefill_scores_m32s{,_bf16x2}_g*`): [`PrefillScores::TensorCoreSplit`]
+    /// and [`PrefillScores::TensorCoreBf16x2`] where
+    /// [`prefill_scores_m32_takes`] G. Only then does
     /// `launch_prefill_scores` take a scratch of [`split_kc_scratch_f32`].
     pub fn splits_kc(self, group: usize) -> bool {
-        self == PrefillScores::TensorCoreSplit && prefill_scores_m32_takes(group)
+        matches!(
+            self,
+            PrefillScores::TensorCoreSplit | PrefillScores::TensorCoreBf16x2
+        ) && prefill_scores_m32_takes(group)
     }
 
     /// Kc parts the tensor-core kernel sums (0 for [`PrefillScores::Cublas`]).
@@ -89,8 +101,9 @@ impl PrefillScores {
 
 /// The window-scoring kernels when `SPARDA_PREFILL_SCORES` is unset: the
 /// fastest of the tensor-core choices at 32K and 127K when last compared
-/// in one run (README, prefill section).
-pub const DEFAULT_PREFILL_SCORES: PrefillScores = PrefillScores::TensorCoreSplit;
+/// in one run, two Kc parts (README, prefill section;
+/// [`PrefillScores::TensorCoreSplit`] is the fastest exact one).
+pub const DEFAULT_PREFILL_SCORES: PrefillScores = PrefillScores::TensorCoreBf16x2;
 
 /// The environment variable that chooses [`PrefillScores`].
 pub const ENV_PREFILL_SCORES: &str = "SPARDA_PREFILL_SCORES";
@@ -158,12 +171,13 @@ pub fn prefill_scores_m32_takes(group: usize) -> bool {
 /// 32 M-rows (the kernel's QP_M32_THREADS).
 const QP_M32_THREADS: u32 = 256;
 
-/// Dynamic shared memory of `qa_prefill_scores_m32` at head dim `d`,
-/// bytes: the three bf16 part tiles of 64 windows (rows of d + 8), twice
-/// for the `m32s` kernels (`split`: two tiles in flight); no P tile
+/// Dynamic shared memory of `qa_prefill_scores_m32` at head dim `d` with
+/// `parts` Kc parts (3, or 2 for the `m32s_bf16x2` kernels), bytes: the
+/// bf16 part tiles of 64 windows (rows of d + 8), twice for the `m32s`
+/// kernels (`split`: two tiles in flight); no P tile
 /// (kernels/qa_prefill.cu).
-pub fn qa_prefill_m32_smem_bytes(d: usize, split: bool) -> usize {
-    3 * 64 * (d + 8) * 2 * if split { 2 } else { 1 }
+pub fn qa_prefill_m32_smem_bytes(d: usize, parts: usize, split: bool) -> usize {
+    parts * 64 * (d + 8) * 2 * if split { 2 } else { 1 }
 }
 
 /// f32 elements of the scratch [`PrefillScores::TensorCoreSplit`] needs
@@ -187,8 +201,9 @@ pub fn qa_prefill_smem_bytes(d: usize, parts: usize) -> usize {
 /// where [`prefill_scores_m32_takes`] G, else and for
 /// [`PrefillScores::TensorCore`] `qa_prefill_scores_d*`,
 /// `qa_prefill_scores_bf16x2_d*` for [`PrefillScores::TensorCoreBf16x2`];
-/// for [`PrefillScores::TensorCoreSplit`] where the m32 kernels take G,
-/// `qa_split_kc` then `qa_prefill_scores_m32s_g<G>_d*`, with `split` =
+/// for [`PrefillScores::TensorCoreSplit`] and
+/// [`PrefillScores::TensorCoreBf16x2`] where the m32 kernels take G,
+/// `qa_split_kc` then `qa_prefill_scores_m32s{,_bf16x2}_g<G>_d*`, with `split` =
 /// (the scratch for Kc's parts, [`split_kc_scratch_f32`] f32 at
 /// `d.w_stride`; the windows to split, ≥ every row's Mc);
 /// kernels/qa_prefill.cu): writes `d.scores` (the windows below each row's
@@ -217,18 +232,24 @@ pub(crate) fn launch_prefill_scores(
     let g = d.heads / d.kv_heads.max(1);
     let m32 = matches!(
         kernels,
-        PrefillScores::TensorCoreM32 | PrefillScores::TensorCoreSplit
+        PrefillScores::TensorCoreM32
+            | PrefillScores::TensorCoreSplit
+            | PrefillScores::TensorCoreBf16x2
     ) && prefill_scores_m32_takes(g);
     let split = match (kernels.splits_kc(g), split) {
         (true, Some(sp)) => Some(sp),
         (true, None) => {
             return Err(Error::Input(format!(
-                "{OP}: tensor-core-split needs a Kc part scratch (split_kc_scratch_f32)"
+                "{OP}: {} needs a Kc part scratch (split_kc_scratch_f32)",
+                kernels.name()
             )))
         }
         (false, _) => None,
     };
     let entry = match kernels {
+        PrefillScores::TensorCoreBf16x2 if split.is_some() => {
+            &format!("qa_prefill_scores_m32s_bf16x2_g{g}")
+        }
         _ if split.is_some() => &format!("qa_prefill_scores_m32s_g{g}"),
         PrefillScores::TensorCoreM32 | PrefillScores::TensorCoreSplit if m32 => {
             &format!("qa_prefill_scores_m32_g{g}")
@@ -263,7 +284,7 @@ pub(crate) fn launch_prefill_scores(
     let f = gpu.function(&format!("{entry}_d{head_dim}"))?;
     let (dynamic, threads) = if m32 {
         (
-            qa_prefill_m32_smem_bytes(head_dim, split.is_some()),
+            qa_prefill_m32_smem_bytes(head_dim, parts, split.is_some()),
             QP_M32_THREADS,
         )
     } else {
@@ -332,7 +353,7 @@ pub(crate) fn launch_prefill_scores(
     if split.is_some() {
         l.arg(&parts).arg(&pst);
     }
-    // SAFETY: argument list matches qa_prefill_scores{,_m32_g*,_m32s_g*,_bf16x2}_d* in
+    // SAFETY: argument list matches qa_prefill_scores{,_m32_g*,_m32s{,_bf16x2}_g*,_bf16x2}_d* in
     // kernels/qa_prefill.cu; q holds rows rows of H·D bf16 at q_stride, Kc
     // the windows below every row's Mc, the scores rows·Hkv·w_stride f32
     // with w_stride ≥ every row's Mc (the caller's contract, ScoreDims).
@@ -411,15 +432,17 @@ mod tests {
         }
         let m32: Vec<usize> = (0..=64).filter(|&g| prefill_scores_m32_takes(g)).collect();
         assert_eq!(m32, [4, 8, 16]);
-        let split: Vec<usize> = (0..=64)
-            .filter(|&g| PrefillScores::TensorCoreSplit.splits_kc(g))
-            .collect();
-        assert_eq!(split, [4, 8, 16]);
+        for k in [
+            PrefillScores::TensorCoreSplit,
+            PrefillScores::TensorCoreBf16x2,
+        ] {
+            let split: Vec<usize> = (0..=64).filter(|&g| k.splits_kc(g)).collect();
+            assert_eq!(split, [4, 8, 16], "{k:?}");
+        }
         for k in [
             PrefillScores::Cublas,
             PrefillScores::TensorCore,
             PrefillScores::TensorCoreM32,
-            PrefillScores::TensorCoreBf16x2,
         ] {
             assert!((0..=64).all(|g| !k.splits_kc(g)), "{k:?}");
         }
@@ -443,14 +466,21 @@ mod tests {
         // shared memory (which also holds the warp pairs' statistics, 8 KB).
         assert_eq!(2 * QP_M32_THREADS as usize * 128, 65536);
         for d in [64, 80, 128] {
-            for split in [false, true] {
-                let per_block = qa_prefill_m32_smem_bytes(d, split) + 1024 + QP_BM * 4;
-                assert!(2 * per_block <= 228 * 1024, "m32 D {d}: {per_block} bytes");
-                assert!(qa_prefill_m32_smem_bytes(d, split) >= 2 * 4 * 32 * 8 * 4);
+            for parts in [2, 3] {
+                for split in [false, true] {
+                    let bytes = qa_prefill_m32_smem_bytes(d, parts, split);
+                    let per_block = bytes + 1024 + QP_BM * 4;
+                    assert!(2 * per_block <= 228 * 1024, "m32 D {d}: {per_block} bytes");
+                    assert!(bytes >= 2 * 4 * 32 * 8 * 4, "m32 D {d} parts {parts}");
+                }
             }
         }
-        assert_eq!(qa_prefill_m32_smem_bytes(128, false), 3 * 64 * 136 * 2);
-        assert_eq!(qa_prefill_m32_smem_bytes(128, true), 2 * 3 * 64 * 136 * 2);
+        assert_eq!(qa_prefill_m32_smem_bytes(128, 3, false), 3 * 64 * 136 * 2);
+        assert_eq!(
+            qa_prefill_m32_smem_bytes(128, 3, true),
+            2 * 3 * 64 * 136 * 2
+        );
+        assert_eq!(qa_prefill_m32_smem_bytes(64, 2, true), 2 * 2 * 64 * 72 * 2);
         // bf16 [Hkv, 3, w_stride, D] as f32, rounded up
         assert_eq!(split_kc_scratch_f32(2, 4096, 128), 2 * 3 * 4096 * 128 / 2);
         assert_eq!(split_kc_scratch_f32(1, 1, 1), 2);
