@@ -39,7 +39,7 @@
 #                                                launch per value; and a traced prefill of TRACE_TOKENS
 #                                                (default 32768; past hamlet.txt's 52.8K tokens the prompt is
 #                                                hamlet.txt repeated, or TRACE_PROMPT) per value in TRACE_SCORES
-#                                                (default tensor-core-bf16x2, the default; its phases); about
+#                                                (default tensor-core-split, the default; its phases); about
 #                                                5 minutes without options
 # Then, here: sparda report OUT/prefill_*.json OUT/transformers_sdpa_prefill.json \
 #   --out benches/results/prefill_nosa8b_h200_<date>_<commit>   (a table and PREFIX.prefill.svg)
@@ -105,9 +105,9 @@ scores)
   # (the select group holds the prefill scoring kernels' cases against the CPU reference)
   # SCORES: the SPARDA_PREFILL_SCORES values to check end to end and time (default
   # tensor-core-split tensor-core-bf16x2); SCORES_OPTS: "label=NVRTC options;…", each timed with SPARDA_PREFILL_SCORES
-  # = OPTS_SCORES (default tensor-core-bf16x2, the default), its select cases and (unless OPTS_E2E=0)
+  # = OPTS_SCORES (default tensor-core-split, the default), its select cases and (unless OPTS_E2E=0)
   # gpu-check-e2e checked, with SPARDA_NVRTC_OPTIONS set, files *_opts_<label>; TRACE_SCORES: those to trace at
-  # TRACE_TOKENS prompt tokens (default tensor-core-bf16x2, the default kernels, at 32768; 0: none; the prompt
+  # TRACE_TOKENS prompt tokens (default tensor-core-split, the default kernels, at 32768; 0: none; the prompt
   # TRACE_PROMPT, default hamlet.txt, four copies of it past 50,000 tokens); NCU=1: Nsight Compute sections of the
   # last window-scoring launch of an 8K-token sparse prefill per SCORES value (or NCU_SCORES;
   # ncu_<value>.txt)
@@ -129,10 +129,10 @@ scores)
     l=${o%%=*}
     SPARDA_NVRTC_OPTIONS="${o#*=}" SPARDA_CHECK_ONLY=select "$SPARDA" gpu-check \
       --json "$out/gpu_check_select_opts_$l.json" 2>&1 | grep -E "FAIL|error:|cases" | sed "s/^/$l: /" | tail -4
-    [[ "${OPTS_E2E:-1}" == 1 ]] && SPARDA_PREFILL_SCORES=${OPTS_SCORES:-tensor-core-bf16x2} SPARDA_NVRTC_OPTIONS="${o#*=}" \
+    [[ "${OPTS_E2E:-1}" == 1 ]] && SPARDA_PREFILL_SCORES=${OPTS_SCORES:-tensor-core-split} SPARDA_NVRTC_OPTIONS="${o#*=}" \
       "$SPARDA" gpu-check-e2e ${MODEL:+--model "$MODEL"} --json "$out/gpu_check_e2e_opts_$l.json" --steps 48 2>&1 \
       | grep -E "fail|FAIL|passed|sparse-tc" | sed "s/^/$l: /" | tail -6
-    SPARDA_PREFILL_SCORES=${OPTS_SCORES:-tensor-core-bf16x2} SPARDA_NVRTC_OPTIONS="${o#*=}" "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
+    SPARDA_PREFILL_SCORES=${OPTS_SCORES:-tensor-core-split} SPARDA_NVRTC_OPTIONS="${o#*=}" "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
       --steps 0 --attention sparse --kv gpu --batch 1 --context "${CONTEXT:-32K,128K}" --prefill sparse \
       --json "$out/prefill_sparse_scores_opts_$l.json" 2>&1 | grep -E "prefill only|error" | sed "s/^/$l: /"
   done
@@ -157,7 +157,7 @@ scores)
     tp="$out/.trace_prompt.txt"
     for _ in 1 2 3 4; do cat data/texts/hamlet.txt; done > "$tp"
   fi
-  [[ $tt == 0 ]] || for k in ${TRACE_SCORES:-tensor-core-bf16x2}; do
+  [[ $tt == 0 ]] || for k in ${TRACE_SCORES:-tensor-core-split}; do
     SPARDA_PREFILL_SCORES=$k "$SPARDA" generate --model synth:nosa-8b --tokenizer "$tok" \
       --prompt-file "$tp" --prompt-tokens "$tt" --max-new-tokens 2 --backend cuda \
       --prefill sparse --trace "$out/trace_$k.json" 2>&1 | grep "^prefill" | sed "s/^/$k: /"

@@ -8,7 +8,7 @@
 //!
 //! Kc is kept in f32 (see [`super::select`]); the tensor-core kernels split
 //! it into bf16 parts: three whose sum is the f32 value (the logits equal
-//! the CPU reference's to f32 rounding), or, by default, the first two
+//! the CPU reference's to f32 rounding; the default), or the first two
 //! (each Kc value within 2^-16 of itself; README's prefill section gives
 //! what that costs in KL and speed).
 
@@ -48,7 +48,7 @@ pub enum PrefillScores {
     /// (`qa_prefill_scores_m32s_g*`; other G as `tensor-core`). The fastest
     /// exact choice.
     TensorCoreSplit,
-    /// `tensor-core-bf16x2` (the default; [`DEFAULT_PREFILL_SCORES`]): the
+    /// `tensor-core-bf16x2` (opt-in; see [`DEFAULT_PREFILL_SCORES`]): the
     /// logits from the first two bf16 parts of Kc only (each value within
     /// 2^-16 of itself instead of exact; a third fewer tensor-core
     /// products): for G of 4, 8 and 16 `tensor-core-split`'s kernels on two
@@ -100,10 +100,10 @@ impl PrefillScores {
 }
 
 /// The window-scoring kernels when `SPARDA_PREFILL_SCORES` is unset: the
-/// fastest of the tensor-core choices at 32K and 127K when last compared
-/// in one run, two Kc parts (README, prefill section;
-/// [`PrefillScores::TensorCoreSplit`] is the fastest exact one).
-pub const DEFAULT_PREFILL_SCORES: PrefillScores = PrefillScores::TensorCoreBf16x2;
+/// fastest exact tensor-core choice checked on a GPU (README, prefill
+/// section). [`PrefillScores::TensorCoreBf16x2`] on two Kc parts is faster
+/// but its split 32-M-row kernels have not yet run their GPU checks.
+pub const DEFAULT_PREFILL_SCORES: PrefillScores = PrefillScores::TensorCoreSplit;
 
 /// The environment variable that chooses [`PrefillScores`].
 pub const ENV_PREFILL_SCORES: &str = "SPARDA_PREFILL_SCORES";
