@@ -101,8 +101,9 @@ impl PrefillScores {
 
 /// The window-scoring kernels when `SPARDA_PREFILL_SCORES` is unset: the
 /// fastest exact tensor-core choice checked on a GPU (README, prefill
-/// section). [`PrefillScores::TensorCoreBf16x2`] on two Kc parts is faster
-/// but its split 32-M-row kernels have not yet run their GPU checks.
+/// section). [`PrefillScores::TensorCoreBf16x2`] on two Kc parts passes
+/// its GPU checks and was faster in an earlier build; its speed and
+/// real-weights quality at this commit are not yet recorded.
 pub const DEFAULT_PREFILL_SCORES: PrefillScores = PrefillScores::TensorCoreSplit;
 
 /// The environment variable that chooses [`PrefillScores`].
