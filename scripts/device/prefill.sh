@@ -112,6 +112,7 @@ scores)
   # last window-scoring launch of an 8K-token sparse prefill per SCORES value (or NCU_SCORES;
   # ncu_<value>.txt)
   kinds=${SCORES:-tensor-core-split tensor-core-bf16x2}
+  dflt=tensor-core-split  # DEFAULT_PREFILL_SCORES (src/cuda/ops/prefill_scores.rs)
   SPARDA_CHECK_ONLY=kernels,select "$SPARDA" gpu-check \
     --json "$out/gpu_check_kernels_select.json" 2>&1 | grep -E "FAIL|error:|qa_|attention|cases" | tail -16
   for k in $kinds; do
@@ -129,10 +130,10 @@ scores)
     l=${o%%=*}
     SPARDA_NVRTC_OPTIONS="${o#*=}" SPARDA_CHECK_ONLY=select "$SPARDA" gpu-check \
       --json "$out/gpu_check_select_opts_$l.json" 2>&1 | grep -E "FAIL|error:|cases" | sed "s/^/$l: /" | tail -4
-    [[ "${OPTS_E2E:-1}" == 1 ]] && SPARDA_PREFILL_SCORES=${OPTS_SCORES:-tensor-core-split} SPARDA_NVRTC_OPTIONS="${o#*=}" \
+    [[ "${OPTS_E2E:-1}" == 1 ]] && SPARDA_PREFILL_SCORES=${OPTS_SCORES:-$dflt} SPARDA_NVRTC_OPTIONS="${o#*=}" \
       "$SPARDA" gpu-check-e2e ${MODEL:+--model "$MODEL"} --json "$out/gpu_check_e2e_opts_$l.json" --steps 48 2>&1 \
       | grep -E "fail|FAIL|passed|sparse-tc" | sed "s/^/$l: /" | tail -6
-    SPARDA_PREFILL_SCORES=${OPTS_SCORES:-tensor-core-split} SPARDA_NVRTC_OPTIONS="${o#*=}" "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
+    SPARDA_PREFILL_SCORES=${OPTS_SCORES:-$dflt} SPARDA_NVRTC_OPTIONS="${o#*=}" "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
       --steps 0 --attention sparse --kv gpu --batch 1 --context "${CONTEXT:-32K,128K}" --prefill sparse \
       --json "$out/prefill_sparse_scores_opts_$l.json" 2>&1 | grep -E "prefill only|error" | sed "s/^/$l: /"
   done
@@ -157,7 +158,7 @@ scores)
     tp="$out/.trace_prompt.txt"
     for _ in 1 2 3 4; do cat data/texts/hamlet.txt; done > "$tp"
   fi
-  [[ $tt == 0 ]] || for k in ${TRACE_SCORES:-tensor-core-split}; do
+  [[ $tt == 0 ]] || for k in ${TRACE_SCORES:-$dflt}; do
     SPARDA_PREFILL_SCORES=$k "$SPARDA" generate --model synth:nosa-8b --tokenizer "$tok" \
       --prompt-file "$tp" --prompt-tokens "$tt" --max-new-tokens 2 --backend cuda \
       --prefill sparse --trace "$out/trace_$k.json" 2>&1 | grep "^prefill" | sed "s/^/$k: /"
