@@ -317,13 +317,13 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 // qa_prefill_m32_smem_bytes(D, split) (src/cuda/ops/prefill_scores.rs: 3*64*(D+8)*2 bytes, the part
 // tiles, twice for the m32s entry points; the pairs' statistics reuse them between the passes).
 
-// QP_FAST_EXP (0 unless set to 1 through SPARDA_NVRTC_OPTIONS): the m32 kernels' softmax in
-// base 2, the logits scaled by log2(e)/sqrt(D) and exp as ex2.approx.ftz (one SFU instruction;
-// expf adds a range reduction of several instructions), the same P up to the rounding of the
-// two. 5 % faster sparse prefill at 127K than expf (README, prefill section); off until its
-// end-to-end and quality runs have been recorded.
+// QP_FAST_EXP (1 unless set to 0 through SPARDA_NVRTC_OPTIONS=-DQP_FAST_EXP=0): the m32 kernels'
+// softmax in base 2, the logits scaled by log2(e)/sqrt(D) and exp as ex2.approx.ftz (one SFU
+// instruction; expf adds a range reduction of several instructions), the same P up to the
+// rounding of the two. 5.7 % faster sparse prefill at 127K than expf with two Kc parts (README,
+// prefill section); the select group and gpu-check-e2e pass with either.
 #ifndef QP_FAST_EXP
-#define QP_FAST_EXP 0
+#define QP_FAST_EXP 1
 #endif
 #if QP_FAST_EXP
 #define qp_exp(x) ex2_ftz(x)

@@ -39,7 +39,7 @@
 #                                                launch per value; and a traced prefill of TRACE_TOKENS
 #                                                (default 32768; past hamlet.txt's 52.8K tokens the prompt is
 #                                                hamlet.txt repeated, or TRACE_PROMPT) per value in TRACE_SCORES
-#                                                (default tensor-core-split, the default; its phases); about
+#                                                (default tensor-core-bf16x2, the default; its phases); about
 #                                                5 minutes without options
 # Then, here: sparda report OUT/prefill_*.json OUT/transformers_sdpa_prefill.json \
 #   --out benches/results/prefill_nosa8b_h200_<date>_<commit>   (a table and PREFIX.prefill.svg)
@@ -105,14 +105,14 @@ scores)
   # (the select group holds the prefill scoring kernels' cases against the CPU reference)
   # SCORES: the SPARDA_PREFILL_SCORES values to check end to end and time (default
   # tensor-core-split tensor-core-bf16x2); SCORES_OPTS: "label=NVRTC options;…", each timed with SPARDA_PREFILL_SCORES
-  # = OPTS_SCORES (default tensor-core-split, the default), its select cases and (unless OPTS_E2E=0)
+  # = OPTS_SCORES (default tensor-core-bf16x2, the default), its select cases and (unless OPTS_E2E=0)
   # gpu-check-e2e checked, with SPARDA_NVRTC_OPTIONS set, files *_opts_<label>; TRACE_SCORES: those to trace at
-  # TRACE_TOKENS prompt tokens (default tensor-core-split, the default kernels, at 32768; 0: none; the prompt
+  # TRACE_TOKENS prompt tokens (default tensor-core-bf16x2, the default kernels, at 32768; 0: none; the prompt
   # TRACE_PROMPT, default hamlet.txt, four copies of it past 50,000 tokens); NCU=1: Nsight Compute sections of the
   # last window-scoring launch of an 8K-token sparse prefill per SCORES value (or NCU_SCORES;
   # ncu_<value>.txt)
   kinds=${SCORES:-tensor-core-split tensor-core-bf16x2}
-  dflt=tensor-core-split  # DEFAULT_PREFILL_SCORES (src/cuda/ops/prefill_scores.rs)
+  dflt=tensor-core-bf16x2  # DEFAULT_PREFILL_SCORES (src/cuda/ops/prefill_scores.rs)
   SPARDA_CHECK_ONLY=kernels,select "$SPARDA" gpu-check \
     --json "$out/gpu_check_kernels_select.json" 2>&1 | grep -E "FAIL|error:|qa_|attention|cases" | tail -16
   for k in $kinds; do
