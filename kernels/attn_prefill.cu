@@ -66,6 +66,12 @@
 #define PF_PAD 8            // bf16 padding per shared row (bank-conflict-free ldmatrix)
 #define PF_UNION_CHUNK 2048  // block ids one pass of prefill_sel_union covers
 #define PF_UNION_THREADS 256
+// Blocks per SM the attention entry points are compiled for (__launch_bounds__' second
+// argument; registers per thread at most 65536 / (PF_THREADS * PF_MIN_BLOCKS)): a tuning
+// constant SPARDA_NVRTC_OPTIONS may set (-DPF_MIN_BLOCKS=3, slower: README, prefill section).
+#ifndef PF_MIN_BLOCKS
+#define PF_MIN_BLOCKS 2
+#endif
 
 // The union of the block selections of one (tile, KV head); see the header. Grid (ntiles,
 // hkv); block PF_UNION_THREADS threads; static shared memory only (16.9 KB).
@@ -491,7 +497,7 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
 
 // The entry points, one per supported head dim: dense (no bias, no union; arguments as
 // attn_prefill_impl's) and sparse.
-extern "C" __global__ __launch_bounds__(PF_THREADS, 2) void attn_prefill_d64(
+extern "C" __global__ __launch_bounds__(PF_THREADS, PF_MIN_BLOCKS) void attn_prefill_d64(
     const bf16_t* __restrict__ q, int q_stride, const u64* __restrict__ kptr, const u64* __restrict__ vptr,
     const int* __restrict__ lens, const int* __restrict__ tiles, bf16_t* __restrict__ out, int out_stride, int H,
     int hkv, float scale) {
@@ -499,7 +505,7 @@ extern "C" __global__ __launch_bounds__(PF_THREADS, 2) void attn_prefill_d64(
                                  out_stride, H, hkv, scale);
 }
 
-extern "C" __global__ __launch_bounds__(PF_THREADS, 2) void attn_prefill_d80(
+extern "C" __global__ __launch_bounds__(PF_THREADS, PF_MIN_BLOCKS) void attn_prefill_d80(
     const bf16_t* __restrict__ q, int q_stride, const u64* __restrict__ kptr, const u64* __restrict__ vptr,
     const int* __restrict__ lens, const int* __restrict__ tiles, bf16_t* __restrict__ out, int out_stride, int H,
     int hkv, float scale) {
@@ -507,7 +513,7 @@ extern "C" __global__ __launch_bounds__(PF_THREADS, 2) void attn_prefill_d80(
                                  out_stride, H, hkv, scale);
 }
 
-extern "C" __global__ __launch_bounds__(PF_THREADS, 2) void attn_prefill_d128(
+extern "C" __global__ __launch_bounds__(PF_THREADS, PF_MIN_BLOCKS) void attn_prefill_d128(
     const bf16_t* __restrict__ q, int q_stride, const u64* __restrict__ kptr, const u64* __restrict__ vptr,
     const int* __restrict__ lens, const int* __restrict__ tiles, bf16_t* __restrict__ out, int out_stride, int H,
     int hkv, float scale) {
@@ -515,7 +521,7 @@ extern "C" __global__ __launch_bounds__(PF_THREADS, 2) void attn_prefill_d128(
                                  out_stride, H, hkv, scale);
 }
 
-extern "C" __global__ __launch_bounds__(PF_THREADS, 2) void attn_prefill_sparse_d64(
+extern "C" __global__ __launch_bounds__(PF_THREADS, PF_MIN_BLOCKS) void attn_prefill_sparse_d64(
     const bf16_t* __restrict__ q, int q_stride, const u64* __restrict__ kptr, const u64* __restrict__ vptr,
     const u64* __restrict__ cptr, const int* __restrict__ lens, const int* __restrict__ tiles,
     const int* __restrict__ ublk, const u64* __restrict__ umask, const int* __restrict__ un, int u_max, int block_size,
@@ -524,7 +530,7 @@ extern "C" __global__ __launch_bounds__(PF_THREADS, 2) void attn_prefill_sparse_
                                 out_stride, H, hkv, scale);
 }
 
-extern "C" __global__ __launch_bounds__(PF_THREADS, 2) void attn_prefill_sparse_d80(
+extern "C" __global__ __launch_bounds__(PF_THREADS, PF_MIN_BLOCKS) void attn_prefill_sparse_d80(
     const bf16_t* __restrict__ q, int q_stride, const u64* __restrict__ kptr, const u64* __restrict__ vptr,
     const u64* __restrict__ cptr, const int* __restrict__ lens, const int* __restrict__ tiles,
     const int* __restrict__ ublk, const u64* __restrict__ umask, const int* __restrict__ un, int u_max, int block_size,
@@ -533,7 +539,7 @@ extern "C" __global__ __launch_bounds__(PF_THREADS, 2) void attn_prefill_sparse_
                                 out_stride, H, hkv, scale);
 }
 
-extern "C" __global__ __launch_bounds__(PF_THREADS, 2) void attn_prefill_sparse_d128(
+extern "C" __global__ __launch_bounds__(PF_THREADS, PF_MIN_BLOCKS) void attn_prefill_sparse_d128(
     const bf16_t* __restrict__ q, int q_stride, const u64* __restrict__ kptr, const u64* __restrict__ vptr,
     const u64* __restrict__ cptr, const int* __restrict__ lens, const int* __restrict__ tiles,
     const int* __restrict__ ublk, const u64* __restrict__ umask, const int* __restrict__ un, int u_max, int block_size,

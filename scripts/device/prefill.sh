@@ -29,6 +29,11 @@
 #                                                dense and sparse prefill, KV on GPU, then the B = 1 4K
 #                                                decode step (dense and sparse attention); one process
 #                                                each (about 35 s), files *_base_<r>.json / *_new_<r>.json
+#   scripts/device/prefill.sh opts         OUT   NVRTC tuning options against each other: per OPTS entry
+#                                                (label=options, ";"-separated; "base=" the defaults)
+#                                                gpu-check's kernels group, then dense prefill at DENSE_CONTEXT
+#                                                (default 32K) and sparse at CONTEXT (default 32K,128K), B = 1,
+#                                                over ROUNDS (default 1)
 #   scripts/device/prefill.sh scores       OUT   the sparse prefill window-scoring kernels: gpu-check's kernel
 #                                                and selection cases (qa_prefill_scores* among them), then per
 #                                                SPARDA_PREFILL_SCORES value in SCORES (default: the set to
@@ -46,7 +51,7 @@
 # Env: SPARDA (default .device/bin/sparda), SPARDA_COMMIT, BATCH (default 1,4),
 #      PREFILL_ATTENTION (extra `--prefill-attention` value when the binary has it).
 set -uo pipefail
-phase=${1:?phase: check|perf|short-sparse|short-dense|long-sparse|long-dense|baseline|chunks|ab|scores}; out=${2:?out dir}; mkdir -p "$out"
+phase=${1:?phase: check|perf|short-sparse|short-dense|long-sparse|long-dense|baseline|chunks|opts|ab|scores}; out=${2:?out dir}; mkdir -p "$out"
 SPARDA=${SPARDA:-.device/bin/sparda}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 tok=${TOKENIZER:-.device/bin/tokenizer.json}
@@ -82,6 +87,30 @@ chunks)
       SPARDA_PREFILL_CHUNK=$c "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
         --steps 0 --attention sparse --kv gpu --batch 1 --context "${CONTEXT:-32K,128K}" "${extra[@]}" \
         --prefill "$m" --json "$out/prefill_chunk${c}_$m.json" 2>&1 | grep -E "prefill|tokens/s" | tail -4
+    done
+  done
+  ;;
+opts)
+  # OPTS: "label=NVRTC options;…" (an empty options part: the defaults), alternating over ROUNDS
+  # (default 1): the kernels group of gpu-check once per entry (the prefill attention cases among
+  # them; OPTS_CHECK=0 skips it), then per round dense prefill at DENSE_CONTEXT (default 32K) and sparse prefill at
+  # CONTEXT (default 32K,128K), B = 1, KV on the GPU, one process each, files
+  # prefill_<mode>_opts_<label>_<r>.json
+  IFS=';' read -ra opts <<< "${OPTS:?OPTS: label=NVRTC options;…}"
+  [[ "${OPTS_CHECK:-1}" == 1 ]] && for o in "${opts[@]}"; do
+    l=${o%%=*}
+    SPARDA_NVRTC_OPTIONS="${o#*=}" SPARDA_CHECK_ONLY=kernels "$SPARDA" gpu-check \
+      --json "$out/gpu_check_kernels_opts_$l.json" 2>&1 | grep -E "FAIL|error:|cases|attention_" | sed "s/^/$l: /"
+  done
+  for r in $(seq 1 "${ROUNDS:-1}"); do
+    for o in "${opts[@]}"; do
+      l=${o%%=*}
+      for m in dense sparse; do
+        ctx=${CONTEXT:-32K,128K}; [[ $m == dense ]] && ctx=${DENSE_CONTEXT:-32K}
+        SPARDA_NVRTC_OPTIONS="${o#*=}" "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
+          --steps 0 --attention sparse --kv gpu --batch 1 --context "$ctx" --prefill "$m" \
+          --json "$out/prefill_${m}_opts_${l}_$r.json" 2>&1 | grep -E "prefill only|error" | sed "s/^/$l $r $m: /"
+      done
     done
   done
   ;;
