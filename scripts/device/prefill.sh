@@ -97,6 +97,9 @@ opts)
   # CONTEXT (default 32K,128K), B = 1, KV on the GPU, one process each, files
   # prefill_<mode>_opts_<label>_<r>.json
   IFS=';' read -ra opts <<< "${OPTS:?OPTS: label=NVRTC options;…}"
+  for o in "${opts[@]}"; do
+    [[ "$o" == *=* ]] || { echo "OPTS entry '$o': give label=options (an empty options part for the defaults)"; exit 2; }
+  done
   [[ "${OPTS_CHECK:-1}" == 1 ]] && for o in "${opts[@]}"; do
     l=${o%%=*}
     SPARDA_NVRTC_OPTIONS="${o#*=}" SPARDA_CHECK_ONLY=kernels "$SPARDA" gpu-check \

@@ -8,9 +8,9 @@
 //!
 //! Kc is kept in f32 (see [`super::select`]); the tensor-core kernels split
 //! it into bf16 parts: three whose sum is the f32 value (the logits equal
-//! the CPU reference's to f32 rounding; the default), or the first two
-//! (each Kc value within 2^-16 of itself; README's prefill section gives
-//! what that costs in KL and speed).
+//! the CPU reference's to f32 rounding), or the first two (each Kc value
+//! within 2^-16 of itself; the default, [`DEFAULT_PREFILL_SCORES`];
+//! README's prefill section gives what that costs in KL and speed).
 
 use super::select::{ensure_smem, ScoreDims};
 use crate::cuda::context::{grid, i32_dim, CudaResultExt};
@@ -46,7 +46,8 @@ pub enum PrefillScores {
     /// [`split_kc_scratch_f32`]) and the part tiles copied into shared
     /// memory by cp.async, the next tile's during this tile's products
     /// (`qa_prefill_scores_m32s_g*`; other G as `tensor-core`). The fastest
-    /// choice with exact logits.
+    /// choice with exact logits; its softmax, like every m32 kernel's, is in
+    /// base 2 unless `SPARDA_NVRTC_OPTIONS=-DQP_FAST_EXP=0`.
     TensorCoreSplit,
     /// `tensor-core-bf16x2` (the default, [`DEFAULT_PREFILL_SCORES`]): the
     /// logits from the first two bf16 parts of Kc only (each value within
@@ -100,13 +101,17 @@ impl PrefillScores {
 }
 
 /// The window-scoring kernels when `SPARDA_PREFILL_SCORES` is unset: the
-/// fastest choice whose GPU checks and real-weights quality are recorded
-/// (README, prefill section). [`PrefillScores::TensorCoreBf16x2`] ran synthetic
-/// NOSA-8B sparse prefill at 21,358 tokens/s at 32K and 16,528 at 127K on an
-/// H100 with the base-2 softmax, against 20,385 and 14,486 for the exact
-/// [`PrefillScores::TensorCoreSplit`] in the same call. Its selections cost
-/// KL 3.1e-4 against the cuBLAS logits' on SmolLM2 at 8K, where the exact
-/// kernels' summation order alone gives 1.6e-4.
+/// fastest choice checked on a GPU (README, prefill section).
+/// [`PrefillScores::TensorCoreBf16x2`] ran synthetic NOSA-8B (G 16) sparse
+/// prefill at 21,358 tokens/s at 32K and 16,528 at 127K on an H100 with the
+/// base-2 softmax, against 20,385 and 14,486 for the exact
+/// [`PrefillScores::TensorCoreSplit`] with expf in the same call (157d6fe).
+/// Quality on real weights is recorded for its G 3 path (SmolLM2 at 8K, the
+/// 16-M-row two-part kernel, expf): selections cost KL 3.1e-4 against the
+/// cuBLAS logits', where the exact kernels' summation order alone gives
+/// 1.6e-4. Its G 4/8/16 path with base 2 is checked against the CPU
+/// reference (gpu-check's select group, and equal selections end to end on
+/// a synthetic G 8 model); no real-weights model with those G was at hand.
 pub const DEFAULT_PREFILL_SCORES: PrefillScores = PrefillScores::TensorCoreBf16x2;
 
 /// The environment variable that chooses [`PrefillScores`].
