@@ -64,6 +64,11 @@ bench() { # name, context list
     --attention sparse --kv gpu,offload --batch "$batch" --context "$2" "${extra[@]}" \
     --prefill "$3" --json "$out/prefill_$1_$3.json" 2>&1 | grep -v "^\s*$" | tail -12
 }
+prefill_b1() { # binary, context list, prefill mode, JSON path, more bench arguments…: prefill only, B = 1, KV on the GPU
+  local bin=$1 ctx=$2 mode=$3 json=$4; shift 4
+  "$bin" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" --steps 0 --attention sparse \
+    --kv gpu --batch 1 --context "$ctx" "$@" --prefill "$mode" --json "$json" 2>&1
+}
 case "$phase" in
 check)
   SPARDA_CHECK_ONLY=kernels "$SPARDA" gpu-check --json "$out/gpu_check_kernels.json" 2>&1 \
@@ -84,9 +89,8 @@ long-dense) bench long 64K,128K dense ;;
 chunks)
   for c in ${CHUNKS:-512 1024 2048}; do
     for m in dense sparse; do
-      SPARDA_PREFILL_CHUNK=$c "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
-        --steps 0 --attention sparse --kv gpu --batch 1 --context "${CONTEXT:-32K,128K}" "${extra[@]}" \
-        --prefill "$m" --json "$out/prefill_chunk${c}_$m.json" 2>&1 | grep -E "prefill|tokens/s" | tail -4
+      SPARDA_PREFILL_CHUNK=$c prefill_b1 "$SPARDA" "${CONTEXT:-32K,128K}" "$m" "$out/prefill_chunk${c}_$m.json" \
+        "${extra[@]}" | grep -E "prefill|tokens/s" | tail -4
     done
   done
   ;;
@@ -110,9 +114,8 @@ opts)
       l=${o%%=*}
       for m in dense sparse; do
         ctx=${CONTEXT:-32K,128K}; [[ $m == dense ]] && ctx=${DENSE_CONTEXT:-32K}
-        SPARDA_NVRTC_OPTIONS="${o#*=}" "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
-          --steps 0 --attention sparse --kv gpu --batch 1 --context "$ctx" --prefill "$m" \
-          --json "$out/prefill_${m}_opts_${l}_$r.json" 2>&1 | grep -E "prefill only|error" | sed "s/^/$l $r $m: /"
+        SPARDA_NVRTC_OPTIONS="${o#*=}" prefill_b1 "$SPARDA" "$ctx" "$m" "$out/prefill_${m}_opts_${l}_$r.json" \
+          | grep -E "prefill only|error" | sed "s/^/$l $r $m: /"
       done
     done
   done
@@ -124,9 +127,8 @@ ab)
     for v in base new; do
       bin=$SPARDA; [[ $v == base ]] && bin=$base
       for m in dense sparse; do
-        "$bin" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" --steps 0 --attention sparse \
-          --kv gpu --batch 1 --context "${CONTEXT:-32K}" --prefill "$m" \
-          --json "$out/prefill_32k_${m}_${v}_$r.json" 2>&1 | grep -E "prefill only" | sed "s/^/$v $r: /"
+        prefill_b1 "$bin" "${CONTEXT:-32K}" "$m" "$out/prefill_32k_${m}_${v}_$r.json" \
+          | grep -E "prefill only" | sed "s/^/$v $r: /"
       done
       "$bin" bench --model synth:nosa-8b --tokenizer "$tok" --attention dense,sparse --batch 1 --context 4K \
         --steps 64 --json "$out/decode_b1_4k_${v}_$r.json" 2>&1 | grep -E "B=1 L=4K|sparse +gpu" | sed "s/^/$v $r: /"
@@ -152,9 +154,8 @@ scores)
       --json "$out/gpu_check_e2e_scores_$k.json" --steps 48 2>&1 | grep -E "fail|FAIL|passed|sparse-tc" | sed "s/^/$k: /" | tail -6
   done
   for k in $kinds; do
-    SPARDA_PREFILL_SCORES=$k "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
-      --steps 0 --attention sparse --kv gpu --batch 1 --context "${CONTEXT:-32K,128K}" --prefill sparse \
-      --json "$out/prefill_sparse_scores_$k.json" 2>&1 | grep -E "prefill only" | sed "s/^/$k: /"
+    SPARDA_PREFILL_SCORES=$k prefill_b1 "$SPARDA" "${CONTEXT:-32K,128K}" sparse "$out/prefill_sparse_scores_$k.json" \
+      | grep -E "prefill only" | sed "s/^/$k: /"
   done
   IFS=';' read -ra opts <<< "${SCORES_OPTS:-}"
   for o in "${opts[@]}"; do
@@ -165,9 +166,8 @@ scores)
     [[ "${OPTS_E2E:-1}" == 1 ]] && SPARDA_PREFILL_SCORES=${OPTS_SCORES:-$dflt} SPARDA_NVRTC_OPTIONS="${o#*=}" \
       "$SPARDA" gpu-check-e2e ${MODEL:+--model "$MODEL"} --json "$out/gpu_check_e2e_opts_$l.json" --steps 48 2>&1 \
       | grep -E "fail|FAIL|passed|sparse-tc" | sed "s/^/$l: /" | tail -6
-    SPARDA_PREFILL_SCORES=${OPTS_SCORES:-$dflt} SPARDA_NVRTC_OPTIONS="${o#*=}" "$SPARDA" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" \
-      --steps 0 --attention sparse --kv gpu --batch 1 --context "${CONTEXT:-32K,128K}" --prefill sparse \
-      --json "$out/prefill_sparse_scores_opts_$l.json" 2>&1 | grep -E "prefill only|error" | sed "s/^/$l: /"
+    SPARDA_PREFILL_SCORES=${OPTS_SCORES:-$dflt} SPARDA_NVRTC_OPTIONS="${o#*=}" prefill_b1 "$SPARDA" \
+      "${CONTEXT:-32K,128K}" sparse "$out/prefill_sparse_scores_opts_$l.json" | grep -E "prefill only|error" | sed "s/^/$l: /"
   done
   if [[ "${NCU:-0}" == 1 ]]; then
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
