@@ -401,7 +401,9 @@ gemv)
   # capped at one warp per row pair (SPARDA_GEMV_GRID=cap, the earlier grid), the
   # balanced grid on one block per SM, and cuBLAS + separate norms (SPARDA_GEMV=0);
   # then B 4 4K sparse (cuBLAS either way: the default takes one row). GEMV_CASES (a
-  # list of base balanced alt cap one_per_sm warps4 cublas splits64 splits32 splits16; alt:
+  # list of base balanced alt cap one_per_sm warps4 cublas down_cublas splits64 splits32 splits16;
+  # down_cublas: the down projection as one cuBLAS GEMM into the residual (SPARDA_GEMV_DOWN=cublas,
+  # after an end-to-end check with it); alt:
   # the binary at ALT, default .device/alt/sparda, if there) picks the cases of each round;
   # warps4 runs blocks of 4 warps (SPARDA_GEMV_WARPS=4, after a gpu-check of the kernel
   # group with it); splitsN caps dense attention at N splits (SPARDA_ATTN_MAX_SPLITS).
@@ -433,6 +435,10 @@ gemv)
       --json "$out/gpu_check_kernels_${oc%%=*}.json" 2>&1 | grep -E "^ *gemv |FAIL|cases,|rror" || true
   done
   $bin gpu-check-e2e --json "$out/gpu_check_e2e.json" 2>&1 | tail -4 || true
+  if want down_cublas; then
+    echo "gpu-check-e2e, SPARDA_GEMV_DOWN=cublas"
+    SPARDA_GEMV_DOWN=cublas $bin gpu-check-e2e --json "$out/gpu_check_e2e_down_cublas.json" 2>&1 | tail -4 || true
+  fi
   $bin offload-check --model synth:tiny:5 --tokenizer "$tok" --prompt-file "$book" \
     --prompt-tokens 1000 --new-tokens 1024 --fetch sm --json "$out/offload_tiny.json" 2>&1 | tail -3 || true
   base=${BASE:-.device/base/sparda}
@@ -451,6 +457,7 @@ gemv)
     if want warps4; then gb "warps4_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_WARPS=4; fi
     if want one_per_sm; then gb "balanced_1_per_sm_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_BLOCKS_PER_SM=1; fi
     if want cublas; then gb "cublas_$r" "$bin" SPARDA_GEMV=0; fi
+    if want down_cublas; then gb "down_cublas_$r" "$bin" SPARDA_GEMV=1 SPARDA_GEMV_DOWN=cublas; fi
     for oc in "${opt_cases[@]}"; do
       [ -n "$oc" ] && gb "opt_${oc%%=*}_$r" "$bin" SPARDA_GEMV=1 SPARDA_NVRTC_OPTIONS="${oc#*=}"
     done

@@ -254,6 +254,39 @@ fn check_gemm(c: &mut Checker<'_>) {
             },
         );
     }
+
+    // the add into an f32 residual stream (β = 1), compared as the added amount
+    for &(n, k, out) in &[(1usize, 14_336usize, 4096usize), (3, 2048, 515)] {
+        c.record(
+            "linear into residual",
+            json!({"n": n, "in": k, "out": out, "y": "f32 += scale·y"}),
+            |gpu, inp| {
+                let scale = 1.4 / (32.0f32).sqrt();
+                let (xb, xf) = inp.bf16(n * k, 1.0);
+                let (wb, wf) = inp.bf16(out * k, 1.0 / (k as f32).sqrt());
+                let r0 = inp.normal(n * out, 1.0);
+                let (x, w, r) = (gpu.upload(&xb)?, gpu.upload(&wb)?, gpu.upload(&r0)?);
+                let want: Vec<f32> = cpu_ops::linear(&xf, n, &wf, None, out)
+                    .iter()
+                    .map(|y| y * scale)
+                    .collect();
+                // SAFETY: x n·k bf16, W out·k bf16, r n·out f32, distinct buffers.
+                unsafe {
+                    gpu.linear_into_residual(
+                        dptr(gpu, &x),
+                        n,
+                        k,
+                        dptr(gpu, &w),
+                        out,
+                        dptr(gpu, &r),
+                        scale,
+                    )
+                }?;
+                let got = gpu.download(&r)?;
+                Ok((got.iter().zip(&r0).map(|(g, r)| g - r).collect(), want))
+            },
+        );
+    }
 }
 
 /// The small-batch `gemv` (kernels/gemv.cu) in each of its input and output

@@ -1041,6 +1041,69 @@ impl Gpu {
             "cublasGemmEx bf16 [{n}, {in_features}] x [{out_features}, {in_features}]^T"
         ))
     }
+
+    /// Adds a bf16 linear layer into the f32 residual stream through one
+    /// cuBLAS `gemm_ex` with β = 1: r[n, out] += scale · (x[n, in] ·
+    /// W[out, in]ᵀ), f32 accumulation, row-major as in [`Gpu::linear`]. The
+    /// product is added unrounded (the `gemv` residual fold and the unfused
+    /// step round it to bf16 first; spec/nosa-model.md §7).
+    ///
+    /// Errors: [`Error::Input`] when a dimension exceeds i32;
+    /// [`Error::Cuda`] on a cuBLAS failure.
+    ///
+    /// # Safety
+    /// `x` must be a live device buffer of n·in bf16, `w` of out·in bf16 and
+    /// `resid` of n·out f32, `resid` overlapping neither.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn linear_into_residual(
+        &self,
+        x: u64,
+        n: usize,
+        in_features: usize,
+        w: u64,
+        out_features: usize,
+        resid: u64,
+        scale: f32,
+    ) -> Result<()> {
+        if n == 0 || out_features == 0 {
+            return Ok(());
+        }
+        let (m_, n_, k_) = (
+            i32_dim(out_features, "out_features")?,
+            i32_dim(n, "n")?,
+            i32_dim(in_features, "in_features")?,
+        );
+        let (alpha, beta) = (scale, 1.0f32);
+        // SAFETY: the caller vouches for the buffers; alpha/beta are host
+        // f32 as the default pointer mode and the 32F compute type expect;
+        // the handle is bound to our stream.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                m_,
+                n_,
+                k_,
+                (&alpha as *const f32).cast(),
+                w as *const std::ffi::c_void,
+                cublas_sys::cudaDataType::CUDA_R_16BF,
+                k_,
+                x as *const std::ffi::c_void,
+                cublas_sys::cudaDataType::CUDA_R_16BF,
+                k_,
+                (&beta as *const f32).cast(),
+                resid as *mut std::ffi::c_void,
+                cublas_sys::cudaDataType::CUDA_R_32F,
+                m_,
+                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        }
+        .cuda(&format!(
+            "cublasGemmEx bf16 [{n}, {in_features}] x [{out_features}, {in_features}]^T added into the f32 residual"
+        ))
+    }
 }
 
 /// Raw device address of a buffer a kernel reads (event tracking is off on

@@ -406,6 +406,16 @@ impl GpuModel {
                 out_features: 2 * inter,
             },
         )?;
+        if ops::down_on_cublas() {
+            if self.on(StepPart::Down) {
+                // SAFETY: act holds n·I bf16 and resid n·d f32 rows of the
+                // workspace, W the layer's [d, I] down weight.
+                unsafe {
+                    gpu.linear_into_residual(act, n, inter, dptr(gpu, &lw.wdown), d, resid, scale)?
+                };
+            }
+            return Ok(sp);
+        }
         launch(
             StepPart::Down,
             ops::GemvArgs {

@@ -152,6 +152,30 @@ fn balanced_grid() -> bool {
     *BALANCED.get_or_init(|| std::env::var("SPARDA_GEMV_GRID").map_or(true, |v| v != "cap"))
 }
 
+/// Whether the fused decode step's down projection goes to cuBLAS instead
+/// of `gemv`: `$SPARDA_GEMV_DOWN=cublas` makes it one `cublasGemmEx` that
+/// adds scale · (x · Wᵀ) into the f32 residual stream (β = 1,
+/// [`crate::cuda::Gpu::linear_into_residual`]); unset or anything else keeps
+/// `gemv`. The down projection has the longest input of the step (the
+/// intermediate size, e.g. 14,336 for a Llama-3 8B shape), which `gemv`
+/// stages whole in shared memory per block. Read once, not at every launch.
+pub fn down_on_cublas() -> bool {
+    static CUBLAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CUBLAS.get_or_init(|| {
+        let v = std::env::var("SPARDA_GEMV_DOWN").ok();
+        let on = down_on_cublas_from(v.as_deref());
+        if let Some(v) = v.filter(|v| !on && !v.trim().is_empty() && v.trim() != "gemv") {
+            tracing::warn!("SPARDA_GEMV_DOWN={v:?}: takes cublas or gemv; using gemv");
+        }
+        on
+    })
+}
+
+/// [`down_on_cublas`]'s rule on the variable's value.
+fn down_on_cublas_from(v: Option<&str>) -> bool {
+    v.is_some_and(|v| v.trim().eq_ignore_ascii_case("cublas"))
+}
+
 /// `$SPARDA_GEMV_BLOCKS_PER_SM` if it is a count of 1–16, else the default.
 /// Read once, not at every launch.
 fn blocks_per_sm() -> usize {
@@ -266,6 +290,16 @@ mod tests {
         assert_eq!(block_warps_from(Some(" 4 ")), 4);
         assert_eq!(block_warps_from(Some("16")), 8);
         assert_eq!(block_warps_from(Some("")), 8);
+    }
+
+    #[test]
+    fn down_projection_goes_to_cublas_only_when_asked() {
+        assert!(!down_on_cublas_from(None));
+        assert!(!down_on_cublas_from(Some("")));
+        assert!(!down_on_cublas_from(Some("gemv")));
+        assert!(!down_on_cublas_from(Some("1")));
+        assert!(down_on_cublas_from(Some("cublas")));
+        assert!(down_on_cublas_from(Some(" cuBLAS ")));
     }
 
     #[test]
