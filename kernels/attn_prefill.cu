@@ -69,6 +69,20 @@
 // Blocks per SM the attention entry points are compiled for (__launch_bounds__' second
 // argument; registers per thread at most 65536 / (PF_THREADS * PF_MIN_BLOCKS)): a tuning
 // constant SPARDA_NVRTC_OPTIONS may set (-DPF_MIN_BLOCKS=3, slower: README, prefill section).
+// Shared-memory stages of the K/V (and bias) tiles. Unset: two stages with two block
+// barriers per key tile (the copy of tile t + 1 is issued before tile t is waited for; the
+// second barrier frees a stage for the next copy). PF_STAGES = 2 or 3: one barrier per
+// tile, after which the copy of tile t + PF_STAGES - 1 is issued into the stage every warp
+// finished at the tile before. The host sizes shared memory from the same option.
+#ifdef PF_STAGES
+#define PF_ONE_BARRIER 1
+#if PF_STAGES < 2 || PF_STAGES > 3
+#error "PF_STAGES takes 2 or 3"
+#endif
+#else
+#define PF_STAGES 2
+#define PF_ONE_BARRIER 0
+#endif
 #ifndef PF_MIN_BLOCKS
 #define PF_MIN_BLOCKS 2
 #endif
@@ -250,12 +264,12 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
     if (SPARSE) ublk += ubase;
     if (SPARSE) umask += ubase;
 
-    bf16_t* Ks = (bf16_t*)pf_sh;        // [2][PF_BN][RS]
-    bf16_t* Vs = Ks + 2 * PF_BN * RS;   // [2][PF_BN][RS]
+    bf16_t* Ks = (bf16_t*)pf_sh;                // [PF_STAGES][PF_BN][RS]
+    bf16_t* Vs = Ks + PF_STAGES * PF_BN * RS;   // [PF_STAGES][PF_BN][RS]
     // ldmatrix row addresses of this lane in stage 0 (mma.cuh ldsm_k_lane / ldsm_v_lane)
     const u32 ks_lane = smem_addr(Ks + ldsm_k_lane(lane, RS));
     const u32 vs_lane = smem_addr(Vs + ldsm_v_lane(lane, RS));
-    float* Bs = (float*)(Vs + 2 * PF_BN * RS);  // [2][PF_BN] bias (sparse with c only)
+    float* Bs = (float*)(Vs + PF_STAGES * PF_BN * RS);  // [PF_STAGES][PF_BN] bias (sparse with c only)
     const bf16_t* K = (const bf16_t*)kptr[r0];
     const bf16_t* V = (const bf16_t*)vptr[r0];
     const float* C = (SPARSE && cptr != nullptr) ? (const float*)cptr[r0] : nullptr;
@@ -314,6 +328,24 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
     float mr[2] = {-INFINITY, -INFINITY}, lr[2] = {0.0f, 0.0f};
     const float sl2 = scale * LOG2E;  // logits in log2 units: exp(x) = 2^(x log2 e)
 
+#if PF_ONE_BARRIER
+    // Tiles 0 .. PF_STAGES - 2 in flight; one group per tile, empty past the last tile, so
+    // that "at most PF_STAGES - 2 pending" means tile t has landed.
+#pragma unroll
+    for (int s0 = 0; s0 < PF_STAGES - 1; ++s0) {
+        if (s0 < nkt) load_tile(s0, s0);
+        cp_async_commit();
+    }
+    int st = 0;  // t % PF_STAGES
+    for (int t = 0; t < nkt; ++t) {
+        cp_async_wait_n<PF_STAGES - 2>();
+        __syncthreads();  // tile t visible to all; every warp is done with tile t - 1
+        {
+            const int tn = t + PF_STAGES - 1;
+            if (tn < nkt) load_tile(tn, st == 0 ? PF_STAGES - 1 : st - 1);
+            cp_async_commit();
+        }
+#else
     if (nkt > 0) {
         load_tile(0, 0);
         cp_async_commit();
@@ -328,6 +360,7 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
             cp_async_wait_all();
         }
         __syncthreads();
+#endif
         int kt0, nv;
         tile_keys(t, kt0, nv);
         // Sparse: the tile rows that selected this tile's block.
@@ -473,7 +506,11 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
                 }
             }
         }
+#if PF_ONE_BARRIER
+        st = st + 1 == PF_STAGES ? 0 : st + 1;
+#else
         __syncthreads();  // stage st is reloaded by the next iteration's copies
+#endif
     }
 
     // The row sums: each lane holds the sum over its columns; add the quad's four.

@@ -31,6 +31,9 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool ok) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Waits until at most N of this thread's committed copy groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait_n() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // Four 8x8 bf16 matrices from shared memory (row addresses from lanes 8i .. 8i+7 for
 // matrix i); r[i] holds matrix i in the mma fragment layout (row lane/4, cols 2*(lane%4)+{0,1}).

@@ -21,10 +21,38 @@ pub const PREFILL_ATTN_FUNCTIONS: [(&str, usize); 3] = [
 ];
 
 /// Dynamic shared memory of the prefill attention kernel at head dim `d`,
-/// bytes: two stages of K and V tiles of [`PREFILL_TILE_N`] rows of d + 8
-/// bf16 (69,632 at d = 128).
-pub const fn prefill_smem_bytes(d: usize) -> usize {
-    4 * PREFILL_TILE_N * (d + 8) * 2
+/// bytes: [`prefill_stages`] stages of K and V tiles of [`PREFILL_TILE_N`]
+/// rows of d + 8 bf16 ([`prefill_smem_bytes_at`]).
+pub fn prefill_smem_bytes(d: usize) -> usize {
+    prefill_smem_bytes_at(d, prefill_stages())
+}
+
+/// Dynamic shared memory of the prefill attention kernel at head dim `d`
+/// with `stages` K/V stages, bytes (69,632 at d = 128 and 2 stages).
+pub const fn prefill_smem_bytes_at(d: usize, stages: usize) -> usize {
+    2 * stages * PREFILL_TILE_N * (d + 8) * 2
+}
+
+/// Shared-memory stages the prefill attention kernels are compiled with:
+/// `N` from a `-DPF_STAGES=N` (2 or 3) in `$SPARDA_NVRTC_OPTIONS`, which
+/// also switches the kernels to one block barrier per key tile; otherwise
+/// 2 (two barriers per tile). What the host sizes shared memory for. Read
+/// once.
+pub fn prefill_stages() -> usize {
+    static STAGES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *STAGES.get_or_init(|| prefill_stages_from(&crate::cuda::context::env_nvrtc_options()))
+}
+
+/// [`prefill_stages`]'s rule on the NVRTC options: the last `-DPF_STAGES=`
+/// wins; a value other than 2 or 3 is left to fail the kernel's compile
+/// (its `#error` names the range) and sizes for 2 here.
+fn prefill_stages_from(opts: &[String]) -> usize {
+    opts.iter()
+        .rev()
+        .find_map(|o| o.strip_prefix("-DPF_STAGES="))
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|s| (2..=3).contains(s))
+        .unwrap_or(2)
 }
 
 /// The prefill attention kernel for head dim `d`.
@@ -311,10 +339,16 @@ pub const PREFILL_UNION_MAX_BYTES: usize = 1 << 30;
 pub const PREFILL_UNION_ENTRY_BYTES: usize = 12;
 
 /// Dynamic shared memory of the sparse prefill attention kernel at head dim
-/// `d`, bytes: [`prefill_smem_bytes`] plus two stages of [`PREFILL_TILE_N`]
-/// f32 bias values (70,144 at d = 128).
-pub const fn prefill_sparse_smem_bytes(d: usize) -> usize {
-    prefill_smem_bytes(d) + 2 * PREFILL_TILE_N * 4
+/// `d`, bytes: [`prefill_smem_bytes`] plus a stage of [`PREFILL_TILE_N`]
+/// f32 bias values per K/V stage ([`prefill_sparse_smem_bytes_at`]).
+pub fn prefill_sparse_smem_bytes(d: usize) -> usize {
+    prefill_sparse_smem_bytes_at(d, prefill_stages())
+}
+
+/// [`prefill_sparse_smem_bytes`] at `stages` stages (70,144 at d = 128 and
+/// 2 stages).
+pub const fn prefill_sparse_smem_bytes_at(d: usize, stages: usize) -> usize {
+    prefill_smem_bytes_at(d, stages) + stages * PREFILL_TILE_N * 4
 }
 
 /// Every prefill attention kernel (dense and sparse) with its dynamic
@@ -757,22 +791,37 @@ mod tests {
         for d in [64usize, 80, 128] {
             let f = prefill_attn_function("t", d).unwrap();
             assert_eq!(f, format!("attn_prefill_d{d}"));
-            // two blocks per SM fit the H200's 227 KiB of shared memory
-            assert!(2 * prefill_smem_bytes(d) <= 227 * 1024);
+            // two blocks per SM fit the H200's 227 KiB of shared memory, at 3 stages too
+            assert!(2 * prefill_smem_bytes_at(d, 3) <= 227 * 1024);
         }
-        assert_eq!(prefill_smem_bytes(128), 69_632);
+        assert_eq!(prefill_smem_bytes_at(128, 2), 69_632);
+        assert_eq!(prefill_smem_bytes_at(128, 3), 104_448);
         let e = prefill_attn_function("t", 96).unwrap_err().to_string();
         assert!(e.contains("head dim 96"), "{e}");
     }
+    #[test]
+    fn stages_come_from_the_last_pf_stages_option_of_two_or_three() {
+        let o = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(prefill_stages_from(&o(&[])), 2);
+        assert_eq!(prefill_stages_from(&o(&["-lineinfo", "-DPF_STAGES=3"])), 3);
+        assert_eq!(
+            prefill_stages_from(&o(&["-DPF_STAGES=3", "-DPF_STAGES=2"])),
+            2
+        );
+        assert_eq!(prefill_stages_from(&o(&["-DPF_STAGES=4"])), 2);
+        assert_eq!(prefill_stages_from(&o(&["-DPF_MIN_BLOCKS=3"])), 2);
+    }
+
     #[test]
     fn sparse_prefill_kernels_and_shared_memory() {
         for d in [64usize, 80, 128] {
             let f = prefill_sparse_attn_function("t", d).unwrap();
             assert_eq!(f, format!("attn_prefill_sparse_d{d}"));
-            // two blocks per SM fit the H200's 227 KiB of shared memory
-            assert!(2 * prefill_sparse_smem_bytes(d) <= 227 * 1024);
+            // two blocks per SM fit the H200's 227 KiB of shared memory, at 3 stages too
+            assert!(2 * prefill_sparse_smem_bytes_at(d, 3) <= 227 * 1024);
         }
-        assert_eq!(prefill_sparse_smem_bytes(128), 70_144);
+        assert_eq!(prefill_sparse_smem_bytes_at(128, 2), 70_144);
+        assert_eq!(prefill_sparse_smem_bytes_at(128, 3), 105_216);
         let e = prefill_sparse_attn_function("t", 96)
             .unwrap_err()
             .to_string();
