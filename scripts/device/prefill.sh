@@ -46,12 +46,17 @@
 #                                                hamlet.txt repeated, or TRACE_PROMPT) per value in TRACE_SCORES
 #                                                (default tensor-core-bf16x2, the default; its phases); about
 #                                                5 minutes without options
+#   scripts/device/prefill.sh union        OUT   sparse prefill at CONTEXT (default 32K,128K), B = 1, KV on the GPU,
+#                                                with SPARDA_PREFILL_UNION_STATS=1: per prefill, the mean blocks per
+#                                                row selection, per warp union and per tile union of the sparse
+#                                                tensor-core attention (every eighth layer; its downloads slow the
+#                                                prefill, so its times are not comparable)
 # Then, here: sparda report OUT/prefill_*.json OUT/transformers_sdpa_prefill.json \
 #   --out benches/results/prefill_nosa8b_h200_<date>_<commit>   (a table and PREFIX.prefill.svg)
 # Env: SPARDA (default .device/bin/sparda), SPARDA_COMMIT, BATCH (default 1,4),
 #      PREFILL_ATTENTION (extra `--prefill-attention` value when the binary has it).
 set -uo pipefail
-phase=${1:?phase: check|perf|short-sparse|short-dense|long-sparse|long-dense|baseline|chunks|opts|ab|scores}; out=${2:?out dir}; mkdir -p "$out"
+phase=${1:?phase: check|perf|short-sparse|short-dense|long-sparse|long-dense|baseline|chunks|opts|ab|scores|union}; out=${2:?out dir}; mkdir -p "$out"
 SPARDA=${SPARDA:-.device/bin/sparda}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 tok=${TOKENIZER:-.device/bin/tokenizer.json}
@@ -119,6 +124,10 @@ opts)
       done
     done
   done
+  ;;
+union)
+  SPARDA_PREFILL_UNION_STATS=1 prefill_b1 "$SPARDA" "${CONTEXT:-32K,128K}" sparse "$out/prefill_sparse_union_stats.json" \
+    | grep -E "union stats|prefill only|rror" | tee "$out/union_stats.txt"
   ;;
 ab)
   base=${BASE:-.device/bin/sparda_base}

@@ -259,6 +259,12 @@ impl GpuModel {
                             u_max: geo.union_cap,
                         },
                     )?;
+                    if union_stats::enabled() && l % union_stats::SAMPLE_EVERY == 0 {
+                        let pairs = ntiles * hk;
+                        let un = gpu.download(&ws.union_n.slice(0..pairs))?;
+                        let umask = gpu.download(&ws.union_mask.slice(0..pairs * geo.union_cap))?;
+                        union_stats::add_layer(&un, &umask, hk, geo.union_cap, hq / hk);
+                    }
                 } else {
                     ops::launch_attn_prefill(gpu, &base)?;
                 }

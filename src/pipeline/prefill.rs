@@ -102,6 +102,9 @@ impl GpuModel {
             synced?;
         }
         r?;
+        if let Some(line) = super::union_stats::finish() {
+            eprintln!("{line}");
+        }
         self.check_device_errors()
     }
 
@@ -391,6 +394,9 @@ impl GpuModel {
             let rr: Vec<(usize, usize)> = rows.iter().map(|r| (r.seq, r.pos)).collect();
             let t = ops::prefill_tiles(&rr, hq / hk)?;
             let cap = if any_sparse {
+                if super::union_stats::enabled() {
+                    super::union_stats::set_tiles(&t);
+                }
                 ops::prefill_union_capacity(&rr, &t, hq / hk, hk, s_max, budget.block_size)?
             } else {
                 0
