@@ -259,7 +259,7 @@ impl GpuModel {
                             u_max: geo.union_cap,
                         },
                     )?;
-                    if union_stats::enabled() && l % union_stats::SAMPLE_EVERY == 0 {
+                    if union_stats::enabled() && l.is_multiple_of(union_stats::SAMPLE_EVERY) {
                         let pairs = ntiles * hk;
                         let un = gpu.download(&ws.union_n.slice(0..pairs))?;
                         let umask = gpu.download(&ws.union_mask.slice(0..pairs * geo.union_cap))?;
