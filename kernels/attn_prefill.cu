@@ -69,19 +69,23 @@
 // Blocks per SM the attention entry points are compiled for (__launch_bounds__' second
 // argument; registers per thread at most 65536 / (PF_THREADS * PF_MIN_BLOCKS)): a tuning
 // constant SPARDA_NVRTC_OPTIONS may set (-DPF_MIN_BLOCKS=3, slower: README, prefill section).
-// Shared-memory stages of the K/V (and bias) tiles. Unset: two stages with two block
-// barriers per key tile (the copy of tile t + 1 is issued before tile t is waited for; the
-// second barrier frees a stage for the next copy). PF_STAGES = 2 or 3: one barrier per
-// tile, after which the copy of tile t + PF_STAGES - 1 is issued into the stage every warp
-// finished at the tile before. The host sizes shared memory from the same option.
-#ifdef PF_STAGES
-#define PF_ONE_BARRIER 1
-#if PF_STAGES < 2 || PF_STAGES > 3
-#error "PF_STAGES takes 2 or 3"
+// Shared-memory stages of the K/V (and bias) tiles. PF_STAGES = 2 (the default) or 3: one
+// block barrier per key tile, after which the copy of tile t + PF_STAGES - 1 is issued into
+// the stage every warp finished at the tile before. PF_STAGES = 0: the earlier double buffer,
+// two stages with two barriers per tile (the copy of tile t + 1 issued before tile t is
+// waited for; the second barrier frees a stage for the next copy). The host sizes shared
+// memory from the same option (prefill_stages in src/cuda/ops/prefill_attention.rs).
+#ifndef PF_STAGES
+#define PF_STAGES 2
 #endif
-#else
+#if PF_STAGES == 0
+#undef PF_STAGES
 #define PF_STAGES 2
 #define PF_ONE_BARRIER 0
+#elif PF_STAGES == 2 || PF_STAGES == 3
+#define PF_ONE_BARRIER 1
+#else
+#error "PF_STAGES takes 0, 2 or 3"
 #endif
 #ifndef PF_MIN_BLOCKS
 #define PF_MIN_BLOCKS 2

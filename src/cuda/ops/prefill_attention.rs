@@ -34,24 +34,24 @@ pub const fn prefill_smem_bytes_at(d: usize, stages: usize) -> usize {
 }
 
 /// Shared-memory stages the prefill attention kernels are compiled with:
-/// `N` from a `-DPF_STAGES=N` (2 or 3) in `$SPARDA_NVRTC_OPTIONS`, which
-/// also switches the kernels to one block barrier per key tile; otherwise
-/// 2 (two barriers per tile). What the host sizes shared memory for. Read
-/// once.
+/// 3 for a `-DPF_STAGES=3` in `$SPARDA_NVRTC_OPTIONS`, otherwise 2 (the
+/// default, one block barrier per key tile; `-DPF_STAGES=0` is the earlier
+/// double buffer with two barriers per tile, also 2 stages). What the host
+/// sizes shared memory for. Read once.
 pub fn prefill_stages() -> usize {
     static STAGES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *STAGES.get_or_init(|| prefill_stages_from(&crate::cuda::context::env_nvrtc_options()))
 }
 
 /// [`prefill_stages`]'s rule on the NVRTC options: the last `-DPF_STAGES=`
-/// wins; a value other than 2 or 3 is left to fail the kernel's compile
-/// (its `#error` names the range) and sizes for 2 here.
+/// wins; a value other than 0, 2 or 3 is left to fail the kernel's compile
+/// (its `#error` names the values) and sizes for 2 here.
 fn prefill_stages_from(opts: &[String]) -> usize {
     opts.iter()
         .rev()
         .find_map(|o| o.strip_prefix("-DPF_STAGES="))
         .and_then(|v| v.parse::<usize>().ok())
-        .filter(|s| (2..=3).contains(s))
+        .filter(|&s| s == 3)
         .unwrap_or(2)
 }
 
@@ -800,7 +800,7 @@ mod tests {
         assert!(e.contains("head dim 96"), "{e}");
     }
     #[test]
-    fn stages_come_from_the_last_pf_stages_option_of_two_or_three() {
+    fn stages_come_from_the_last_pf_stages_option_three_or_else_two() {
         let o = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         assert_eq!(prefill_stages_from(&o(&[])), 2);
         assert_eq!(prefill_stages_from(&o(&["-lineinfo", "-DPF_STAGES=3"])), 3);
@@ -809,6 +809,10 @@ mod tests {
             2
         );
         assert_eq!(prefill_stages_from(&o(&["-DPF_STAGES=4"])), 2);
+        assert_eq!(
+            prefill_stages_from(&o(&["-DPF_STAGES=3", "-DPF_STAGES=0"])),
+            2
+        );
         assert_eq!(prefill_stages_from(&o(&["-DPF_MIN_BLOCKS=3"])), 2);
     }
 
