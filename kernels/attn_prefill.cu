@@ -99,6 +99,8 @@
 #if PF_RING && !PF_ONE_BARRIER
 #error "PF_RING needs PF_STAGES 2 or 3"
 #endif
+// Arrivals per fill of a ring stage: the 32 lanes' cp.async arrivals and lane 0's byte count.
+#define PF_RING_ARRIVALS 33
 #ifndef PF_MIN_BLOCKS
 #define PF_MIN_BLOCKS 2
 #endif
@@ -253,9 +255,10 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
     const u64 wbits = ((u64)wb_hi << 32) | (u64)wb_lo;
     constexpr bool RING = SPARSE && PF_RING;
 #if PF_RING
-    // The ring's state: per stage its mbarrier (one arrival with the expected bytes per fill),
-    // the tile it holds or is being filled with, and how many warps have released that tile;
-    // per warp its tile rows (wbits) for the other warps to tell which warps need a tile.
+    // The ring's state: per stage its mbarrier (PF_RING_ARRIVALS arrivals and the expected
+    // bytes per fill), the tile it holds or is being filled with, and how many warps have
+    // released that tile; per warp its tile rows (wbits), for the other warps to tell which
+    // warps need a tile.
     __shared__ __align__(8) u64 pf_full[PF_STAGES];
     __shared__ int pf_rel[PF_STAGES];
     __shared__ volatile int pf_tile[PF_STAGES];
@@ -358,22 +361,27 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
 #if PF_RING
     // Ring (sparse): fills tile t into stage st, by the whole calling warp. Rows past the
     // tile's valid keys are not copied: they keep what the stage held (zeros at first, then an
-    // earlier tile's finite keys and values), which the masks below give P = 0. The bias goes
-    // through generic stores that lane 0's arrival releases; K and V rows through bulk copies
-    // counted as transaction bytes on the stage's mbarrier.
+    // earlier tile's finite keys and values), which the masks below give P = 0. The stage's
+    // mbarrier completes a phase on PF_RING_ARRIVALS arrivals and the expected bytes: each
+    // lane's cp.async of the bias (4 bytes a key, zero past the valid keys) arrives when it
+    // lands, lane 0 arrives with the byte count of the K and V rows, and those rows' bulk
+    // copies complete as transaction bytes.
     auto ring_fill = [&](int t, int st) {
         int kt0, nv;
         tile_keys(t, kt0, nv);
         const int nvalid = max(0, min(nv, kmax - kt0 + 1));
         const u32 bar = smem_addr(&pf_full[st]);
         if (lane == 0) pf_tile[st] = t;
-        float* bs = Bs + st * PF_BN;
-        for (int r = lane; r < PF_BN; r += 32)
-            bs[r] = (C != nullptr && r < nvalid) ? C[(u64)(kt0 + r) * hkv + h] : 0.0f;
-        fence_proxy_async_smem();
-        __syncwarp();
+        fence_proxy_async_smem();  // the warps' reads of the stage before the copies into it
+        if (C != nullptr) {
+            const u32 bd = smem_addr(Bs + st * PF_BN);
+            for (int r = lane; r < PF_BN; r += 32) {
+                const bool ok = r < nvalid;
+                cp_async4_at(bd + r * 4, ok ? (const void*)(C + (u64)(kt0 + r) * hkv + h) : (const void*)C, ok);
+            }
+        }
+        cp_async_mbar_arrive_noinc(bar);
         if (lane == 0) mbar_arrive_expect_tx(bar, (u32)(nvalid * D * 2 * 2));
-        __syncwarp();
         const u32 kd = smem_addr(Ks + st * PF_BN * RS), vd = smem_addr(Vs + st * PF_BN * RS);
         for (int r = lane; r < nvalid; r += 32) {
             const u64 g = (u64)(kt0 + r) * tok_stride + (u64)h * D;
@@ -393,7 +401,7 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
         if (threadIdx.x == 0) {
 #pragma unroll
             for (int s0 = 0; s0 < PF_STAGES; ++s0) {
-                mbar_init(smem_addr(&pf_full[s0]), 1);
+                mbar_init(smem_addr(&pf_full[s0]), PF_RING_ARRIVALS);
                 pf_rel[s0] = 0;
                 pf_tile[s0] = -1;
             }

@@ -49,6 +49,11 @@ __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
         : "memory");
     return ok != 0u;
 }
+// An arrival on the mbarrier at `bar` once every earlier cp.async of this thread has landed,
+// not counted in advance (.noinc: the barrier's count must include it).
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 // Bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared,
 // completing as transaction bytes on the mbarrier at `bar`.
 __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
