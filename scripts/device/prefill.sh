@@ -70,8 +70,9 @@ bench() { # name, context list
     --prefill "$3" --json "$out/prefill_$1_$3.json" 2>&1 | grep -v "^\s*$" | tail -12
 }
 prefill_b1() { # binary, context list, prefill mode, JSON path, more bench arguments…: prefill only, B = 1, KV on the GPU
+  # (stopped after RUN_TIMEOUT seconds when set)
   local bin=$1 ctx=$2 mode=$3 json=$4; shift 4
-  "$bin" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" --steps 0 --attention sparse \
+  timeout "${RUN_TIMEOUT:-0}" "$bin" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" --steps 0 --attention sparse \
     --kv gpu --batch 1 --context "$ctx" "$@" --prefill "$mode" --json "$json" 2>&1
 }
 case "$phase" in
@@ -104,23 +105,25 @@ opts)
   # (default 1): the kernels group of gpu-check once per entry (the prefill attention cases among
   # them; OPTS_CHECK=0 skips it), then per round dense prefill at DENSE_CONTEXT (default 32K) and sparse prefill at
   # CONTEXT (default 32K,128K), B = 1, KV on the GPU, one process each, files
-  # prefill_<mode>_opts_<label>_<r>.json
+  # prefill_<mode>_opts_<label>_<r>.json; each process stopped after OPTS_TIMEOUT seconds (default 240: a
+  # kernel variant that never finishes, e.g. a wait that is never satisfied, costs no more than that)
   IFS=';' read -ra opts <<< "${OPTS:?OPTS: label=NVRTC options;…}"
   for o in "${opts[@]}"; do
     [[ "$o" == *=* ]] || { echo "OPTS entry '$o': give label=options (an empty options part for the defaults)"; exit 2; }
   done
   [[ "${OPTS_CHECK:-1}" == 1 ]] && for o in "${opts[@]}"; do
     l=${o%%=*}
-    SPARDA_NVRTC_OPTIONS="${o#*=}" SPARDA_CHECK_ONLY=kernels "$SPARDA" gpu-check \
+    SPARDA_NVRTC_OPTIONS="${o#*=}" SPARDA_CHECK_ONLY=kernels timeout "${OPTS_TIMEOUT:-240}" "$SPARDA" gpu-check \
       --json "$out/gpu_check_kernels_opts_$l.json" 2>&1 | grep -E "FAIL|error:|cases|attention_" | sed "s/^/$l: /"
+    rc=${PIPESTATUS[0]}; [[ $rc == 124 ]] && echo "$l: gpu-check timed out after ${OPTS_TIMEOUT:-240} s (a kernel that never finishes?)"
   done
   for r in $(seq 1 "${ROUNDS:-1}"); do
     for o in "${opts[@]}"; do
       l=${o%%=*}
       for m in dense sparse; do
         ctx=${CONTEXT:-32K,128K}; [[ $m == dense ]] && ctx=${DENSE_CONTEXT:-32K}
-        SPARDA_NVRTC_OPTIONS="${o#*=}" prefill_b1 "$SPARDA" "$ctx" "$m" "$out/prefill_${m}_opts_${l}_$r.json" \
-          | grep -E "prefill only|error" | sed "s/^/$l $r $m: /"
+        SPARDA_NVRTC_OPTIONS="${o#*=}" RUN_TIMEOUT=${OPTS_TIMEOUT:-240} prefill_b1 "$SPARDA" "$ctx" "$m" \
+          "$out/prefill_${m}_opts_${l}_$r.json" | grep -E "prefill only|error" | sed "s/^/$l $r $m: /"
       done
     done
   done

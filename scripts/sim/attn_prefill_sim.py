@@ -948,25 +948,37 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec):
     sl2 = F32(L.scale * LOG2E)
     cb = (lane & 3) * 2
 
-    def compute(t, st):
-        kt0, nv = tile_keys(t)
+    def tile_sel(t):
         if SPARSE:
             e = t // spb
             check(0 <= e < un, "umask read past the union count")
-            sel_rows = np.uint64(L.umask[ubase + e])
-        else:
-            sel_rows = np.uint64(0xFFFFFFFFFFFFFFFF)
+            return np.uint64(L.umask[ubase + e])
+        return np.uint64(0xFFFFFFFFFFFFFFFF)
+
+    def compute(t, st):
+        """Key tile t from stage st of dyn by every warp whose rows see it (the lockstep variants)."""
+        kt0, nv = tile_keys(t)
+        sel_rows = tile_sel(t)
         act = (kt0 <= wmax) & ((not SPARSE) | ((sel_rows & wbits) != 0))
-        warp_uniform(act, allt, "tile branch (kt0 <= wmax && selected)")
         stats["warp_tiles"] = stats.get("warp_tiles", 0) + PF_WARPS
         stats["warp_tiles_skipped"] = stats.get("warp_tiles_skipped", 0) + int(PF_WARPS - act.reshape(-1, 32)[:, 0].sum())
+        bst = 0 if "bias_stage0" in MUT else st
+        tile_math(np.full(T, kt0, np.int64), np.full(T, nv, np.int64), np.full(T, sel_rows, np.uint64), allt, dyn,
+                  ks_lane + st * (PF_BN * RS * 2), vs_lane + st * (PF_BN * RS * 2),
+                  np.full(T, BS + bst * PF_BN * 4, np.int64), f"tile {t}")
+        stats["tiles_computed"] = stats.get("tiles_computed", 0) + 1
+
+    def tile_math(kt0, nv, sel_rows, step, mem, ks, vs, bsa, label):
+        """The body of the key-tile loop for the warps in step whose rows see the tile, per thread: kt0 / nv
+        its keys, sel_rows its umask entry, ks / vs this lane's ldmatrix addresses of the K / V tile in mem
+        (an object with .read, as Shared), bsa the byte address of the tile's 64 bias values."""
+        act = step & (kt0 <= wmax) & ((not SPARSE) | ((sel_rows & wbits) != 0))
+        warp_uniform(act, allt, "tile branch (kt0 <= wmax && selected)")
         if not act.any():
             return
-        ks = ks_lane + st * (PF_BN * RS * 2)
-        vs = vs_lane + st * (PF_BN * RS * 2)
         # S = Q.K^T (mma_qk_tile64): one ldmatrix per (nb, kk)
         addr = ks[:, None, None] + ((np.arange(4)[:, None] * 16 * RS + np.arange(NK)[None, :] * 16) * 2)[None]
-        bk = ldmatrix_x4(dyn, tid, addr.reshape(T, 4 * NK), act, False, "ldmatrix K").reshape(T, 4, NK, 4)
+        bk = ldmatrix_x4(mem, tid, addr.reshape(T, 4 * NK), act, False, "ldmatrix K").reshape(T, 4, NK, 4)
         s = np.zeros((T, 8, 4), F32)
         for kk in range(NK):
             aa = np.broadcast_to(qa[:, kk][:, None, :], (T, 8, 4))
@@ -978,7 +990,7 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec):
             rs = np.zeros((T, 2), bool)
             for k in range(2):
                 v = ti[:, k] >= 0
-                rs[v, k] = ((sel_rows >> ti[v, k].astype(np.uint64)) & np.uint64(1)) != 0
+                rs[v, k] = ((sel_rows[v] >> ti[v, k].astype(np.uint64)) & np.uint64(1)) != 0
             unmasked = ((sel_rows & wbits) == wbits) & (nv == PF_BN) & (kt0 + PF_BN - 1 <= wmin)
             warp_uniform(unmasked, act, "sparse unmasked branch")
             um = act & unmasked
@@ -988,8 +1000,7 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec):
                     col = cb + 8 * c + e_
                     j = kt0 + col
                     if Cg is not None:
-                        bst = 0 if "bias_stage0" in MUT else st
-                        bias = bytes_to_u32(dyn.read(tid[act], BS + bst * PF_BN * 4 + 4 * col[act], 4, 4,
+                        bias = bytes_to_u32(mem.read(tid[act], bsa[act] + 4 * col[act], 4, 4,
                                                      "bias load")).view(F32)[:, 0]
                         bv = np.zeros(T, F32)
                         bv[act] = bias
@@ -999,7 +1010,7 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec):
                         v = (fma32(s[:, c, 2 * k + e_], L.scale, bv) * LOG2E).astype(F32)
                         msk = ~rs[:, k] | (col >= nv) | (j > pp[:, k] - ("causal_off_by_one" in MUT))
                         # the unmasked path applies no mask: it must have had nothing to mask
-                        check(not (um & msk).any(), f"block ({bx},{h}) tile {t}: the unmasked path skips a "
+                        check(not (um & msk).any(), f"block ({bx},{h}) {label}: the unmasked path skips a "
                                                     f"mask that the masked path would apply")
                         v = np.where(~unmasked & msk, NEG_INF, v)
                         s[:, c, 2 * k + e_] = v
@@ -1015,7 +1026,7 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec):
                                                        s[:, c, 2 * k + e_])
                     # the no-mask path must have had nothing to mask
                     check(not (act & ~need & ((j > pp[:, 0]) | (j > pp[:, 1]))).any(),
-                          f"block ({bx},{h}) tile {t}: the dense no-mask path skips a needed mask")
+                          f"block ({bx},{h}) {label}: the dense no-mask path skips a needed mask")
             for c in range(8):
                 for e_ in range(4):
                     mx[:, e_ >> 1] = np.fmax(mx[:, e_ >> 1], s[:, c, e_])
@@ -1048,7 +1059,7 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec):
                     pv = bf2_lo(pk) if e_ == 0 else bf2_hi(pk)
                     sel_ = act & (rr[:, k] >= 0) & (pv != 0)
                     if sel_.any():
-                        j = kt0 + cb[sel_] + 8 * c + e_
+                        j = kt0[sel_] + cb[sel_] + 8 * c + e_
                         keyrec.append((rr[sel_, k] * H + hh[sel_, k]) * L.keyspan + j)
         for k in range(2):
             lr[act, k] = fma32(lr[:, k], corr[:, k], ls[:, k])[act]
@@ -1061,7 +1072,7 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec):
         # O += P.V: ldmatrix.trans per (kk, j even)
         js = np.arange(0, ND, 2)
         addr = vs[:, None, None] + ((np.arange(4)[:, None] * 16 * RS + js[None, :] * 8) * 2)[None]
-        bv_ = ldmatrix_x4(dyn, tid, addr.reshape(T, 4 * js.size), act, True, "ldmatrix.trans V").reshape(T, 4, js.size, 4)
+        bv_ = ldmatrix_x4(mem, tid, addr.reshape(T, 4 * js.size), act, True, "ldmatrix.trans V").reshape(T, 4, js.size, 4)
         o_new = o_acc.copy()
         for kk in range(4):
             pa = np.stack([pb[:, 2 * kk, 0], pb[:, 2 * kk, 1], pb[:, 2 * kk + 1, 0], pb[:, 2 * kk + 1, 1]], 1)
@@ -1072,7 +1083,6 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec):
             b0[:, 1::2], b1[:, 1::2] = bv_[:, kk, :, 2], bv_[:, kk, :, 3]
             o_new = mma_bf16_x(o_new, aa, b0, b1)
         o_acc[act] = o_new[act]
-        stats["tiles_computed"] = stats.get("tiles_computed", 0) + 1
 
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         if one_barrier:
