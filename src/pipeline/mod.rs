@@ -119,7 +119,7 @@ pub mod schedule;
 pub mod select;
 pub mod step;
 pub mod trace_spans;
-pub mod union_stats;
+pub(crate) mod union_stats;
 pub mod workspace;
 
 pub use crate::kv::fetch::{fetch_rule, FetchEngine};
