@@ -437,7 +437,10 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
                 if ((sel & pf_wb[w]) != 0ull && kt0 <= pf_kmax[w]) needmask |= 1u << w;
             if (needmask == 0u) needmask = 1u;
             if (((needmask >> warp) & 1u) == 0u) continue;
-            while (pf_tile[st] != t) __nanosleep(20);
+            // (an acquire load: the mbarrier wait below must not see a state older than the
+            // fill this load saw announced, or its parity test would pass on the stale phase)
+            const u32 tile_at = smem_addr((const void*)&pf_tile[st]);
+            while (ld_acquire_shared_s32(tile_at) != t) __nanosleep(20);
             const u32 bar = smem_addr(&pf_full[st]);
             const u32 parity = (u32)(t / PF_STAGES) & 1u;
             while (!mbar_try_wait(bar, parity)) {

@@ -54,6 +54,13 @@ __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
 __device__ __forceinline__ void cp_async_mbar_arrive_noinc(u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
+// A 32-bit shared load with acquire semantics at CTA scope (later loads are not reordered
+// before it).
+__device__ __forceinline__ int ld_acquire_shared_s32(u32 addr) {
+    int v;
+    asm volatile("ld.acquire.cta.shared::cta.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
 // Bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared,
 // completing as transaction bytes on the mbarrier at `bar`.
 __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
