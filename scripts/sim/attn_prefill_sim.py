@@ -9,18 +9,20 @@ Run: .venv/bin/python scripts/sim/attn_prefill_sim.py [--stages 0|2|3] [--mode d
      [--schedules all|LIST] [--d 64|80|128] [--seed N] [--selftest [--only MUTATION]]
 (numpy; scripts/fixture.sh installs it in .venv). Without options every stage variant and both modes run
 over the case lists below, each case at its own D, and the sparse cases at stages 2 and 3 also as the
-PF_RING=1 variant under 3 schedules each: 87 lines, about 50 s (--d 128 longer); --stages (repeatable) /
+PF_RING=1 variant under 3 schedules each: 87 lines, about 55 s (--d 128 longer); --stages (repeatable) /
 --mode restrict the sweep, --ring keeps only the ring variant (sparse, stages 2 / 3), --schedules names the
-ring schedules (comma-separated, see run_schedule; `all` = the 12 of RING_SCHEDULES_ALL, about 60 s for
---ring), --d runs every case at that head dim. --selftest (about 20 s) injects each deliberate kernel bug of
+ring schedules (comma-separated, see run_schedule; `all` = the 12 of RING_SCHEDULES_ALL, about 75 s for
+--ring), --d runs every case at that head dim. --selftest (about 30 s) injects each deliberate kernel bug of
 MUTATIONS (a copy into the stage being computed, a wait one group short, a copy issued before the barrier,
 the PF_STAGES=0 variant's second barrier dropped, shared memory sized for 2 stages, no zero-fill, an
 off-by-one causal mask, a union keeping future blocks, the bias read from the wrong stage; and for the ring:
 the mbarrier parity not flipped per use, the refill by the first releaser, no pf_tile check before the
-wait, a needmask ignoring pf_kmax at the loop top only, expect_tx one row short / long, no __syncwarp
-before the arrive, the arrive before the bias stores, no proxy fence after the zero-fill, the pf_rel reset
-after the refill) into a small case and fails unless every one is caught (a ring mutation under all 12
-schedules, caught when one fails; the line names which): run it after changing the checks.
+wait, a needmask ignoring pf_kmax at the loop top only, expect_tx one row short / long, the mbarriers
+initialised with count 1 or 32 instead of 33, a lane skipping its cp.async.mbarrier.arrive.noinc, the noinc
+arrive before the lane's bias cp.asyncs, the pf_tile spin a relaxed load instead of ld.acquire, no proxy
+fence after the zero-fill, the pf_rel reset after the refill) into a small case and fails unless every one
+is caught (a ring mutation under all 12 schedules, caught when one fails; the line names which): run it
+after changing the checks.
 --stages 0 is the kernel compiled with -DPF_STAGES=0 (two stages, two __syncthreads per key tile); 2 (the
 default, no option) or 3 is PF_STAGES=2|3 (one barrier per key tile, the next copy issued after it into the
 stage every warp finished); "stages=2+ring" / "3+ring" is the sparse kernel with -DPF_RING=1 (below). One
@@ -52,41 +54,62 @@ pending when the block exits is an error.
 
 PF_RING = 1 (ring_block; the sparse kernel at PF_STAGES 2 / 3): the warps of a block do not meet at a
 barrier per tile, so they are not run in lockstep. The prologue is (all threads zero the stages with uint4
-stores and fence.proxy.async; thread 0 inits the PF_STAGES mbarriers with count 1, pf_rel = 0, pf_tile =
--1; __syncthreads), then the 4 warps run as independent coroutines (their lanes together: a warp is one
-agent), interleaved by a schedule (run_schedule: round-robin; random, seeded per block; one warp run ahead
-whenever it can, copies landing only when no warp can move; one warp held back until nothing else can
-move), with a scheduling point at every spin iteration on pf_tile, every mbarrier try_wait, atomicAdd,
-pf_rel reset, the bias stores, the arrive, each lane pass of bulk copies, and before each read of the
-stage (K for Q.K^T, the bias, V for P.V). A spinning warp is resumed only once its condition holds (the
+stores and fence.proxy.async; thread 0 inits the PF_STAGES mbarriers with count PF_RING_ARRIVALS = 33,
+pf_rel = 0, pf_tile = -1; __syncthreads), then the 4 warps run as independent coroutines (a warp is one
+agent of the happens-before model), interleaved by a schedule (run_schedule: round-robin; random, seeded
+per block; one warp run ahead whenever it can, async events only when no warp can move; one warp held back
+until nothing else can move), with a scheduling point at every spin iteration on pf_tile, every mbarrier
+try_wait, atomicAdd, pf_rel reset, every 16 lane instructions of a fill, and before each read of the stage
+(K for Q.K^T, the bias, V for P.V). A spinning warp is resumed only once its condition holds (the
 iterations in between would change nothing). Per tile a warp computes the needmask from pf_wb / pf_kmax
-(warp 0 standing in for none), `continue`s when it does not need the tile, else spins until pf_tile[st] ==
-t, try_waits on pf_full[st] with parity (t / PF_STAGES) & 1, computes, releases (__threadfence_block +
-atomicAdd on pf_rel[st]); the last releaser resets pf_rel[st], fences, and refills the stage with tile t +
-PF_STAGES (ring_fill: pf_tile, the bias as generic stores, fence.proxy.async, __syncwarp, lane 0's
-arrive.expect_tx of nvalid * D * 4 bytes, then one bulk copy per valid K and V row). Warp 0 fills tiles
-0 .. PF_STAGES-1 first. The mbarrier follows the PTX ISA exactly (MBar: phase, pending arrivals, tx-count;
-try_wait.parity(P) true iff the current phase's parity is not P, so a wait on a stale phase passes).
-Each bulk copy carries its data from issue but lands (its bytes written, complete_tx on its mbarrier) at a
-point the schedule picks, in any order; until then its bytes are pending. The arithmetic of a warp's tiles
-runs after the schedule, from the bytes the warp read at the moment it read them (lockstep over the warps'
-i-th computed tiles), with the checks and the reference comparison of the other variants.
-Ring checks: happens-before by vector clocks over the warps and, per mbarrier, the async proxy of the
-copies completing on it (an arrive releases the warp's clock, a complete_tx the copy's, a successful
-try_wait acquires what the completed phase released; fence + atomicAdd releases, atomicAdd + the last
-releaser's fence acquires; __syncthreads joins all; a volatile pf_tile load orders nothing), tracked per
-shared row (K, V, bias of each stage; the unit every ring access covers): a read of a row whose last write
-is not ordered before it, or that has a copy in flight (bytes pending), is an error, as is a store or a
-landing copy over a read or write not ordered before it (for a copy: before its issue), a copy issued into
-a row another copy in flight targets, and a copy landing over generic-proxy stores whose warp issued no
-fence.proxy.async after them (ordered before the copy). Besides, explicitly: a warp reading tile t must hold
-tile t's data in every valid row and the bias (no stale data), and must have waited on the very phase
-tile t's fill arrived on; a write into a stage (bias store or bulk copy) while a warp that needs the
-stage's current tile (the kernel's needmask, computed by the sim) has not released it is a WAR error; an
-atomicAdd on pf_rel[st] between the last releaser's and its reset (a lost count), lane 0's arrive with the
-other lanes' bias stores not ordered by a __syncwarp, tx-count out of range, an arrive with no arrival
-pending, an mbarrier used before its init, a copy still in flight when the block exits, and a schedule in
-which no warp can move and no copy is in flight (a deadlock; also more than 5M steps) are errors.
+(warp 0 standing in for none), `continue`s when it does not need the tile, else spins until an
+ld.acquire of pf_tile[st] reads t, try_waits on pf_full[st] with parity (t / PF_STAGES) & 1, computes,
+releases (__syncwarp, lane 0's __threadfence_block + atomicAdd on pf_rel[st]); the last releaser resets
+pf_rel[st], fences, and refills the stage with tile t + PF_STAGES. Warp 0 fills tiles 0 .. PF_STAGES-1
+first. ring_fill(t, st) has no __syncwarp: per lane, in program order, (lane 0) pf_tile[st] = t (a volatile
+store); fence.proxy.async; when C != nullptr, cp.async.ca 4 B of the bias of rows lane and lane + 32
+(src-size 0, a zero-fill, for rows >= nvalid); cp.async.mbarrier.arrive.noinc on pf_full[st]; (lane 0)
+mbarrier.arrive.expect_tx of nvalid * D * 4 bytes; the bulk copies of its valid K and V rows (lane, lane +
+32). The lanes' instruction streams are interleaved per fill (fill_order: converged, i.e. each instruction
+by all its lanes in lane order, under rr; a random interleaving under randN; lane 0 entirely first, entirely
+last, or random, rotating over the fills, under aheadW / behindW), so e.g. bulk copies may be issued, and
+land, before lane 0's expect_tx (tx-count negative), and a lane's noinc arrive may fire before lane 0 has
+even stored pf_tile. The mbarrier follows the PTX ISA exactly (MBar: phase, pending arrivals, tx-count;
+arrive.expect_tx and a noinc arrival each count one of the 33; a phase completes at 0 pending arrivals and
+tx-count 0; an arrival with none pending is an error (undefined); try_wait.parity(P) true iff the current
+phase's parity is not P, so a wait on a stale phase passes). Async events, each at a point the schedule
+picks, in any order: a bulk copy lands (its bytes written, complete_tx of its size on its mbarrier); a
+cp.async lands (its 4 bytes written); a cp.async.mbarrier.arrive.noinc fires (one arrival), which it can
+only once every cp.async its thread (warp, lane) issued before it has landed (with none, e.g. C == nullptr,
+at once or later). All copies carry their data from issue; until they land their bytes are pending. The
+arithmetic of a warp's tiles runs after the schedule, from the bytes the warp read at the moment it read
+them (lockstep over the warps' i-th computed tiles), with the checks and the reference comparison of the
+other variants.
+Ring checks: happens-before by vector clocks over the warps, per mbarrier the async proxy of the bulk
+copies completing on it, per (stage, lane) the cp.async copies of that lane into that stage, and per
+mbarrier the knowledge of its completed phases (see the agents below). Releases: arrive.expect_tx the warp's
+clock; complete_tx the bulk copy's write; a noinc arrival the landed cp.async writes it tracked (not the
+issuing thread's other accesses); a phase completing releases what its arrivals and complete_tx released
+plus "phases 0 .. p complete"; a successful try_wait acquires that; fence + atomicAdd releases, atomicAdd +
+the last releaser's fence acquires; the volatile pf_tile store releases what its warp's last
+__threadfence_block (or the prologue's __syncthreads) ordered, and the ld.acquire that reads it acquires
+that (a fence then a relaxed store read by an acquire load: synchronizes-with in the PTX model);
+__syncthreads joins all. Tracked per shared row (K, V, bias of each stage; the unit every ring access
+covers): a read of a row whose last write is not ordered before it, or that has a copy in flight (bytes
+pending), is an error, as is a landing copy over a read or write not ordered before its issue, a copy
+issued into a row another copy in flight targets, and a bulk copy (async proxy) landing over
+generic-proxy stores whose warp issued no fence.proxy.async after them (ordered before the copy); a
+cp.async (non-bulk) is a generic-proxy write and needs none. Stale phase: a warp's try_wait for tile t
+(phase k = t / PF_STAGES of pf_full[st]) must have "phases 0 .. k-1 complete" ordered before it, else
+under the PTX model it may observe phase k-1 still current, whose parity passes the test (this is what the
+pf_tile acquire provides; the sim's memory is otherwise sequentially consistent). Besides, explicitly: a
+warp reading tile t must hold tile t's data in every valid row and all 64 bias rows (no stale data), and
+must have waited on the very phase tile t's fill (lane 0's expect_tx) arrived on; a copy into a stage
+while a warp that needs the stage's current tile (the kernel's needmask, computed by the sim) has not
+released it is a WAR error; an atomicAdd on pf_rel[st] between the last releaser's and its reset (a lost
+count), tx-count out of range, an mbarrier used before its init, a copy or noinc arrival still in flight
+when the block exits, and a schedule in which no warp can move and no async event can happen (a deadlock,
+e.g. a phase short of an arrival; also more than 5M steps) are errors.
 
 Global memory: q, K/V caches (bf16 [len, hkv, D] per sequence, exactly len tokens, so a read past the
 sequence faults), bias c (f32 [len, hkv]), lens, tiles, sel/nsel, ublk/umask/un: every read checked for
@@ -119,16 +142,20 @@ pf_kmax test matters on tiles that are refilled after). Block sizes other than 6
 empty lists are the kernels' generic paths (the runtime selects 64-token blocks, always with the row's
 current block).
 
-Limitations of the ring model: warps are the agents (a warp's lanes act together at each scheduling point,
-so lane-level divergence inside a warp is not explored; the kernel's __syncwarp are modelled only as
-ordering the lanes' bias stores before lane 0's arrive); memory is sequentially consistent apart from the
-happens-before checks (a load is never reordered with a later one of the same warp, so e.g. the volatile
-pf_tile load is always seen before the following try_wait; the PTX model allows more); the proxy rule is
-"a generic-proxy store, then an async-proxy write of the same row, needs fence.proxy.async by the storing
-warp, ordered before the copy's issue" (generic reads before an async write need none, as in CUTLASS's
-pipelines); a complete_tx releases only the copy's own writes, not its issuer's; the schedules are a few
-per case (12 with --schedules all), not an exhaustive search of interleavings; global memory is modelled as
-read-only during the kernel, so the bulk copies' sources are read at issue.
+Limitations of the ring model: warps are the agents of the happens-before model (a warp's lanes share one
+vector clock, so the lanes of a warp are treated as ordered with each other at the release / acquire points;
+the instruction interleaving inside a fill is explored, by fill_order's few orders, but the lanes outside
+a fill act together at each scheduling point); memory is sequentially consistent apart from the
+happens-before checks and the stale-phase check (a try_wait reads the mbarrier's current state, a load is
+never reordered with a later one of the same warp; the PTX model allows more, which the stale-phase check
+stands for); the proxy rule is "a generic-proxy store, then an async-proxy write of the same row, needs
+fence.proxy.async by the storing warp, ordered before the copy's issue" (generic reads before an async
+write need none, as in CUTLASS's pipelines; so the fence.proxy.async inside ring_fill is recorded but no
+check depends on it); cp.async (non-bulk) is taken as a generic-proxy write made visible only through its
+noinc arrival's phase (its issuing thread gains nothing from it); a complete_tx releases only the copy's
+own writes, not its issuer's; the schedules are a few per case (12 with --schedules all), not an
+exhaustive search of interleavings; global memory is modelled as read-only during the kernel, so the
+copies' sources are read at issue.
 """
 import argparse
 import sys
@@ -164,8 +191,11 @@ MUTATIONS = {
     "ring_need_no_kmax": "PF_RING: the loop top's needmask ignores pf_kmax (the release's keeps it)",
     "ring_tx_short": "PF_RING: arrive.expect_tx one K/V row short of the bytes the fill copies",
     "ring_tx_long": "PF_RING: arrive.expect_tx one K/V row more than the bytes the fill copies",
-    "ring_no_syncwarp": "PF_RING: no __syncwarp between the lanes' bias stores and lane 0's arrive.expect_tx",
-    "ring_arrive_early": "PF_RING: arrive.expect_tx before the bias stores",
+    "ring_count1": "PF_RING: the mbarriers initialised with count 1, not PF_RING_ARRIVALS = 33",
+    "ring_count32": "PF_RING: the mbarriers initialised with count 32 (lane 0's arrive.expect_tx not counted)",
+    "ring_noinc_skip": "PF_RING: lane 31 skips its cp.async.mbarrier.arrive.noinc",
+    "ring_noinc_before_cp": "PF_RING: each lane's cp.async.mbarrier.arrive.noinc before its bias cp.asyncs",
+    "ring_tile_relaxed": "PF_RING: the pf_tile spin a relaxed (volatile) load, not ld.acquire",
     "ring_no_proxy_fence": "PF_RING: no fence.proxy.async after the zero-fill (generic stores, then bulk copies)",
     "ring_reset_after_fill": "PF_RING: pf_rel[st] = 0 after the refill instead of before it",
 }
@@ -812,9 +842,12 @@ def union_block(bx, h, L, rng, stats):
 
 
 # ---------------------------------------------------------------- PF_RING: mbarriers, happens-before, schedules
-# Agents of a ring block for the happens-before (vector clock) race checks: the 4 warps (lanes of a warp run
-# together; a warp's lanes are one agent), then per stage st the async proxy writing the bulk copies that
-# complete on mbarrier pf_full[st] (agent PF_WARPS + st; its clock counts the copies landed on that barrier).
+# Agents of a ring block for the happens-before (vector clock) race checks: the 4 warps (a warp's lanes are
+# one agent), then per stage st the async proxy writing the bulk copies that complete on mbarrier pf_full[st]
+# (agent PF_WARPS + st; its clock counts the copies landed on that barrier), then per stage the knowledge of
+# pf_full[st]'s completed phases (component PF_WARPS + S + st: "phases 0 .. n-1 have completed", released by
+# each phase and carried by every release / acquire after), then per stage and lane the cp.async bias copies
+# into that stage issued by that lane (PF_WARPS + 2 S + 32 st + lane; its clock counts the copies landed).
 
 
 def popc(x):
@@ -828,13 +861,16 @@ class MBar:
     go negative); the current phase completes when the pending arrivals are 0 and the tx-count is 0.
     try_wait.parity(P) is true iff the phase of parity P has completed, i.e. iff the current phase's parity is
     not P (so a wait on a stale phase passes at once: exactly the ISA's ambiguity). Arrivals release the
-    arriving warp's vector clock, complete_tx the async proxy's; a successful try_wait acquires what the
-    phase before the current one released (that phase's own releases: not cumulative)."""
+    arriving warp's vector clock, complete_tx the async proxy's, a cp.async.mbarrier.arrive.noinc the landed
+    cp.async copies it tracked; a successful try_wait acquires what the phase before the current one released
+    (that phase's own releases: not cumulative), and the knowledge that the phases up to it completed
+    (component ph_idx = the number of completed phases)."""
     TX_MAX = (1 << 20) - 1
 
-    def __init__(self, name, nag):
+    def __init__(self, name, nag, ph_idx=None):
         self.name = name
         self.nag = nag
+        self.ph_idx = ph_idx
         self.inited = False
         self.phase = 0
         self.expected = 0
@@ -854,7 +890,10 @@ class MBar:
 
     def _complete(self):
         if self.pending == 0 and self.tx == 0:
-            self.done[self.phase] = self.vc.copy()
+            v = self.vc.copy()
+            if self.ph_idx is not None:
+                v[self.ph_idx] = self.phase + 1
+            self.done[self.phase] = v
             self.phase += 1
             self.pending = self.expected
             self.vc[:] = 0
@@ -867,6 +906,17 @@ class MBar:
         self._use("arrive.expect_tx")
         self.tx += nbytes
         self._tx_range("expect_tx")
+        check(self.pending > 0, f"{self.name}: arrive on phase {self.phase} with no arrival pending (undefined)")
+        self.pending -= 1
+        np.maximum(self.vc, vc, out=self.vc)
+        ph = self.phase
+        self._complete()
+        return ph
+
+    def arrive_noinc(self, vc):
+        """cp.async.mbarrier.arrive.noinc firing (its thread's tracked cp.asyncs landed): one arrival of the
+        count (not incremented in advance); -> the phase it counted on."""
+        self._use("cp.async.mbarrier.arrive.noinc")
         check(self.pending > 0, f"{self.name}: arrive on phase {self.phase} with no arrival pending (undefined)")
         self.pending -= 1
         np.maximum(self.vc, vc, out=self.vc)
@@ -898,8 +948,9 @@ class MBar:
 
 class RingWarp:
     """One warp of a ring block: its vector clock (own clock ticks after each release), program-order
-    counter, fence.proxy.async record, the lanes' generic stores not yet ordered by a __syncwarp, the
-    phase it last acquired per mbarrier, and the tiles it computed (with the bytes it read)."""
+    counter, fence.proxy.async record, its clock at its last __threadfence_block / __syncthreads (what a
+    relaxed store after that fence releases), the phase it last acquired per mbarrier, and the tiles it
+    computed (with the bytes it read)."""
 
     def __init__(self, w, nag):
         self.w = w
@@ -907,7 +958,7 @@ class RingWarp:
         self.vc[w] = 1
         self.seq = 0
         self.pfences = []  # (seq, own clock) of each fence.proxy.async
-        self.unsynced = False
+        self.fvc = np.zeros(nag, np.int64)
         self.acq = {}
         self.rel_seen = None  # the release sequence an atomicAdd read (for a later acquire fence)
         self.computed = []
@@ -941,8 +992,8 @@ def ring_default_schedules(i):
 def run_schedule(name, gens, ws, ncopies, land, blkseed, what, st):
     """Interleaves the warp coroutines gens (each yields None at a scheduling point, or a predicate while it
     spins: it is resumed only once the predicate holds, which skips spin iterations that would change
-    nothing) and the landing of pending bulk copies (land(i): the i-th pending copy; ncopies(): how many are
-    pending), under schedule `name`:
+    nothing) and the async events (a bulk copy or a cp.async landing, a noinc arrival whose cp.asyncs have
+    landed firing: land(i) does the i-th ready one; ncopies(): how many are ready), under schedule `name`:
       rr        warps 0..3 and the copy engine in turn (the engine lands the oldest pending copy);
       randN     a random enabled agent each step (seed N and the block); the engine lands a random copy;
       aheadW    warp W whenever it can run, else the others in turn; copies land only when no warp can run
@@ -1400,12 +1451,14 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec, ring=None):
             return self.mem[addrs[:, None] + np.arange(width)[None, :]]
 
     def ring_block():
-        A = PF_WARPS + S  # agents: the warps, then the async proxy per mbarrier
+        A = PF_WARPS + 2 * S + 32 * S  # agents: the warps, the async proxy per mbarrier, phases, cp.async
+        PH0, CP0 = PF_WARPS + S, PF_WARPS + 2 * S
         SK = PF_BN * RS * 2  # bytes of one K (or V) stage
         REG = ("K", "V", "bias")
         who = f"block ({bx},{h}) ring {ring}"
-        bars = [MBar(f"pf_full[{s_}]", A) for s_ in range(S)]
+        bars = [MBar(f"pf_full[{s_}]", A, PH0 + s_) for s_ in range(S)]
         pf_tile = [None] * S  # None: never written
+        pf_tile_rel = [np.zeros(A, np.int64) for _ in range(S)]  # what the pf_tile store released
         rel = [dict(val=None, vc=np.zeros(A, np.int64), n=0) for _ in range(S)]  # pf_rel[st]; n counts its atomics
         ws = [RingWarp(w, A) for w in range(PF_WARPS)]
         aclk = np.zeros(A, np.int64)  # the async agents' clocks
@@ -1413,16 +1466,22 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec, ring=None):
         c_wa = np.full(shp, -1, np.int64)  # last writer (agent; -1 never written)
         c_wc = np.zeros(shp, np.int64)  # its clock at the write
         c_rd = np.zeros(shp + (PF_WARPS,), np.int64)  # per warp, its clock at its last read since that write
-        c_pend = np.zeros(shp, np.int64)  # bulk copies in flight into the row
+        c_pend = np.zeros(shp, np.int64)  # copies (bulk, cp.async) in flight into the row
         c_tag = np.full(shp, -2, np.int64)  # the tile whose data the row holds (-1 the zero-fill, -2 garbage)
         c_gw = np.full(shp + (PF_WARPS,), -1, np.int64)  # per warp, seq of its generic write since the last async one
-        pending = []  # bulk copies in flight
+        # in flight: bulk copies and cp.async copies (any may land), and cp.async.mbarrier.arrive.noinc
+        # arrivals whose thread's tracked cp.asyncs have all landed (ready: the schedule may fire them);
+        # blocked: the arrivals still waiting for a cp.async of their thread
+        ready = []
+        blocked = []
+        thr_cp = {}  # (warp, lane) -> [issued cp.async count, {id: (agent, clock) of the landed ones}, pending ids]
+        fill_arr = {}  # tile -> the phases its fill's arrivals counted on
         stage_tile = [None] * S  # the tile last filled into each stage
         released = {}  # tile -> warps that released it
         fill_phase = {}  # tile -> the phase of its stage's mbarrier its fill arrived on
         cur = [-1] * PF_WARPS
         war_seen = set()
-        rs_ = dict(waits=0, fills=0, copies=0, spread=0)
+        rs_ = dict(waits=0, fills=0, copies=0, cps=0, spread=0)
 
         def rbase(st, g):
             return (KS if g == 0 else VS) + st * SK if g < 2 else BS + st * PF_BN * 4
@@ -1434,7 +1493,11 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec, ring=None):
         IDX = [[ridx(st, g) for g in range(3)] for st in range(S)]
 
         def agent(a):
-            return f"warp {a}" if a < PF_WARPS else f"the bulk copies of pf_full[{a - PF_WARPS}]"
+            if a < PF_WARPS:
+                return f"warp {a}"
+            if a < PH0:
+                return f"the bulk copies of pf_full[{a - PF_WARPS}]"
+            return f"the cp.async copies of lane {(a - CP0) % 32} into stage {(a - CP0) // 32}"
 
         def needmask(t, site, standin=True):
             """The kernel's needmask of tile t; site "top" (the loop top), "release" or "true" (the sim's own)."""
@@ -1468,7 +1531,7 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec, ring=None):
             idx = IDX[st][g]
             pb = dyn.pend[idx] > 0
             check(not pb.any(), f"{who}: warp {w} reads tile {t}'s {REG[g]} in stage {st}: rows "
-                                f"{np.nonzero(pb.any(1))[0][:6]} have a bulk copy in flight (not landed)")
+                                f"{np.nonzero(pb.any(1))[0][:6]} have a copy in flight (not landed)")
             check(dyn.init[idx].all(), f"{who}: warp {w} reads never-written {REG[g]} bytes of stage {st}")
             wa, wc = c_wa[st, g], c_wc[st, g]
             hb = (wa >= 0) & (W.vc[np.maximum(wa, 0)] >= wc)
@@ -1490,30 +1553,6 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec, ring=None):
             b = rbase(st, g)
             return dyn.mem[b:b + (SK if g < 2 else PF_BN * 4)].copy()
 
-        def gen_write(w, st, g, rows, data, t, what):
-            """Generic stores of warp w (its lanes) into rows of region g of stage st: data (len(rows), width)."""
-            W = ws[w]
-            idx = IDX[st][g][rows]
-            check(not (dyn.pend[idx] > 0).any(), f"{who}: {what} by warp {w} into stage {st} bytes a bulk copy "
-                                                 f"in flight targets (race)")
-            wa, wc = c_wa[st, g, rows], c_wc[st, g, rows]
-            hb = (wa < 0) | (W.vc[np.maximum(wa, 0)] >= wc)
-            if not hb.all():
-                check(False, f"{who}: {what} by warp {w} into stage {st}: rows {rows[~hb][:4]} last written by "
-                             f"{agent(int(wa[~hb][0]))} not ordered before it (write-write race)")
-            rd = c_rd[st, g, rows]
-            war = (rd > W.vc[None, :PF_WARPS]).any(1)
-            check(not war.any(), f"{who}: {what} by warp {w} into stage {st}: rows {rows[war][:4]} read by a warp "
-                                 f"not ordered before the store (write-after-read race)")
-            dyn.mem[idx] = data
-            dyn.init[idx] = True
-            seq = W.next_seq()
-            c_wa[st, g, rows] = w
-            c_wc[st, g, rows] = W.clock()
-            c_rd[st, g, rows] = 0
-            c_gw[st, g, rows, w] = seq
-            c_tag[st, g, rows] = t
-
         def bulk_issue(w, t, st, g, r, kt0, tp):
             W = ws[w]
             j = kt0 + r
@@ -1533,92 +1572,186 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec, ring=None):
             data = np.ascontiguousarray(src[ge:ge + D]).view(np.uint8).copy()
             dyn.pend[dst:dst + D * 2] += 1
             c_pend[st, g, r] += 1
-            pending.append(dict(st=st, g=g, r=r, dst=dst, data=data, bar=st, ivc=W.vc.copy(), t=t, w=w))
+            ready.append(dict(kind="bulk", st=st, g=g, r=r, dst=dst, data=data, bar=st, ivc=W.vc.copy(), t=t, w=w))
             rs_["copies"] += 1
             stats["kv_rows_read"] = stats.get("kv_rows_read", 0) + (g == 0)
 
+        def cp_issue(w, lane, t, st, r, kt0, nvalid, tp):
+            """cp.async.ca 4 B of the bias of key kt0 + r into stage st's bias row r by lane `lane` of warp w
+            (src-size 0, a zero-fill, for r >= nvalid)."""
+            W = ws[w]
+            ok = r < nvalid
+            val = np.zeros(1, F32)
+            if ok:
+                j = kt0 + r
+                check(0 <= j <= kmax and j < cap, f"{who}: bias cp.async of key {j} (past the tile's last position "
+                                                  f"{kmax} or the sequence's {cap} tokens)")
+                val[0] = Cg[j * hkv + h]
+            dst = rbase(st, 2) + r * 4
+            check(dst % 4 == 0 and 0 <= dst and dst + 4 <= dyn.n, f"{who}: bias cp.async destination {dst} bad")
+            stage_free(st, tp, w, t, "bias cp.async")
+            check(c_pend[st, 2, r] == 0, f"{who}: bias cp.async into stage {st} row {r}, which another copy in "
+                                         f"flight targets")
+            dyn.pend[dst:dst + 4] += 1
+            c_pend[st, 2, r] += 1
+            tc = thr_cp.setdefault((w, lane), [0, {}, set()])
+            cid = tc[0]
+            tc[0] += 1
+            tc[2].add(cid)
+            ready.append(dict(kind="cp", st=st, g=2, r=r, dst=dst, data=as_bytes(val, '<f4').ravel(), ivc=W.vc.copy(), t=t,
+                              w=w, lane=lane, cid=cid))
+            rs_["cps"] += 1
+
+        def arr_issue(w, lane, t, st):
+            """cp.async.mbarrier.arrive.noinc on pf_full[st] by lane `lane` of warp w: fires once every cp.async
+            this thread issued before it has landed."""
+            bars[st]._use("cp.async.mbarrier.arrive.noinc")
+            tc = thr_cp.setdefault((w, lane), [0, {}, set()])
+            it = dict(kind="arr", st=st, t=t, w=w, lane=lane, upto=tc[0])
+            (blocked if any(c < tc[0] for c in tc[2]) else ready).append(it)
+
         def land(i):
-            c = pending.pop(i)
+            """The i-th ready async event: a bulk copy or a cp.async lands, or a noinc arrival fires."""
+            c = ready.pop(i)
+            if c["kind"] == "arr":
+                tc = thr_cp[(c["w"], c["lane"])]
+                v = np.zeros(A, np.int64)
+                for cid, (a, k) in tc[1].items():
+                    if cid < c["upto"]:
+                        v[a] = max(v[a], k)
+                ph = bars[c["st"]].arrive_noinc(v)
+                fill_arr.setdefault(c["t"], set()).add(ph)
+                return
             st, g, r, dst, vi = c["st"], c["g"], c["r"], c["dst"], c["ivc"]
-            n = D * 2
+            n = len(c["data"])
             dyn.pend[dst:dst + n] -= 1
             dyn.mem[dst:dst + n] = c["data"]
             dyn.init[dst:dst + n] = True
             c_pend[st, g, r] -= 1
             wa, wc = int(c_wa[st, g, r]), int(c_wc[st, g, r])
-            what = f"{who}: the bulk copy of tile {c['t']} (warp {c['w']}) into stage {st} {REG[g]} row {r}"
+            kname = "bulk copy" if c["kind"] == "bulk" else f"bias cp.async (lane {c['lane']})"
+            what = f"{who}: the {kname} of tile {c['t']} (warp {c['w']}) into stage {st} {REG[g]} row {r}"
             check(wa < 0 or vi[wa] >= wc, f"{what} lands over a write by {agent(wa)} not ordered before its issue "
                                           f"(write-write race)")
             bad = [x for x in range(PF_WARPS) if c_rd[st, g, r, x] > vi[x]]
             check(not bad, f"{what} lands over a read by warp(s) {bad} not ordered before its issue "
                            f"(write-after-read race)")
-            for x in range(PF_WARPS):
-                sq = int(c_gw[st, g, r, x])
-                if sq >= 0:
-                    ok = any(fs > sq and fc <= vi[x] for fs, fc in ws[x].pfences)
-                    check(ok, f"{what} (async proxy) lands over warp {x}'s generic-proxy store with no "
-                              f"fence.proxy.async of warp {x} between them")
-            a = PF_WARPS + c["bar"]
+            if c["kind"] == "bulk":  # the async proxy (a cp.async is a generic-proxy write: no fence needed)
+                for x in range(PF_WARPS):
+                    sq = int(c_gw[st, g, r, x])
+                    if sq >= 0:
+                        ok = any(fs > sq and fc <= vi[x] for fs, fc in ws[x].pfences)
+                        check(ok, f"{what} (async proxy) lands over warp {x}'s generic-proxy store with no "
+                                  f"fence.proxy.async of warp {x} between them")
+                a = PF_WARPS + c["bar"]
+            else:
+                a = CP0 + 32 * st + c["lane"]
             aclk[a] += 1
             c_wa[st, g, r] = a
             c_wc[st, g, r] = aclk[a]
             c_rd[st, g, r] = 0
             c_gw[st, g, r] = -1
             c_tag[st, g, r] = c["t"]
-            v = np.zeros(A, np.int64)
-            v[a] = aclk[a]
-            bars[c["bar"]].complete_tx(n, v)
+            if c["kind"] == "bulk":
+                v = np.zeros(A, np.int64)
+                v[a] = aclk[a]
+                bars[c["bar"]].complete_tx(n, v)
+                return
+            tc = thr_cp[(c["w"], c["lane"])]
+            tc[2].discard(c["cid"])
+            tc[1][c["cid"]] = (a, int(aclk[a]))
+            for it in [it for it in blocked if (it["w"], it["lane"]) == (c["w"], c["lane"])]:
+                if not any(x < it["upto"] for x in tc[2]):
+                    blocked.remove(it)
+                    ready.append(it)
+
+        def fill_order(lanes_ops, nfill):
+            """The order in which the lanes' instructions of one ring_fill run (no __syncwarp inside it, so any
+            interleaving that keeps each lane's program order): lanes_ops[lane] = that lane's list of slots.
+            rr: converged (each slot by all its lanes, lane order); randN: a random interleaving; aheadW /
+            behindW: by fill, lane 0 first (all of its instructions, then the others converged), lane 0 last,
+            or random."""
+            kind = ring.rstrip("0123456789*")
+            mode = {"rr": "conv", "rand": "rand"}.get(kind)
+            if mode is None:
+                cyc = ["first", "last", "rand"] if kind == "ahead" else ["last", "rand", "conv"]
+                mode = cyc[nfill % 3]
+
+            def conv(lanes):
+                slots = []
+                for l_ in lanes:
+                    for op in lanes_ops[l_]:
+                        if op[0] not in slots:
+                            slots.append(op[0])
+                return [(l_, op) for sl in slots for l_ in lanes for op in lanes_ops[l_] if op[0] == sl]
+            if mode == "conv":
+                return conv(range(32))
+            if mode == "first":
+                return [(0, op) for op in lanes_ops[0]] + conv(range(1, 32))
+            if mode == "last":
+                return conv(range(1, 32)) + [(0, op) for op in lanes_ops[0]]
+            pos = [0] * 32
+            out = []
+            left = [l_ for l_ in range(32) if lanes_ops[l_]]
+            while left:
+                l_ = left[int(fill_rng.integers(len(left)))]
+                out.append((l_, lanes_ops[l_][pos[l_]]))
+                pos[l_] += 1
+                if pos[l_] == len(lanes_ops[l_]):
+                    left.remove(l_)
+            return out
 
         def ring_fill(w, t, st):
-            """ring_fill(t, st) by warp w (a generator: yields at its scheduling points)."""
+            """ring_fill(t, st) by warp w (a generator: yields at its scheduling points). Per lane, in program
+            order: (lane 0) pf_tile[st] = t; fence.proxy.async; (C != nullptr) cp.async of the bias rows lane
+            and lane + 32; cp.async.mbarrier.arrive.noinc; (lane 0) arrive.expect_tx; the bulk copies of its
+            valid K and V rows. The lanes interleave as fill_order says."""
             W = ws[w]
             kt0, nv, nvalid = nvalid_of(t)
             tp = stage_tile[st]
             stage_tile[st] = t
             rs_["fills"] += 1
             W.state = f"filling tile {t} into stage {st}"
-            pf_tile[st] = t  # lane 0, volatile
-            yield None
-
-            def bias():
-                rows = np.arange(PF_BN)
-                vals = np.zeros(PF_BN, F32)
-                if Cg is not None and nvalid > 0:
-                    j = kt0 + np.arange(nvalid)
-                    check(((j >= 0) & (j < cap)).all(), "bias read past the sequence")
-                    vals[:nvalid] = Cg[j * hkv + h]
-                stage_free(st, tp, w, t, "bias store")
-                gen_write(w, st, 2, rows, as_bytes(vals, '<f4'), t, "bias store")
-                W.unsynced = True  # lanes 1..31 stored too
-
-            early = "ring_arrive_early" in MUT
-            if not early:
-                bias()
-                yield None
-            W.proxy_fence()
-            if "ring_no_syncwarp" not in MUT:
-                W.unsynced = False  # __syncwarp
-            check(not W.unsynced, f"{who}: lane 0's arrive.expect_tx for tile {t} is not ordered after the "
-                                  f"other lanes' bias stores (no __syncwarp between)")
             nb = nvalid * D * 4
             if "ring_tx_short" in MUT and nvalid > 0:
                 nb -= D * 4
             if "ring_tx_long" in MUT:
                 nb += D * 4
-            fill_phase[t] = bars[st].arrive_expect_tx(nb, W.vc)  # lane 0, release
-            W.tick()
-            W.unsynced = False
+            lanes_ops = []
+            for ln in range(32):
+                ops = [("tile",)] if ln == 0 else []
+                ops.append(("fence",))
+                cps = [("cp", r) for r in (ln, ln + 32)] if Cg is not None else []
+                arr = [] if ("ring_noinc_skip" in MUT and ln == 31) else [("arr",)]
+                ops += arr + cps if "ring_noinc_before_cp" in MUT else cps + arr
+                if ln == 0:
+                    ops.append(("etx",))
+                ops += [("bulk", r) for r in (ln, ln + 32) if r < nvalid]
+                lanes_ops.append(ops)
+            fenced = False
+            for k, (ln, op) in enumerate(fill_order(lanes_ops, rs_["fills"])):
+                if op[0] == "tile":
+                    pf_tile[st] = t  # lane 0, volatile: releases what lane 0's last fence ordered
+                    pf_tile_rel[st] = W.fvc.copy()
+                elif op[0] == "fence":
+                    if not fenced:
+                        W.proxy_fence()
+                        fenced = True
+                elif op[0] == "cp":
+                    cp_issue(w, ln, t, st, op[1], kt0, nvalid, tp)
+                elif op[0] == "arr":
+                    arr_issue(w, ln, t, st)
+                elif op[0] == "etx":
+                    ph = bars[st].arrive_expect_tx(nb, W.vc)  # lane 0, release
+                    fill_phase[t] = ph
+                    fill_arr.setdefault(t, set()).add(ph)
+                    W.tick()
+                else:
+                    bulk_issue(w, t, st, 0, op[1], kt0, tp)
+                    bulk_issue(w, t, st, 1, op[1], kt0, tp)
+                if k % 16 == 15:
+                    yield None
             yield None
-            if early:
-                bias()
-                W.proxy_fence()
-                W.unsynced = False
-                yield None
-            for p0 in range(0, nvalid, 32):  # lane r: rows r, r + 32
-                for r in range(p0, min(p0 + 32, nvalid)):
-                    bulk_issue(w, t, st, 0, r, kt0, tp)
-                    bulk_issue(w, t, st, 1, r, kt0, tp)
-                yield None
 
         def rel_add(w, st, t):
             """__threadfence_block(); atomicAdd(&pf_rel[st], 1) by lane 0: release; the old value."""
@@ -1627,6 +1760,7 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec, ring=None):
             old = r["val"] if r["val"] is not None else 0
             r["val"] = old + 1
             W.rel_seen = r["vc"].copy()
+            W.fvc = W.vc.copy()
             np.maximum(r["vc"], W.vc, out=r["vc"])
             W.tick()
             r["n"] += 1
@@ -1657,9 +1791,16 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec, ring=None):
                     W.state = f"spinning on pf_tile[{st}] == {t}"
                     while pf_tile[st] != t:
                         yield (lambda st=st, t=t: pf_tile[st] == t)
+                    if "ring_tile_relaxed" not in MUT:  # ld.acquire: synchronizes with the fence + store
+                        np.maximum(W.vc, pf_tile_rel[st], out=W.vc)
                     yield None
                 parity = 0 if "ring_parity0" in MUT else (t // S) & 1
                 W.state = f"waiting on pf_full[{st}] parity {parity} for tile {t}"
+                k = t // S  # the phase of pf_full[st] tile t's fill arrives on
+                check(W.vc[PH0 + st] >= k,
+                      f"{who}: warp {w} try_waits on pf_full[{st}] for tile {t} (phase {k}) with only phases < "
+                      f"{int(W.vc[PH0 + st])} known complete (not ordered before the wait): it may observe phase "
+                      f"{k - 1} still current, whose parity passes the test (stale phase)")
                 while True:
                     ok, ph, vc = bars[st].try_wait(parity)
                     if ok:
@@ -1688,6 +1829,7 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec, ring=None):
                         rel_reset(w, st)
                     if W.rel_seen is not None:
                         np.maximum(W.vc, W.rel_seen, out=W.vc)  # __threadfence_block after the atomic: acquire
+                    W.fvc = W.vc.copy()
                     if t + S < nkt:
                         yield from ring_fill(w, t + S, st)
                     if "ring_reset_after_fill" in MUT:
@@ -1715,25 +1857,30 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec, ring=None):
         if "ring_no_proxy_fence" not in MUT:
             for W in ws:
                 W.proxy_fence()
-        for s0 in range(S):  # thread 0
-            bars[s0].init(1)
+        narr = {"ring_count1": 1, "ring_count32": 32}.get(next((m for m in MUT if m.startswith("ring_count")), ""), 33)
+        for s0 in range(S):  # thread 0: PF_RING_ARRIVALS
+            bars[s0].init(narr)
             rel[s0]["val"] = 0
             pf_tile[s0] = -1
         sync(allt)
         vj = np.max([W.vc for W in ws], 0)
         for W in ws:
             W.vc[:] = vj
+            W.fvc = vj.copy()
             W.tick()
 
         def state():
             return (", ".join(b.state() for b in bars) + f"; pf_tile {pf_tile}; pf_rel {[r['val'] for r in rel]}; "
-                    f"{len(pending)} copies in flight")
+                    f"{len(ready)} copies / arrivals in flight, {len(blocked)} arrivals waiting for a cp.async")
         kind = ring.rstrip("0123456789*")
         num = ring[len(kind):]
         blkseed = (int(num) if num.isdigit() else 0) * 1000003 + bx * 131 + h * 7 + (1 if num == "*" else 0)
-        done, steps, maxpend = run_schedule(ring, [warp_prog(w) for w in range(PF_WARPS)], ws, lambda: len(pending),
+        fill_rng = np.random.default_rng(blkseed + 17)
+        done, steps, maxpend = run_schedule(ring, [warp_prog(w) for w in range(PF_WARPS)], ws, lambda: len(ready),
                                             land, blkseed, who, state)
-        check(not pending, f"{who}: {len(pending)} bulk copies still in flight when the block exits")
+        check(not ready and not blocked, f"{who}: {sum(c['kind'] != 'arr' for c in ready)} copies and "
+                                         f"{sum(c['kind'] == 'arr' for c in ready) + len(blocked)} noinc arrivals "
+                                         f"still in flight when the block exits")
         stats["ring_steps"] = stats.get("ring_steps", 0) + steps
         stats["ring_maxpend"] = max(stats.get("ring_maxpend", 0), maxpend)
         stats["ring_spread"] = max(stats.get("ring_spread", 0), rs_["spread"])
