@@ -19,11 +19,12 @@
 //
 // Work items: tiles[3*b .. 3*b+2] = (r0, nrows, m0) for thread block b: the run starting at
 // row r0 with nrows rows; the block computes the flattened entries m0 .. min(m0 + 64, nrows*G)
-// - 1 of that run for KV head blockIdx.y (src/cuda/ops/attention.rs `prefill_tiles` builds
+// - 1 of that run for KV head blockIdx.y (src/cuda/ops/prefill_attention.rs `prefill_tiles` builds
 // them, longest-context tiles first). The tile's query rows are i_lo = m0 / G .. i_hi =
 // (mend - 1) / G of the run (at most 64 rows); tile row k is run row i_lo + k. Grid (ntiles,
-// hkv); block PF_THREADS threads; dynamic shared memory prefill_smem_bytes(D) = 4*64*(D+8)*2
-// bytes (two stages of K and V tiles), plus 2*64*4 bytes of bias stages for the sparse kernel.
+// hkv); block PF_THREADS threads; dynamic shared memory prefill_smem_bytes(D) =
+// 2*PF_STAGES*64*(D+8)*2 bytes (PF_STAGES stages of K and V tiles, see below), plus
+// PF_STAGES*64*4 bytes of bias stages for the sparse kernel.
 //
 // Sparse union (prefill_sel_union, one block per (tile, KV head), same grid and tiles): the
 // blocks that any row of the tile selected for KV head h, ascending, each with the 64-bit mask
@@ -41,7 +42,7 @@
 // NOSA; rows of a run share it); out bf16, row r's H*D values at r*out_stride, head g at g*D.
 //
 // Method: warp w owns the 16 M-rows m0 + 16w .. +15 (Q as mma A fragments in registers, f32
-// output accumulators). Keys in tiles of 64, double-buffered in shared memory with cp.async
+// output accumulators). Keys in tiles of 64, staged in shared memory (PF_STAGES) with cp.async
 // (keys outside the tile's range zero-filled). Dense: key tile t = keys 64t .. 64t+63, up to
 // the tile's last position. Sparse: union entry e, block b, covers keys b*block_size ..
 // (b+1)*block_size - 1 in spb = ceil(block_size / 64) key tiles (a block of fewer than 64

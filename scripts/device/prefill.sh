@@ -72,7 +72,7 @@ bench() { # name, context list
 prefill_b1() { # binary, context list, prefill mode, JSON path, more bench arguments…: prefill only, B = 1, KV on the GPU
   # (stopped after RUN_TIMEOUT seconds when set)
   local bin=$1 ctx=$2 mode=$3 json=$4; shift 4
-  timeout "${RUN_TIMEOUT:-0}" "$bin" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" --steps 0 --attention sparse \
+  timeout -k 10 "${RUN_TIMEOUT:-0}" "$bin" bench --model synth:nosa-8b --tokenizer "$tok" --texts "$texts" --steps 0 --attention sparse \
     --kv gpu --batch 1 --context "$ctx" "$@" --prefill "$mode" --json "$json" 2>&1
 }
 case "$phase" in
@@ -113,7 +113,7 @@ opts)
   done
   [[ "${OPTS_CHECK:-1}" == 1 ]] && for o in "${opts[@]}"; do
     l=${o%%=*}
-    SPARDA_NVRTC_OPTIONS="${o#*=}" SPARDA_CHECK_ONLY=kernels timeout "${OPTS_TIMEOUT:-240}" "$SPARDA" gpu-check \
+    SPARDA_NVRTC_OPTIONS="${o#*=}" SPARDA_CHECK_ONLY=kernels timeout -k 10 "${OPTS_TIMEOUT:-240}" "$SPARDA" gpu-check \
       --json "$out/gpu_check_kernels_opts_$l.json" 2>&1 | grep -E "FAIL|error:|cases|attention_" | sed "s/^/$l: /"
     rc=${PIPESTATUS[0]}; [[ $rc == 124 ]] && echo "$l: gpu-check timed out after ${OPTS_TIMEOUT:-240} s (a kernel that never finishes?)"
   done
@@ -124,6 +124,7 @@ opts)
         ctx=${CONTEXT:-32K,128K}; [[ $m == dense ]] && ctx=${DENSE_CONTEXT:-32K}
         SPARDA_NVRTC_OPTIONS="${o#*=}" RUN_TIMEOUT=${OPTS_TIMEOUT:-240} prefill_b1 "$SPARDA" "$ctx" "$m" \
           "$out/prefill_${m}_opts_${l}_$r.json" | grep -E "prefill only|error" | sed "s/^/$l $r $m: /"
+        [[ ${PIPESTATUS[0]} == 124 ]] && echo "$l $r $m: timed out after ${OPTS_TIMEOUT:-240} s"
       done
     done
   done

@@ -984,6 +984,8 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
         "small_batch_gemv_rows": gpu.small_gemv_rows(),
         "pdl": gpu.pdl_allowed(),
         "gemv_block_warps": crate::cuda::ops::gemv::block_warps(),
+        "gemv_down_cublas": crate::cuda::ops::gemv::down_on_cublas(),
+        "prefill_union_stats": crate::pipeline::union_stats::enabled(),
         "nvrtc_options": crate::cuda::context::env_nvrtc_options(),
         "host_pages": crate::kv::host_store::HostPages::from_env()?.name(),
         "weights_load_s": load_s,

@@ -623,7 +623,7 @@ impl Gpu {
                 "cuFuncSetAttribute(attn_partial, {bytes} bytes of dynamic shared memory)"
             ))?;
         }
-        // The prefill attention kernels too (double-buffered K/V tiles at D = 128;
+        // The prefill attention kernels too (PF_STAGES stages of K/V tiles at D = 128;
         // the sparse ones add the bias tiles): past 48 KiB a launch needs the opt-in.
         for (name, bytes) in super::ops::prefill_smem_opt_ins() {
             if let Some(f) = functions.get(name) {

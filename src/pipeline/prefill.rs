@@ -76,6 +76,7 @@ impl GpuModel {
         let t0 = seq.len;
         let prompt_len = t0 + prompt.len();
         self.check_tokens(prompt, prompt_len)?;
+        let _ = super::union_stats::finish(); // counts of earlier calls are not this prefill's
         let sparse = self.plan.sparse_at(prompt_len) && self.prefill_mode != PrefillMode::Dense;
         // Dynamic NTK RoPE past its original maximum: the prompt rotates at
         // its whole length (the CPU reference's rule), not with the decode

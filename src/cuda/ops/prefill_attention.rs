@@ -34,7 +34,8 @@ pub const fn prefill_smem_bytes_at(d: usize, stages: usize) -> usize {
 }
 
 /// Shared-memory stages the prefill attention kernels are compiled with:
-/// 3 for a `-DPF_STAGES=3` in `$SPARDA_NVRTC_OPTIONS`, otherwise 2 (the
+/// 3 for a `-DPF_STAGES=3` (or `--define-macro=PF_STAGES=3`) in
+/// `$SPARDA_NVRTC_OPTIONS`, otherwise 2 (the
 /// default, one block barrier per key tile; `-DPF_STAGES=0` is the earlier
 /// double buffer with two barriers per tile, also 2 stages). What the host
 /// sizes shared memory for. Read once.
@@ -44,12 +45,15 @@ pub fn prefill_stages() -> usize {
 }
 
 /// [`prefill_stages`]'s rule on the NVRTC options: the last `-DPF_STAGES=`
-/// wins; a value other than 0, 2 or 3 is left to fail the kernel's compile
+/// or `--define-macro=PF_STAGES=` wins; a value other than 0, 2 or 3 is left to fail the kernel's compile
 /// (its `#error` names the values) and sizes for 2 here.
 fn prefill_stages_from(opts: &[String]) -> usize {
     opts.iter()
         .rev()
-        .find_map(|o| o.strip_prefix("-DPF_STAGES="))
+        .find_map(|o| {
+            o.strip_prefix("-DPF_STAGES=")
+                .or_else(|| o.strip_prefix("--define-macro=PF_STAGES="))
+        })
         .and_then(|v| v.parse::<usize>().ok())
         .filter(|&s| s == 3)
         .unwrap_or(2)
@@ -809,6 +813,7 @@ mod tests {
             2
         );
         assert_eq!(prefill_stages_from(&o(&["-DPF_STAGES=4"])), 2);
+        assert_eq!(prefill_stages_from(&o(&["--define-macro=PF_STAGES=3"])), 3);
         assert_eq!(
             prefill_stages_from(&o(&["-DPF_STAGES=3", "-DPF_STAGES=0"])),
             2
