@@ -39,6 +39,9 @@ half is empty (e.g. 65, 70, 129, 193). Exit 1 on any error or a relative L2 abov
 import sys
 import numpy as np
 
+from ptx_model import (A_COL, A_ROW, B_COL, B_ROW, C_COL, C_ROW, bf2_hi, bf2_lo, bf_bits_to_f32,
+                       bytes_to_u32, f2bf_bits, ldsm_k_lane, mma_bf16_x, pack_bf2_rn)
+
 F32 = np.float32
 NEG_INF = F32(-np.inf)
 
@@ -49,38 +52,7 @@ QP_PS = QP_BN + 1
 assert QP_BM == 16 * QP_WARPS  # warp w owns M-rows 16w .. 16w+15
 
 
-# ---------------------------------------------------------------- bf16 helpers (exact)
-def f2bf_bits(x):
-    """f32 -> bf16 bits, round to nearest even (cvt.rn.bf16 / f2bf for finite x)."""
-    u = np.asarray(x, dtype=F32).view(np.uint32).astype(np.uint64)
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-    r = np.where(nan, ((u >> 16) | 0x40) & 0xFFFF, r)
-    return r.astype(np.uint32)
-
-
-def bf_bits_to_f32(b):
-    return (np.asarray(b, dtype=np.uint32) << 16).astype(np.uint32).view(F32)
-
-
-def cvt_rn_bf16x2_f32(a, b):
-    """PTX cvt.rn.bf16x2.f32 d, a, b: d = {bf16(a) in the upper half, bf16(b) in the lower}."""
-    return ((f2bf_bits(a) << 16) | f2bf_bits(b)).astype(np.uint32)
-
-
-def pack_bf2_rn(lo, hi):
-    # asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)) -> a = hi, b = lo
-    return cvt_rn_bf16x2_f32(hi, lo)
-
-
-def bf2_lo(x):
-    return (np.asarray(x, np.uint32) << 16).astype(np.uint32).view(F32)
-
-
-def bf2_hi(x):
-    return (np.asarray(x, np.uint32) & np.uint32(0xFFFF0000)).astype(np.uint32).view(F32)
-
-
+# ---------------------------------------------------------------- bf16 splits (conversions: ptx_model.py)
 def qp_split2(x0, x1):
     x0 = np.asarray(x0, F32)
     x1 = np.asarray(x1, F32)
@@ -196,10 +168,6 @@ def as_bytes_u32x2(a, b):  # uint2 {x=a, y=b}
     return np.ascontiguousarray(np.stack([np.asarray(a, '<u4'), np.asarray(b, '<u4')], 1)).view(np.uint8).reshape(-1, 8)
 
 
-def bytes_to_u32(b):
-    return np.ascontiguousarray(b).view('<u4').reshape(b.shape[0], b.shape[1] // 4)
-
-
 # ---------------------------------------------------------------- warp collectives
 def ldmatrix_x4(sh, tids_all, addr):
     """ldmatrix.sync.aligned.m8n8.x4.shared.b16 for every warp of the block.
@@ -220,46 +188,6 @@ for _wp in range(QP_WARPS):
         for _i in range(4):
             LDSM_SRC[_wp * 32 + _Ln, _i] = _wp * 32 + 8 * _i + (_Ln >> 2)
             LDSM_WORD[_wp * 32 + _Ln, _i] = _Ln & 3
-
-
-# Index maps of mma.m16n8k16 .bf16 fragments (PTX ISA 9.7.14.5.8), as arrays over lanes.
-_L = np.arange(32)
-_g, _t = _L >> 2, _L & 3
-# A: reg r, half e -> (row, col); element i = 2r + e
-A_ROW = np.zeros((32, 4, 2), int)
-A_COL = np.zeros((32, 4, 2), int)
-for r in range(4):
-    for e in range(2):
-        i = 2 * r + e
-        A_ROW[:, r, e] = _g if (i < 2 or 4 <= i < 6) else _g + 8
-        A_COL[:, r, e] = _t * 2 + (i & 1) + (8 if i >= 4 else 0)
-# B: reg r, half e -> (k row, n col); element i = 2r + e
-B_ROW = np.zeros((32, 2, 2), int)
-B_COL = np.zeros((32, 2, 2), int)
-for r in range(2):
-    for e in range(2):
-        i = 2 * r + e
-        B_ROW[:, r, e] = _t * 2 + (i & 1) + (8 if i >= 2 else 0)
-        B_COL[:, r, e] = _g
-# C/D: element i -> (row, col)
-C_ROW = np.zeros((32, 4), int)
-C_COL = np.zeros((32, 4), int)
-for i in range(4):
-    C_ROW[:, i] = _g if i < 2 else _g + 8
-    C_COL[:, i] = _t * 2 + (i & 1)
-
-
-def _bijective():
-    a = np.zeros((16, 16), int)
-    np.add.at(a, (A_ROW.ravel(), A_COL.ravel()), 1)
-    b = np.zeros((16, 8), int)
-    np.add.at(b, (B_ROW.ravel(), B_COL.ravel()), 1)
-    c = np.zeros((16, 8), int)
-    np.add.at(c, (C_ROW.ravel(), C_COL.ravel()), 1)
-    assert (a == 1).all() and (b == 1).all() and (c == 1).all()
-
-
-_bijective()
 
 
 def mma_bf16(c, a, b0, b1):
@@ -441,10 +369,6 @@ def qp_load_tile(dyn, gl, tid, h, w0, mc_max, blk_mc, nparts, KS=0):
         dyn.write(ta, KS + 2 * (PART + o), as_bytes_u32x2(b0_, b1), 8, "uint2 store mid")
         if nparts == 3:
             dyn.write(ta, KS + 2 * (2 * PART + o), as_bytes_u32x2(c0, c1), 8, "uint2 store lo")
-
-
-def ldsm_k_lane(l, rs):  # kernels/mma.cuh
-    return ((l & 7) + (l >> 4) * 8) * rs + ((l >> 3) & 1) * 8
 
 
 def mask_logits(s, w0, cb, mcr, scale):
@@ -634,29 +558,6 @@ def ldmatrix_x4_act(sh, tid, addr, act):
     words = np.zeros((tid.size, 4), np.uint32)
     words[act] = bytes_to_u32(sh.read(tid[act], addr[act], 16, 16, "ldmatrix row"))
     return words[LDSM_SRC[:tid.size], LDSM_WORD[:tid.size]]
-
-
-def mma_bf16_x(c, a, b0, b1):
-    """mma_bf16 batched over warps and X independent products: c (T, X, 4) f32, a (T, X, 4) u32,
-    b0, b1 (T, X) u32 (the same model: exact products, summed in f64 with c, rounded to f32 once)."""
-    T, X = c.shape[0], c.shape[1]
-    nw = T // 32
-
-    def lanes(v):  # (T, X, ...) -> (nw, X, 32, ...)
-        return np.swapaxes(v.reshape((nw, 32) + v.shape[1:]), 1, 2)
-
-    alo, ahi = u32_lo_hi_f(a)
-    A = np.zeros((nw, X, 16, 16))
-    A[:, :, A_ROW[:, :, 0], A_COL[:, :, 0]] = lanes(alo)
-    A[:, :, A_ROW[:, :, 1], A_COL[:, :, 1]] = lanes(ahi)
-    blo, bhi = u32_lo_hi_f(np.stack([b0, b1], -1))
-    B = np.zeros((nw, X, 16, 8))
-    B[:, :, B_ROW[:, :, 0], B_COL[:, :, 0]] = lanes(blo)
-    B[:, :, B_ROW[:, :, 1], B_COL[:, :, 1]] = lanes(bhi)
-    Cm = np.zeros((nw, X, 16, 8))
-    Cm[:, :, C_ROW, C_COL] = lanes(c.astype(np.float64))
-    Dm = Cm + A @ B
-    return np.swapaxes(Dm[:, :, C_ROW, C_COL], 1, 2).reshape(T, X, 4).astype(F32)
 
 
 def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
