@@ -1011,35 +1011,58 @@ impl Gpu {
             // above), y is a distinct output buffer.
             return unsafe { super::ops::launch_gemv(self, &args) };
         }
-        // SAFETY: the pointers are live device buffers of the checked sizes;
-        // alpha/beta are host f32 as the default pointer mode and the 32F
-        // compute type expect; the handle is bound to our stream.
+        // SAFETY: the pointers are live device buffers of the checked sizes.
+        unsafe { self.gemm_ex_bf16(xp, wp, yp, O::DTYPE, (m_, n_, k_), alpha, beta) }.cuda(
+            &format!("cublasGemmEx bf16 [{n}, {in_features}] x [{out_features}, {in_features}]^T"),
+        )
+    }
+
+    /// The one cuBLAS `gemm_ex` of [`Gpu::linear`] and
+    /// [`Gpu::linear_into_residual`]: y = α · x · Wᵀ + β · y, x bf16 [n, k]
+    /// and W bf16 [m, k] row-major, y [n, m] of `y_type`, f32 accumulation
+    /// (the column-major reading is [`Gpu::linear`]'s). `(m, n, k)` = (out,
+    /// rows, in).
+    ///
+    /// # Safety
+    /// x, W and y must be live device buffers of those sizes, y distinct
+    /// from x and W.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemm_ex_bf16(
+        &self,
+        x: u64,
+        w: u64,
+        y: u64,
+        y_type: cublas_sys::cudaDataType,
+        (m, n, k): (i32, i32, i32),
+        alpha: f32,
+        beta: f32,
+    ) -> std::result::Result<(), cudarc::cublas::result::CublasError> {
+        // SAFETY: the caller vouches for the buffers; alpha/beta are host f32
+        // as the default pointer mode and the 32F compute type expect; the
+        // handle is bound to our stream.
         unsafe {
             cudarc::cublas::result::gemm_ex(
                 *self.blas.handle(),
                 cublas_sys::cublasOperation_t::CUBLAS_OP_T,
                 cublas_sys::cublasOperation_t::CUBLAS_OP_N,
-                m_,
-                n_,
-                k_,
+                m,
+                n,
+                k,
                 (&alpha as *const f32).cast(),
-                wp as *const std::ffi::c_void,
+                w as *const std::ffi::c_void,
                 cublas_sys::cudaDataType::CUDA_R_16BF,
-                k_,
-                xp as *const std::ffi::c_void,
+                k,
+                x as *const std::ffi::c_void,
                 cublas_sys::cudaDataType::CUDA_R_16BF,
-                k_,
+                k,
                 (&beta as *const f32).cast(),
-                yp as *mut std::ffi::c_void,
-                O::DTYPE,
-                m_,
+                y as *mut std::ffi::c_void,
+                y_type,
+                m,
                 cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
             )
         }
-        .cuda(&format!(
-            "cublasGemmEx bf16 [{n}, {in_features}] x [{out_features}, {in_features}]^T"
-        ))
     }
 
     /// Adds a bf16 linear layer into the f32 residual stream through one
@@ -1073,31 +1096,16 @@ impl Gpu {
             i32_dim(n, "n")?,
             i32_dim(in_features, "in_features")?,
         );
-        let (alpha, beta) = (scale, 1.0f32);
-        // SAFETY: the caller vouches for the buffers; alpha/beta are host
-        // f32 as the default pointer mode and the 32F compute type expect;
-        // the handle is bound to our stream.
+        // SAFETY: the caller vouches for the buffers (this function's contract).
         unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
-                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
-                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
-                m_,
-                n_,
-                k_,
-                (&alpha as *const f32).cast(),
-                w as *const std::ffi::c_void,
-                cublas_sys::cudaDataType::CUDA_R_16BF,
-                k_,
-                x as *const std::ffi::c_void,
-                cublas_sys::cudaDataType::CUDA_R_16BF,
-                k_,
-                (&beta as *const f32).cast(),
-                resid as *mut std::ffi::c_void,
+            self.gemm_ex_bf16(
+                x,
+                w,
+                resid,
                 cublas_sys::cudaDataType::CUDA_R_32F,
-                m_,
-                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+                (m_, n_, k_),
+                scale,
+                1.0,
             )
         }
         .cuda(&format!(
