@@ -367,6 +367,18 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
     // lane's cp.async of the bias (4 bytes a key, zero past the valid keys) arrives when it
     // lands, lane 0 arrives with the byte count of the K and V rows, and those rows' bulk
     // copies complete as transaction bytes.
+    // The warps that need tile t: a row of theirs selected its block and sees a key of it;
+    // warp 0 stands in when none does, so every filled tile is waited for and released.
+    auto ring_needmask = [&](int t) {
+        int kt0, nv;
+        tile_keys(t, kt0, nv);
+        const u64 sel = __ldg(umask + t / spb);
+        u32 m = 0u;
+#pragma unroll
+        for (int w = 0; w < PF_WARPS; ++w)
+            if ((sel & pf_wb[w]) != 0ull && kt0 <= pf_kmax[w]) m |= 1u << w;
+        return m == 0u ? 1u : m;
+    };
     auto ring_fill = [&](int t, int st) {
         int kt0, nv;
         tile_keys(t, kt0, nv);
@@ -425,18 +437,9 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
     for (int t = 0; t < nkt; ++t) {
         if constexpr (RING) {
 #if PF_RING
-            // The warps that need tile t: a row of theirs selected its block and sees a key of
-            // it (warp 0 stands in when none does, so every filled tile is waited for and
-            // released). Other warps move on.
+            // Only the warps that need tile t wait for it; the others move on.
             st = t % PF_STAGES;
-            int kt0, nv;
-            tile_keys(t, kt0, nv);
-            const u64 sel = __ldg(umask + t / spb);
-            u32 needmask = 0u;
-#pragma unroll
-            for (int w = 0; w < PF_WARPS; ++w)
-                if ((sel & pf_wb[w]) != 0ull && kt0 <= pf_kmax[w]) needmask |= 1u << w;
-            if (needmask == 0u) needmask = 1u;
+            const u32 needmask = ring_needmask(t);
             if (((needmask >> warp) & 1u) == 0u) continue;
             // (an acquire load: the mbarrier wait below must not see a state older than the
             // fill this load saw announced, or its parity test would pass on the stale phase)
@@ -628,14 +631,7 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
                 old = atomicAdd(&pf_rel[st], 1);
             }
             old = __shfl_sync(FULL_MASK, old, 0);
-            int kt0, nv;
-            tile_keys(t, kt0, nv);
-            const u64 sel = __ldg(umask + t / spb);
-            u32 needmask = 0u;
-#pragma unroll
-            for (int w = 0; w < PF_WARPS; ++w)
-                if ((sel & pf_wb[w]) != 0ull && kt0 <= pf_kmax[w]) needmask |= 1u << w;
-            if (needmask == 0u) needmask = 1u;
+            const u32 needmask = ring_needmask(t);
             if (old == __popc(needmask) - 1) {
                 if (lane == 0) {
                     pf_rel[st] = 0;
