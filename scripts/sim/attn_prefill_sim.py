@@ -808,11 +808,8 @@ class MBar:
     def _tx_range(self, what):
         check(-self.TX_MAX <= self.tx <= self.TX_MAX, f"{self.name}: tx-count {self.tx} out of range after {what}")
 
-    def arrive_expect_tx(self, nbytes, vc):
-        """-> the phase the arrival counted on."""
-        self._use("arrive.expect_tx")
-        self.tx += nbytes
-        self._tx_range("expect_tx")
+    def _arrive(self, vc):
+        """One arrival of the count (releasing vc); -> the phase it counted on."""
         check(self.pending > 0, f"{self.name}: arrive on phase {self.phase} with no arrival pending (undefined)")
         self.pending -= 1
         np.maximum(self.vc, vc, out=self.vc)
@@ -820,16 +817,18 @@ class MBar:
         self._complete()
         return ph
 
+    def arrive_expect_tx(self, nbytes, vc):
+        """-> the phase the arrival counted on."""
+        self._use("arrive.expect_tx")
+        self.tx += nbytes
+        self._tx_range("expect_tx")
+        return self._arrive(vc)
+
     def arrive_noinc(self, vc):
         """cp.async.mbarrier.arrive.noinc firing (its thread's tracked cp.asyncs landed): one arrival of the
         count (not incremented in advance); -> the phase it counted on."""
         self._use("cp.async.mbarrier.arrive.noinc")
-        check(self.pending > 0, f"{self.name}: arrive on phase {self.phase} with no arrival pending (undefined)")
-        self.pending -= 1
-        np.maximum(self.vc, vc, out=self.vc)
-        ph = self.phase
-        self._complete()
-        return ph
+        return self._arrive(vc)
 
     def complete_tx(self, nbytes, vc):
         self._use("complete_tx")
