@@ -980,12 +980,6 @@ impl Gpu {
         if n == 0 || out_features == 0 {
             return Ok(());
         }
-        let (m_, n_, k_) = (
-            i32_dim(out_features, "out_features")?,
-            i32_dim(n, "n")?,
-            i32_dim(in_features, "in_features")?,
-        );
-        let (alpha, beta) = (1.0f32, 0.0f32);
         let (xp, _gx) = x.device_ptr(&self.stream);
         let (wp, _gw) = w.device_ptr(&self.stream);
         let (yp, _gy) = y.device_ptr_mut(&self.stream);
@@ -1012,16 +1006,28 @@ impl Gpu {
             return unsafe { super::ops::launch_gemv(self, &args) };
         }
         // SAFETY: the pointers are live device buffers of the checked sizes.
-        unsafe { self.gemm_ex_bf16(xp, wp, yp, O::DTYPE, (m_, n_, k_), alpha, beta) }.cuda(
-            &format!("cublasGemmEx bf16 [{n}, {in_features}] x [{out_features}, {in_features}]^T"),
-        )
+        unsafe {
+            self.gemm_ex_bf16(
+                xp,
+                wp,
+                yp,
+                O::DTYPE,
+                (n, in_features, out_features),
+                1.0,
+                0.0,
+                "",
+            )
+        }
     }
 
     /// The one cuBLAS `gemm_ex` of [`Gpu::linear`] and
-    /// [`Gpu::linear_into_residual`]: y = α · x · Wᵀ + β · y, x bf16 [n, k]
-    /// and W bf16 [m, k] row-major, y [n, m] of `y_type`, f32 accumulation
-    /// (the column-major reading is [`Gpu::linear`]'s). `(m, n, k)` = (out,
-    /// rows, in).
+    /// [`Gpu::linear_into_residual`]: y = α · x · Wᵀ + β · y, x bf16
+    /// [n, in] and W bf16 [out, in] row-major, y [n, out] of `y_type`, f32
+    /// accumulation (the column-major reading is [`Gpu::linear`]'s); `what`
+    /// ends the error's description. n = 0 or out = 0 is a no-op.
+    ///
+    /// Errors: [`Error::Input`] when a dimension exceeds i32;
+    /// [`Error::Cuda`] on a cuBLAS failure.
     ///
     /// # Safety
     /// x, W and y must be live device buffers of those sizes, y distinct
@@ -1033,10 +1039,19 @@ impl Gpu {
         w: u64,
         y: u64,
         y_type: cublas_sys::cudaDataType,
-        (m, n, k): (i32, i32, i32),
+        (n, in_features, out_features): (usize, usize, usize),
         alpha: f32,
         beta: f32,
-    ) -> std::result::Result<(), cudarc::cublas::result::CublasError> {
+        what: &str,
+    ) -> Result<()> {
+        if n == 0 || out_features == 0 {
+            return Ok(());
+        }
+        let (m, rows, k) = (
+            i32_dim(out_features, "out_features")?,
+            i32_dim(n, "n")?,
+            i32_dim(in_features, "in_features")?,
+        );
         // SAFETY: the caller vouches for the buffers; alpha/beta are host f32
         // as the default pointer mode and the 32F compute type expect; the
         // handle is bound to our stream.
@@ -1046,7 +1061,7 @@ impl Gpu {
                 cublas_sys::cublasOperation_t::CUBLAS_OP_T,
                 cublas_sys::cublasOperation_t::CUBLAS_OP_N,
                 m,
-                n,
+                rows,
                 k,
                 (&alpha as *const f32).cast(),
                 w as *const std::ffi::c_void,
@@ -1063,6 +1078,9 @@ impl Gpu {
                 cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
             )
         }
+        .cuda(&format!(
+            "cublasGemmEx bf16 [{n}, {in_features}] x [{out_features}, {in_features}]^T{what}"
+        ))
     }
 
     /// Adds a bf16 linear layer into the f32 residual stream through one
@@ -1088,14 +1106,6 @@ impl Gpu {
         resid: u64,
         scale: f32,
     ) -> Result<()> {
-        if n == 0 || out_features == 0 {
-            return Ok(());
-        }
-        let (m_, n_, k_) = (
-            i32_dim(out_features, "out_features")?,
-            i32_dim(n, "n")?,
-            i32_dim(in_features, "in_features")?,
-        );
         // SAFETY: the caller vouches for the buffers (this function's contract).
         unsafe {
             self.gemm_ex_bf16(
@@ -1103,14 +1113,12 @@ impl Gpu {
                 w,
                 resid,
                 cublas_sys::cudaDataType::CUDA_R_32F,
-                (m_, n_, k_),
+                (n, in_features, out_features),
                 scale,
                 1.0,
+                " added into the f32 residual",
             )
         }
-        .cuda(&format!(
-            "cublasGemmEx bf16 [{n}, {in_features}] x [{out_features}, {in_features}]^T added into the f32 residual"
-        ))
     }
 }
 
