@@ -333,6 +333,15 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 #define QP_LOGIT_SCALE(scale) (scale)
 #endif
 
+// QP_FULL_TILES (1 unless set to 0 through SPARDA_NVRTC_OPTIONS=-DQP_FULL_TILES=0): the m32
+// kernels skip the per-window masking of a tile every row of the block sees whole (w0 + 64 <=
+// the least Mc of the block's rows: all but the last tile or two of a prefill chunk), and in pass
+// 2 the test of each logit against -inf there. Either way the logits stay unscaled until the
+// exponent, taken as qp_exp(fma(s, lscale, -M * lscale)) (one rounding, not two).
+#ifndef QP_FULL_TILES
+#define QP_FULL_TILES 1
+#endif
+
 #define QP_M32_WARPS 8
 #define QP_M32_THREADS (32 * QP_M32_WARPS)
 
@@ -384,9 +393,12 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     if (nr <= 0) return;  // uniform over the block
     for (int i = tid; i < nr; i += QP_M32_THREADS) qp_mc[i] = sel_windows(lens[b0 + i], stride, ksize);
     __syncthreads();
-    int mc_max = 0;
-    for (int i = 0; i < nr; ++i) mc_max = max(mc_max, qp_mc[i]);
+    int mc_max = 0, mc_min = 0x7fffffff;
+    for (int i = 0; i < nr; ++i) mc_max = max(mc_max, qp_mc[i]), mc_min = min(mc_min, qp_mc[i]);
     if (mc_max == 0) return;  // uniform: no row has a window yet
+    // Tiles t < full_tiles every row sees whole (past-the-rows M-rows have Q = 0: finite logits,
+    // never written).
+    const int full_tiles = QP_FULL_TILES ? mc_min / QP_BN : 0;
 
     // Fragment row lane/4 + 8k of A tile a: block M-row 32*wr + 16a + lane/4 + 8k, block row
     // (M-row) / G, and that row's Mc (0 past the block's rows).
@@ -464,15 +476,16 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     const float lscale = QP_LOGIT_SCALE(scale);  // logits in the units of qp_exp
 
     // S of both A tiles over this warp's half of the tile at w0: s[a][c][2k + e] is fragment
-    // row lane/4 + 8k of tile a, window w0 + 32*hf + 8c + 2*(lane%4) + e; scaled, -inf at
-    // windows w >= the row's Mc.
-    auto half_logits = [&](int w0, int buf, float (&s)[2][4][4]) {
+    // row lane/4 + 8k of tile a, window w0 + 32*hf + 8c + 2*(lane%4) + e; unscaled, -inf at
+    // windows w >= the row's Mc unless `full` (every row sees the whole tile).
+    auto half_logits = [&](int w0, int buf, bool full, float (&s)[2][4][4]) {
 #pragma unroll
         for (int a = 0; a < 2; ++a)
 #pragma unroll
             for (int c = 0; c < 4; ++c) s[a][c][0] = s[a][c][1] = s[a][c][2] = s[a][c][3] = 0.0f;
 #pragma unroll
         for (int p = 0; p < NP; ++p) mma_qk_tile32_m32<NK, RS>(s, qa, ks_lane + (buf * NP + p) * PART * 2);
+        if (full) return;
 #pragma unroll
         for (int a = 0; a < 2; ++a)
 #pragma unroll
@@ -481,15 +494,13 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                 for (int e = 0; e < 2; ++e) {
                     const int w = w0 + cb + 8 * c + e;
 #pragma unroll
-                    for (int k = 0; k < 2; ++k) {
-                        const float v = s[a][c][2 * k + e] * lscale;
-                        s[a][c][2 * k + e] = w < mcr[a][k] ? v : -INFINITY;
-                    }
+                    for (int k = 0; k < 2; ++k)
+                        if (w >= mcr[a][k]) s[a][c][2 * k + e] = -INFINITY;
                 }
     };
 
-    // Pass 1: running maximum and this lane's share of the sum of exp per fragment row, over
-    // this warp's halves of the tiles.
+    // Pass 1: running maximum (of the unscaled logits) and this lane's share of the sum of exp
+    // per fragment row, over this warp's halves of the tiles.
     float mr[2][2], lr[2][2];
 #pragma unroll
     for (int a = 0; a < 2; ++a) mr[a][0] = mr[a][1] = -INFINITY, lr[a][0] = lr[a][1] = 0.0f;
@@ -500,7 +511,7 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
         __syncthreads();
         if (w0 + 32 * hf < mc_max) {  // warp-uniform: the last tile's second half may be empty
             float s[2][4][4];
-            half_logits(w0, buf, s);
+            half_logits(w0, buf, t < full_tiles, s);
 #pragma unroll
             for (int a = 0; a < 2; ++a)
 #pragma unroll
@@ -512,11 +523,12 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                     mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
                     const float mn = fmaxf(mr[a][k], mx);
                     if (mn != -INFINITY) {
-                        float l = mr[a][k] != -INFINITY ? lr[a][k] * qp_exp(mr[a][k] - mn) : 0.0f;
+                        const float nm = -mn * lscale;
+                        float l = mr[a][k] != -INFINITY ? lr[a][k] * qp_exp(fmaf(mr[a][k], lscale, nm)) : 0.0f;
 #pragma unroll
                         for (int c = 0; c < 4; ++c) {
-                            l += qp_exp(s[a][c][2 * k] - mn);
-                            l += qp_exp(s[a][c][2 * k + 1] - mn);
+                            l += qp_exp(fmaf(s[a][c][2 * k], lscale, nm));
+                            l += qp_exp(fmaf(s[a][c][2 * k + 1], lscale, nm));
                         }
                         lr[a][k] = l;
                         mr[a][k] = mn;
@@ -552,9 +564,10 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
             const float mn = fmaxf(m0, m1);
             float l = 0.0f;
             if (mn != -INFINITY) {
-                l = (m0 != -INFINITY ? l0 * qp_exp(m0 - mn) : 0.0f) + (m1 != -INFINITY ? l1 * qp_exp(m1 - mn) : 0.0f);
+                l = (m0 != -INFINITY ? l0 * qp_exp((m0 - mn) * lscale) : 0.0f) +
+                    (m1 != -INFINITY ? l1 * qp_exp((m1 - mn) * lscale) : 0.0f);
             }
-            mr[a][k] = mn;
+            mr[a][k] = -mn * lscale;  // pass 2's exponent offset (+inf for a row without windows: only masked logits)
             il[a][k] = l > 0.0f ? 1.0f / l : 0.0f;
         }
     __syncthreads();  // the statistics are read before the first tile of pass 2 overwrites them
@@ -570,8 +583,9 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
         const int buf = stage_tile(t);
         __syncthreads();
         if (w0 + 32 * hf < mc_max) {  // warp-uniform
+            const bool full = t < full_tiles;
             float s[2][4][4];
-            half_logits(w0, buf, s);
+            half_logits(w0, buf, full, s);
 #pragma unroll
             for (int a = 0; a < 2; ++a)
 #pragma unroll
@@ -579,8 +593,9 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const float s0 = s[a][c][e], s1 = s[a][c][2 + e];
-                        float p0 = s0 != -INFINITY ? qp_exp(s0 - mr[a][0]) * il[a][0] : 0.0f;
-                        float p1 = s1 != -INFINITY ? qp_exp(s1 - mr[a][1]) * il[a][1] : 0.0f;
+                        // (a full tile has no -inf logit and every row's offset is finite)
+                        float p0 = full || s0 != -INFINITY ? qp_exp(fmaf(s0, lscale, mr[a][0])) * il[a][0] : 0.0f;
+                        float p1 = full || s1 != -INFINITY ? qp_exp(fmaf(s1, lscale, mr[a][1])) * il[a][1] : 0.0f;
                         if (G == 16) {
                             p0 += p1;
 #pragma unroll

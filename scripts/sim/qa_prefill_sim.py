@@ -414,6 +414,48 @@ def p_value(v, mr, il):
     return np.where(v != NEG_INF, (np.exp((v - mr).astype(F32)) * il).astype(F32), F32(0)).astype(F32)
 
 
+def fma32(x, y, z):
+    """fmaf(x, y, z) in f32 (the f32 product is exact in f64; one f64 rounding of the sum, then f32)."""
+    return (np.asarray(x, np.float64) * np.float64(y) + np.asarray(z, np.float64)).astype(F32)
+
+
+def mask_raw(s, w0, cb, mcr):
+    """The m32 kernels' masking, in place: s[:, c, 2k + e] (window w0 + cb + 8c + e, fragment row k)
+    unscaled, -inf at w >= mcr[:, k]."""
+    for c in range(s.shape[1]):
+        for e in range(2):
+            w = w0 + cb + 8 * c + e
+            for k in range(2):
+                s[:, c, 2 * k + e] = np.where(w < mcr[:, k], s[:, c, 2 * k + e], NEG_INF)
+
+
+def online_update_m32(s, k, mr, lr, lscale, active=None):
+    """online_update for the m32 kernels: the running maximum of the unscaled logits, each exponent
+    qp_exp(fmaf(x, lscale, -mn * lscale))."""
+    mx = np.full(s.shape[0], NEG_INF, F32)
+    for c in range(s.shape[1]):
+        mx = np.fmax(mx, np.fmax(s[:, c, 2 * k], s[:, c, 2 * k + 1]))
+    mx = np.fmax(mx, shfl_xor(mx, 1, active))
+    mx = np.fmax(mx, shfl_xor(mx, 2, active))
+    mn = np.fmax(mr, mx)
+    upd = mn != NEG_INF
+    nm = (-mn * F32(lscale)).astype(F32)
+    l = np.where(mr != NEG_INF, lr * np.exp(fma32(mr, lscale, nm)), F32(0)).astype(F32)
+    for c in range(s.shape[1]):
+        l = (l + np.exp(fma32(s[:, c, 2 * k], lscale, nm))).astype(F32)
+        l = (l + np.exp(fma32(s[:, c, 2 * k + 1], lscale, nm))).astype(F32)
+    return np.where(upd, mn, mr), np.where(upd, l, lr)
+
+
+def p_value_m32(v, off, il, lscale, full):
+    """full || v != -inf ? qp_exp(fmaf(v, lscale, off)) * il : 0 (off = -M * lscale)."""
+    p = (np.exp(fma32(v, lscale, off)) * il).astype(F32)
+    if full:
+        check(np.isfinite(v).all() and np.isfinite(off).all(), "-inf logit or offset in a full tile")
+        return p
+    return np.where(v != NEG_INF, p, F32(0)).astype(F32)
+
+
 def store_out(gl, h, brow, wa, vals):
     """s_out[((b0 + i) * hkv + h) * w_stride + w] = vals (brow = b0 + i), with the output checks."""
     idx = (brow * gl.hkv + h) * gl.w_stride + wa
@@ -543,6 +585,14 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
 QP_M32_WARPS = 8
 QP_M32_THREADS = 32 * QP_M32_WARPS
 QP_M32_NP = 3
+QP_FULL_TILES = 1  # kernels/qa_prefill.cu's default; --no-full-tiles simulates -DQP_FULL_TILES=0
+
+
+def scatter_act(v, act):
+    """The values v of the threads act as a (T,) vector, 0 at the other threads."""
+    out = np.zeros(act.shape[0], F32)
+    out[act] = v
+    return out
 QP_M32_GS = (4, 8, 16)  # the G of the entry points
 
 
@@ -592,6 +642,9 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
     b0, nr, blk_mc, mc_max, done = pro
     if done:
         return nbar[0]
+    # QP_FULL_TILES: tiles every row of the block sees whole (the least Mc of its rows, qp_mc[0 .. nr))
+    full_tiles = int(gl.mc_rows[b0:b0 + nr].min()) // QP_BN if QP_FULL_TILES else 0
+    lscale = scale  # QP_LOGIT_SCALE with -DQP_FAST_EXP=0: the simulation's exp is expf
 
     # ---- Q: fragment row lane/4 + 8k of A tile a is block M-row 32*wr + 16a + lane/4 + 8k
     mcr = np.zeros((T, 2, 2), np.int64)
@@ -604,9 +657,9 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
     ntiles = (int(mc_max[0]) + QP_BN - 1) // QP_BN
     cb = (lane & 3) * 2 + 32 * hf
 
-    def half_logits(w0, act):
+    def half_logits(w0, act, full):
         """s (T, 2, 4, 4): s[:, a, c, 2k + e] = fragment row lane/4 + 8k of tile a, window w0 + cb + 8c + e
-        (cb includes 32*hf), computed by the threads act (0 elsewhere)."""
+        (cb includes 32*hf), unscaled, computed by the threads act (0 elsewhere); masked unless full."""
         s = np.zeros((T, 2, 4, 4), F32)
         for p in range(NPm):
             ks = ks_lane + p * PART * 2  # mma_qk_tile32_m32<NK, RS>(s, qa, ks_lane + p*PART*2)
@@ -619,8 +672,9 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
                     bb0 = np.tile(b[:, [0, 2]], 2)  # (T, 4): b0, b2, b0, b2
                     bb1 = np.tile(b[:, [1, 3]], 2)
                     s[:, :, 2 * nb:2 * nb + 2] = mma_bf16_x(cc, aa, bb0, bb1).reshape(T, 2, 2, 4)
-        for a in range(2):
-            mask_logits(s[:, a], w0, cb, mcr[:, a], scale)  # s[:, a] is a view: masked in place
+        if not full:
+            for a in range(2):
+                mask_raw(s[:, a], w0, cb, mcr[:, a])  # s[:, a] is a view: masked in place
         return s
 
     def half_active(w0):
@@ -649,10 +703,10 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
             syncthreads(live)
             act = half_active(w0)
             if act.any():
-                s = half_logits(w0, act)
+                s = half_logits(w0, act, t < full_tiles)
                 for a in range(2):
                     for k in range(2):
-                        m_, l_ = online_update(s[:, a], k, mr[:, a, k], lr[:, a, k], act)
+                        m_, l_ = online_update_m32(s[:, a], k, mr[:, a, k], lr[:, a, k], lscale, act)
                         mr[:, a, k] = np.where(act, m_, mr[:, a, k])
                         lr[:, a, k] = np.where(act, l_, lr[:, a, k])
             syncthreads(live)
@@ -679,10 +733,10 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
                 l1 = bytes_to_u32(dyn.read(tid, o + 4, 4, 4, "st sum load")).view(F32)[:, 0]
                 m0, l0 = mr[:, a, k], lr[:, a, k]
                 mn = np.fmax(m0, m1)
-                e0 = np.where(m0 != NEG_INF, (l0 * np.exp((m0 - mn).astype(F32))).astype(F32), F32(0))
-                e1 = np.where(m1 != NEG_INF, (l1 * np.exp((m1 - mn).astype(F32))).astype(F32), F32(0))
+                e0 = np.where(m0 != NEG_INF, (l0 * np.exp(((m0 - mn).astype(F32) * F32(lscale)).astype(F32))).astype(F32), F32(0))
+                e1 = np.where(m1 != NEG_INF, (l1 * np.exp(((m1 - mn).astype(F32) * F32(lscale)).astype(F32))).astype(F32), F32(0))
                 l = np.where(mn != NEG_INF, (e0 + e1).astype(F32), F32(0)).astype(F32)
-                mr[:, a, k] = mn
+                mr[:, a, k] = (-mn * F32(lscale)).astype(F32)  # pass 2's exponent offset
                 il[:, a, k] = np.where(l > 0, (F32(1) / l).astype(F32), F32(0))
                 # the pair and the row's four lanes agree on the row's statistics
                 check((mn == shfl_xor(mn, 1)).all() and (mn == shfl_xor(mn, 2)).all(),
@@ -701,13 +755,15 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
             syncthreads(live)
             act = half_active(w0)
             if act.any():
-                s = half_logits(w0, act)
+                full = t < full_tiles
+                s = half_logits(w0, act, full)
                 for a in range(2):
                     for c in range(4):
                         for e in range(2):
                             s0, s1 = s[:, a, c, e], s[:, a, c, 2 + e]
-                            p0 = p_value(s0, mr[:, a, 0], il[:, a, 0])
-                            p1 = p_value(s1, mr[:, a, 1], il[:, a, 1])
+                            p0 = p_value_m32(s0[act], mr[act, a, 0], il[act, a, 0], lscale, full)
+                            p1 = p_value_m32(s1[act], mr[act, a, 1], il[act, a, 1], lscale, full)
+                            p0, p1 = scatter_act(p0, act), scatter_act(p1, act)
                             t0, t1 = ones_m[:, a, 0].copy(), ones_m[:, a, 1].copy()
                             if G == 16:
                                 p0 = (p0 + p1).astype(F32)
@@ -890,6 +946,8 @@ if __name__ == "__main__":
         assert not (KERNEL == "m32" and "--parts" in sys.argv), "the m32 kernel has three parts only"
     rng = np.random.default_rng(1)
     print("split hi+mid+lo == x  (f32 sum, exact sum, pack halves, RNE ties):", split_exactness_test(rng))
+    if "--no-full-tiles" in sys.argv:
+        QP_FULL_TILES = 0
     if KERNEL == "m32":
         worst = 0.0
         allerr = []
