@@ -342,6 +342,16 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 #define QP_FULL_TILES 1
 #endif
 
+// QP_STAGES (2 unless set to 3 through SPARDA_NVRTC_OPTIONS=-DQP_STAGES=3): the part-tile buffers
+// of the two-part split kernels (m32s_bf16x2). 2: the next tile's copies run during this tile's
+// products, with a barrier before and after each tile. 3: two tiles in flight and one barrier
+// per tile (the buffer refilled is the one every warp finished before that barrier); three
+// buffers of two parts fit the dynamic shared memory the host gives two buffers of three parts.
+// The three-part kernels keep 2 (3 would take 1.5 times their shared memory).
+#ifndef QP_STAGES
+#define QP_STAGES 2
+#endif
+
 #define QP_M32_WARPS 8
 #define QP_M32_THREADS (32 * QP_M32_WARPS)
 
@@ -377,6 +387,8 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                                                            int w_stride, int stride, int ksize, float scale,
                                                            const bf16_t* __restrict__ parts, int p_stride) {
     static_assert(NP == 2 || NP == 3, "two or three Kc parts");
+    static_assert(QP_STAGES == 2 || QP_STAGES == 3, "QP_STAGES is 2 or 3");
+    constexpr bool RING3 = SPLIT && NP == 2 && QP_STAGES == 3;  // three buffers, one barrier per tile
     constexpr int RS = D + QP_PAD;
     constexpr int NK = D / 16;
     constexpr int PART = QP_BN * RS;
@@ -422,7 +434,7 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
         qp_q_frags<NK>(qa[a], qr[0], qr[1], lane);
     }
 
-    bf16_t* Ks = (bf16_t*)qp_sh;  // [SPLIT ? 2 : 1][NP][QP_BN][RS]: hi, mid (, lo)
+    bf16_t* Ks = (bf16_t*)qp_sh;  // [SPLIT ? (RING3 ? 3 : 2) : 1][NP][QP_BN][RS]: hi, mid (, lo)
     const u32 ks_lane = smem_addr(Ks + ldsm_k_lane(lane, RS) + hf * 32 * RS);
     const u64 kc_row = (u64)hkv * D;
     const float* Kh = kc + (u64)h * D;
@@ -461,8 +473,14 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
         cp_async_commit();
     };
     // Tile t's part tiles in shared memory, in buffer t & 1 under SPLIT (the next tile's copies
-    // issued first), in the one buffer otherwise; returns the buffer.
+    // issued first), in the one buffer otherwise; returns the buffer. RING3: buffer t % 3, after
+    // the barrier that ends every warp's use of tile t - 1, whose buffer tile t + 2 then refills
+    // (the caller's barrier below is that barrier: stage_tile only waits for tile t's copies).
     auto stage_tile = [&](int t) -> int {
+        if (RING3) {
+            cp_async_wait_one();  // tile t landed (tile t + 1 may still be in flight)
+            return t % 3;
+        }
         if (SPLIT) {
             if (t + 1 < ntiles) issue_tile((t + 1) * QP_BN, (t + 1) & 1);
             else cp_async_commit();  // an empty group: wait_one below then waits for tile t
@@ -504,11 +522,26 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     float mr[2][2], lr[2][2];
 #pragma unroll
     for (int a = 0; a < 2; ++a) mr[a][0] = mr[a][1] = -INFINITY, lr[a][0] = lr[a][1] = 0.0f;
-    if (SPLIT) issue_tile(0, 0);
+    // RING3: tiles 0 and 1 in flight before the loop; tile t + 2 issued after tile t's barrier.
+    auto prologue = [&]() {
+        if (SPLIT) issue_tile(0, 0);
+        if (RING3) {
+            if (ntiles > 1) issue_tile(QP_BN, 1);
+            else cp_async_commit();  // an empty group: wait_one then waits for tile 0
+        }
+    };
+    auto refill = [&](int t) {
+        if (RING3) {
+            if (t + 2 < ntiles) issue_tile((t + 2) * QP_BN, (t + 2) % 3);
+            else cp_async_commit();  // empty: wait_one keeps waiting for the tile before it
+        }
+    };
+    prologue();
     for (int t = 0; t < ntiles; ++t) {
         const int w0 = t * QP_BN;
         const int buf = stage_tile(t);
         __syncthreads();
+        refill(t);
         if (w0 + 32 * hf < mc_max) {  // warp-uniform: the last tile's second half may be empty
             float s[2][4][4];
             half_logits(w0, buf, t < full_tiles, s);
@@ -535,8 +568,9 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                     }
                 }
         }
-        __syncthreads();  // the part tiles are rewritten by the next tile (or the statistics)
+        if (!RING3) __syncthreads();  // the part tiles are rewritten by the next tile
     }
+    if (RING3) __syncthreads();  // every warp is done with the last tile before the statistics
     // The row's sum over its four lanes, then the pair's merge: each warp writes its (max, sum)
     // per fragment row into the (now unused) part tiles, reads its partner's, and keeps
     // M = max(m0, m1), L = l0 exp(m0 - M) + l1 exp(m1 - M); 1/L (0 for a row without windows).
@@ -577,11 +611,12 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     // also the two fragment rows k of a lane. A lane with those bits 0 writes the sum.
     constexpr int gl = G < 8 ? G : 8;
     const bool writer = ((lane >> 2) & (gl - 1)) == 0;
-    if (SPLIT) issue_tile(0, 0);
+    prologue();
     for (int t = 0; t < ntiles; ++t) {
         const int w0 = t * QP_BN;
         const int buf = stage_tile(t);
         __syncthreads();
+        refill(t);
         if (w0 + 32 * hf < mc_max) {  // warp-uniform
             const bool full = t < full_tiles;
             float s[2][4][4];
@@ -618,7 +653,7 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                         }
                     }
         }
-        __syncthreads();  // every warp has read the part tiles: the next tile may overwrite them
+        if (!RING3) __syncthreads();  // every warp has read the part tiles: the next tile may overwrite them
     }
 }
 

@@ -48,12 +48,7 @@ pub fn prefill_stages() -> usize {
 /// or `--define-macro=PF_STAGES=` wins; a value other than 0, 2 or 3 is left to fail the kernel's compile
 /// (its `#error` names the values) and sizes for 2 here.
 fn prefill_stages_from(opts: &[String]) -> usize {
-    opts.iter()
-        .rev()
-        .find_map(|o| {
-            o.strip_prefix("-DPF_STAGES=")
-                .or_else(|| o.strip_prefix("--define-macro=PF_STAGES="))
-        })
+    crate::cuda::context::nvrtc_define(opts, "PF_STAGES")
         .and_then(|v| v.parse::<usize>().ok())
         .filter(|&s| s == 3)
         .unwrap_or(2)
