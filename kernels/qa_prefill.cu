@@ -352,6 +352,16 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 #define QP_STAGES 2
 #endif
 
+// QP_TREE_SUM (0 unless set to 1 through SPARDA_NVRTC_OPTIONS=-DQP_TREE_SUM=1): at G = 16, pass 2
+// sums each A tile's eight (window) columns over the eight lane groups by a transposing tree:
+// at each of the three shuffle steps a lane keeps half its columns and sends the other half to
+// its partner, so 4 + 2 + 1 shuffles (and adds) give every lane the total of one column, where
+// the sum of every column over all eight groups takes 3 x 8; then each lane writes its column
+// (one store a lane instead of eight from one lane in eight). The same sums in another order.
+#ifndef QP_TREE_SUM
+#define QP_TREE_SUM 0
+#endif
+
 #define QP_M32_WARPS 8
 #define QP_M32_THREADS (32 * QP_M32_WARPS)
 
@@ -621,6 +631,40 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
             const bool full = t < full_tiles;
             float s[2][4][4];
             half_logits(w0, buf, full, s);
+            if (G == 16 && QP_TREE_SUM) {
+                // v[2c + e]: this lane's two heads (fragment rows k = 0, 1) of window w0 + cb + 8c + e
+                const bool l4 = lane & 16, l3 = lane & 8, l2 = lane & 4;  // lane bits 4, 3, 2
+                const int q = (lane >> 2) & 7;  // the column this lane ends with
+#pragma unroll
+                for (int a = 0; a < 2; ++a) {
+                    float v[8];
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const float s0 = s[a][c][e], s1 = s[a][c][2 + e];
+                            const float p0 = full || s0 != -INFINITY ? qp_exp(fmaf(s0, lscale, mr[a][0])) * il[a][0] : 0.0f;
+                            const float p1 = full || s1 != -INFINITY ? qp_exp(fmaf(s1, lscale, mr[a][1])) * il[a][1] : 0.0f;
+                            v[2 * c + e] = p0 + p1;
+                        }
+                    float u[4], x2[2];
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {  // keep columns j + 4*l4
+                        const float keep = l4 ? v[j + 4] : v[j], send = l4 ? v[j] : v[j + 4];
+                        u[j] = keep + __shfl_xor_sync(FULL_MASK, send, 16);
+                    }
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {  // keep columns j + 2*l3 + 4*l4
+                        const float keep = l3 ? u[j + 2] : u[j], send = l3 ? u[j] : u[j + 2];
+                        x2[j] = keep + __shfl_xor_sync(FULL_MASK, send, 8);
+                    }
+                    const float keep = l2 ? x2[1] : x2[0], send = l2 ? x2[0] : x2[1];
+                    const float tot = keep + __shfl_xor_sync(FULL_MASK, send, 4);  // column q
+                    const int w = w0 + cb + 8 * (q >> 1) + (q & 1);
+                    const int i = wr * 2 + a;  // the A tile's row (its 16 M-rows are its 16 heads)
+                    if (w < mcr[a][0]) s_out[((u64)(b0 + i) * hkv + h) * w_stride + w] = tot;  // (Mc 0 past the rows)
+                }
+            } else
 #pragma unroll
             for (int a = 0; a < 2; ++a)
 #pragma unroll
