@@ -102,8 +102,9 @@ chunks)
   ;;
 opts)
   # OPTS: "label=NVRTC options;…" (an empty options part: the defaults), alternating over ROUNDS
-  # (default 1): the kernels group of gpu-check once per entry (the prefill attention cases among
-  # them; OPTS_CHECK=0 skips it), then per round dense prefill at DENSE_CONTEXT (default 32K) and sparse prefill at
+  # (default 1): gpu-check's OPTS_GROUP (default kernels: the prefill attention cases among them;
+  # select for the window-scoring kernels; OPTS_CHECK=0 skips it) once per entry, then per round
+  # OPTS_MODES (default "dense sparse"): dense prefill at DENSE_CONTEXT (default 32K) and sparse prefill at
   # CONTEXT (default 32K,128K), B = 1, KV on the GPU, one process each, files
   # prefill_<mode>_opts_<label>_<r>.json; each process stopped after OPTS_TIMEOUT seconds (default 240: a
   # kernel variant that never finishes, e.g. a wait that is never satisfied, costs no more than that)
@@ -113,14 +114,15 @@ opts)
   done
   [[ "${OPTS_CHECK:-1}" == 1 ]] && for o in "${opts[@]}"; do
     l=${o%%=*}
-    SPARDA_NVRTC_OPTIONS="${o#*=}" SPARDA_CHECK_ONLY=kernels timeout -k 10 "${OPTS_TIMEOUT:-240}" "$SPARDA" gpu-check \
-      --json "$out/gpu_check_kernels_opts_$l.json" 2>&1 | grep -E "FAIL|error:|cases|attention_" | sed "s/^/$l: /"
+    g=${OPTS_GROUP:-kernels}
+    SPARDA_NVRTC_OPTIONS="${o#*=}" SPARDA_CHECK_ONLY=$g timeout -k 10 "${OPTS_TIMEOUT:-240}" "$SPARDA" gpu-check \
+      --json "$out/gpu_check_${g//,/_}_opts_$l.json" 2>&1 | grep -E "FAIL|error:|cases|attention_|qa_prefill_scores_m32s" | sed "s/^/$l: /"
     rc=${PIPESTATUS[0]}; [[ $rc == 124 ]] && echo "$l: gpu-check timed out after ${OPTS_TIMEOUT:-240} s (a kernel that never finishes?)"
   done
   for r in $(seq 1 "${ROUNDS:-1}"); do
     for o in "${opts[@]}"; do
       l=${o%%=*}
-      for m in dense sparse; do
+      for m in ${OPTS_MODES:-dense sparse}; do
         ctx=${CONTEXT:-32K,128K}; [[ $m == dense ]] && ctx=${DENSE_CONTEXT:-32K}
         SPARDA_NVRTC_OPTIONS="${o#*=}" RUN_TIMEOUT=${OPTS_TIMEOUT:-240} prefill_b1 "$SPARDA" "$ctx" "$m" \
           "$out/prefill_${m}_opts_${l}_$r.json" | grep -E "prefill only|error" | sed "s/^/$l $r $m: /"
