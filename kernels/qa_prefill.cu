@@ -310,12 +310,14 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 // merge them through shared memory before pass 2. A row's G query heads lie in one A tile (G
 // divides 16: M-rows m = i*G + g, 16 | 32*(w%4) + 16a), in fragment rows lane/4 + 8k with the
 // same (lane/4 + 8k) / G: pass 2 sums them by shuffles, with no shared P tile, and one lane
-// writes each (row, window) sum. Tiles, parts and masking are the kernel above's; the exponent
+// writes each (row, window) sum (at G = 16 with QP_TREE_SUM, every lane one). Tiles and parts are
+// the kernel above's, the masking too except on fully visible tiles (QP_FULL_TILES); the exponent
 // in base 2 (QP_FAST_EXP below); the sums of exp and over heads add in other orders.
 //
 // Grid (ceil(rows / (128 / G)), hkv); block QP_M32_THREADS threads; dynamic shared memory
-// qa_prefill_m32_smem_bytes(D, split) (src/cuda/ops/prefill_scores.rs: 3*64*(D+8)*2 bytes, the part
-// tiles, twice for the m32s entry points; the pairs' statistics reuse them between the passes).
+// qa_prefill_m32_smem_bytes(D, parts, split) (src/cuda/ops/prefill_scores.rs: NP*64*(D+8)*2 bytes,
+// the part tiles, twice for the m32s entry points, three times for the two-part ones with
+// QP_STAGES=3; the pairs' statistics reuse them between the passes).
 
 // QP_FAST_EXP (1 unless set to 0 through SPARDA_NVRTC_OPTIONS=-DQP_FAST_EXP=0): the m32 kernels'
 // softmax in base 2, the logits scaled by log2(e)/sqrt(D) and exp as ex2.approx.ftz (one SFU
@@ -583,7 +585,8 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     if (RING3) __syncthreads();  // every warp is done with the last tile before the statistics
     // The row's sum over its four lanes, then the pair's merge: each warp writes its (max, sum)
     // per fragment row into the (now unused) part tiles, reads its partner's, and keeps
-    // M = max(m0, m1), L = l0 exp(m0 - M) + l1 exp(m1 - M); 1/L (0 for a row without windows).
+    // M = max(m0, m1) (unscaled logits), L = l0 e(m0 - M) + l1 e(m1 - M) with e(x) = qp_exp(x *
+    // lscale); 1/L (0 for a row without windows).
     float* st = (float*)qp_sh;  // [2 halves][4 pairs][32 lanes][2 a][2 k][2: max, sum]
     float il[2][2];
 #pragma unroll
@@ -631,10 +634,10 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
             const bool full = t < full_tiles;
             float s[2][4][4];
             half_logits(w0, buf, full, s);
-            if (G == 16 && QP_TREE_SUM) {
+            if constexpr (G == 16 && QP_TREE_SUM) {
                 // v[2c + e]: this lane's two heads (fragment rows k = 0, 1) of window w0 + cb + 8c + e
                 const bool l4 = lane & 16, l3 = lane & 8, l2 = lane & 4;  // lane bits 4, 3, 2
-                const int q = (lane >> 2) & 7;  // the column this lane ends with
+                const int qcol = (lane >> 2) & 7;  // the column this lane ends with
 #pragma unroll
                 for (int a = 0; a < 2; ++a) {
                     float v[8];
@@ -659,8 +662,8 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                         x2[j] = keep + __shfl_xor_sync(FULL_MASK, send, 8);
                     }
                     const float keep = l2 ? x2[1] : x2[0], send = l2 ? x2[0] : x2[1];
-                    const float tot = keep + __shfl_xor_sync(FULL_MASK, send, 4);  // column q
-                    const int w = w0 + cb + 8 * (q >> 1) + (q & 1);
+                    const float tot = keep + __shfl_xor_sync(FULL_MASK, send, 4);  // column qcol
+                    const int w = w0 + cb + 8 * (qcol >> 1) + (qcol & 1);
                     const int i = wr * 2 + a;  // the A tile's row (its 16 M-rows are its 16 heads)
                     if (w < mcr[a][0]) s_out[((u64)(b0 + i) * hkv + h) * w_stride + w] = tot;  // (Mc 0 past the rows)
                 }
@@ -730,7 +733,7 @@ extern "C" __global__ void qa_split_kc(const float* __restrict__ kc, bf16_t* __r
 // of a fragment row, the shuffles and the writing lanes fold into constants; a runtime G spills
 // at D = 128 under the 128 registers of 2 blocks per SM), for G 4, 8 and 16; m32s the SPLIT
 // kernel (parts from qa_split_kc, two tile buffers in dynamic shared memory), m32s_bf16x2 the
-// same on the first two parts.
+// same on the first two parts (three buffers with QP_STAGES=3).
 #define QP_M32_ENTRY(NAME, G, D)                                                                               \
     extern "C" __global__ __launch_bounds__(QP_M32_THREADS, 2) void NAME(                                      \
         const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens, \

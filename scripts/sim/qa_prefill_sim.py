@@ -1044,6 +1044,7 @@ M32_SHAPES = [
     (16, 1, 80, consec(500, 13), "G16 D80 Mc 30..31; 8+5 rows"),  # < 32: every second half empty
     (16, 2, 128, consec(20, 20), "G16 D128 Mc 0..1; 8+8+4 rows"),  # block 0 Mc 0 (early return), block 1 mixed
     (16, 1, 128, consec(3080, 24), "G16 D128 Mc 191..193; 8+8+8 rows"),  # max Mc 192 = 3*64 (blocks 0, 1), 193
+    (16, 2, 64, consec(3080, 20), "G16 D64 Mc 191..193; 8+8+4 rows"),  # full tiles in a last block of 4 rows
     (16, 1, 80, lens_mc([0, 200, 1, 64, 32, 0, 31, 100, 65, 0, 2], _r), "G16 D80 mixed Mc 0..200; 8+3 rows"),
     (4, 3, 128, consec(3990, 70), "G4 D128 hkv 3 Mc 248..252; 32+32+6 rows"),  # 4 tiles
     (4, 1, 64, lens_mc(_r.choice([0, 1, 31, 32, 33, 63, 64, 65, 96, 128], 45), _r), "G4 D64 random Mc 0..128; 32+13"),

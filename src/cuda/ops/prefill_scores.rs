@@ -522,7 +522,10 @@ mod tests {
             qa_prefill_m32_smem_bytes(128, 3, true),
             2 * 3 * 64 * 136 * 2
         );
-        assert_eq!(qa_prefill_m32_smem_bytes(64, 2, true), 2 * 2 * 64 * 72 * 2);
+        assert_eq!(
+            qa_prefill_m32_smem_bytes_at(64, 2, true, 2),
+            2 * 2 * 64 * 72 * 2
+        );
         // three stages: two-part split kernels only, in the bytes of two
         // buffers of three parts
         assert_eq!(
