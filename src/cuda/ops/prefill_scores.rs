@@ -189,14 +189,12 @@ pub fn scores_stages() -> usize {
     *STAGES.get_or_init(|| scores_stages_from(&crate::cuda::context::env_nvrtc_options()))
 }
 
-/// [`scores_stages`]'s rule on the NVRTC options: the last `QP_STAGES`
-/// define wins; a value other than 2 or 3 is left to fail the kernel's
-/// compile (its static_assert) and sizes for 2 here.
+/// [`scores_stages`]'s rule on the NVRTC options ([`nvrtc_stages`] of
+/// `QP_STAGES`: a value other than 2 or 3 fails the kernel's static_assert).
+///
+/// [`nvrtc_stages`]: crate::cuda::context::nvrtc_stages
 fn scores_stages_from(opts: &[String]) -> usize {
-    crate::cuda::context::nvrtc_define(opts, "QP_STAGES")
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|&s| s == 3)
-        .unwrap_or(2)
+    crate::cuda::context::nvrtc_stages(opts, "QP_STAGES")
 }
 
 /// Dynamic shared memory of `qa_prefill_scores_m32` at head dim `d` with
