@@ -163,8 +163,8 @@ import time
 
 import numpy as np
 
-from ptx_model import (SharedMem, as_bytes, bf2_hi, bf2_lo, bf_bits_to_f32, bytes_to_u32, bytes_to_u64, f2bf_bits,
-                       ldsm_k_lane, mma_bf16_x, pack_bf2_rn)
+from ptx_model import (LOG, SharedMem as Shared, as_bytes, bf2_hi, bf2_lo, bf_bits_to_f32, bytes_to_u32, bytes_to_u64, check,
+                       f2bf_bits, ldsm_k_lane, mma_bf16_x, pack_bf2_rn)
 
 F32 = np.float32
 F64 = np.float64
@@ -262,33 +262,6 @@ def ex2_ftz(x):
 def fma32(a, b, c):
     """fmaf: a*b exact in f64 (f32 operands), one f64 rounding of the sum, then f32."""
     return (np.asarray(a, F32).astype(F64) * np.asarray(b, F32).astype(F64) + np.asarray(c, F32).astype(F64)).astype(F32)
-
-
-# ---------------------------------------------------------------- error log
-class Log:
-    def __init__(self):
-        self.errors = []
-        self.count = 0
-
-    def err(self, msg):
-        self.count += 1
-        if len(self.errors) < 200:
-            self.errors.append(msg)
-
-
-LOG = Log()
-
-
-def check(cond, msg):
-    if not cond:
-        LOG.err(msg)
-    return cond
-
-
-# ---------------------------------------------------------------- shared memory model (ptx_model.SharedMem)
-class Shared(SharedMem):
-    def __init__(self, nbytes, name, rng, threads):
-        super().__init__(nbytes, name, rng, threads, check)
 
 
 # ---------------------------------------------------------------- warp collectives

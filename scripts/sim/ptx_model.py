@@ -4,7 +4,7 @@ fragments (PTX ISA, warp-level matrix fragments; checked to be bijective on impo
 mma model (products exact, summed in f64 with C, rounded to f32 once) and the ldmatrix row address
 of kernels/mma.cuh's K operand; and shared memory (SharedMem: bounds, alignment, never-written
 bytes and races per barrier epoch, atomics, cp.async copies that land when their group is waited
-for). Change it with the PTX the kernels use.
+for), reporting to one error log (LOG, check). Change it with the PTX the kernels use.
 """
 import numpy as np
 
@@ -117,13 +117,36 @@ def as_bytes(v, dt):
     return v.view(np.uint8).reshape(v.shape[0], -1)
 
 
+# ---------------------------------------------------------------- error log
+class Log:
+    """The simulation's errors: the first 200 messages kept, all of them counted."""
+
+    def __init__(self):
+        self.errors = []
+        self.count = 0
+
+    def err(self, msg):
+        self.count += 1
+        if len(self.errors) < 200:
+            self.errors.append(msg)
+
+
+LOG = Log()
+
+
+def check(cond, msg):
+    """Log msg unless cond holds; returns cond."""
+    if not cond:
+        LOG.err(msg)
+    return cond
+
+
 # ---------------------------------------------------------------- shared memory model
 class SharedMem:
     """Byte-addressed shared memory with bounds / alignment / never-written / race checks per barrier
     epoch, atomics, and cp.async copies that land only when their group is waited for."""
 
-    def __init__(self, nbytes, name, rng, threads, check):
-        self.check = check  # the simulation's error sink: self.check(cond, message) -> cond
+    def __init__(self, nbytes, name, rng, threads):
         self.n = nbytes
         self.name = name
         self.threads = threads
@@ -150,13 +173,13 @@ class SharedMem:
         if addrs.size == 0:
             return None
         bad = addrs % align != 0
-        self.check(not bad.any(), f"{self.name}: misaligned {what} ({width} B, align {align}) at byte {addrs[bad][:4]}")
+        check(not bad.any(), f"{self.name}: misaligned {what} ({width} B, align {align}) at byte {addrs[bad][:4]}")
         oob = (addrs < 0) | (addrs + width > self.n)
-        self.check(not oob.any(), f"{self.name}: out-of-bounds {what} at byte {addrs[oob][:4]} (size {self.n})")
+        check(not oob.any(), f"{self.name}: out-of-bounds {what} at byte {addrs[oob][:4]} (size {self.n})")
         if oob.any():
             raise RuntimeError(f"{self.name}: shared OOB ({what})")
         self.max_byte = max(self.max_byte, int((addrs + width - 1).max()))
-        if not self.check(((tids >= 0) & (tids < self.threads)).all(), f"{self.name}: thread id out of range ({what})"):
+        if not check(((tids >= 0) & (tids < self.threads)).all(), f"{self.name}: thread id out of range ({what})"):
             raise RuntimeError("thread id out of range")
         idx = addrs[:, None] + np.arange(width)[None, :]
         word = np.broadcast_to((tids >> 6)[:, None], idx.shape)
@@ -183,10 +206,10 @@ class SharedMem:
         war = self._others(self.rmask, idx, word, bit)
         ata = self._others(self.amask, idx, word, bit)
         pen = self.pend[idx] > 0
-        self.check(not waw.any(), f"{self.name}: write-write race in one barrier epoch ({what}) at bytes {idx[waw][:4]}")
-        self.check(not war.any(), f"{self.name}: read-then-write race in one barrier epoch ({what}) at bytes {idx[war][:4]}")
-        self.check(not ata.any(), f"{self.name}: atomic/plain-write race in one barrier epoch ({what}) at bytes {idx[ata][:4]}")
-        self.check(not pen.any(), f"{self.name}: {what} into bytes a pending cp.async still targets, at {idx[pen][:4]}")
+        check(not waw.any(), f"{self.name}: write-write race in one barrier epoch ({what}) at bytes {idx[waw][:4]}")
+        check(not war.any(), f"{self.name}: read-then-write race in one barrier epoch ({what}) at bytes {idx[war][:4]}")
+        check(not ata.any(), f"{self.name}: atomic/plain-write race in one barrier epoch ({what}) at bytes {idx[ata][:4]}")
+        check(not pen.any(), f"{self.name}: {what} into bytes a pending cp.async still targets, at {idx[pen][:4]}")
         self.mem[idx] = data
         self.init[idx] = True
 
@@ -198,12 +221,12 @@ class SharedMem:
         self._mark(self.rmask, idx, word, bit)
         raw = self._others(self.wmask, idx, word, bit)
         ata = self._others(self.amask, idx, word, bit)
-        self.check(not raw.any(), f"{self.name}: write-then-read race in one barrier epoch ({what}) at bytes {idx[raw][:4]}")
-        self.check(not ata.any(), f"{self.name}: atomic/plain-read race in one barrier epoch ({what}) at bytes {idx[ata][:4]}")
+        check(not raw.any(), f"{self.name}: write-then-read race in one barrier epoch ({what}) at bytes {idx[raw][:4]}")
+        check(not ata.any(), f"{self.name}: atomic/plain-read race in one barrier epoch ({what}) at bytes {idx[ata][:4]}")
         pen = self.pend[idx] > 0
-        self.check(not pen.any(), f"{self.name}: {what} of bytes whose cp.async has not been waited for, at {idx[pen][:4]}")
+        check(not pen.any(), f"{self.name}: {what} of bytes whose cp.async has not been waited for, at {idx[pen][:4]}")
         un = ~self.init[idx]
-        self.check(not un.any(), f"{self.name}: read of never-written bytes ({what}) at {idx[un][:4]}")
+        check(not un.any(), f"{self.name}: read of never-written bytes ({what}) at {idx[un][:4]}")
         return self.mem[idx].copy()
 
     def atomic_or_u64(self, tids, addrs, vals, what):
@@ -214,11 +237,11 @@ class SharedMem:
         self._mark(self.amask, idx, word, bit)
         for mask, kind in ((self.wmask, "plain-write/atomic"), (self.rmask, "plain-read/atomic")):
             bad = self._others(mask, idx, word, bit)
-            self.check(not bad.any(), f"{self.name}: {kind} race in one barrier epoch ({what}) at bytes {idx[bad][:4]}")
+            check(not bad.any(), f"{self.name}: {kind} race in one barrier epoch ({what}) at bytes {idx[bad][:4]}")
         pen = self.pend[idx] > 0
-        self.check(not pen.any(), f"{self.name}: {what} on bytes a pending cp.async targets")
+        check(not pen.any(), f"{self.name}: {what} on bytes a pending cp.async targets")
         un = ~self.init[idx]
-        self.check(not un.any(), f"{self.name}: {what} reads never-written bytes at {idx[un][:4]}")
+        check(not un.any(), f"{self.name}: {what} reads never-written bytes at {idx[un][:4]}")
         addrs = np.asarray(addrs, np.int64).ravel()
         uniq, inv = np.unique(addrs, return_inverse=True)
         acc = np.zeros(uniq.size, np.uint64)
@@ -239,15 +262,15 @@ class SharedMem:
         war = self._others(self.rmask, idx, word, bit)
         waw = self._others(self.wmask, idx, word, bit)
         ata = self._others(self.amask, idx, word, bit)
-        self.check(not war.any(), f"{self.name}: {what} issued into bytes another thread read in this barrier epoch "
+        check(not war.any(), f"{self.name}: {what} issued into bytes another thread read in this barrier epoch "
                              f"(it may land at once: race) at bytes {idx[war][:4]}")
-        self.check(not waw.any(), f"{self.name}: {what} issued into bytes another thread wrote in this barrier epoch "
+        check(not waw.any(), f"{self.name}: {what} issued into bytes another thread wrote in this barrier epoch "
                              f"at bytes {idx[waw][:4]}")
-        self.check(not ata.any(), f"{self.name}: {what} issued into bytes accessed atomically in this epoch")
+        check(not ata.any(), f"{self.name}: {what} issued into bytes accessed atomically in this epoch")
         pen = self.pend[idx] > 0
-        self.check(not pen.any(), f"{self.name}: {what} issued into bytes another pending cp.async targets, at {idx[pen][:4]}")
+        check(not pen.any(), f"{self.name}: {what} issued into bytes another pending cp.async targets, at {idx[pen][:4]}")
         u, c = np.unique(idx.ravel(), return_counts=True)
-        self.check((c == 1).all(), f"{self.name}: two copies of one {what} call target the same bytes {u[c > 1][:4]}")
+        check((c == 1).all(), f"{self.name}: two copies of one {what} call target the same bytes {u[c > 1][:4]}")
         np.add.at(self.pend, idx.ravel(), 1)
         self.pending.append([tids, addrs, np.ascontiguousarray(data), self.ccount[tids].copy()])
         self.copies += tids.size
@@ -274,4 +297,4 @@ class SharedMem:
 
     def finish(self, what):
         n = sum(e[0].size for e in self.pending)
-        self.check(n == 0, f"{self.name}: {n} cp.async copies still pending when the block exits ({what})")
+        check(n == 0, f"{self.name}: {n} cp.async copies still pending when the block exits ({what})")

@@ -50,8 +50,8 @@ by the transposing tree, each written total checked to hold the row's 16 heads o
 import sys
 import numpy as np
 
-from ptx_model import (A_COL, A_ROW, B_COL, B_ROW, C_COL, C_ROW, SharedMem, bf2_hi, bf2_lo, bf_bits_to_f32,
-                       bytes_to_u32, f2bf_bits, ldsm_k_lane, mma_bf16_x, pack_bf2_rn)
+from ptx_model import (A_COL, A_ROW, B_COL, B_ROW, C_COL, C_ROW, LOG, SharedMem as Shared, bf2_hi, bf2_lo, bf_bits_to_f32,
+                       bytes_to_u32, check, f2bf_bits, ldsm_k_lane, mma_bf16_x, pack_bf2_rn)
 
 F32 = np.float32
 NEG_INF = F32(-np.inf)
@@ -80,32 +80,6 @@ def u32_lo_hi_f(x):
     x = np.asarray(x, np.uint32)
     return bf2_lo(x).astype(np.float64), bf2_hi(x).astype(np.float64)
 
-
-# ---------------------------------------------------------------- error log
-class Log:
-    def __init__(self):
-        self.errors = []
-
-    def err(self, msg):
-        if len(self.errors) < 200:
-            self.errors.append(msg)
-
-
-LOG = Log()
-
-
-def check(cond, msg):
-    if not cond:
-        LOG.err(msg)
-    return cond
-
-
-# ---------------------------------------------------------------- shared memory model
-class Shared(SharedMem):
-    """ptx_model.SharedMem with this simulation's error sink."""
-
-    def __init__(self, nbytes, name, rng, threads=QP_THREADS):
-        super().__init__(nbytes, name, rng, threads, check)
 
 
 def as_bytes_u32(v):  # (N,) u32 -> (N,4) bytes, little endian
@@ -321,23 +295,25 @@ def qp_load_tile(dyn, gl, tid, h, w0, mc_max, blk_mc, nparts, KS=0):
 
 def mask_logits(s, w0, cb, mcr, scale):
     """In place: s[:, c, 2k + e] (window w0 + cb + 8c + e, fragment row k) scaled, -inf at w >= mcr[:, k]."""
-    for c in range(s.shape[1]):
-        for e in range(2):
-            w = w0 + cb + 8 * c + e
-            for k in range(2):
-                v = (s[:, c, 2 * k + e] * F32(scale)).astype(F32)
-                s[:, c, 2 * k + e] = np.where(w < mcr[:, k], v, NEG_INF)
+    s[:] = (s * F32(scale)).astype(F32)
+    mask_raw(s, w0, cb, mcr)
 
 
-def online_update(s, k, mr, lr, active=None):
-    """Pass 1 on fragment row k of s (threads, C, 4): the row maximum over the lane's 2C values and the
-    row's four lanes (shfl.xor 1, 2), then the running maximum mr and sum of exp lr. Returns (mr, lr)."""
+def running_max(s, k, mr, active=None):
+    """The new running maximum of fragment row k of s (threads, C, 4): the row maximum over the lane's 2C
+    values and the row's four lanes (shfl.xor 1, 2), then with the running maximum mr."""
     mx = np.full(s.shape[0], NEG_INF, F32)
     for c in range(s.shape[1]):
         mx = np.fmax(mx, np.fmax(s[:, c, 2 * k], s[:, c, 2 * k + 1]))
     mx = np.fmax(mx, shfl_xor(mx, 1, active))
     mx = np.fmax(mx, shfl_xor(mx, 2, active))
-    mn = np.fmax(mr, mx)
+    return np.fmax(mr, mx)
+
+
+def online_update(s, k, mr, lr, active=None):
+    """Pass 1 on fragment row k of s (threads, C, 4): running_max, then the running maximum mr and sum of
+    exp lr. Returns (mr, lr)."""
+    mn = running_max(s, k, mr, active)
     upd = mn != NEG_INF
     l = np.where(mr != NEG_INF, lr * np.exp((mr - mn).astype(F32)), F32(0)).astype(F32)
     for c in range(s.shape[1]):
@@ -380,12 +356,7 @@ def mask_raw(s, w0, cb, mcr):
 def online_update_m32(s, k, mr, lr, lscale, active=None):
     """online_update for the m32 kernels: the running maximum of the unscaled logits, each exponent
     qp_exp(fmaf(x, lscale, -mn * lscale))."""
-    mx = np.full(s.shape[0], NEG_INF, F32)
-    for c in range(s.shape[1]):
-        mx = np.fmax(mx, np.fmax(s[:, c, 2 * k], s[:, c, 2 * k + 1]))
-    mx = np.fmax(mx, shfl_xor(mx, 1, active))
-    mx = np.fmax(mx, shfl_xor(mx, 2, active))
-    mn = np.fmax(mr, mx)
+    mn = running_max(s, k, mr, active)
     upd = mn != NEG_INF
     nm = (-mn * F32(lscale)).astype(F32)
     l = np.where(mr != NEG_INF, lr * np.exp(fma32(mr, lscale, nm)), F32(0)).astype(F32)
@@ -423,8 +394,8 @@ def simulate_block(bx, h, gl, H, stride, ksize, scale, rng, stats):
     hkv = gl.hkv
     tid = np.arange(QP_THREADS)
     lane, warp = tid & 31, tid >> 5
-    dyn = Shared(smem_bytes(D), "dynamic smem", rng)
-    mcs = Shared(QP_BM * 4, f"qp_mc[{QP_BM}]", rng)
+    dyn = Shared(smem_bytes(D), "dynamic smem", rng, QP_THREADS)
+    mcs = Shared(QP_BM * 4, f"qp_mc[{QP_BM}]", rng, QP_THREADS)
     shareds = (dyn, mcs)
     nbar = [0]
 
@@ -632,8 +603,8 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
     tid = np.arange(T)
     lane, warp = tid & 31, tid >> 5
     wr, hf = warp & 3, warp >> 2  # M-rows 32*wr .. 32*wr+31, windows 32*hf .. of a tile
-    dyn = Shared(smem_bytes_m32(D), "dynamic smem", rng, threads=T)
-    mcs = Shared(QP_BM * 4, f"qp_mc[{QP_BM}]", rng, threads=T)
+    dyn = Shared(smem_bytes_m32(D), "dynamic smem", rng, T)
+    mcs = Shared(QP_BM * 4, f"qp_mc[{QP_BM}]", rng, T)
     shareds = (dyn, mcs)
     nbar = [0]
     live = np.ones(T, bool)  # every barrier is outside the kernel's branches: all threads must reach it
