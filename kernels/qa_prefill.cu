@@ -624,6 +624,11 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     // also the two fragment rows k of a lane. A lane with those bits 0 writes the sum.
     constexpr int gl = G < 8 ? G : 8;
     const bool writer = ((lane >> 2) & (gl - 1)) == 0;
+    // P of logit x in fragment row k of A tile a (a full tile has no -inf logit and every row's
+    // offset is finite, so it skips the test).
+    auto p_of = [&](float x, int a, int k, bool full) {
+        return full || x != -INFINITY ? qp_exp(fmaf(x, lscale, mr[a][k])) * il[a][k] : 0.0f;
+    };
     prologue();
     for (int t = 0; t < ntiles; ++t) {
         const int w0 = t * QP_BN;
@@ -645,10 +650,7 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                     for (int c = 0; c < 4; ++c)
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
-                            const float s0 = s[a][c][e], s1 = s[a][c][2 + e];
-                            const float p0 = full || s0 != -INFINITY ? qp_exp(fmaf(s0, lscale, mr[a][0])) * il[a][0] : 0.0f;
-                            const float p1 = full || s1 != -INFINITY ? qp_exp(fmaf(s1, lscale, mr[a][1])) * il[a][1] : 0.0f;
-                            v[2 * c + e] = p0 + p1;
+                            v[2 * c + e] = p_of(s[a][c][e], a, 0, full) + p_of(s[a][c][2 + e], a, 1, full);
                         }
                     float u[4], x2[2];
 #pragma unroll
@@ -674,10 +676,7 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                 for (int c = 0; c < 4; ++c)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float s0 = s[a][c][e], s1 = s[a][c][2 + e];
-                        // (a full tile has no -inf logit and every row's offset is finite)
-                        float p0 = full || s0 != -INFINITY ? qp_exp(fmaf(s0, lscale, mr[a][0])) * il[a][0] : 0.0f;
-                        float p1 = full || s1 != -INFINITY ? qp_exp(fmaf(s1, lscale, mr[a][1])) * il[a][1] : 0.0f;
+                        float p0 = p_of(s[a][c][e], a, 0, full), p1 = p_of(s[a][c][2 + e], a, 1, full);
                         if (G == 16) {
                             p0 += p1;
 #pragma unroll
