@@ -88,20 +88,6 @@
 #else
 #error "PF_STAGES takes 0, 2 or 3"
 #endif
-// PF_RING = 1 (needs PF_STAGES 2 or 3; sm_90): the sparse kernel's warps do not wait for each
-// other. The K/V stages form a ring: a warp waits only for the union tiles its own rows
-// selected (on the stage's mbarrier), and the last warp to release a stage refills it with the
-// tile PF_STAGES ahead through bulk copies that complete on that mbarrier, so a warp whose row
-// skips a block moves on at once instead of passing a block barrier. The dense kernel and
-// PF_RING = 0 (the default) keep one block barrier per key tile.
-#ifndef PF_RING
-#define PF_RING 0
-#endif
-#if PF_RING && !PF_ONE_BARRIER
-#error "PF_RING needs PF_STAGES 2 or 3"
-#endif
-// Arrivals per fill of a ring stage: the 32 lanes' cp.async arrivals and lane 0's byte count.
-#define PF_RING_ARRIVALS 33
 #ifndef PF_MIN_BLOCKS
 #define PF_MIN_BLOCKS 2
 #endif
@@ -254,18 +240,6 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
         }
     }
     const u64 wbits = ((u64)wb_hi << 32) | (u64)wb_lo;
-    constexpr bool RING = SPARSE && PF_RING;
-#if PF_RING
-    // The ring's state: per stage its mbarrier (PF_RING_ARRIVALS arrivals and the expected
-    // bytes per fill), the tile it holds or is being filled with, and how many warps have
-    // released that tile; per warp its tile rows (wbits), for the other warps to tell which
-    // warps need a tile.
-    __shared__ __align__(8) u64 pf_full[PF_STAGES];
-    __shared__ int pf_rel[PF_STAGES];
-    __shared__ volatile int pf_tile[PF_STAGES];
-    __shared__ u64 pf_wb[PF_WARPS];
-    if (RING && lane == 0) pf_wb[warp] = wbits;
-#endif
 
     // Q fragments (A operand, row-major 16 x 16 per k-step): rows lane/4 (+8), columns
     // 2*(lane%4) (+1) and +8 of each k-step.
@@ -359,104 +333,21 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
     float mr[2] = {-INFINITY, -INFINITY}, lr[2] = {0.0f, 0.0f};
     const float sl2 = scale * LOG2E;  // logits in log2 units: exp(x) = 2^(x log2 e)
 
-#if PF_RING
-    // Ring (sparse): fills tile t into stage st, by the whole calling warp. Rows past the
-    // tile's valid keys are not copied: they keep what the stage held (zeros at first, then an
-    // earlier tile's finite keys and values), which the masks below give P = 0. The stage's
-    // mbarrier completes a phase on PF_RING_ARRIVALS arrivals and the expected bytes: each
-    // lane's cp.async of the bias (4 bytes a key, zero past the valid keys) arrives when it
-    // lands, lane 0 arrives with the byte count of the K and V rows, and those rows' bulk
-    // copies complete as transaction bytes.
-    // The warps that need tile t: a row of theirs selected its block and sees a key of it;
-    // warp 0 stands in when none does, so every filled tile is waited for and released.
-    auto ring_needmask = [&](int t) {
-        int kt0, nv;
-        tile_keys(t, kt0, nv);
-        const u64 sel = __ldg(umask + t / spb);
-        u32 m = 0u;
-#pragma unroll
-        for (int w = 0; w < PF_WARPS; ++w)
-            if ((sel & pf_wb[w]) != 0ull && kt0 <= pf_kmax[w]) m |= 1u << w;
-        return m == 0u ? 1u : m;
-    };
-    auto ring_fill = [&](int t, int st) {
-        int kt0, nv;
-        tile_keys(t, kt0, nv);
-        const int nvalid = max(0, min(nv, kmax - kt0 + 1));
-        const u32 bar = smem_addr(&pf_full[st]);
-        if (lane == 0) pf_tile[st] = t;
-        fence_proxy_async_smem();  // the warps' reads of the stage before the copies into it
-        if (C != nullptr) {
-            const u32 bd = smem_addr(Bs + st * PF_BN);
-            for (int r = lane; r < PF_BN; r += 32) {
-                const bool ok = r < nvalid;
-                cp_async4_at(bd + r * 4, ok ? (const void*)(C + (u64)(kt0 + r) * hkv + h) : (const void*)C, ok);
-            }
-        }
-        cp_async_mbar_arrive_noinc(bar);
-        if (lane == 0) mbar_arrive_expect_tx(bar, (u32)(nvalid * D * 2 * 2));
-        const u32 kd = smem_addr(Ks + st * PF_BN * RS), vd = smem_addr(Vs + st * PF_BN * RS);
-        for (int r = lane; r < nvalid; r += 32) {
-            const u64 g = (u64)(kt0 + r) * tok_stride + (u64)h * D;
-            bulk_g2s(kd + r * (RS * 2), K + g, D * 2, bar);
-            bulk_g2s(vd + r * (RS * 2), V + g, D * 2, bar);
-        }
-    };
-#endif
 #if PF_ONE_BARRIER
-    int st = 0;  // t % PF_STAGES
-    if constexpr (RING) {
-#if PF_RING
-        // Zero the stages, set up the ring, then warp 0 fills its first PF_STAGES tiles.
-        for (int i = threadIdx.x; i < PF_STAGES * (2 * PF_BN * RS * 2 + PF_BN * 4) / 16; i += PF_THREADS)
-            ((uint4*)pf_sh)[i] = make_uint4(0u, 0u, 0u, 0u);
-        fence_proxy_async_smem();  // the zeros before any bulk copy into the stages
-        if (threadIdx.x == 0) {
+    // Tiles 0 .. PF_STAGES - 2 in flight; one group per tile, empty past the last tile, so
+    // that "at most PF_STAGES - 2 pending" means tile t has landed.
 #pragma unroll
-            for (int s0 = 0; s0 < PF_STAGES; ++s0) {
-                mbar_init(smem_addr(&pf_full[s0]), PF_RING_ARRIVALS);
-                pf_rel[s0] = 0;
-                pf_tile[s0] = -1;
-            }
-            fence_mbar_init();
-        }
-        __syncthreads();
-        if (warp == 0) {
-            for (int s0 = 0; s0 < PF_STAGES && s0 < nkt; ++s0) ring_fill(s0, s0);
-        }
-#endif
-    } else {
-        // Tiles 0 .. PF_STAGES - 2 in flight; one group per tile, empty past the last tile, so
-        // that "at most PF_STAGES - 2 pending" means tile t has landed.
-#pragma unroll
-        for (int s0 = 0; s0 < PF_STAGES - 1; ++s0) {
-            if (s0 < nkt) load_tile(s0, s0);
-            cp_async_commit();
-        }
+    for (int s0 = 0; s0 < PF_STAGES - 1; ++s0) {
+        if (s0 < nkt) load_tile(s0, s0);
+        cp_async_commit();
     }
+    int st = 0;  // t % PF_STAGES
     for (int t = 0; t < nkt; ++t) {
-        if constexpr (RING) {
-#if PF_RING
-            // Only the warps that need tile t wait for it; the others move on.
-            st = t % PF_STAGES;
-            const u32 needmask = ring_needmask(t);
-            if (((needmask >> warp) & 1u) == 0u) continue;
-            // (an acquire load: the mbarrier wait below must not see a state older than the
-            // fill this load saw announced, or its parity test would pass on the stale phase)
-            const u32 tile_at = smem_addr((const void*)&pf_tile[st]);
-            while (ld_acquire_shared_s32(tile_at) != t) __nanosleep(20);
-            const u32 bar = smem_addr(&pf_full[st]);
-            const u32 parity = (u32)(t / PF_STAGES) & 1u;
-            while (!mbar_try_wait(bar, parity)) {
-            }
-#endif
-        } else {
-            cp_async_wait_n<PF_STAGES - 2>();
-            __syncthreads();  // tile t visible to all; every warp is done with tile t - 1
-            const int tn = t + PF_STAGES - 1;
-            if (tn < nkt) load_tile(tn, st == 0 ? PF_STAGES - 1 : st - 1);
-            cp_async_commit();
-        }
+        cp_async_wait_n<PF_STAGES - 2>();
+        __syncthreads();  // tile t visible to all; every warp is done with tile t - 1
+        const int tn = t + PF_STAGES - 1;
+        if (tn < nkt) load_tile(tn, st == 0 ? PF_STAGES - 1 : st - 1);
+        cp_async_commit();
 #else
     if (nkt > 0) {
         load_tile(0, 0);
@@ -619,31 +510,7 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16_t* __restrict__ q, 
             }
         }
 #if PF_ONE_BARRIER
-        if constexpr (RING) {
-#if PF_RING
-            // Release tile t; the last of the warps that needed it refills its stage with tile
-            // t + PF_STAGES. The fences order this warp's reads of the stage before the count,
-            // and the count before the refill's copies.
-            __syncwarp();
-            int old = 0;
-            if (lane == 0) {
-                __threadfence_block();
-                old = atomicAdd(&pf_rel[st], 1);
-            }
-            old = __shfl_sync(FULL_MASK, old, 0);
-            const u32 needmask = ring_needmask(t);
-            if (old == __popc(needmask) - 1) {
-                if (lane == 0) {
-                    pf_rel[st] = 0;
-                    __threadfence_block();
-                }
-                __syncwarp();
-                if (t + PF_STAGES < nkt) ring_fill(t + PF_STAGES, st);
-            }
-#endif
-        } else {
-            st = st + 1 == PF_STAGES ? 0 : st + 1;
-        }
+        st = st + 1 == PF_STAGES ? 0 : st + 1;
 #else
         __syncthreads();  // stage st is reloaded by the next iteration's copies
 #endif

@@ -31,48 +31,6 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool ok) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-// mbarrier and bulk-copy helpers (sm_90; shared-window addresses from smem_addr).
-__device__ __forceinline__ void mbar_init(u32 bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// One arrival that also expects `bytes` more bytes of complete_tx on the current phase.
-__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-// Whether the phase of parity `parity` has completed (acquire; a bounded wait inside).
-__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
-    u32 ok;
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(ok)
-        : "r"(bar), "r"(parity)
-        : "memory");
-    return ok != 0u;
-}
-// An arrival on the mbarrier at `bar` once every earlier cp.async of this thread has landed,
-// not counted in advance (.noinc: the barrier's count must include it).
-__device__ __forceinline__ void cp_async_mbar_arrive_noinc(u32 bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-// A 32-bit shared load with acquire semantics at CTA scope (later loads are not reordered
-// before it).
-__device__ __forceinline__ int ld_acquire_shared_s32(u32 addr) {
-    int v;
-    asm volatile("ld.acquire.cta.shared::cta.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
-    return v;
-}
-// Bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared,
-// completing as transaction bytes on the mbarrier at `bar`.
-__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
-}
-// Orders this thread's earlier generic-proxy shared accesses before later async-proxy ones.
-__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// Makes mbarrier initialisations visible to the async proxy and other threads.
-__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-
 // Waits until at most N of this thread's committed copy groups are pending.
 template <int N>
 __device__ __forceinline__ void cp_async_wait_n() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }

@@ -5,29 +5,20 @@ and prefill_sel_union, the kernel that builds the per-(tile, KV head) union list
 It re-implements the kernels step by step (and the host's prefill_tiles / prefill_union_capacity /
 shared-memory sizes of src/cuda/ops/prefill_attention.rs): change it with the kernel or the host.
 
-Run: .venv/bin/python scripts/sim/attn_prefill_sim.py [--stages 0|2|3] [--mode dense|sparse] [--ring]
-     [--schedules all|LIST] [--d 64|80|128] [--seed N] [--selftest [--only MUTATION]]
+Run: .venv/bin/python scripts/sim/attn_prefill_sim.py [--stages 0|2|3] [--mode dense|sparse]
+     [--d 64|80|128] [--seed N] [--selftest [--only MUTATION]]
 (numpy; scripts/fixture.sh installs it in .venv). Without options every stage variant and both modes run
-over the case lists below, each case at its own D, and the sparse cases at stages 2 and 3 also as the
-PF_RING=1 variant under 3 schedules each: 87 lines, about 55 s (--d 128 longer); --stages (repeatable) /
---mode restrict the sweep, --ring keeps only the ring variant (sparse, stages 2 / 3), --schedules names the
-ring schedules (comma-separated, see run_schedule; `all` = the 12 of RING_SCHEDULES_ALL, about 75 s for
---ring), --d runs every case at that head dim. --selftest (about 30 s) injects each deliberate kernel bug of
-MUTATIONS (a copy into the stage being computed, a wait one group short, a copy issued before the barrier,
-the PF_STAGES=0 variant's second barrier dropped, shared memory sized for 2 stages, no zero-fill, an
-off-by-one causal mask, a union keeping future blocks, the bias read from the wrong stage; and for the ring:
-the mbarrier parity not flipped per use, the refill by the first releaser, no pf_tile check before the
-wait, a needmask ignoring pf_kmax at the loop top only, expect_tx one row short / long, the mbarriers
-initialised with count 1 or 32 instead of 33, a lane skipping its cp.async.mbarrier.arrive.noinc, the noinc
-arrive before the lane's bias cp.asyncs, the pf_tile spin a relaxed load instead of ld.acquire, no proxy
-fence after the zero-fill, the pf_rel reset after the refill) into a small case and fails unless every one
-is caught (a ring mutation under all 12 schedules, caught when one fails; the line names which): run it
-after changing the checks.
+over the case lists below, each case at its own D: 39 lines, about 35 s (--d 128 longer); --stages
+(repeatable) / --mode restrict the sweep, --d runs every case at that head dim. --selftest (about 2 s)
+injects each deliberate kernel bug of MUTATIONS (a copy into the stage being computed, a wait one group
+short, a copy issued before the barrier, the PF_STAGES=0 variant's second barrier dropped, shared memory
+sized for 2 stages, no zero-fill, an off-by-one causal mask, a union keeping future blocks, the bias read
+from the wrong stage) into a small case and fails unless every one is caught: run it after changing the
+checks.
 --stages 0 is the kernel compiled with -DPF_STAGES=0 (two stages, two __syncthreads per key tile); 2 (the
 default, no option) or 3 is PF_STAGES=2|3 (one barrier per key tile, the next copy issued after it into the
-stage every warp finished); "stages=2+ring" / "3+ring" is the sparse kernel with -DPF_RING=1 (below). One
-line per case (and ring schedule) with its relative L2; exit 1 on any error or a relative L2 above 1e-2
-(all outputs of the case) or above 2e-2 for any one (row, query head).
+stage every warp finished). One line per case with its relative L2; exit 1 on any error or a relative L2
+above 1e-2 (all outputs of the case) or above 2e-2 for any one (row, query head).
 
 Blocks of PF_THREADS = 128 threads (PF_WARPS = 4 warps, warp w owning the M-rows m0 + 16w .. +15 of
 its tile; the kernel's #defines, copied below), every block of the grid (tiles, hkv) simulated with its
@@ -51,65 +42,6 @@ is another copy or store into them. Issuing a copy into bytes another thread rea
 barrier epoch is a race (the copy may land at once); a landed copy is a write of the issuing thread in
 the epoch of its wait, so a read by another thread before the next barrier is a race too. A copy still
 pending when the block exits is an error.
-
-PF_RING = 1 (ring_block; the sparse kernel at PF_STAGES 2 / 3): the warps of a block do not meet at a
-barrier per tile, so they are not run in lockstep. The prologue is (all threads zero the stages with uint4
-stores and fence.proxy.async; thread 0 inits the PF_STAGES mbarriers with count PF_RING_ARRIVALS = 33,
-pf_rel = 0, pf_tile = -1; __syncthreads), then the 4 warps run as independent coroutines (a warp is one
-agent of the happens-before model), interleaved by a schedule (run_schedule: round-robin; random, seeded
-per block; one warp run ahead whenever it can, async events only when no warp can move; one warp held back
-until nothing else can move), with a scheduling point at every spin iteration on pf_tile, every mbarrier
-try_wait, atomicAdd, pf_rel reset, every 16 lane instructions of a fill, and before each read of the stage
-(K for Q.K^T, the bias, V for P.V). A spinning warp is resumed only once its condition holds (the
-iterations in between would change nothing). Per tile a warp computes the needmask from pf_wb / pf_kmax
-(warp 0 standing in for none), `continue`s when it does not need the tile, else spins until an
-ld.acquire of pf_tile[st] reads t, try_waits on pf_full[st] with parity (t / PF_STAGES) & 1, computes,
-releases (__syncwarp, lane 0's __threadfence_block + atomicAdd on pf_rel[st]); the last releaser resets
-pf_rel[st], fences, and refills the stage with tile t + PF_STAGES. Warp 0 fills tiles 0 .. PF_STAGES-1
-first. ring_fill(t, st) has no __syncwarp: per lane, in program order, (lane 0) pf_tile[st] = t (a volatile
-store); fence.proxy.async; when C != nullptr, cp.async.ca 4 B of the bias of rows lane and lane + 32
-(src-size 0, a zero-fill, for rows >= nvalid); cp.async.mbarrier.arrive.noinc on pf_full[st]; (lane 0)
-mbarrier.arrive.expect_tx of nvalid * D * 4 bytes; the bulk copies of its valid K and V rows (lane, lane +
-32). The lanes' instruction streams are interleaved per fill (fill_order: converged, i.e. each instruction
-by all its lanes in lane order, under rr; a random interleaving under randN; lane 0 entirely first, entirely
-last, or random, rotating over the fills, under aheadW / behindW), so e.g. bulk copies may be issued, and
-land, before lane 0's expect_tx (tx-count negative), and a lane's noinc arrive may fire before lane 0 has
-even stored pf_tile. The mbarrier follows the PTX ISA exactly (MBar: phase, pending arrivals, tx-count;
-arrive.expect_tx and a noinc arrival each count one of the 33; a phase completes at 0 pending arrivals and
-tx-count 0; an arrival with none pending is an error (undefined); try_wait.parity(P) true iff the current
-phase's parity is not P, so a wait on a stale phase passes). Async events, each at a point the schedule
-picks, in any order: a bulk copy lands (its bytes written, complete_tx of its size on its mbarrier); a
-cp.async lands (its 4 bytes written); a cp.async.mbarrier.arrive.noinc fires (one arrival), which it can
-only once every cp.async its thread (warp, lane) issued before it has landed (with none, e.g. C == nullptr,
-at once or later). All copies carry their data from issue; until they land their bytes are pending. The
-arithmetic of a warp's tiles runs after the schedule, from the bytes the warp read at the moment it read
-them (lockstep over the warps' i-th computed tiles), with the checks and the reference comparison of the
-other variants.
-Ring checks: happens-before by vector clocks over the warps, per mbarrier the async proxy of the bulk
-copies completing on it, per (stage, lane) the cp.async copies of that lane into that stage, and per
-mbarrier the knowledge of its completed phases (see the agents below). Releases: arrive.expect_tx the warp's
-clock; complete_tx the bulk copy's write; a noinc arrival the landed cp.async writes it tracked (not the
-issuing thread's other accesses); a phase completing releases what its arrivals and complete_tx released
-plus "phases 0 .. p complete"; a successful try_wait acquires that; fence + atomicAdd releases, atomicAdd +
-the last releaser's fence acquires; the volatile pf_tile store releases what its warp's last
-__threadfence_block (or the prologue's __syncthreads) ordered, and the ld.acquire that reads it acquires
-that (a fence then a relaxed store read by an acquire load: synchronizes-with in the PTX model);
-__syncthreads joins all. Tracked per shared row (K, V, bias of each stage; the unit every ring access
-covers): a read of a row whose last write is not ordered before it, or that has a copy in flight (bytes
-pending), is an error, as is a landing copy over a read or write not ordered before its issue, a copy
-issued into a row another copy in flight targets, and a bulk copy (async proxy) landing over
-generic-proxy stores whose warp issued no fence.proxy.async after them (ordered before the copy); a
-cp.async (non-bulk) is a generic-proxy write and needs none. Stale phase: a warp's try_wait for tile t
-(phase k = t / PF_STAGES of pf_full[st]) must have "phases 0 .. k-1 complete" ordered before it, else
-under the PTX model it may observe phase k-1 still current, whose parity passes the test (this is what the
-pf_tile acquire provides; the sim's memory is otherwise sequentially consistent). Besides, explicitly: a
-warp reading tile t must hold tile t's data in every valid row and all 64 bias rows (no stale data), and
-must have waited on the very phase tile t's fill (lane 0's expect_tx) arrived on; a copy into a stage
-while a warp that needs the stage's current tile (the kernel's needmask, computed by the sim) has not
-released it is a WAR error; an atomicAdd on pf_rel[st] between the last releaser's and its reset (a lost
-count), tx-count out of range, an mbarrier used before its init, a copy or noinc arrival still in flight
-when the block exits, and a schedule in which no warp can move and no async event can happen (a deadlock,
-e.g. a phase short of an arrival; also more than 5M steps) are errors.
 
 Global memory: q, K/V caches (bf16 [len, hkv, D] per sequence, exactly len tokens, so a read past the
 sequence faults), bias c (f32 [len, hkv]), lens, tiles, sel/nsel, ublk/umask/un: every read checked for
@@ -136,26 +68,10 @@ the unmasked path runs), with and without bias (NOSA / InfLLM-V2), lists with -1
 past the row's current one (skipped), s_max past every list's length, a (tile, KV head) whose rows
 selected nothing (un = 0: no key tile, output 0), a 131,120-token context (block ids past
 PF_UNION_CHUNK = 2048: two union passes), and block sizes 128 (two key tiles per block; the last block's
-second tile past every row: no warp needs it, warp 0 stands in, a 0-byte fill), 32 (half a tile) and 256
-(four key tiles a block; rows whose warps end at different key tiles of the last block, so the needmask's
-pf_kmax test matters on tiles that are refilled after). Block sizes other than 64, -1 / future ids and
+second tile past every row: no warp computes it), 32 (half a tile) and 256 (four key tiles a block; rows
+whose warps end at different key tiles of the last block). Block sizes other than 64, -1 / future ids and
 empty lists are the kernels' generic paths (the runtime selects 64-token blocks, always with the row's
 current block).
-
-Limitations of the ring model: warps are the agents of the happens-before model (a warp's lanes share one
-vector clock, so the lanes of a warp are treated as ordered with each other at the release / acquire points;
-the instruction interleaving inside a fill is explored, by fill_order's few orders, but the lanes outside
-a fill act together at each scheduling point); memory is sequentially consistent apart from the
-happens-before checks and the stale-phase check (a try_wait reads the mbarrier's current state, a load is
-never reordered with a later one of the same warp; the PTX model allows more, which the stale-phase check
-stands for); the proxy rule is "a generic-proxy store, then an async-proxy write of the same row, needs
-fence.proxy.async by the storing warp, ordered before the copy's issue" (generic reads before an async
-write need none, as in CUTLASS's pipelines; so the fence.proxy.async inside ring_fill is recorded but no
-check depends on it); cp.async (non-bulk) is taken as a generic-proxy write made visible only through its
-noinc arrival's phase (its issuing thread gains nothing from it); a complete_tx releases only the copy's
-own writes, not its issuer's; the schedules are a few per case (12 with --schedules all), not an
-exhaustive search of interleavings; global memory is modelled as read-only during the kernel, so the
-copies' sources are read at issue.
 """
 import argparse
 import sys
@@ -188,19 +104,6 @@ MUTATIONS = {
     "causal_off_by_one": "causal mask j >= pos instead of j > pos",
     "union_no_rq_skip": "prefill_sel_union keeps block ids past the row's current block",
     "bias_stage0": "sparse: the bias read from stage 0 whatever the stage",
-    "ring_parity0": "PF_RING: the mbarrier waited on with parity 0 for every tile (not flipped per use of the stage)",
-    "ring_first_releaser": "PF_RING: the stage refilled by the first warp to release its tile, not the last",
-    "ring_no_tile_check": "PF_RING: no spin on pf_tile[st] == t before the mbarrier wait",
-    "ring_need_no_kmax": "PF_RING: the loop top's needmask ignores pf_kmax (the release's keeps it)",
-    "ring_tx_short": "PF_RING: arrive.expect_tx one K/V row short of the bytes the fill copies",
-    "ring_tx_long": "PF_RING: arrive.expect_tx one K/V row more than the bytes the fill copies",
-    "ring_count1": "PF_RING: the mbarriers initialised with count 1, not PF_RING_ARRIVALS = 33",
-    "ring_count32": "PF_RING: the mbarriers initialised with count 32 (lane 0's arrive.expect_tx not counted)",
-    "ring_noinc_skip": "PF_RING: lane 31 skips its cp.async.mbarrier.arrive.noinc",
-    "ring_noinc_before_cp": "PF_RING: each lane's cp.async.mbarrier.arrive.noinc before its bias cp.asyncs",
-    "ring_tile_relaxed": "PF_RING: the pf_tile spin a relaxed (volatile) load, not ld.acquire",
-    "ring_no_proxy_fence": "PF_RING: no fence.proxy.async after the zero-fill (generic stores, then bulk copies)",
-    "ring_reset_after_fill": "PF_RING: pf_rel[st] = 0 after the refill instead of before it",
 }
 MUT = set()
 
@@ -560,252 +463,9 @@ def union_block(bx, h, L, rng, stats):
     stats["union_max"] = max(stats.get("union_max", 0), int(total[0]))
 
 
-# ---------------------------------------------------------------- PF_RING: mbarriers, happens-before, schedules
-# Agents of a ring block for the happens-before (vector clock) race checks: the 4 warps (a warp's lanes are
-# one agent), then per stage st the async proxy writing the bulk copies that complete on mbarrier pf_full[st]
-# (agent PF_WARPS + st; its clock counts the copies landed on that barrier), then per stage the knowledge of
-# pf_full[st]'s completed phases (component PF_WARPS + S + st: "phases 0 .. n-1 have completed", released by
-# each phase and carried by every release / acquire after), then per stage and lane the cp.async bias copies
-# into that stage issued by that lane (PF_WARPS + 2 S + 32 st + lane; its clock counts the copies landed).
-
-
-def popc(x):
-    return bin(int(x)).count("1")
-
-
-class MBar:
-    """mbarrier (PTX ISA, mbarrier object): the current phase, its pending arrival count (reset to the
-    expected count at init when a phase completes) and its tx-count. arrive.expect_tx adds the bytes to the
-    tx-count, then counts one arrival; complete_tx (a bulk copy landing) subtracts its bytes (the tx-count may
-    go negative); the current phase completes when the pending arrivals are 0 and the tx-count is 0.
-    try_wait.parity(P) is true iff the phase of parity P has completed, i.e. iff the current phase's parity is
-    not P (so a wait on a stale phase passes at once: exactly the ISA's ambiguity). Arrivals release the
-    arriving warp's vector clock, complete_tx the async proxy's, a cp.async.mbarrier.arrive.noinc the landed
-    cp.async copies it tracked; a successful try_wait acquires what the phase before the current one released
-    (that phase's own releases: not cumulative), and the knowledge that the phases up to it completed
-    (component ph_idx = the number of completed phases)."""
-    TX_MAX = (1 << 20) - 1
-
-    def __init__(self, name, nag, ph_idx=None):
-        self.name = name
-        self.nag = nag
-        self.ph_idx = ph_idx
-        self.inited = False
-        self.phase = 0
-        self.expected = 0
-        self.pending = 0
-        self.tx = 0
-        self.vc = np.zeros(nag, np.int64)
-        self.done = {}  # phase -> the VC it released
-
-    def init(self, count):
-        check(count >= 1, f"{self.name}: mbarrier.init with count {count}")
-        self.inited, self.phase, self.expected, self.pending, self.tx = True, 0, count, count, 0
-        self.vc[:] = 0
-
-    def _use(self, what):
-        if not check(self.inited, f"{self.name}: {what} on an mbarrier never initialised"):
-            raise RuntimeError(f"{self.name}: uninitialised mbarrier")
-
-    def _complete(self):
-        if self.pending == 0 and self.tx == 0:
-            v = self.vc.copy()
-            if self.ph_idx is not None:
-                v[self.ph_idx] = self.phase + 1
-            self.done[self.phase] = v
-            self.phase += 1
-            self.pending = self.expected
-            self.vc[:] = 0
-
-    def _tx_range(self, what):
-        check(-self.TX_MAX <= self.tx <= self.TX_MAX, f"{self.name}: tx-count {self.tx} out of range after {what}")
-
-    def _arrive(self, vc):
-        """One arrival of the count (releasing vc); -> the phase it counted on."""
-        check(self.pending > 0, f"{self.name}: arrive on phase {self.phase} with no arrival pending (undefined)")
-        self.pending -= 1
-        np.maximum(self.vc, vc, out=self.vc)
-        ph = self.phase
-        self._complete()
-        return ph
-
-    def arrive_expect_tx(self, nbytes, vc):
-        """-> the phase the arrival counted on."""
-        self._use("arrive.expect_tx")
-        self.tx += nbytes
-        self._tx_range("expect_tx")
-        return self._arrive(vc)
-
-    def arrive_noinc(self, vc):
-        """cp.async.mbarrier.arrive.noinc firing (its thread's tracked cp.asyncs landed): one arrival of the
-        count (not incremented in advance); -> the phase it counted on."""
-        self._use("cp.async.mbarrier.arrive.noinc")
-        return self._arrive(vc)
-
-    def complete_tx(self, nbytes, vc):
-        self._use("complete_tx")
-        self.tx -= nbytes
-        self._tx_range("complete_tx")
-        np.maximum(self.vc, vc, out=self.vc)
-        self._complete()
-
-    def test(self, parity):
-        return (self.phase & 1) != parity
-
-    def try_wait(self, parity):
-        """-> (True, phase observed completed, VC acquired) or (False, None, None)."""
-        self._use("try_wait")
-        if (self.phase & 1) == parity:
-            return False, None, None
-        p = self.phase - 1
-        return True, p, self.done.get(p, np.zeros(self.nag, np.int64))
-
-    def state(self):
-        return f"{self.name}: phase {self.phase} pending {self.pending} tx {self.tx}"
-
-
-class RingWarp:
-    """One warp of a ring block: its vector clock (own clock ticks after each release), program-order
-    counter, fence.proxy.async record, its clock at its last __threadfence_block / __syncthreads (what a
-    relaxed store after that fence releases), the phase it last acquired per mbarrier, and the tiles it
-    computed (with the bytes it read)."""
-
-    def __init__(self, w, nag):
-        self.w = w
-        self.vc = np.zeros(nag, np.int64)
-        self.vc[w] = 1
-        self.seq = 0
-        self.pfences = []  # (seq, own clock) of each fence.proxy.async
-        self.fvc = np.zeros(nag, np.int64)
-        self.acq = {}
-        self.rel_seen = None  # the release sequence an atomicAdd read (for a later acquire fence)
-        self.computed = []
-        self.state = "start"
-        self.done = False
-
-    def clock(self):
-        return int(self.vc[self.w])
-
-    def tick(self):
-        self.vc[self.w] += 1
-
-    def next_seq(self):
-        self.seq += 1
-        return self.seq
-
-    def proxy_fence(self):
-        self.pfences.append((self.next_seq(), self.clock()))
-
-
-RING_SCHEDULES_ALL = ["rr", "rand0", "rand1", "rand2", "ahead0", "ahead1", "ahead2", "ahead3",
-                      "behind0", "behind1", "behind2", "behind3"]
-
-
-def ring_default_schedules(i):
-    """The default sweep's 3 schedules of sparse case i: round-robin, random, and one warp (rotating over
-    the blocks) run ahead (even i) or held back (odd i)."""
-    return ["rr", f"rand{i}", "ahead*" if i % 2 == 0 else "behind*"]
-
-
-def run_schedule(name, gens, ws, ncopies, land, blkseed, what, st):
-    """Interleaves the warp coroutines gens (each yields None at a scheduling point, or a predicate while it
-    spins: it is resumed only once the predicate holds, which skips spin iterations that would change
-    nothing) and the async events (a bulk copy or a cp.async landing, a noinc arrival whose cp.asyncs have
-    landed firing: land(i) does the i-th ready one; ncopies(): how many are ready), under schedule `name`:
-      rr        warps 0..3 and the copy engine in turn (the engine lands the oldest pending copy);
-      randN     a random enabled agent each step (seed N and the block); the engine lands a random copy;
-      aheadW    warp W whenever it can run, else the others in turn; copies land only when no warp can run
-                (late landing, in random order);
-      behindW   warp W only when nothing else (no other warp, no copy) can run.
-    W = * picks the warp from the block. Returns (completed, steps, most copies in flight); a deadlock or a
-    livelock is reported as an error."""
-    rng = np.random.default_rng(blkseed)
-    n = len(gens)
-    kind = name.rstrip("0123456789*")
-    arg = name[len(kind):]
-    if arg == "*":
-        arg = blkseed % n
-    arg = int(arg) if arg != "" else 0
-    pred = [None] * n
-    live = [True] * n
-    rrp = 0
-    steps = 0
-    maxpend = 0
-
-    def enabled(w):
-        return live[w] and (pred[w] is None or pred[w]())
-
-    while any(live):
-        steps += 1
-        if steps > 5_000_000:
-            check(False, f"{what}: schedule {name}: no end after {steps} steps (livelock)")
-            return False, steps, maxpend
-        en = [w for w in range(n) if enabled(w)]
-        nc = ncopies()
-        maxpend = max(maxpend, nc)
-        if not en and nc == 0:
-            desc = "; ".join(f"warp {w}: {ws[w].state}" for w in range(n) if live[w])
-            check(False, f"{what}: schedule {name}: deadlock: no warp can progress and no copy is in flight "
-                         f"({desc}; {st()})")
-            return False, steps, maxpend
-        pick = None  # a warp, or n: the copy engine
-        if kind == "rr":
-            for k in range(n + 1):
-                a = (rrp + k) % (n + 1)
-                if (a < n and a in en) or (a == n and nc):
-                    pick = a
-                    break
-            rrp = (pick + 1) % (n + 1)
-            ci = 0
-        elif kind == "rand":
-            opts = en + ([n] if nc else [])
-            pick = opts[int(rng.integers(len(opts)))]
-            ci = int(rng.integers(nc)) if nc else 0
-        elif kind == "ahead":
-            if arg in en:
-                pick = arg
-            elif en:
-                for k in range(n):
-                    a = (rrp + k) % n
-                    if a in en:
-                        pick = a
-                        break
-                rrp = (pick + 1) % n
-            else:
-                pick = n
-            ci = int(rng.integers(nc)) if nc else 0
-        elif kind == "behind":
-            others = [w for w in en if w != arg]
-            cand = others + ([n] if nc else [])
-            if cand:
-                for k in range(n + 1):
-                    a = (rrp + k) % (n + 1)
-                    if a in cand:
-                        pick = a
-                        break
-                rrp = (pick + 1) % (n + 1)
-            else:
-                pick = arg
-            ci = 0
-        else:
-            raise ValueError(f"unknown schedule {name}")
-        if pick == n:
-            land(ci)
-            continue
-        try:
-            pred[pick] = next(gens[pick])
-        except StopIteration:
-            live[pick] = False
-            pred[pick] = None
-            ws[pick].done = True
-            ws[pick].state = "done"
-    return True, steps, maxpend
-
-
 # ---------------------------------------------------------------- attn_prefill_impl<D, SPARSE>
-def attn_block(bx, h, L, stages, rng, stats, keyrec, ring=None):
-    """One thread block (tile bx, KV head h). stages: None (PF_STAGES=0) or 2 / 3; ring: None, or the name
-    of the schedule (run_schedule) of the sparse kernel's PF_RING=1 variant."""
+def attn_block(bx, h, L, stages, rng, stats, keyrec):
+    """One thread block (tile bx, KV head h). stages: None (PF_STAGES=0) or 2 / 3."""
     T = PF_THREADS
     tid = np.arange(T)
     lane, warp = tid & 31, tid >> 5
@@ -820,10 +480,7 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec, ring=None):
     dyn_bytes = prefill_sparse_smem_bytes_at(D, host_s) if SPARSE else prefill_smem_bytes_at(D, host_s)
     dyn = Shared(dyn_bytes, "dynamic smem", rng, T)
     kms = Shared(PF_WARPS * 4, "pf_kmax[4]", rng, T)
-    RING = ring is not None
-    assert not RING or (SPARSE and one_barrier), "PF_RING: the sparse kernel at PF_STAGES 2 or 3"
-    wbs = Shared(PF_WARPS * 8, "pf_wb[4]", rng, T)
-    shareds = (dyn, kms, wbs) if RING else (dyn, kms)
+    shareds = (dyn, kms)
     allt = np.ones(T, bool)
     nbar = [0]
 
@@ -878,8 +535,6 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec, ring=None):
             wb_hi = wb_hi | shfl_xor(wb_hi, o)
             o >>= 1
         wbits = (wb_hi.astype(np.uint64) << np.uint64(32)) | wb_lo.astype(np.uint64)
-    if RING:
-        wbs.write(tid[l0], 8 * warp[l0], as_bytes(wbits[l0], '<u8'), 8, "pf_wb store")
 
     # ---- Q fragments
     qa = np.zeros((T, NK, 4), np.uint32)
@@ -904,15 +559,8 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec, ring=None):
         qa[:, kk, 3] = load_q(1, c0 + 8)
     sync(allt)
     kmax = np.full(T, -1, np.int64)
-    km_w = []  # pf_kmax[w] (ring: the needmask reads them again, unchanged)
     for w in range(PF_WARPS):
-        kw = bytes_to_u32(kms.read(tid, np.full(T, 4 * w), 4, 4, "pf_kmax load")).view('<i4')[:, 0].astype(np.int64)
-        km_w.append(int(kw[0]))
-        kmax = np.maximum(kmax, kw)
-    wb_w = []  # pf_wb[w]
-    if RING:
-        for w in range(PF_WARPS):
-            wb_w.append(np.uint64(bytes_to_u64(wbs.read(tid, np.full(T, 8 * w), 8, 8, "pf_wb load"))[0, 0]))
+        kmax = np.maximum(kmax, bytes_to_u32(kms.read(tid, np.full(T, 4 * w), 4, 4, "pf_kmax load")).view('<i4')[:, 0])
     check((kmax == kmax[0]).all(), "kmax not uniform")
     kmax = int(kmax[0])
     rows_t = np.unique(rr[rr >= 0])
@@ -1157,492 +805,8 @@ def attn_block(bx, h, L, stages, rng, stats, keyrec, ring=None):
             o_new = mma_bf16_x(o_new, aa, b0, b1)
         o_acc[act] = o_new[act]
 
-    # ---- PF_RING = 1 (sparse): the warps run apart; see run_schedule and MBar
-    class SnapMem:
-        """The bytes a warp read from a stage (at the moment it read them), for the arithmetic afterwards."""
-
-        def __init__(self, mem):
-            self.mem = mem
-
-        def read(self, tids, addrs, width, align, what):
-            addrs = np.asarray(addrs, np.int64).ravel()
-            return self.mem[addrs[:, None] + np.arange(width)[None, :]]
-
-    def ring_block():
-        A = PF_WARPS + 2 * S + 32 * S  # agents: the warps, the async proxy per mbarrier, phases, cp.async
-        PH0, CP0 = PF_WARPS + S, PF_WARPS + 2 * S
-        SK = PF_BN * RS * 2  # bytes of one K (or V) stage
-        REG = ("K", "V", "bias")
-        who = f"block ({bx},{h}) ring {ring}"
-        bars = [MBar(f"pf_full[{s_}]", A, PH0 + s_) for s_ in range(S)]
-        pf_tile = [None] * S  # None: never written
-        pf_tile_rel = [np.zeros(A, np.int64) for _ in range(S)]  # what the pf_tile store released
-        rel = [dict(val=None, vc=np.zeros(A, np.int64), n=0) for _ in range(S)]  # pf_rel[st]; n counts its atomics
-        ws = [RingWarp(w, A) for w in range(PF_WARPS)]
-        aclk = np.zeros(A, np.int64)  # the async agents' clocks
-        shp = (S, 3, PF_BN)  # row cells: [stage, K / V / bias, row]
-        c_wa = np.full(shp, -1, np.int64)  # last writer (agent; -1 never written)
-        c_wc = np.zeros(shp, np.int64)  # its clock at the write
-        c_rd = np.zeros(shp + (PF_WARPS,), np.int64)  # per warp, its clock at its last read since that write
-        c_pend = np.zeros(shp, np.int64)  # copies (bulk, cp.async) in flight into the row
-        c_tag = np.full(shp, -2, np.int64)  # the tile whose data the row holds (-1 the zero-fill, -2 garbage)
-        c_gw = np.full(shp + (PF_WARPS,), -1, np.int64)  # per warp, seq of its generic write since the last async one
-        # in flight: bulk copies and cp.async copies (any may land), and cp.async.mbarrier.arrive.noinc
-        # arrivals whose thread's tracked cp.asyncs have all landed (ready: the schedule may fire them);
-        # blocked: the arrivals still waiting for a cp.async of their thread
-        ready = []
-        blocked = []
-        thr_cp = {}  # (warp, lane) -> [issued cp.async count, {id: (agent, clock) of the landed ones}, pending ids]
-        fill_arr = {}  # tile -> the phases its fill's arrivals counted on
-        stage_tile = [None] * S  # the tile last filled into each stage
-        released = {}  # tile -> warps that released it
-        fill_phase = {}  # tile -> the phase of its stage's mbarrier its fill arrived on
-        cur = [-1] * PF_WARPS
-        war_seen = set()
-        rs_ = dict(waits=0, fills=0, copies=0, cps=0, spread=0)
-
-        def rbase(st, g):
-            return (KS if g == 0 else VS) + st * SK if g < 2 else BS + st * PF_BN * 4
-
-        def ridx(st, g):  # the data bytes of the region's 64 rows (K/V: D bf16 of each padded row; bias: 4 B)
-            if g < 2:
-                return rbase(st, g) + np.arange(PF_BN)[:, None] * (RS * 2) + np.arange(D * 2)[None, :]
-            return rbase(st, g) + np.arange(PF_BN)[:, None] * 4 + np.arange(4)[None, :]
-        IDX = [[ridx(st, g) for g in range(3)] for st in range(S)]
-
-        def agent(a):
-            if a < PF_WARPS:
-                return f"warp {a}"
-            if a < PH0:
-                return f"the bulk copies of pf_full[{a - PF_WARPS}]"
-            return f"the cp.async copies of lane {(a - CP0) % 32} into stage {(a - CP0) // 32}"
-
-        def needmask(t, site, standin=True):
-            """The kernel's needmask of tile t; site "top" (the loop top), "release" or "true" (the sim's own)."""
-            kt0, _ = tile_keys(t)
-            sel = tile_sel(t)
-            m = 0
-            for w in range(PF_WARPS):
-                kok = kt0 <= km_w[w] or (site == "top" and "ring_need_no_kmax" in MUT)
-                if (sel & wb_w[w]) != 0 and kok:
-                    m |= 1 << w
-            return (m or 1) if standin else m
-
-        def nvalid_of(t):
-            kt0, nv = tile_keys(t)
-            return kt0, nv, max(0, min(nv, kmax - kt0 + 1))
-
-        def stage_free(st, tp, w, t, what):
-            """Explicit WAR check: a write into stage st while a warp that needs its current tile tp has not
-            released it."""
-            if tp is None or (st, t, what) in war_seen:
-                return
-            need = needmask(tp, "true")
-            miss = [x for x in range(PF_WARPS) if (need >> x) & 1 and x not in released.get(tp, ())]
-            if miss:
-                war_seen.add((st, t, what))
-                check(False, f"{who}: {what} of tile {t} into stage {st} by warp {w} while warp(s) {miss}, which "
-                             f"need its tile {tp}, have not released it (WAR)")
-
-        def cell_read(w, st, g, t, nvalid):
-            W = ws[w]
-            idx = IDX[st][g]
-            pb = dyn.pend[idx] > 0
-            check(not pb.any(), f"{who}: warp {w} reads tile {t}'s {REG[g]} in stage {st}: rows "
-                                f"{np.nonzero(pb.any(1))[0][:6]} have a copy in flight (not landed)")
-            check(dyn.init[idx].all(), f"{who}: warp {w} reads never-written {REG[g]} bytes of stage {st}")
-            wa, wc = c_wa[st, g], c_wc[st, g]
-            hb = (wa >= 0) & (W.vc[np.maximum(wa, 0)] >= wc)
-            if not hb.all():
-                r = int(np.nonzero(~hb)[0][0])
-                check(False, f"{who}: warp {w} reads tile {t}'s {REG[g]} in stage {st}: {int((~hb).sum())} rows "
-                             f"(e.g. {r}, written by {agent(int(wa[r]))}) not ordered before the read (race)")
-            lim = PF_BN if g == 2 else nvalid
-            tg = c_tag[st, g, :lim]
-            if not (tg == t).all():
-                r = int(np.nonzero(tg != t)[0][0])
-                check(False, f"{who}: warp {w} reads tile {t}'s {REG[g]} in stage {st}: row {r} holds tile "
-                             f"{int(tg[r])}'s data (stale)")
-            fp = fill_phase.get(t)
-            check(W.acq.get(st) == fp and fp is not None,
-                  f"{who}: warp {w} reads tile {t} in stage {st} having waited for phase {W.acq.get(st)} of "
-                  f"pf_full[{st}]; tile {t}'s fill arrived on phase {fp}")
-            c_rd[st, g, :, w] = W.clock()
-            b = rbase(st, g)
-            return dyn.mem[b:b + (SK if g < 2 else PF_BN * 4)].copy()
-
-        def bulk_issue(w, t, st, g, r, kt0, tp):
-            W = ws[w]
-            j = kt0 + r
-            check(0 <= j <= kmax and j < cap, f"{who}: bulk copy of key {j} (past the tile's last position "
-                                              f"{kmax} or the sequence's {cap} tokens)")
-            ge = j * tok_stride + h * D
-            check(ge * 2 % 16 == 0, "bulk copy source not 16-byte aligned")
-            dst = rbase(st, g) + r * RS * 2
-            check(dst % 16 == 0 and (D * 2) % 16 == 0, "bulk copy destination / size not a multiple of 16")
-            if not check(0 <= dst and dst + D * 2 <= dyn.n, f"{who}: bulk copy out of shared bounds"):
-                raise RuntimeError("bulk copy out of bounds")
-            stage_free(st, tp, w, t, "bulk copy")
-            check(c_pend[st, g, r] == 0, f"{who}: bulk copy into stage {st} {REG[g]} row {r}, which another copy "
-                                         f"in flight targets")
-            bars[st]._use("cp.async.bulk complete_tx")
-            src = Kg if g == 0 else Vg
-            data = np.ascontiguousarray(src[ge:ge + D]).view(np.uint8).copy()
-            dyn.pend[dst:dst + D * 2] += 1
-            c_pend[st, g, r] += 1
-            ready.append(dict(kind="bulk", st=st, g=g, r=r, dst=dst, data=data, bar=st, ivc=W.vc.copy(), t=t, w=w))
-            rs_["copies"] += 1
-            stats["kv_rows_read"] = stats.get("kv_rows_read", 0) + (g == 0)
-
-        def cp_issue(w, lane, t, st, r, kt0, nvalid, tp):
-            """cp.async.ca 4 B of the bias of key kt0 + r into stage st's bias row r by lane `lane` of warp w
-            (src-size 0, a zero-fill, for r >= nvalid)."""
-            W = ws[w]
-            ok = r < nvalid
-            val = np.zeros(1, F32)
-            if ok:
-                j = kt0 + r
-                check(0 <= j <= kmax and j < cap, f"{who}: bias cp.async of key {j} (past the tile's last position "
-                                                  f"{kmax} or the sequence's {cap} tokens)")
-                val[0] = Cg[j * hkv + h]
-            dst = rbase(st, 2) + r * 4
-            check(dst % 4 == 0 and 0 <= dst and dst + 4 <= dyn.n, f"{who}: bias cp.async destination {dst} bad")
-            stage_free(st, tp, w, t, "bias cp.async")
-            check(c_pend[st, 2, r] == 0, f"{who}: bias cp.async into stage {st} row {r}, which another copy in "
-                                         f"flight targets")
-            dyn.pend[dst:dst + 4] += 1
-            c_pend[st, 2, r] += 1
-            tc = thr_cp.setdefault((w, lane), [0, {}, set()])
-            cid = tc[0]
-            tc[0] += 1
-            tc[2].add(cid)
-            ready.append(dict(kind="cp", st=st, g=2, r=r, dst=dst, data=as_bytes(val, '<f4').ravel(), ivc=W.vc.copy(), t=t,
-                              w=w, lane=lane, cid=cid))
-            rs_["cps"] += 1
-
-        def arr_issue(w, lane, t, st):
-            """cp.async.mbarrier.arrive.noinc on pf_full[st] by lane `lane` of warp w: fires once every cp.async
-            this thread issued before it has landed."""
-            bars[st]._use("cp.async.mbarrier.arrive.noinc")
-            tc = thr_cp.setdefault((w, lane), [0, {}, set()])
-            it = dict(kind="arr", st=st, t=t, w=w, lane=lane, upto=tc[0])
-            (blocked if any(c < tc[0] for c in tc[2]) else ready).append(it)
-
-        def land(i):
-            """The i-th ready async event: a bulk copy or a cp.async lands, or a noinc arrival fires."""
-            c = ready.pop(i)
-            if c["kind"] == "arr":
-                tc = thr_cp[(c["w"], c["lane"])]
-                v = np.zeros(A, np.int64)
-                for cid, (a, k) in tc[1].items():
-                    if cid < c["upto"]:
-                        v[a] = max(v[a], k)
-                ph = bars[c["st"]].arrive_noinc(v)
-                fill_arr.setdefault(c["t"], set()).add(ph)
-                return
-            st, g, r, dst, vi = c["st"], c["g"], c["r"], c["dst"], c["ivc"]
-            n = len(c["data"])
-            dyn.pend[dst:dst + n] -= 1
-            dyn.mem[dst:dst + n] = c["data"]
-            dyn.init[dst:dst + n] = True
-            c_pend[st, g, r] -= 1
-            wa, wc = int(c_wa[st, g, r]), int(c_wc[st, g, r])
-            kname = "bulk copy" if c["kind"] == "bulk" else f"bias cp.async (lane {c['lane']})"
-            what = f"{who}: the {kname} of tile {c['t']} (warp {c['w']}) into stage {st} {REG[g]} row {r}"
-            check(wa < 0 or vi[wa] >= wc, f"{what} lands over a write by {agent(wa)} not ordered before its issue "
-                                          f"(write-write race)")
-            bad = [x for x in range(PF_WARPS) if c_rd[st, g, r, x] > vi[x]]
-            check(not bad, f"{what} lands over a read by warp(s) {bad} not ordered before its issue "
-                           f"(write-after-read race)")
-            if c["kind"] == "bulk":  # the async proxy (a cp.async is a generic-proxy write: no fence needed)
-                for x in range(PF_WARPS):
-                    sq = int(c_gw[st, g, r, x])
-                    if sq >= 0:
-                        ok = any(fs > sq and fc <= vi[x] for fs, fc in ws[x].pfences)
-                        check(ok, f"{what} (async proxy) lands over warp {x}'s generic-proxy store with no "
-                                  f"fence.proxy.async of warp {x} between them")
-                a = PF_WARPS + c["bar"]
-            else:
-                a = CP0 + 32 * st + c["lane"]
-            aclk[a] += 1
-            c_wa[st, g, r] = a
-            c_wc[st, g, r] = aclk[a]
-            c_rd[st, g, r] = 0
-            c_gw[st, g, r] = -1
-            c_tag[st, g, r] = c["t"]
-            if c["kind"] == "bulk":
-                v = np.zeros(A, np.int64)
-                v[a] = aclk[a]
-                bars[c["bar"]].complete_tx(n, v)
-                return
-            tc = thr_cp[(c["w"], c["lane"])]
-            tc[2].discard(c["cid"])
-            tc[1][c["cid"]] = (a, int(aclk[a]))
-            for it in [it for it in blocked if (it["w"], it["lane"]) == (c["w"], c["lane"])]:
-                if not any(x < it["upto"] for x in tc[2]):
-                    blocked.remove(it)
-                    ready.append(it)
-
-        def fill_order(lanes_ops, nfill):
-            """The order in which the lanes' instructions of one ring_fill run (no __syncwarp inside it, so any
-            interleaving that keeps each lane's program order): lanes_ops[lane] = that lane's list of slots.
-            rr: converged (each slot by all its lanes, lane order); randN: a random interleaving; aheadW /
-            behindW: by fill, lane 0 first (all of its instructions, then the others converged), lane 0 last,
-            or random."""
-            kind = ring.rstrip("0123456789*")
-            mode = {"rr": "conv", "rand": "rand"}.get(kind)
-            if mode is None:
-                cyc = ["first", "last", "rand"] if kind == "ahead" else ["last", "rand", "conv"]
-                mode = cyc[nfill % 3]
-
-            def conv(lanes):
-                slots = []
-                for l_ in lanes:
-                    for op in lanes_ops[l_]:
-                        if op[0] not in slots:
-                            slots.append(op[0])
-                return [(l_, op) for sl in slots for l_ in lanes for op in lanes_ops[l_] if op[0] == sl]
-            if mode == "conv":
-                return conv(range(32))
-            if mode == "first":
-                return [(0, op) for op in lanes_ops[0]] + conv(range(1, 32))
-            if mode == "last":
-                return conv(range(1, 32)) + [(0, op) for op in lanes_ops[0]]
-            pos = [0] * 32
-            out = []
-            left = [l_ for l_ in range(32) if lanes_ops[l_]]
-            while left:
-                l_ = left[int(fill_rng.integers(len(left)))]
-                out.append((l_, lanes_ops[l_][pos[l_]]))
-                pos[l_] += 1
-                if pos[l_] == len(lanes_ops[l_]):
-                    left.remove(l_)
-            return out
-
-        def ring_fill(w, t, st):
-            """ring_fill(t, st) by warp w (a generator: yields at its scheduling points). Per lane, in program
-            order: (lane 0) pf_tile[st] = t; fence.proxy.async; (C != nullptr) cp.async of the bias rows lane
-            and lane + 32; cp.async.mbarrier.arrive.noinc; (lane 0) arrive.expect_tx; the bulk copies of its
-            valid K and V rows. The lanes interleave as fill_order says."""
-            W = ws[w]
-            kt0, nv, nvalid = nvalid_of(t)
-            tp = stage_tile[st]
-            stage_tile[st] = t
-            rs_["fills"] += 1
-            W.state = f"filling tile {t} into stage {st}"
-            nb = nvalid * D * 4
-            if "ring_tx_short" in MUT and nvalid > 0:
-                nb -= D * 4
-            if "ring_tx_long" in MUT:
-                nb += D * 4
-            lanes_ops = []
-            for ln in range(32):
-                ops = [("tile",)] if ln == 0 else []
-                ops.append(("fence",))
-                cps = [("cp", r) for r in (ln, ln + 32)] if Cg is not None else []
-                arr = [] if ("ring_noinc_skip" in MUT and ln == 31) else [("arr",)]
-                ops += arr + cps if "ring_noinc_before_cp" in MUT else cps + arr
-                if ln == 0:
-                    ops.append(("etx",))
-                ops += [("bulk", r) for r in (ln, ln + 32) if r < nvalid]
-                lanes_ops.append(ops)
-            fenced = False
-            for k, (ln, op) in enumerate(fill_order(lanes_ops, rs_["fills"])):
-                if op[0] == "tile":
-                    pf_tile[st] = t  # lane 0, volatile: releases what lane 0's last fence ordered
-                    pf_tile_rel[st] = W.fvc.copy()
-                elif op[0] == "fence":
-                    if not fenced:
-                        W.proxy_fence()
-                        fenced = True
-                elif op[0] == "cp":
-                    cp_issue(w, ln, t, st, op[1], kt0, nvalid, tp)
-                elif op[0] == "arr":
-                    arr_issue(w, ln, t, st)
-                elif op[0] == "etx":
-                    ph = bars[st].arrive_expect_tx(nb, W.vc)  # lane 0, release
-                    fill_phase[t] = ph
-                    fill_arr.setdefault(t, set()).add(ph)
-                    W.tick()
-                else:
-                    bulk_issue(w, t, st, 0, op[1], kt0, tp)
-                    bulk_issue(w, t, st, 1, op[1], kt0, tp)
-                if k % 16 == 15:
-                    yield None
-            yield None
-
-        def rel_add(w, st, t):
-            """__threadfence_block(); atomicAdd(&pf_rel[st], 1) by lane 0: release; the old value."""
-            W, r = ws[w], rel[st]
-            check(r["val"] is not None, f"{who}: pf_rel[{st}] read before its init")
-            old = r["val"] if r["val"] is not None else 0
-            r["val"] = old + 1
-            W.rel_seen = r["vc"].copy()
-            W.fvc = W.vc.copy()
-            np.maximum(r["vc"], W.vc, out=r["vc"])
-            W.tick()
-            r["n"] += 1
-            W.rel_n = r["n"]
-            released.setdefault(t, set()).add(w)
-            return old
-
-        def rel_reset(w, st):
-            r = rel[st]
-            check(r["n"] == ws[w].rel_n, f"{who}: {r['n'] - ws[w].rel_n} atomicAdd(s) on pf_rel[{st}] between "
-                                         f"warp {w}'s atomicAdd and its reset pf_rel[{st}] = 0: lost")
-            r["val"] = 0
-            r["vc"][:] = 0
-
-        def warp_prog(w):
-            W = ws[w]
-            if w == 0:
-                for s0 in range(min(S, nkt)):
-                    yield from ring_fill(0, s0, s0)
-            for t in range(nkt):
-                st = t % S
-                cur[w] = t
-                kt0, nv, nvalid = nvalid_of(t)
-                sel = tile_sel(t)
-                if not (needmask(t, "top") >> w) & 1:
-                    continue
-                if "ring_no_tile_check" not in MUT:
-                    W.state = f"spinning on pf_tile[{st}] == {t}"
-                    while pf_tile[st] != t:
-                        yield (lambda st=st, t=t: pf_tile[st] == t)
-                    if "ring_tile_relaxed" not in MUT:  # ld.acquire: synchronizes with the fence + store
-                        np.maximum(W.vc, pf_tile_rel[st], out=W.vc)
-                    yield None
-                parity = 0 if "ring_parity0" in MUT else (t // S) & 1
-                W.state = f"waiting on pf_full[{st}] parity {parity} for tile {t}"
-                k = t // S  # the phase of pf_full[st] tile t's fill arrives on
-                check(W.vc[PH0 + st] >= k,
-                      f"{who}: warp {w} try_waits on pf_full[{st}] for tile {t} (phase {k}) with only phases < "
-                      f"{int(W.vc[PH0 + st])} known complete (not ordered before the wait): it may observe phase "
-                      f"{k - 1} still current, whose parity passes the test (stale phase)")
-                while True:
-                    ok, ph, vc = bars[st].try_wait(parity)
-                    if ok:
-                        break
-                    yield (lambda b=bars[st], p=parity: b.test(p))
-                np.maximum(W.vc, vc, out=W.vc)  # acquire
-                W.acq[st] = ph
-                rs_["waits"] += 1
-                live = [cur[x] for x in range(PF_WARPS) if not ws[x].done]
-                rs_["spread"] = max(rs_["spread"], max(live) - min(live))
-                if kt0 <= km_w[w] and (sel & wb_w[w]) != 0:  # the compute branch (kt0 <= wmax && selected)
-                    W.state = f"computing tile {t}"
-                    snaps = {}
-                    for g in ((0, 2, 1) if Cg is not None else (0, 1)):  # Q.K^T, the bias, P.V
-                        yield None
-                        snaps[g] = cell_read(w, st, g, t, nvalid)
-                    W.computed.append((t, kt0, nv, sel, snaps))
-                yield None
-                W.state = f"releasing tile {t}"
-                old = rel_add(w, st, t)
-                yield None
-                nm = needmask(t, "release")
-                last = old == 0 if "ring_first_releaser" in MUT else old == popc(nm) - 1
-                if last:
-                    if "ring_reset_after_fill" not in MUT:
-                        rel_reset(w, st)
-                    if W.rel_seen is not None:
-                        np.maximum(W.vc, W.rel_seen, out=W.vc)  # __threadfence_block after the atomic: acquire
-                    W.fvc = W.vc.copy()
-                    if t + S < nkt:
-                        yield from ring_fill(w, t + S, st)
-                    if "ring_reset_after_fill" in MUT:
-                        rel_reset(w, st)
-            W.state = "done"
-
-        # prologue (all threads): zero the stages (uint4 stores), fence.proxy.async; thread 0 inits the ring
-        nz = S * (2 * PF_BN * RS * 2 + PF_BN * 4) // 16
-        ch = np.arange(nz)
-        thr = ch % T
-        dyn.write(thr, 16 * ch, np.zeros((nz, 16), np.uint8), 16, "ring zero-fill")
-        wd = np.arange(nz * 4) * 4  # the 4-byte words written, to their row cells
-        wwarp = (wd // 16) % T // 32
-        isb = wd >= BS
-        g_ = np.where(isb, 2, np.where(wd >= VS, 1, 0))
-        off = np.where(isb, wd - BS, np.where(wd >= VS, wd - VS, wd))
-        st_ = np.where(isb, off // (PF_BN * 4), off // SK)
-        row = np.where(isb, (off % (PF_BN * 4)) // 4, (off % SK) // (RS * 2))
-        check(((st_ >= 0) & (st_ < S)).all(), "ring zero-fill past the stages")
-        seqs = np.array([ws[w].next_seq() for w in range(PF_WARPS)])
-        c_wa[st_, g_, row] = wwarp
-        c_wc[st_, g_, row] = 1
-        c_tag[st_, g_, row] = -1
-        c_gw[st_, g_, row, wwarp] = seqs[wwarp]
-        if "ring_no_proxy_fence" not in MUT:
-            for W in ws:
-                W.proxy_fence()
-        narr = {"ring_count1": 1, "ring_count32": 32}.get(next((m for m in MUT if m.startswith("ring_count")), ""), 33)
-        for s0 in range(S):  # thread 0: PF_RING_ARRIVALS
-            bars[s0].init(narr)
-            rel[s0]["val"] = 0
-            pf_tile[s0] = -1
-        sync(allt)
-        vj = np.max([W.vc for W in ws], 0)
-        for W in ws:
-            W.vc[:] = vj
-            W.fvc = vj.copy()
-            W.tick()
-
-        def state():
-            return (", ".join(b.state() for b in bars) + f"; pf_tile {pf_tile}; pf_rel {[r['val'] for r in rel]}; "
-                    f"{len(ready)} copies / arrivals in flight, {len(blocked)} arrivals waiting for a cp.async")
-        kind = ring.rstrip("0123456789*")
-        num = ring[len(kind):]
-        blkseed = (int(num) if num.isdigit() else 0) * 1000003 + bx * 131 + h * 7 + (1 if num == "*" else 0)
-        fill_rng = np.random.default_rng(blkseed + 17)
-        done, steps, maxpend = run_schedule(ring, [warp_prog(w) for w in range(PF_WARPS)], ws, lambda: len(ready),
-                                            land, blkseed, who, state)
-        check(not ready and not blocked, f"{who}: {sum(c['kind'] != 'arr' for c in ready)} copies and "
-                                         f"{sum(c['kind'] == 'arr' for c in ready) + len(blocked)} noinc arrivals "
-                                         f"still in flight when the block exits")
-        stats["ring_steps"] = stats.get("ring_steps", 0) + steps
-        stats["ring_maxpend"] = max(stats.get("ring_maxpend", 0), maxpend)
-        stats["ring_spread"] = max(stats.get("ring_spread", 0), rs_["spread"])
-        stats["ring_waits"] = stats.get("ring_waits", 0) + rs_["waits"]
-        stats["ring_fills"] = stats.get("ring_fills", 0) + rs_["fills"]
-        stats["ring_copies"] = stats.get("ring_copies", 0) + rs_["copies"]
-        stats["ring_standin"] = stats.get("ring_standin", 0) + sum(needmask(t, "true", False) == 0 for t in range(nkt))
-        if not done:
-            return False
-        # the arithmetic of each warp's computed tiles, in its order, from the bytes it read then
-        SZ = 2 * SK + PF_BN * 4
-        nstep = max(len(W.computed) for W in ws)
-        wbase = warp * SZ
-        kad = wbase + 2 * ldsm_k_lane(lane, RS)
-        vad = wbase + SK + 2 * ldsm_v_lane(lane, RS)
-        bad_ = wbase + 2 * SK
-        tiles_done = set()
-        for i in range(nstep):
-            mem = np.zeros(PF_WARPS * SZ, np.uint8)
-            k0 = np.zeros(T, np.int64)
-            nva = np.zeros(T, np.int64)
-            sela = np.zeros(T, np.uint64)
-            step = np.zeros(T, bool)
-            for w, W in enumerate(ws):
-                if i < len(W.computed):
-                    t, kt0, nv, sel, sn = W.computed[i]
-                    tiles_done.add(t)
-                    mem[w * SZ:w * SZ + SK] = sn[0]
-                    mem[w * SZ + SK:w * SZ + 2 * SK] = sn[1]
-                    if 2 in sn:
-                        mem[w * SZ + 2 * SK:(w + 1) * SZ] = sn[2]
-                    sl = slice(32 * w, 32 * w + 32)
-                    k0[sl], nva[sl], sela[sl], step[sl] = kt0, nv, sel, True
-            tile_math(k0, nva, sela, step, SnapMem(mem), kad, vad, bad_, f"ring step {i}")
-        wt = sum(len(W.computed) for W in ws)
-        stats["warp_tiles"] = stats.get("warp_tiles", 0) + PF_WARPS * nkt
-        stats["warp_tiles_skipped"] = stats.get("warp_tiles_skipped", 0) + PF_WARPS * nkt - wt
-        stats["tiles_computed"] = stats.get("tiles_computed", 0) + len(tiles_done)
-        return True
-
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        if RING:
-            ring_block()
-        elif one_barrier:
+        if one_barrier:
             for s0 in range(S - 1):
                 if s0 < nkt:
                     load_tile(s0, s0)
@@ -1736,63 +900,45 @@ def reference(L):
     return out, (np.concatenate(keys) if keys else np.zeros(0, np.int64))
 
 
-def run_case(case, D, mode, stages, seed, variants=(None,)):
-    """One case: its inputs, the union kernel (sparse), then per variant every attention block and the checks,
-    one line each. variants: None (the lockstep kernel of `stages`) and / or ring schedule names (PF_RING=1).
-    Returns [(variant, ok)]."""
+def run_case(case, D, mode, stages, seed):
+    """One case: its inputs, the union kernel (sparse), every attention block and the checks; one line.
+    Returns whether it passed."""
     rng = np.random.default_rng(seed)
     LOG.errors.clear()
     LOG.count = 0
     t0 = time.time()
     L = Launch(case, D, mode, rng)
     L.keyspan = max(ln for ln, _ in case["seqs"]) + 64
-    ustats = {}
+    stats = {}
     if L.sparse:
         for bx in range(L.ntiles):
             for h in range(L.hkv):
-                union_block(bx, h, L, rng, ustats)
+                union_block(bx, h, L, rng, stats)
         # entries past un are never read: make them garbage that would show
         for bx in range(L.ntiles):
             for h in range(L.hkv):
                 check((L.uw[(bx * L.hkv + h) * L.u_max:(bx * L.hkv + h) * L.u_max + int(L.un[bx * L.hkv + h])] == 1).all(),
                       f"union ({bx},{h}): an entry below un written other than once")
-    uerr, ucount = list(LOG.errors), LOG.count
-    out0 = L.out.copy()
-    res = []
-    for var in variants:
-        LOG.errors[:] = uerr
-        LOG.count = ucount
-        L.out[:] = out0
-        L.written[:] = 0
-        stats = dict(ustats)
-        keyrec = []
-        aborted = None
-        try:
-            for bx in range(L.ntiles):
-                for h in range(L.hkv):
-                    attn_block(bx, h, L, stages, rng, stats, keyrec, ring=var)
-        except RuntimeError as ex:
-            aborted = str(ex)
-        ok, line = check_outputs(L, D, keyrec, stats)
-        ok = ok and aborted is None
-        dt = time.time() - t0
-        t0 = time.time()
-        vname = f"{stages or 0}" if var is None else f"{stages}+ring"
-        rl = ""
-        if var is not None:
-            rl = (f" sched={var:8s} steps={stats.get('ring_steps', 0)} fills={stats.get('ring_fills', 0)} "
-                  f"copies={stats.get('ring_copies', 0)} in-flight<={stats.get('ring_maxpend', 0)} "
-                  f"spread<={stats.get('ring_spread', 0)} standin={stats.get('ring_standin', 0)}")
-        print(f"[{'ok  ' if ok else 'FAIL'}] {mode:6s} stages={vname:6s} D={D:3d} {case['name']:58s} {line}{rl} "
-              f"errors={LOG.count} ({dt:.1f} s)", flush=True)
-        if aborted:
-            print(f"   aborted: {aborted}")
-        for e in LOG.errors[:12]:
-            print("   ERROR:", e)
-        if LOG.count > 12:
-            print(f"   ... {LOG.count - 12} more errors")
-        res.append((var, ok))
-    return res
+    keyrec = []
+    aborted = None
+    try:
+        for bx in range(L.ntiles):
+            for h in range(L.hkv):
+                attn_block(bx, h, L, stages, rng, stats, keyrec)
+    except RuntimeError as ex:
+        aborted = str(ex)
+    ok, line = check_outputs(L, D, keyrec, stats)
+    ok = ok and aborted is None
+    dt = time.time() - t0
+    print(f"[{'ok  ' if ok else 'FAIL'}] {mode:6s} stages={stages or 0:<6} D={D:3d} {case['name']:58s} {line} "
+          f"errors={LOG.count} ({dt:.1f} s)", flush=True)
+    if aborted:
+        print(f"   aborted: {aborted}")
+    for e in LOG.errors[:12]:
+        print("   ERROR:", e)
+    if LOG.count > 12:
+        print(f"   ... {LOG.count - 12} more errors")
+    return ok
 
 
 def check_outputs(L, D, keyrec, stats):
@@ -1876,36 +1022,20 @@ SELFTEST_RUNS = {  # mutation -> (mode, stages, case)
     "bias_stage0": ("sparse", 3, dict(SPARSE_CASES[0], name="selftest: 300 tokens, 6 rows, sparse", seqs=[(300, 6)],
                                       G=8, hkv=1, p_sel=0.8)),
 }
-# ring mutations: (mode, stages, case, schedules); every schedule runs, one failing is enough
-RING_SELFTEST_CASE = dict(name="selftest ring: 700 tokens, 20 rows, G=3 (warps skip tiles)", seqs=[(700, 20)], G=3,
-                          hkv=1, D=64, p_sel=0.25)
-RING_KMAX_CASE = dict(name="selftest ring: block_size 256, rows 296..356 (warp 0 ends before key 320)",
-                      seqs=[(357, 61)], G=1, hkv=1, D=64, bs=256, p_sel=0.5)  # tile (block 1, c 1): kt0 320
-for _m in MUTATIONS:
-    if _m.startswith("ring_"):
-        SELFTEST_RUNS[_m] = ("sparse", 3 if _m in ("ring_parity0", "ring_tx_long") else 2,
-                             RING_KMAX_CASE if _m == "ring_need_no_kmax" else RING_SELFTEST_CASE, RING_SCHEDULES_ALL)
 
 
 def selftest(only=None):
-    """Each mutation must make its case fail (and the unmutated case pass). A ring mutation runs under every
-    schedule of RING_SCHEDULES_ALL and counts as caught when at least one schedule fails (the line names
-    which); the unmutated ring case must pass under all of them."""
+    """Each mutation must make its case fail (and the unmutated case pass)."""
     bad = 0
     runs = {k: v for k, v in SELFTEST_RUNS.items() if only is None or k in only}
-    for name, run in runs.items():
-        mode, st, case = run[:3]
-        variants = tuple(run[3]) if len(run) > 3 else (None,)
+    for name, (mode, st, case) in runs.items():
         MUT.clear()
-        base = all(ok for _, ok in run_case(case, case["D"], mode, st, 7, variants))
+        base = run_case(case, case["D"], mode, st, 7)
         MUT.add(name)
         print(f"--- mutation {name}: {MUTATIONS[name]}")
-        res = run_case(case, case["D"], mode, st, 7, variants)
+        caught = not run_case(case, case["D"], mode, st, 7)
         MUT.clear()
-        hit = [v for v, ok in res if not ok]
-        caught = bool(hit)
-        by = f" by {len(hit)}/{len(res)} schedules ({', '.join(hit)})" if caught and variants != (None,) else ""
-        print(f"--- {name}: {'caught' + by if caught else 'NOT CAUGHT'}{'' if base else ' (but the unmutated case failed)'}")
+        print(f"--- {name}: {'caught' if caught else 'NOT CAUGHT'}{'' if base else ' (but the unmutated case failed)'}")
         bad += (not caught) or (not base)
     print(f"selftest: {len(runs) - bad} passed, {bad} failed")
     return 1 if bad else 0
@@ -1916,11 +1046,6 @@ def main():
     ap.add_argument("--stages", choices=["0", "2", "3"], action="append",
                     help="PF_STAGES variant(s) (repeatable; default all three)")
     ap.add_argument("--mode", choices=["dense", "sparse"], action="append", help="default both")
-    ap.add_argument("--ring", action="store_true",
-                    help="only the sparse kernel's PF_RING=1 variant (needs --mode sparse and --stages 2 or 3, "
-                         "or no --mode / --stages); without it the sweep runs both")
-    ap.add_argument("--schedules", help="ring schedules, comma-separated (rr, randN, aheadW, behindW; W a warp 0..3 "
-                                        "or * for one per block), or 'all' (12); default 3 per case")
     ap.add_argument("--d", type=int, choices=[64, 80, 128], help="run every case at this head dim")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--selftest", action="store_true",
@@ -1931,19 +1056,6 @@ def main():
         sys.exit(selftest(a.only))
     stages = [None if s == "0" else int(s) for s in (a.stages or ["0", "2", "3"])]
     modes = a.mode or ["dense", "sparse"]
-    if a.ring:
-        stages = [x for x in stages if x is not None]
-        modes = [m for m in modes if m == "sparse"]
-        if not stages or not modes:
-            ap.error("--ring needs the sparse mode and PF_STAGES 2 or 3")
-    sched = None
-    if a.schedules:
-        sched = RING_SCHEDULES_ALL if a.schedules == "all" else a.schedules.split(",")
-        for x in sched:
-            k = x.rstrip("0123456789*")
-            if k not in ("rr", "rand", "ahead", "behind") or (k in ("ahead", "behind") and x[len(k):] not in
-                                                             ("*", "0", "1", "2", "3")):
-                ap.error(f"unknown schedule {x}")
     t0 = time.time()
     nok = nfail = 0
     for st in stages:
@@ -1951,18 +1063,15 @@ def main():
             cases = DENSE_CASES if mode == "dense" else SPARSE_CASES
             for i, c in enumerate(cases):
                 D = a.d or c["D"]
-                variants = [] if a.ring else [None]
-                if mode == "sparse" and st is not None:
-                    variants += sched or ring_default_schedules(i)
                 try:
-                    res = [ok for _, ok in run_case(c, D, mode, st, a.seed * 1000 + i, variants)]
+                    ok = run_case(c, D, mode, st, a.seed * 1000 + i)
                 except RuntimeError as ex:
                     print(f"[FAIL] {mode} stages={st or 0} D={D} {c['name']}: aborted: {ex}")
                     for e in LOG.errors[:12]:
                         print("   ERROR:", e)
-                    res = [False]
-                nok += sum(res)
-                nfail += len(res) - sum(res)
+                    ok = False
+                nok += ok
+                nfail += not ok
     print(f"{nok} passed, {nfail} failed ({time.time() - t0:.0f} s)")
     sys.exit(1 if nfail else 0)
 
