@@ -310,9 +310,9 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 // merge them through shared memory before pass 2. A row's G query heads lie in one A tile (G
 // divides 16: M-rows m = i*G + g, 16 | 32*(w%4) + 16a), in fragment rows lane/4 + 8k with the
 // same (lane/4 + 8k) / G: pass 2 sums them by shuffles, with no shared P tile, and one lane
-// writes each (row, window) sum (at G = 16 with QP_TREE_SUM, every lane one). Tiles and parts are
-// the kernel above's, the masking too except on fully visible tiles (QP_FULL_TILES); the exponent
-// in base 2 (QP_FAST_EXP below); the sums of exp and over heads add in other orders.
+// writes each (row, window) sum (with QP_TREE_SUM at G = 16 and 8, every lane one or two). Tiles
+// and parts are the kernel above's, the masking too except on fully visible tiles (QP_FULL_TILES);
+// the exponent in base 2 (QP_FAST_EXP below); the sums of exp and over heads add in other orders.
 //
 // Grid (ceil(rows / (128 / G)), hkv); block QP_M32_THREADS threads; dynamic shared memory
 // qa_prefill_m32_smem_bytes(D, parts, split) (src/cuda/ops/prefill_scores.rs: NP*64*(D+8)*2 bytes,
@@ -354,8 +354,9 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 #define QP_STAGES 2
 #endif
 
-// QP_TREE_SUM (0 unless set to 1 through SPARDA_NVRTC_OPTIONS=-DQP_TREE_SUM=1): at G = 16, pass 2
-// sums each A tile's eight (window) columns over the eight lane groups by a transposing tree:
+// QP_TREE_SUM (0 unless set to 1 through SPARDA_NVRTC_OPTIONS=-DQP_TREE_SUM=1): at G = 16 and 8,
+// pass 2 sums each A tile's eight (window) columns over the eight lane groups by a transposing tree
+// (at G = 8 one tree per fragment row, each a block row of its own):
 // at each of the three shuffle steps a lane keeps half its columns and sends the other half to
 // its partner, so 4 + 2 + 1 shuffles (and adds) give every lane the total of one column, where
 // the sum of every column over all eight groups takes 3 x 8; then each lane writes its column
@@ -639,35 +640,47 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
             const bool full = t < full_tiles;
             float s[2][4][4];
             half_logits(w0, buf, full, s);
-            if constexpr (G == 16 && QP_TREE_SUM) {
-                // v[2c + e]: this lane's two heads (fragment rows k = 0, 1) of window w0 + cb + 8c + e
+            if constexpr ((G == 16 || G == 8) && QP_TREE_SUM) {
+                // NS sums a lane ends with: G 16, one (its A tile's row: both fragment rows k);
+                // G 8, two (fragment row k is block row 2*(2*wr + a) + k). v[n][2c + e]: sum n's
+                // heads of window w0 + cb + 8c + e held by this lane.
+                constexpr int NS = G == 16 ? 1 : 2;
                 const bool l4 = lane & 16, l3 = lane & 8, l2 = lane & 4;  // lane bits 4, 3, 2
                 const int qcol = (lane >> 2) & 7;  // the column this lane ends with
 #pragma unroll
                 for (int a = 0; a < 2; ++a) {
-                    float v[8];
+                    float v[NS][8];
 #pragma unroll
                     for (int c = 0; c < 4; ++c)
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
-                            v[2 * c + e] = p_of(s[a][c][e], a, 0, full) + p_of(s[a][c][2 + e], a, 1, full);
+                            const float p0 = p_of(s[a][c][e], a, 0, full), p1 = p_of(s[a][c][2 + e], a, 1, full);
+                            if constexpr (NS == 1) {
+                                v[0][2 * c + e] = p0 + p1;
+                            } else {
+                                v[0][2 * c + e] = p0;
+                                v[NS - 1][2 * c + e] = p1;
+                            }
                         }
-                    float u[4], x2[2];
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {  // keep columns j + 4*l4
-                        const float keep = l4 ? v[j + 4] : v[j], send = l4 ? v[j] : v[j + 4];
-                        u[j] = keep + __shfl_xor_sync(FULL_MASK, send, 16);
-                    }
+                    for (int n = 0; n < NS; ++n) {
+                        float u[4], x2[2];
 #pragma unroll
-                    for (int j = 0; j < 2; ++j) {  // keep columns j + 2*l3 + 4*l4
-                        const float keep = l3 ? u[j + 2] : u[j], send = l3 ? u[j] : u[j + 2];
-                        x2[j] = keep + __shfl_xor_sync(FULL_MASK, send, 8);
+                        for (int j = 0; j < 4; ++j) {  // keep columns j + 4*l4
+                            const float keep = l4 ? v[n][j + 4] : v[n][j], send = l4 ? v[n][j] : v[n][j + 4];
+                            u[j] = keep + __shfl_xor_sync(FULL_MASK, send, 16);
+                        }
+#pragma unroll
+                        for (int j = 0; j < 2; ++j) {  // keep columns j + 2*l3 + 4*l4
+                            const float keep = l3 ? u[j + 2] : u[j], send = l3 ? u[j] : u[j + 2];
+                            x2[j] = keep + __shfl_xor_sync(FULL_MASK, send, 8);
+                        }
+                        const float keep = l2 ? x2[1] : x2[0], send = l2 ? x2[0] : x2[1];
+                        const float tot = keep + __shfl_xor_sync(FULL_MASK, send, 4);  // column qcol
+                        const int w = w0 + cb + 8 * (qcol >> 1) + (qcol & 1);
+                        const int i = (wr * 32 + a * 16 + 8 * n) / G;  // the sum's block row
+                        if (w < mcr[a][n]) s_out[((u64)(b0 + i) * hkv + h) * w_stride + w] = tot;  // (Mc 0 past the rows)
                     }
-                    const float keep = l2 ? x2[1] : x2[0], send = l2 ? x2[0] : x2[1];
-                    const float tot = keep + __shfl_xor_sync(FULL_MASK, send, 4);  // column qcol
-                    const int w = w0 + cb + 8 * (qcol >> 1) + (qcol & 1);
-                    const int i = wr * 2 + a;  // the A tile's row (its 16 M-rows are its 16 heads)
-                    if (w < mcr[a][0]) s_out[((u64)(b0 + i) * hkv + h) * w_stride + w] = tot;  // (Mc 0 past the rows)
                 }
             } else
 #pragma unroll

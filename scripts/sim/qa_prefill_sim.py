@@ -44,8 +44,8 @@ copy landing only when its group is waited for (ptx_model.SharedMem); two parts 
 buffers, or three with --stages 3 (QP_STAGES=3: tile t + 2 issued after tile t's barrier, one
 barrier per tile). Reads of bytes whose copy has not landed, copies issued into bytes another warp
 still reads, and copies pending when the block exits are reported. Relative L2 limit 1e-4 with two
-parts. --tree-sum (with --kernel m32 or m32s) simulates -DQP_TREE_SUM=1: at G = 16 pass 2's head sums
-by the transposing tree, each written total checked to hold the row's 16 heads once and one window.
+parts. --tree-sum (with --kernel m32 or m32s) simulates -DQP_TREE_SUM=1: at G = 16 and 8 pass 2's head
+sums by the transposing tree, each written total checked to hold the row's G heads once and one window.
 """
 import sys
 import numpy as np
@@ -505,7 +505,7 @@ QP_M32_WARPS = 8
 QP_M32_THREADS = 32 * QP_M32_WARPS
 QP_M32_NP = 3
 QP_FULL_TILES = 1  # kernels/qa_prefill.cu's default; --no-full-tiles simulates -DQP_FULL_TILES=0
-QP_TREE_SUM = 0  # kernels/qa_prefill.cu's default; --tree-sum simulates -DQP_TREE_SUM=1 (G = 16)
+QP_TREE_SUM = 0  # kernels/qa_prefill.cu's default; --tree-sum simulates -DQP_TREE_SUM=1 (G = 16, 8)
 
 
 def scatter_act(v, act):
@@ -777,11 +777,11 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
             syncthreads(live)
             refill(t)
             act = half_active(w0)
-            if act.any() and G == 16 and QP_TREE_SUM:
+            if act.any() and G in (8, 16) and QP_TREE_SUM:
                 full = t < full_tiles
                 s = half_logits(w0, act, full, buf)
-                tree_sum_g16(s, act, full, w0, a_rows=(mr, il, mcr, ones_m), lane=lane, wr=wr, cb=cb,
-                             lscale=lscale, b0=b0, nr=nr, gl=gl, h=h, where=f"block ({bx},{h}) tile {t}")
+                tree_sum(s, act, full, w0, a_rows=(mr, il, mcr, ones_m), lane=lane, wr=wr, cb=cb,
+                         lscale=lscale, b0=b0, nr=nr, gl=gl, h=h, G=G, where=f"block ({bx},{h}) tile {t}")
             elif act.any():
                 full = t < full_tiles
                 s = half_logits(w0, act, full, buf)
@@ -831,57 +831,64 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
     return nbar[0]
 
 
-def tree_sum_g16(s, act, full, w0, a_rows, lane, wr, cb, lscale, b0, nr, gl, h, where):
-    """Pass 2 of a tile at G = 16 with QP_TREE_SUM: per A tile a, v[2c + e] = p0 + p1 (the lane's two
-    heads of window w0 + cb + 8c + e), then the transposing tree over lane bits 4, 3, 2 (keep half,
-    send half, add), each lane writing the total of column q = lane/4 & 7. Each value carries its
-    M-row tags (each of the row's 16 heads exactly once) and the sum and sum of squares of the windows
+def tree_sum(s, act, full, w0, a_rows, lane, wr, cb, lscale, b0, nr, gl, h, G, where):
+    """Pass 2 of a tile at G = 16 or 8 with QP_TREE_SUM: per A tile a and sum n (G 16: one, v[2c + e] =
+    p0 + p1, the lane's two heads of window w0 + cb + 8c + e; G 8: two, fragment row n's head alone),
+    the transposing tree over lane bits 4, 3, 2 (keep half, send half, add), each lane writing the
+    total of column q = lane/4 & 7 for block row (32 wr + 16 a + 8 n) / G. Each value carries its
+    M-row tags (each of the row's G heads exactly once) and the sum and sum of squares of the windows
     added into it (all of them the window written)."""
     mr, il, mcr, ones_m = a_rows
     T = lane.size
+    NS = 1 if G == 16 else 2
     bits = [((lane & 16) != 0, 4, 16), ((lane & 8) != 0, 2, 8), ((lane & 4) != 0, 1, 4)]
     q = (lane >> 2) & 7
     for a in range(2):
-        v = np.zeros((T, 8), F32)
-        tg = np.zeros((T, 8, QP_BM), np.int64)
-        w1 = np.zeros((T, 8), np.int64)
-        w2 = np.zeros((T, 8), np.int64)
-        for c in range(4):
-            for e in range(2):
-                s0, s1 = s[:, a, c, e], s[:, a, c, 2 + e]
-                p0 = scatter_act(p_value_m32(s0[act], mr[act, a, 0], il[act, a, 0], lscale, full), act)
-                p1 = scatter_act(p_value_m32(s1[act], mr[act, a, 1], il[act, a, 1], lscale, full), act)
-                j = 2 * c + e
-                v[:, j] = (p0 + p1).astype(F32)
-                tg[:, j] = ones_m[:, a, 0] + ones_m[:, a, 1]
-                wc = (w0 + cb + 8 * c + e).astype(np.int64)
-                w1[:, j], w2[:, j] = 2 * wc, 2 * wc * wc
-        for bit, half, off in bits:
-            def fold(x):
-                b = bit.reshape((T,) + (1,) * (x.ndim - 1))
-                keep = np.where(b, x[:, half:2 * half], x[:, :half])
-                send = np.where(b, x[:, :half], x[:, half:2 * half])
-                return keep, shfl_xor(send, off, act)
-            k_, r_ = fold(v)
-            v = (k_ + r_).astype(F32)
-            tg = sum(fold(tg))
-            w1 = sum(fold(w1))
-            w2 = sum(fold(w2))
-        tot, ttag, t1, t2 = v[:, 0], tg[:, 0], w1[:, 0], w2[:, 0]
-        w = w0 + cb + 8 * (q >> 1) + (q & 1)
-        i = wr * 2 + a
-        wrt = act & (w < mcr[:, a, 0])
-        if not wrt.any():
-            continue
-        iw, ww = i[wrt], w[wrt].astype(np.int64)
-        check((iw < nr).all(), "s_out write for a block row past nr")
-        want = ((np.arange(QP_BM)[None, :] // 16) == iw[:, None]).astype(np.int64)
-        bad = (ttag[wrt] != want).any(1)
-        check(not bad.any(), f"{where}: tree sum of row(s) {iw[bad][:4].tolist()} holds M-rows "
-              f"{[np.nonzero(x)[0].tolist() for x in ttag[wrt][bad][:2]]}")
-        badw = (t1[wrt] != 16 * ww) | (t2[wrt] != 16 * ww * ww)
-        check(not badw.any(), f"{where}: tree sum written at window(s) {ww[badw][:4].tolist()} adds other windows")
-        store_out(gl, h, b0 + iw, w[wrt], tot[wrt])
+        for n in range(NS):
+            v = np.zeros((T, 8), F32)
+            tg = np.zeros((T, 8, QP_BM), np.int64)
+            w1 = np.zeros((T, 8), np.int64)
+            w2 = np.zeros((T, 8), np.int64)
+            for c in range(4):
+                for e in range(2):
+                    s0, s1 = s[:, a, c, e], s[:, a, c, 2 + e]
+                    p0 = scatter_act(p_value_m32(s0[act], mr[act, a, 0], il[act, a, 0], lscale, full), act)
+                    p1 = scatter_act(p_value_m32(s1[act], mr[act, a, 1], il[act, a, 1], lscale, full), act)
+                    j = 2 * c + e
+                    if NS == 1:
+                        v[:, j] = (p0 + p1).astype(F32)
+                        tg[:, j] = ones_m[:, a, 0] + ones_m[:, a, 1]
+                    else:
+                        v[:, j] = p0 if n == 0 else p1
+                        tg[:, j] = ones_m[:, a, n]
+                    wc = (w0 + cb + 8 * c + e).astype(np.int64)
+                    w1[:, j], w2[:, j] = (3 - NS) * wc, (3 - NS) * wc * wc  # heads in v[:, j]: 2 or 1
+            for bit, half, off in bits:
+                def fold(x):
+                    b = bit.reshape((T,) + (1,) * (x.ndim - 1))
+                    keep = np.where(b, x[:, half:2 * half], x[:, :half])
+                    send = np.where(b, x[:, :half], x[:, half:2 * half])
+                    return keep, shfl_xor(send, off, act)
+                k_, r_ = fold(v)
+                v = (k_ + r_).astype(F32)
+                tg = sum(fold(tg))
+                w1 = sum(fold(w1))
+                w2 = sum(fold(w2))
+            tot, ttag, t1, t2 = v[:, 0], tg[:, 0], w1[:, 0], w2[:, 0]
+            w = w0 + cb + 8 * (q >> 1) + (q & 1)
+            i = (wr * 32 + a * 16 + 8 * n) // G
+            wrt = act & (w < mcr[:, a, n])
+            if not wrt.any():
+                continue
+            iw, ww = i[wrt], w[wrt].astype(np.int64)
+            check((iw < nr).all(), "s_out write for a block row past nr")
+            want = ((np.arange(QP_BM)[None, :] // G) == iw[:, None]).astype(np.int64)
+            bad = (ttag[wrt] != want).any(1)
+            check(not bad.any(), f"{where}: tree sum of row(s) {iw[bad][:4].tolist()} holds M-rows "
+                  f"{[np.nonzero(x)[0].tolist() for x in ttag[wrt][bad][:2]]}")
+            badw = (t1[wrt] != G * ww) | (t2[wrt] != G * ww * ww)
+            check(not badw.any(), f"{where}: tree sum written at window(s) {ww[badw][:4].tolist()} adds other windows")
+            store_out(gl, h, b0 + iw, w[wrt], tot[wrt])
 
 
 def run_kernel(q, H, kc, lens, hkv, D, w_stride, stride, ksize, rng):
