@@ -316,8 +316,8 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 //
 // Grid (ceil(rows / (128 / G)), hkv); block QP_M32_THREADS threads; dynamic shared memory
 // qa_prefill_m32_smem_bytes(D, parts, split) (src/cuda/ops/prefill_scores.rs: NP*64*(D+8)*2 bytes,
-// the part tiles, twice for the m32s entry points, three times for the two-part ones with
-// QP_STAGES=3; the pairs' statistics reuse them between the passes).
+// the part tiles, twice for the m32s entry points; the pairs' statistics reuse them between the
+// passes).
 
 // QP_FAST_EXP (1 unless set to 0 through SPARDA_NVRTC_OPTIONS=-DQP_FAST_EXP=0): the m32 kernels'
 // softmax in base 2, the logits scaled by log2(e)/sqrt(D) and exp as ex2.approx.ftz (one SFU
@@ -344,25 +344,16 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 #define QP_FULL_TILES 1
 #endif
 
-// QP_STAGES (2 unless set to 3 through SPARDA_NVRTC_OPTIONS=-DQP_STAGES=3): the part-tile buffers
-// of the two-part split kernels (m32s_bf16x2). 2: the next tile's copies run during this tile's
-// products, with a barrier before and after each tile. 3: two tiles in flight and one barrier
-// per tile (the buffer refilled is the one every warp finished before that barrier); three
-// buffers of two parts fit the dynamic shared memory the host gives two buffers of three parts.
-// The three-part kernels keep 2 (3 would take 1.5 times their shared memory).
-#ifndef QP_STAGES
-#define QP_STAGES 2
-#endif
-
-// QP_TREE_SUM (0 unless set to 1 through SPARDA_NVRTC_OPTIONS=-DQP_TREE_SUM=1): at G = 16 and 8,
+// QP_TREE_SUM (1 unless set to 0 through SPARDA_NVRTC_OPTIONS=-DQP_TREE_SUM=0): at G = 16 and 8,
 // pass 2 sums each A tile's eight (window) columns over the eight lane groups by a transposing tree
 // (at G = 8 one tree per fragment row, each a block row of its own):
 // at each of the three shuffle steps a lane keeps half its columns and sends the other half to
 // its partner, so 4 + 2 + 1 shuffles (and adds) give every lane the total of one column, where
 // the sum of every column over all eight groups takes 3 x 8; then each lane writes its column
-// (one store a lane instead of eight from one lane in eight). The same sums in another order.
+// (one store a lane instead of eight from one lane in eight). The same sums in another order;
+// sparse prefill at 127K 0.7 to 0.8 % faster than with 0 (README, prefill section).
 #ifndef QP_TREE_SUM
-#define QP_TREE_SUM 0
+#define QP_TREE_SUM 1
 #endif
 
 #define QP_M32_WARPS 8
@@ -400,8 +391,6 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                                                            int w_stride, int stride, int ksize, float scale,
                                                            const bf16_t* __restrict__ parts, int p_stride) {
     static_assert(NP == 2 || NP == 3, "two or three Kc parts");
-    static_assert(QP_STAGES == 2 || QP_STAGES == 3, "QP_STAGES is 2 or 3");
-    constexpr bool RING3 = SPLIT && NP == 2 && QP_STAGES == 3;  // three buffers, one barrier per tile
     constexpr int RS = D + QP_PAD;
     constexpr int NK = D / 16;
     constexpr int PART = QP_BN * RS;
@@ -447,7 +436,7 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
         qp_q_frags<NK>(qa[a], qr[0], qr[1], lane);
     }
 
-    bf16_t* Ks = (bf16_t*)qp_sh;  // [SPLIT ? (RING3 ? 3 : 2) : 1][NP][QP_BN][RS]: hi, mid (, lo)
+    bf16_t* Ks = (bf16_t*)qp_sh;  // [SPLIT ? 2 : 1][NP][QP_BN][RS]: hi, mid (, lo)
     const u32 ks_lane = smem_addr(Ks + ldsm_k_lane(lane, RS) + hf * 32 * RS);
     const u64 kc_row = (u64)hkv * D;
     const float* Kh = kc + (u64)h * D;
@@ -486,14 +475,8 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
         cp_async_commit();
     };
     // Tile t's part tiles in shared memory, in buffer t & 1 under SPLIT (the next tile's copies
-    // issued first), in the one buffer otherwise; returns the buffer. RING3: buffer t % 3, after
-    // the barrier that ends every warp's use of tile t - 1, whose buffer tile t + 2 then refills
-    // (the caller's barrier below is that barrier: stage_tile only waits for tile t's copies).
+    // issued first), in the one buffer otherwise; returns the buffer.
     auto stage_tile = [&](int t) -> int {
-        if (RING3) {
-            cp_async_wait_one();  // tile t landed (tile t + 1 may still be in flight)
-            return t % 3;
-        }
         if (SPLIT) {
             if (t + 1 < ntiles) issue_tile((t + 1) * QP_BN, (t + 1) & 1);
             else cp_async_commit();  // an empty group: wait_one below then waits for tile t
@@ -535,26 +518,11 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     float mr[2][2], lr[2][2];
 #pragma unroll
     for (int a = 0; a < 2; ++a) mr[a][0] = mr[a][1] = -INFINITY, lr[a][0] = lr[a][1] = 0.0f;
-    // RING3: tiles 0 and 1 in flight before the loop; tile t + 2 issued after tile t's barrier.
-    auto prologue = [&]() {
-        if (SPLIT) issue_tile(0, 0);
-        if (RING3) {
-            if (ntiles > 1) issue_tile(QP_BN, 1);
-            else cp_async_commit();  // an empty group: wait_one then waits for tile 0
-        }
-    };
-    auto refill = [&](int t) {
-        if (RING3) {
-            if (t + 2 < ntiles) issue_tile((t + 2) * QP_BN, (t + 2) % 3);
-            else cp_async_commit();  // empty: wait_one keeps waiting for the tile before it
-        }
-    };
-    prologue();
+    if (SPLIT) issue_tile(0, 0);
     for (int t = 0; t < ntiles; ++t) {
         const int w0 = t * QP_BN;
         const int buf = stage_tile(t);
         __syncthreads();
-        refill(t);
         if (w0 + 32 * hf < mc_max) {  // warp-uniform: the last tile's second half may be empty
             float s[2][4][4];
             half_logits(w0, buf, t < full_tiles, s);
@@ -581,9 +549,8 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                     }
                 }
         }
-        if (!RING3) __syncthreads();  // the part tiles are rewritten by the next tile
+        __syncthreads();  // the part tiles are rewritten by the next tile (or the statistics)
     }
-    if (RING3) __syncthreads();  // every warp is done with the last tile before the statistics
     // The row's sum over its four lanes, then the pair's merge: each warp writes its (max, sum)
     // per fragment row into the (now unused) part tiles, reads its partner's, and keeps
     // M = max(m0, m1) (unscaled logits), L = l0 e(m0 - M) + l1 e(m1 - M) with e(x) = qp_exp(x *
@@ -630,12 +597,11 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     auto p_of = [&](float x, int a, int k, bool full) {
         return full || x != -INFINITY ? qp_exp(fmaf(x, lscale, mr[a][k])) * il[a][k] : 0.0f;
     };
-    prologue();
+    if (SPLIT) issue_tile(0, 0);
     for (int t = 0; t < ntiles; ++t) {
         const int w0 = t * QP_BN;
         const int buf = stage_tile(t);
         __syncthreads();
-        refill(t);
         if (w0 + 32 * hf < mc_max) {  // warp-uniform
             const bool full = t < full_tiles;
             float s[2][4][4];
@@ -712,7 +678,7 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
                         }
                     }
         }
-        if (!RING3) __syncthreads();  // every warp has read the part tiles: the next tile may overwrite them
+        __syncthreads();  // every warp has read the part tiles: the next tile may overwrite them
     }
 }
 
@@ -745,7 +711,7 @@ extern "C" __global__ void qa_split_kc(const float* __restrict__ kc, bf16_t* __r
 // of a fragment row, the shuffles and the writing lanes fold into constants; a runtime G spills
 // at D = 128 under the 128 registers of 2 blocks per SM), for G 4, 8 and 16; m32s the SPLIT
 // kernel (parts from qa_split_kc, two tile buffers in dynamic shared memory), m32s_bf16x2 the
-// same on the first two parts (three buffers with QP_STAGES=3).
+// same on the first two parts.
 #define QP_M32_ENTRY(NAME, G, D)                                                                               \
     extern "C" __global__ __launch_bounds__(QP_M32_THREADS, 2) void NAME(                                      \
         const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens, \

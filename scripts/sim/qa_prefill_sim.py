@@ -36,16 +36,16 @@ blocks, blocks of rows all Mc = 0 (the early return) and mixed with Mc = 0 / 1 r
 and < 64, several tiles, max Mc a multiple of 64 (128, 192), of 32 only (96), and last tiles whose second
 half is empty (e.g. 65, 70, 129, 193). Exit 1 on any error or a relative L2 above 1e-5.
 
---kernel m32s [--parts 2|3] [--stages 2|3] (about 10 s; 15 s with three parts) simulates the SPLIT
-entry points the GPU runs by default (qa_prefill_scores_m32s{,_bf16x2}_g*_d*): the part tiles come
-from qa_split_kc's layout ([hkv][3][p_stride][D], p_stride not a multiple of 64, rows past Mc NaN)
-by cp.async 16-byte copies with both of the kernel's thread mappings (D 64/128 and D 80), each
-copy landing only when its group is waited for (ptx_model.SharedMem); two parts by default, two
-buffers, or three with --stages 3 (QP_STAGES=3: tile t + 2 issued after tile t's barrier, one
-barrier per tile). Reads of bytes whose copy has not landed, copies issued into bytes another warp
-still reads, and copies pending when the block exits are reported. Relative L2 limit 1e-4 with two
-parts. --tree-sum (with --kernel m32 or m32s) simulates -DQP_TREE_SUM=1: at G = 16 and 8 pass 2's head
-sums by the transposing tree, each written total checked to hold the row's G heads once and one window.
+--kernel m32s [--parts 2|3] (about 10 s; 15 s with three parts) simulates the SPLIT entry points
+the GPU runs by default (qa_prefill_scores_m32s{,_bf16x2}_g*_d*): the part tiles come from
+qa_split_kc's layout ([hkv][3][p_stride][D], p_stride not a multiple of 64, rows past Mc NaN) by
+cp.async 16-byte copies with both of the kernel's thread mappings (D 64/128 and D 80), each copy
+landing only when its group is waited for (ptx_model.SharedMem); two parts by default, two
+buffers. Reads of bytes whose copy has not landed, copies issued into bytes another warp still
+reads, and copies pending when the block exits are reported. Relative L2 limit 1e-4 with two
+parts. At G = 16 and 8 pass 2's head sums go by the transposing tree (QP_TREE_SUM, the kernels'
+default), each written total checked to hold the row's G heads once and one window; --no-tree-sum
+(with --kernel m32 or m32s) simulates -DQP_TREE_SUM=0, the shuffle sums.
 """
 import sys
 import numpy as np
@@ -505,7 +505,7 @@ QP_M32_WARPS = 8
 QP_M32_THREADS = 32 * QP_M32_WARPS
 QP_M32_NP = 3
 QP_FULL_TILES = 1  # kernels/qa_prefill.cu's default; --no-full-tiles simulates -DQP_FULL_TILES=0
-QP_TREE_SUM = 0  # kernels/qa_prefill.cu's default; --tree-sum simulates -DQP_TREE_SUM=1 (G = 16, 8)
+QP_TREE_SUM = 1  # kernels/qa_prefill.cu's default (G = 16, 8); --no-tree-sum simulates -DQP_TREE_SUM=0
 
 
 def scatter_act(v, act):
@@ -518,16 +518,13 @@ QP_M32_GS = (4, 8, 16)  # the G of the entry points
 
 # --kernel m32s: the SPLIT kernels (qa_prefill_scores_m32s{,_bf16x2}_g*_d*, the GPU's default path):
 # Kc's bf16 parts come from qa_split_kc's [hkv][3][p_stride][D] by cp.async, M32S_NP of them (--parts),
-# in 2 part-tile buffers, or 3 with --stages 3 for two parts (QP_STAGES=3: one barrier per tile).
+# in 2 part-tile buffers.
 M32_SPLIT = False
 M32S_NP = 2
-QP_STAGES = 2
 
 
-def m32_buffers():  # prefill_scores.rs qa_prefill_m32_smem_bytes_at: the part-tile buffers
-    if not M32_SPLIT:
-        return 1
-    return QP_STAGES if M32S_NP == 2 else 2
+def m32_buffers():  # prefill_scores.rs qa_prefill_m32_smem_bytes: the part-tile buffers
+    return 2 if M32_SPLIT else 1
 
 
 def smem_bytes_m32(D):  # src/cuda/ops/prefill_scores.rs qa_prefill_m32_smem_bytes(D, parts, split)
@@ -594,7 +591,6 @@ def ldmatrix_x4_act(sh, tid, addr, act):
 def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
     T = QP_M32_THREADS
     NPm = M32S_NP if M32_SPLIT else QP_M32_NP
-    RING3 = M32_SPLIT and NPm == 2 and QP_STAGES == 3  # the kernel's constexpr
     D = gl.D
     RS = D + QP_PAD
     PART = QP_BN * RS
@@ -678,20 +674,8 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
     def issue(w0, buf):
         issue_tile_m32s(dyn, gl, tid, h, w0, buf, mc_max, blk_mc, NPm)
 
-    def prologue():
-        if M32_SPLIT:
-            issue(0, 0)
-        if RING3:
-            if ntiles > 1:
-                issue(QP_BN, 1)
-            else:
-                dyn.commit(tid)  # an empty group
-
     def stage_tile(t):
         """Tile t's part tiles in shared memory (or in flight to land at the caller's barrier); its buffer."""
-        if RING3:
-            dyn.wait_group(tid, 1, f"tile {t}")
-            return t % 3
         if M32_SPLIT:
             if t + 1 < ntiles:
                 issue((t + 1) * QP_BN, (t + 1) & 1)
@@ -702,23 +686,16 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
         qp_load_tile(dyn, gl, tid, h, t * QP_BN, mc_max, blk_mc, NPm)
         return 0
 
-    def refill(t):
-        if RING3:
-            if t + 2 < ntiles:
-                issue((t + 2) * QP_BN, (t + 2) % 3)
-            else:
-                dyn.commit(tid)
-
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         # ---- pass 1: per warp, over its halves of the tiles
         mr = np.full((T, 2, 2), NEG_INF, F32)
         lr = np.zeros((T, 2, 2), F32)
-        prologue()
+        if M32_SPLIT:
+            issue(0, 0)
         for t in range(ntiles):
             w0 = t * QP_BN
             buf = stage_tile(t)
             syncthreads(live)
-            refill(t)
             act = half_active(w0)
             if act.any():
                 s = half_logits(w0, act, t < full_tiles, buf)
@@ -727,9 +704,6 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
                         m_, l_ = online_update_m32(s[:, a], k, mr[:, a, k], lr[:, a, k], lscale, act)
                         mr[:, a, k] = np.where(act, m_, mr[:, a, k])
                         lr[:, a, k] = np.where(act, l_, lr[:, a, k])
-            if not RING3:
-                syncthreads(live)
-        if RING3:
             syncthreads(live)
 
         # ---- the pair's merge through st = (float*)qp_sh: [2 hf][4 wr][32 lanes][2 a][2 k][2: max, sum].
@@ -770,12 +744,12 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
         # ---- pass 2
         gl_ = G if G < 8 else 8
         writer = ((lane >> 2) & (gl_ - 1)) == 0
-        prologue()
+        if M32_SPLIT:
+            issue(0, 0)
         for t in range(ntiles):
             w0 = t * QP_BN
             buf = stage_tile(t)
             syncthreads(live)
-            refill(t)
             act = half_active(w0)
             if act.any() and G in (8, 16) and QP_TREE_SUM:
                 full = t < full_tiles
@@ -824,8 +798,7 @@ def simulate_block_m32(bx, h, gl, H, stride, ksize, scale, rng, stats):
                                       f"{iw[bad][:4].tolist()} (G = {G}) holds M-rows "
                                       f"{[np.nonzero(x)[0].tolist() for x in tags[bad][:2]]}")
                                 store_out(gl, h, b0 + iw, w[wrt], (p0 if k == 0 else p1)[wrt])
-            if not RING3:
-                syncthreads(live)
+            syncthreads(live)
     dyn.finish(f"block ({bx},{h})")
     stats['ps_max_byte'] = max(stats.get('ps_max_byte', -1), dyn.max_byte)
     return nbar[0]
@@ -1041,15 +1014,12 @@ if __name__ == "__main__":
         assert not (KERNEL == "m32" and "--parts" in sys.argv), "the m32 kernel has three parts only"
         if KERNEL == "m32s":
             KERNEL, M32_SPLIT, M32S_NP = "m32", True, NP if "--parts" in sys.argv else 2
-            if "--stages" in sys.argv:
-                QP_STAGES = int(sys.argv[sys.argv.index("--stages") + 1])
-                assert QP_STAGES in (2, 3), "--stages 2 or 3"
     rng = np.random.default_rng(1)
     print("split hi+mid+lo == x  (f32 sum, exact sum, pack halves, RNE ties):", split_exactness_test(rng))
     if "--no-full-tiles" in sys.argv:
         QP_FULL_TILES = 0
-    if "--tree-sum" in sys.argv:
-        QP_TREE_SUM = 1
+    if "--no-tree-sum" in sys.argv:
+        QP_TREE_SUM = 0
     if KERNEL == "m32":
         worst = 0.0
         allerr = []

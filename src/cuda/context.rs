@@ -470,7 +470,7 @@ pub fn nvrtc_define<'a>(opts: &'a [String], name: &str) -> Option<&'a str> {
 /// options `opts`: 3 when the last `name` define ([`nvrtc_define`]) is 3,
 /// otherwise 2 (the default; another value is left to fail the kernel's
 /// compile, which names the values it takes). What the host sizes the
-/// kernel's shared memory for (`PF_STAGES`, `QP_STAGES`).
+/// kernel's shared memory for (`PF_STAGES`).
 pub fn nvrtc_stages(opts: &[String], name: &str) -> usize {
     nvrtc_define(opts, name)
         .and_then(|v| v.parse::<usize>().ok())

@@ -180,42 +180,13 @@ pub fn prefill_scores_m32_takes(group: usize) -> bool {
 /// 32 M-rows (the kernel's QP_M32_THREADS).
 const QP_M32_THREADS: u32 = 256;
 
-/// Part-tile buffers of the two-part split scoring kernels
-/// (`qa_prefill_scores_m32s_bf16x2_*`): 3 for a `-DQP_STAGES=3` (or
-/// `--define-macro=QP_STAGES=3`) in `$SPARDA_NVRTC_OPTIONS`, otherwise 2 (the
-/// default). What the host sizes their shared memory for. Read once.
-pub fn scores_stages() -> usize {
-    static STAGES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *STAGES.get_or_init(|| scores_stages_from(&crate::cuda::context::env_nvrtc_options()))
-}
-
-/// [`scores_stages`]'s rule on the NVRTC options ([`nvrtc_stages`] of
-/// `QP_STAGES`: a value other than 2 or 3 fails the kernel's static_assert).
-///
-/// [`nvrtc_stages`]: crate::cuda::context::nvrtc_stages
-fn scores_stages_from(opts: &[String]) -> usize {
-    crate::cuda::context::nvrtc_stages(opts, "QP_STAGES")
-}
-
 /// Dynamic shared memory of `qa_prefill_scores_m32` at head dim `d` with
 /// `parts` Kc parts (3, or 2 for the `m32s_bf16x2` kernels), bytes: the
 /// bf16 part tiles of 64 windows (rows of d + 8), once for the `m32`
-/// kernels, twice for the `m32s` kernels (`split`: two tiles in flight),
-/// [`scores_stages`] times for the two-part `m32s` ones; no P tile
-/// (kernels/qa_prefill.cu).
+/// kernels, twice for the `m32s` kernels (`split`: two tiles in flight); no
+/// P tile (kernels/qa_prefill.cu).
 pub fn qa_prefill_m32_smem_bytes(d: usize, parts: usize, split: bool) -> usize {
-    qa_prefill_m32_smem_bytes_at(d, parts, split, scores_stages())
-}
-
-/// [`qa_prefill_m32_smem_bytes`] with `stages` (2 or 3) for the two-part
-/// split kernels.
-fn qa_prefill_m32_smem_bytes_at(d: usize, parts: usize, split: bool, stages: usize) -> usize {
-    let buffers = match (split, parts) {
-        (false, _) => 1,
-        (true, 2) => stages,
-        (true, _) => 2,
-    };
-    parts * 64 * (d + 8) * 2 * buffers
+    parts * 64 * (d + 8) * 2 * if split { 2 } else { 1 }
 }
 
 /// f32 elements of the scratch [`PrefillScores::TensorCoreSplit`] needs
@@ -506,12 +477,10 @@ mod tests {
         for d in [64, 80, 128] {
             for parts in [2, 3] {
                 for split in [false, true] {
-                    for stages in [2, 3] {
-                        let bytes = qa_prefill_m32_smem_bytes_at(d, parts, split, stages);
-                        let per_block = bytes + 1024 + QP_BM * 4;
-                        assert!(2 * per_block <= 228 * 1024, "m32 D {d}: {per_block} bytes");
-                        assert!(bytes >= 2 * 4 * 32 * 8 * 4, "m32 D {d} parts {parts}");
-                    }
+                    let bytes = qa_prefill_m32_smem_bytes(d, parts, split);
+                    let per_block = bytes + 1024 + QP_BM * 4;
+                    assert!(2 * per_block <= 228 * 1024, "m32 D {d}: {per_block} bytes");
+                    assert!(bytes >= 2 * 4 * 32 * 8 * 4, "m32 D {d} parts {parts}");
                 }
             }
         }
@@ -520,35 +489,8 @@ mod tests {
             qa_prefill_m32_smem_bytes(128, 3, true),
             2 * 3 * 64 * 136 * 2
         );
-        assert_eq!(
-            qa_prefill_m32_smem_bytes_at(64, 2, true, 2),
-            2 * 2 * 64 * 72 * 2
-        );
-        // three stages: two-part split kernels only, in the bytes of two
-        // buffers of three parts
-        assert_eq!(
-            qa_prefill_m32_smem_bytes_at(128, 2, true, 3),
-            qa_prefill_m32_smem_bytes_at(128, 3, true, 2)
-        );
-        assert_eq!(
-            qa_prefill_m32_smem_bytes_at(128, 3, true, 3),
-            2 * 3 * 64 * 136 * 2
-        );
-        assert_eq!(
-            qa_prefill_m32_smem_bytes_at(80, 2, false, 3),
-            2 * 64 * 88 * 2
-        );
-        let o = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(scores_stages_from(&o(&[])), 2);
-        assert_eq!(scores_stages_from(&o(&["-DQP_STAGES=3"])), 3);
-        assert_eq!(
-            scores_stages_from(&o(&["-DQP_STAGES=3", "--define-macro=QP_STAGES=2"])),
-            2
-        );
-        assert_eq!(
-            scores_stages_from(&o(&["-DQP_STAGESX=3", "-DPF_STAGES=3"])),
-            2
-        );
+        assert_eq!(qa_prefill_m32_smem_bytes(64, 2, true), 2 * 2 * 64 * 72 * 2);
+        assert_eq!(qa_prefill_m32_smem_bytes(80, 2, false), 2 * 64 * 88 * 2);
         // bf16 [Hkv, 3, w_stride, D] as f32, rounded up
         assert_eq!(split_kc_scratch_f32(2, 4096, 128), 2 * 3 * 4096 * 128 / 2);
         assert_eq!(split_kc_scratch_f32(1, 1, 1), 2);
