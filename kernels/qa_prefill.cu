@@ -350,8 +350,9 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 // at each of the three shuffle steps a lane keeps half its columns and sends the other half to
 // its partner, so 4 + 2 + 1 shuffles (and adds) give every lane the total of one column, where
 // the sum of every column over all eight groups takes 3 x 8; then each lane writes its column
-// (one store a lane instead of eight from one lane in eight). The same sums in another order;
-// sparse prefill at 127K 0.7 to 0.8 % faster than with 0 on an H100 (README, prefill section).
+// (one or two stores a lane instead of eight, sixteen at G = 8, from one lane in eight). The same
+// sums in another order; sparse prefill at 127K 0.7 to 0.8 % faster than with 0 on an H100
+// (README, prefill section).
 #ifndef QP_TREE_SUM
 #define QP_TREE_SUM 1
 #endif
@@ -589,7 +590,8 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
 
     // Pass 2: P in registers, summed over each row's G heads: the heads of fragment row group
     // lane/4 are the lanes that differ in the low log2(min(G, 8)) bits of lane/4, and at G = 16
-    // also the two fragment rows k of a lane. A lane with those bits 0 writes the sum.
+    // also the two fragment rows k of a lane. In the shuffle sums (G = 4, or QP_TREE_SUM=0) a lane
+    // with those bits 0 writes the sum; the tree (G = 16, 8) spreads the stores over every lane.
     constexpr int gl = G < 8 ? G : 8;
     const bool writer = ((lane >> 2) & (gl - 1)) == 0;
     // P of logit x in fragment row k of A tile a (a full tile has no -inf logit and every row's

@@ -1272,6 +1272,7 @@ pub fn gpu_check_e2e(
         "nvrtc_version": format!("{}.{}", info.nvrtc_version.0, info.nvrtc_version.1),
         "date_utc": utc_now_iso(),
         "commit": std::env::var("SPARDA_COMMIT").ok(),
+        "nvrtc_options": crate::cuda::context::env_nvrtc_options(),
         "steps": steps,
         "fixture": model_dir.map(|p| p.display().to_string()),
         "text": model_dir.map(|_| text.display().to_string()),
