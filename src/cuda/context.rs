@@ -454,30 +454,6 @@ pub fn env_nvrtc_options() -> Vec<String> {
     extra_nvrtc_options(std::env::var("SPARDA_NVRTC_OPTIONS").ok().as_deref())
 }
 
-/// The value of the last `-DNAME=VALUE` or `--define-macro=NAME=VALUE` among
-/// NVRTC options `opts` (what a kernel's tuning macro is compiled with, for
-/// the host to size launches by), or `None`.
-pub fn nvrtc_define<'a>(opts: &'a [String], name: &str) -> Option<&'a str> {
-    opts.iter().rev().find_map(|o| {
-        o.strip_prefix("-D")
-            .or_else(|| o.strip_prefix("--define-macro="))
-            .and_then(|d| d.strip_prefix(name))
-            .and_then(|d| d.strip_prefix('='))
-    })
-}
-
-/// The shared-memory stages a kernel's `name` macro asks for among NVRTC
-/// options `opts`: 3 when the last `name` define ([`nvrtc_define`]) is 3,
-/// otherwise 2 (the default; another value is left to fail the kernel's
-/// compile, which names the values it takes). What the host sizes the
-/// kernel's shared memory for (`PF_STAGES`).
-pub fn nvrtc_stages(opts: &[String], name: &str) -> usize {
-    nvrtc_define(opts, name)
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|&s| s == 3)
-        .unwrap_or(2)
-}
-
 /// Extra NVRTC options, whitespace-separated, appended to every kernel
 /// source's compile: `-lineinfo` for Nsight source views, or `-DNAME=VALUE`
 /// for a kernel's tuning constants that allow it (e.g. `GEMV_UNROLL` in

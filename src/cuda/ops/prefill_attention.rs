@@ -44,12 +44,19 @@ pub fn prefill_stages() -> usize {
     *STAGES.get_or_init(|| prefill_stages_from(&crate::cuda::context::env_nvrtc_options()))
 }
 
-/// [`prefill_stages`]'s rule on the NVRTC options ([`nvrtc_stages`] of
-/// `PF_STAGES`: a value other than 0, 2 or 3 fails the kernel's `#error`).
-///
-/// [`nvrtc_stages`]: crate::cuda::context::nvrtc_stages
+/// [`prefill_stages`]'s rule on the NVRTC options: the last `-DPF_STAGES=`
+/// or `--define-macro=PF_STAGES=` wins; a value other than 0, 2 or 3 is left to fail the kernel's compile
+/// (its `#error` names the values) and sizes for 2 here.
 fn prefill_stages_from(opts: &[String]) -> usize {
-    crate::cuda::context::nvrtc_stages(opts, "PF_STAGES")
+    opts.iter()
+        .rev()
+        .find_map(|o| {
+            o.strip_prefix("-DPF_STAGES=")
+                .or_else(|| o.strip_prefix("--define-macro=PF_STAGES="))
+        })
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&s| s == 3)
+        .unwrap_or(2)
 }
 
 /// The prefill attention kernel for head dim `d`.
