@@ -197,7 +197,7 @@ scores)
       grep -E "qa_prefill|Duration|Throughput|Pipe|Bank|Registers|Achieved Occupancy|Stall|Issued" "$out/ncu_$k.txt" | head -40
     done
   fi
-  # where the time goes: a traced sparse prefill with each (phases qkv, window_logits,
+  # where the time goes: a traced sparse prefill with each (phases qkv, rope_append, compress, window_logits,
   # window_scores, select, attention, o_proj, ffn; about 35 s each at 32K)
   tt=${TRACE_TOKENS:-32768}
   tp=${TRACE_PROMPT:-data/texts/hamlet.txt}
@@ -209,7 +209,7 @@ scores)
     SPARDA_PREFILL_SCORES=$k "$SPARDA" generate --model synth:nosa-8b --tokenizer "$tok" \
       --prompt-file "$tp" --prompt-tokens "$tt" --max-new-tokens 2 --backend cuda \
       --prefill sparse --trace "$out/trace_$k.json" 2>&1 | grep "^prefill" | sed "s/^/$k: /"
-    "$SPARDA" trace summarize "$out/trace_$k.json" 2>&1 | head -14 > "$out/trace_sparse_${tt}_$k.txt"
+    "$SPARDA" trace summarize "$out/trace_$k.json" 2>&1 | head -20 > "$out/trace_sparse_${tt}_$k.txt"
     cat "$out/trace_sparse_${tt}_$k.txt"; rm -f "$out/trace_$k.json"
   done
   rm -f "$out/.trace_prompt.txt"

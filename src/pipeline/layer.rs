@@ -35,6 +35,10 @@ impl GpuModel {
     /// RoPE and the KV append (+ eviction score from v), and — `comp` = (new
     /// tokens, grid width) — the compression of the windows this call
     /// completes (GPU selection).
+    ///
+    /// Traced: `open` (the caller's "qkv" span) ends after the QKV GEMM,
+    /// "rope_append" covers RoPE, the KV append and the eviction score, and
+    /// "compress" the compression when it runs; the open span is returned.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn layer_front(
         &self,
@@ -47,7 +51,8 @@ impl GpuModel {
         tab: &Tables,
         comp: Option<(usize, usize)>,
         ring: usize,
-    ) -> Result<()> {
+        open: SpanId,
+    ) -> Result<SpanId> {
         let gpu = &*self.gpu;
         let cfg = &self.config;
         let (d, hq, hk, dh) = (
@@ -104,6 +109,7 @@ impl GpuModel {
             }
         }
         // RoPE + append (+ eviction score).
+        let mut open = self.tspan_next(gpu.stream(), open, "rope_append", l)?;
         let t = self.rope_tables.as_ref().expect("rope tables ensured");
         let eh = lw.evict_head.as_ref();
         let args = ops::QkvAppendArgs {
@@ -135,6 +141,7 @@ impl GpuModel {
         }
         if let Some((n_new, gx)) = comp {
             if gx > 0 && self.on(StepPart::Compress) {
+                open = self.tspan_next(gpu.stream(), open, "compress", l)?;
                 compress(
                     gpu,
                     &self.plan.budget,
@@ -150,7 +157,7 @@ impl GpuModel {
                 )?;
             }
         }
-        Ok(())
+        Ok(open)
     }
 
     /// Second half of layer `l`: attention (dense, or sparse over the lists

@@ -592,11 +592,11 @@ impl GpuModel {
                 let tab = Tables::new(ptrs + (l * per_layer * 8) as u64, n, ns);
                 let comp = (sparse_plan && path == SelectionPath::Gpu && new_windows > 0)
                     .then_some((n_new, new_windows.min(COMPRESS_MAX_GRID_X)));
-                // Traced as the decode step is: "qkv" (input norm, QKV, RoPE,
-                // KV append, compression), the selection's phases
+                // Traced as the decode step is: "qkv" (input norm, QKV GEMM)
+                // and layer_front's spans, the selection's phases
                 // (gpu_select), then layer_back's spans.
-                let mut open = self.tspan(&s, crate::trace::Track::Compute, "qkv", l)?;
-                self.layer_front(l, &mut ws, n, ns, 0, &inp, &tab, comp, 0)?;
+                let open = self.tspan(&s, crate::trace::Track::Compute, "qkv", l)?;
+                let mut open = self.layer_front(l, &mut ws, n, ns, 0, &inp, &tab, comp, 0, open)?;
                 if let Some(t) = &spill {
                     self.spill_layer(&seqs[0], l, t, new_len[0])?;
                 }

@@ -103,7 +103,7 @@ impl GpuModel {
             let ring = st.off.as_ref().map_or(0, |o| o.ring_of(l));
             let cs = gpu.stream().clone();
             let sp = self.tspan_next(&cs, open, "qkv", l)?;
-            self.layer_front(l, &mut st.ws, n, n, qkv_off, &inp, &tab, comp, ring)?;
+            let sp = self.layer_front(l, &mut st.ws, n, n, qkv_off, &inp, &tab, comp, ring, sp)?;
             self.rope_forecast(&st.ws, n, qkv_off, inp.pos)?;
             let (sel_off, nsel_off) = lists(l);
             let (slots, sp) = match forecast {

@@ -3,8 +3,9 @@
 //!
 //! With tracing on ([`GpuModel::set_trace`]) decode steps run eagerly (a
 //! replayed CUDA graph shows no spans) and every layer records, with CUDA
-//! events on the stream that runs it: `qkv` (input norm, fused QKV GEMM,
-//! RoPE, KV append, compression), `select` (query-aware or forecast
+//! events on the stream that runs it: `qkv` (input norm, fused QKV GEMM),
+//! `rope_append` (RoPE, KV append, eviction score; forecast mode's RoPE of
+//! the forecast query too), `compress` (when windows complete), `select` (query-aware or forecast
 //! selection, PREP of the next layer included), `diff`, `fetch` (on the
 //! copy track: with prefetch it runs on the copy stream, in the synchronous
 //! modes on the compute stream — a transfer all the same, exposed by
@@ -22,9 +23,9 @@ use crate::trace::Track;
 use cudarc::driver::{CudaSlice, CudaStream};
 
 /// Upper bound of the spans one layer records in a decode step (qkv,
-/// select, diff, fetch, wait, attention, o_proj, ffn, write-back, and the
-/// layer-0 fetch of forecast mode).
-pub const SPANS_PER_LAYER: usize = 10;
+/// rope_append, compress, select, diff, fetch, wait, attention, o_proj, ffn,
+/// write-back, and the layer-0 fetch of forecast mode).
+pub const SPANS_PER_LAYER: usize = 12;
 
 /// Fetch counts of one traced step, read when the trace is flushed.
 pub(crate) struct PendingFetch {

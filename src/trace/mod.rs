@@ -89,7 +89,9 @@ impl Track {
 pub struct GpuSpan {
     /// Stream it ran on.
     pub track: Track,
-    /// Phase: qkv, prep, select, diff, fetch, wait, attention, o_proj, ffn, write-back, …
+    /// Phase: qkv (input norm and QKV GEMM), rope_append (RoPE, K/V append,
+    /// eviction score), compress, prep, select, diff, fetch, wait, attention,
+    /// o_proj, ffn, write-back, …
     pub name: String,
     /// Start, ms after the anchor event (`cuEventElapsedTime(anchor, start)`).
     pub start_ms: f64,
