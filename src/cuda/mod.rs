@@ -22,6 +22,7 @@
 
 pub mod context;
 pub mod device_error;
+pub mod gemm_lt;
 pub mod launch;
 pub mod ops;
 
