@@ -213,7 +213,7 @@ impl LtGemm {
         }
         let s = Shape { n, k, m, f32_out };
         let mut plans = self.plans.lock();
-        if !plans.contains_key(&s) {
+        if let std::collections::hash_map::Entry::Vacant(e) = plans.entry(s) {
             use cudarc::driver::sys::CUstreamCaptureStatus as C;
             let capturing = self
                 .stream
@@ -224,7 +224,7 @@ impl LtGemm {
             }
             // SAFETY: forwarded from this function's contract.
             let plan = unsafe { self.tune(gpu, s, x, w, gemm_ex)? };
-            plans.insert(s, plan);
+            e.insert(plan);
         }
         let Some(Some(p)) = plans.get(&s) else {
             return Ok(false);
