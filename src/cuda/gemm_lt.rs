@@ -6,7 +6,7 @@
 //! tile it picks may leave a partial last wave on the SMs; cuBLASLt offers
 //! several algorithms (tile, split-K, stages, cluster) per shape. The first
 //! time [`super::Gpu::linear`] meets a shape of at least
-//! [`LT_MIN_ROWS`] rows outside a graph capture, [`LtGemm`] times `gemm_ex`
+//! [`LT_MIN_ROWS`] rows outside a graph capture, the GPU times `gemm_ex`
 //! and each algorithm of the heuristic's list on the real inputs (into a
 //! scratch output) and keeps the fastest; `gemm_ex` stays where it wins.
 //! The products are equal up to f32 summation order (split-K reorders the
