@@ -1105,8 +1105,6 @@ impl Gpu {
         beta: f32,
         what: &str,
     ) -> Result<()> {
-        let n = rows;
-        let (in_features, out_features) = (k, m);
         // SAFETY: the caller vouches for the buffers; alpha/beta are host f32
         // as the default pointer mode and the 32F compute type expect; the
         // handle is bound to our stream.
@@ -1134,7 +1132,7 @@ impl Gpu {
             )
         }
         .cuda(&format!(
-            "cublasGemmEx bf16 [{n}, {in_features}] x [{out_features}, {in_features}]^T{what}"
+            "cublasGemmEx bf16 [{rows}, {k}] x [{m}, {k}]^T{what}"
         ))
     }
 

@@ -5,17 +5,17 @@
 //! replayed CUDA graph shows no spans) and every layer records, with CUDA
 //! events on the stream that runs it: `qkv` (input norm, fused QKV GEMM),
 //! `rope_append` (RoPE, KV append, eviction score; forecast mode's RoPE of
-//! the forecast query too), `compress` (when windows complete), `select` (query-aware or forecast
-//! selection, PREP of the next layer included), `diff`, `fetch` (on the
-//! copy track: with prefetch it runs on the copy stream, in the synchronous
-//! modes on the compute stream — a transfer all the same, exposed by
-//! construction), `wait` (the compute stream waiting for a prefetch),
-//! `attention` (+ split-K combine), `o_proj`, `ffn` (post-attention norm,
-//! gate|up, SwiGLU, down) and `write-back` (its own track). Span args carry
-//! layer and step; fetch spans also the bytes and (block, head) tiles
-//! fetched (each traced step copies its fetch counts on the device; they
-//! are read when the trace is flushed). With tracing off the timeline is
-//! disabled: no events, no CUDA calls.
+//! the forecast query too), `compress` (when windows complete), `select`
+//! (query-aware or forecast selection, PREP of the next layer included),
+//! `diff`, `fetch` (on the copy track: with prefetch it runs on the copy
+//! stream, in the synchronous modes on the compute stream — a transfer all
+//! the same, exposed by construction), `wait` (the compute stream waiting
+//! for a prefetch), `attention` (+ split-K combine), `o_proj`, `ffn`
+//! (post-attention norm, gate|up, SwiGLU, down) and `write-back` (its own
+//! track). Span args carry layer and step; fetch spans also the bytes and
+//! (block, head) tiles fetched (each traced step copies its fetch counts on
+//! the device; they are read when the trace is flushed). With tracing off
+//! the timeline is disabled: no events, no CUDA calls.
 
 use super::*;
 use crate::trace::timeline::{GpuTimeline, SpanId, SpanMeta};
