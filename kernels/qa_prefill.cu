@@ -756,3 +756,272 @@ QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g8_d128, 8, 128, 2)
 QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g16_d64, 16, 64, 2)
 QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g16_d80, 16, 80, 2)
 QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g16_d128, 16, 128, 2)
+
+// qa_prefill_scores_wg_g<G>_d<D> (sm_90a): the scores of the m32s_bf16x2 kernels (Kc's first
+// two bf16 parts from qa_split_kc, base-2 softmax, two passes) with S = Q.Kc^T on wgmma. The
+// block's 8 warps are two warpgroups of 64 M-rows (warp w: block M-rows 16w .. 16w+15, one A
+// tile of Q in registers, as mma.sync A fragments); each warpgroup multiplies its 64 M-rows by
+// whole 64-window tiles of Kc (m64n64k16, B from shared memory), so no warp reads B fragments
+// through ldmatrix and no pair of warps merges statistics: a warp holds every window of its
+// rows. Part tiles in shared memory as core matrices of 8 windows x 8 dims (128 contiguous
+// bytes; the next 8 dims 128 bytes on, the next 8 windows D*16 bytes on), filled by cp.async,
+// the next tile's copies in flight during this tile's products; fence.proxy.async orders the
+// copies before wgmma reads them. Pass 2 sums each row's G heads (G | 16: within one warp's
+// A tile) by a transposing shuffle tree over the lanes that hold them, so every lane writes
+// a few (row, window) sums. Masking, full tiles and the exponent as the m32 kernels.
+//
+// Grid (ceil(rows / (128 / G)), hkv); block QW_THREADS threads; dynamic shared memory
+// qa_prefill_wg_smem_bytes(D) (src/cuda/ops/prefill_scores.rs: 2 buffers x 2 parts x 64 x D x 2
+// bytes). G 4, 8, 16; D 64, 80, 128. Compiled for another target than sm_90a, the entry
+// points trap.
+#define QW_THREADS 256
+#define QW_NP 2  // Kc parts summed (hi and mid)
+
+// One step of the transposing sum over the lanes that differ in lane bit `m`: of this lane's
+// first N values it keeps the half its bit selects (upper half when set), adds its partner's
+// copy of that half and leaves the sums in v[0 .. N/2).
+template <int N>
+__device__ __forceinline__ void qw_tree_step(float (&v)[16], int lane, int m) {
+    constexpr int HALF = N / 2;
+    const bool up = lane & m;
+#pragma unroll
+    for (int j = 0; j < HALF; ++j) {
+        const float keep = up ? v[j + HALF] : v[j], send = up ? v[j] : v[j + HALF];
+        v[j] = keep + __shfl_xor_sync(FULL_MASK, send, m);
+    }
+}
+
+template <int D, int G>
+__device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restrict__ q, int q_stride,
+                                                          const int* __restrict__ lens, float* __restrict__ s_out,
+                                                          int rows, int hkv, int w_stride, int stride, int ksize,
+                                                          float scale, const bf16_t* __restrict__ parts,
+                                                          int p_stride) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    static_assert(G == 4 || G == 8 || G == 16, "a row's heads in one warp's A tile, trees below");
+    constexpr int NK = D / 16;             // k-steps of S = Q.Kc^T
+    constexpr int CH = D / 8;              // core matrices (16-byte chunks) per window row
+    constexpr int SBO = CH * 128;          // bytes between 8-window core-matrix rows
+    constexpr int PART_B = QP_BN * D * 2;  // bytes per part tile
+    constexpr int PER_PART = QP_BN * CH;   // 16-byte chunks per part tile
+    constexpr int TOTAL = QW_NP * PER_PART;
+    static_assert(CH % 2 == 0, "chunk pairs");
+    extern __shared__ __align__(128) unsigned char qp_sh[];
+    __shared__ int qp_mc[QP_BM];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int h = blockIdx.y;
+    const int R = QP_BM / G;
+    const int b0 = blockIdx.x * R;
+    const int nr = min(R, rows - b0);
+    if (nr <= 0) return;  // uniform over the block
+    for (int i = tid; i < nr; i += QW_THREADS) qp_mc[i] = sel_windows(lens[b0 + i], stride, ksize);
+    __syncthreads();
+    int mc_max = 0, mc_min = 0x7fffffff;
+    for (int i = 0; i < nr; ++i) mc_max = max(mc_max, qp_mc[i]), mc_min = min(mc_min, qp_mc[i]);
+    if (mc_max == 0) return;  // uniform
+    const int full_tiles = QP_FULL_TILES ? mc_min / QP_BN : 0;
+
+    // Fragment row lane/4 + 8k: block M-row 16*warp + lane/4 + 8k, block row (M-row) / G and
+    // its Mc (0 past the block's rows, whose Q is 0).
+    int mcr[2];
+    u32 qa[NK][4];
+    {
+        const bf16_t* qr[2];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int m = warp * 16 + (lane >> 2) + 8 * k;
+            const int i = m / G;
+            if (i < nr) {
+                mcr[k] = qp_mc[i];
+                qr[k] = q + (u64)(b0 + i) * q_stride + (u64)(h * G + (m - i * G)) * D;
+            } else {
+                mcr[k] = 0;
+                qr[k] = nullptr;
+            }
+        }
+        qp_q_frags<NK>(qa, qr[0], qr[1], lane);
+    }
+
+    const u32 sh = smem_addr(qp_sh);
+    const bf16_t* Ph = parts + (u64)h * 3 * p_stride * D;
+    const int ntiles = (mc_max + QP_BN - 1) / QP_BN;
+    // The two part tiles of windows w0 .. w0+63 into buffer buf (windows >= mc_max zero-filled),
+    // one cp.async group. Chunk x: part x / PER_PART; within it, lanes pair the two dims chunks
+    // of a core-matrix pair over 8 windows, so 16 lanes fill 256 contiguous shared bytes and read
+    // 32 bytes of each of 8 window rows.
+    auto issue_tile = [&](int w0, int buf) {
+#pragma unroll
+        for (int x0 = 0; x0 < TOTAL; x0 += QW_THREADS) {
+            const int x = x0 + tid;
+            if (TOTAL % QW_THREADS == 0 || x < TOTAL) {
+                const int p = x / PER_PART, r = x - p * PER_PART;
+                const int c = (r & 1) + 2 * ((r >> 4) % (CH / 2));
+                const int w = ((r >> 1) & 7) + 8 * ((r >> 4) / (CH / 2));
+                const bool ok = w0 + w < mc_max;
+                const bf16_t* src = ok ? Ph + ((u64)p * p_stride + w0 + w) * D + c * 8 : Ph;
+                cp_async16_at(sh + (buf * QW_NP + p) * PART_B + (w >> 3) * SBO + c * 128 + (w & 7) * 16, src, ok);
+            }
+        }
+        cp_async_commit();
+    };
+    // Tile t's part tiles resident and visible to wgmma (the next tile's copies issued first);
+    // returns its buffer. The caller syncs the block before the products.
+    auto stage_tile = [&](int t) -> int {
+        if (t + 1 < ntiles) issue_tile((t + 1) * QP_BN, (t + 1) & 1);
+        else cp_async_commit();  // an empty group: wait_one then waits for tile t
+        cp_async_wait_one();
+        fence_proxy_async();
+        return t & 1;
+    };
+    const int cb = (lane & 3) * 2;
+    const float lscale = QP_LOGIT_SCALE(scale);
+
+    // S of this warp's 16 M-rows over the tile at w0 in buffer buf: s[c][2k + e] is fragment row
+    // lane/4 + 8k, window w0 + 8c + cb + e; unscaled, -inf at windows >= the row's Mc unless
+    // `full`.
+    auto tile_logits = [&](int w0, int buf, bool full, float (&s)[8][4]) {
+#pragma unroll
+        for (int c = 0; c < 8; ++c)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) wg_pin(s[c][j]);
+        wg_fence();
+#pragma unroll
+        for (int p = 0; p < QW_NP; ++p)
+#pragma unroll
+            for (int kk = 0; kk < NK; ++kk)
+                wg_m64n64k16_rs(s, qa[kk], wg_desc(sh + (buf * QW_NP + p) * PART_B + kk * 256, 128, SBO),
+                                p + kk > 0);
+        wg_commit();
+        wg_wait<0>();
+#pragma unroll
+        for (int c = 0; c < 8; ++c)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) wg_pin(s[c][j]);
+        if (full) return;
+#pragma unroll
+        for (int c = 0; c < 8; ++c)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int w = w0 + 8 * c + cb + e;
+#pragma unroll
+                for (int k = 0; k < 2; ++k)
+                    if (w >= mcr[k]) s[c][2 * k + e] = -INFINITY;
+            }
+    };
+
+    // Pass 1: running maximum (unscaled) and this lane's share of the sum of exp per fragment row.
+    float mr[2] = {-INFINITY, -INFINITY}, lr[2] = {0.0f, 0.0f};
+    issue_tile(0, 0);
+    for (int t = 0; t < ntiles; ++t) {
+        const int w0 = t * QP_BN;
+        const int buf = stage_tile(t);
+        __syncthreads();
+        float s[8][4];
+        tile_logits(w0, buf, t < full_tiles, s);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int c = 0; c < 8; ++c) mx = fmaxf(mx, fmaxf(s[c][2 * k], s[c][2 * k + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+            const float mn = fmaxf(mr[k], mx);
+            if (mn != -INFINITY) {
+                const float nm = -mn * lscale;
+                float l = mr[k] != -INFINITY ? lr[k] * qp_exp(fmaf(mr[k], lscale, nm)) : 0.0f;
+#pragma unroll
+                for (int c = 0; c < 8; ++c) {
+                    l += qp_exp(fmaf(s[c][2 * k], lscale, nm));
+                    l += qp_exp(fmaf(s[c][2 * k + 1], lscale, nm));
+                }
+                lr[k] = l;
+                mr[k] = mn;
+            }
+        }
+        __syncthreads();  // both warpgroups are done with the buffer the next copies overwrite
+    }
+    // The row's sum over its four lanes; pass 2's exponent offset and 1/L (0 without windows).
+    float il[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        float l = lr[k];
+        l += __shfl_xor_sync(FULL_MASK, l, 1);
+        l += __shfl_xor_sync(FULL_MASK, l, 2);
+        il[k] = l > 0.0f ? 1.0f / l : 0.0f;
+        mr[k] = -mr[k] * lscale;
+    }
+
+    // Pass 2: P summed over each row's G heads. G 16: a row is the warp's 16 M-rows (both
+    // fragment rows, lane bits 2-4); G 8: fragment row k is block row 2*warp + k (lane bits
+    // 2-4); G 4: block row 4*warp + 2k + lane bit 4 (lane bits 2-3). After the tree a lane holds
+    // NV consecutive columns j = 2c + e from `base` of its row's sum.
+    constexpr int NT = G == 16 ? 1 : 2;  // trees per lane (rows it ends with)
+    constexpr int NV = G == 4 ? 4 : 2;
+    const int base = G == 4 ? 4 * ((lane >> 2) & 3) : 2 * ((lane >> 2) & 7);
+    issue_tile(0, 0);
+    for (int t = 0; t < ntiles; ++t) {
+        const int w0 = t * QP_BN;
+        const int buf = stage_tile(t);
+        __syncthreads();
+        const bool full = t < full_tiles;
+        float s[8][4];
+        tile_logits(w0, buf, full, s);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            float v[16];
+#pragma unroll
+            for (int c = 0; c < 8; ++c)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float x = 0.0f;
+#pragma unroll
+                    for (int k = 0; k < 2; ++k) {
+                        if (NT == 2 && k != n) continue;
+                        const float y = s[c][2 * k + e];
+                        x += full || y != -INFINITY ? qp_exp(fmaf(y, lscale, mr[k])) * il[k] : 0.0f;
+                    }
+                    v[2 * c + e] = x;
+                }
+            if constexpr (G == 4) {
+                qw_tree_step<16>(v, lane, 8);
+                qw_tree_step<8>(v, lane, 4);
+            } else {
+                qw_tree_step<16>(v, lane, 16);
+                qw_tree_step<8>(v, lane, 8);
+                qw_tree_step<4>(v, lane, 4);
+            }
+            const int i = G == 16 ? warp : G == 8 ? 2 * warp + n : 4 * warp + 2 * n + ((lane >> 4) & 1);
+            const int mc = mcr[n];  // this lane's fragment row n lies in row i (G 16: both do)
+            float* o = s_out + ((u64)(b0 + i) * hkv + h) * w_stride;
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int jj = base + j;
+                const int w = w0 + 8 * (jj >> 1) + cb + (jj & 1);
+                if (w < mc) o[w] = v[j];  // (Mc 0 past the rows)
+            }
+        }
+        __syncthreads();
+    }
+#else
+    __trap();
+#endif
+}
+
+#define QW_ENTRY(G, D)                                                                                          \
+    extern "C" __global__ __launch_bounds__(QW_THREADS, 2) void qa_prefill_scores_wg_g##G##_d##D(              \
+        const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens, \
+        float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale,  \
+        const bf16_t* __restrict__ parts, int p_stride) {                                                      \
+        qa_prefill_scores_wg_impl<D, G>(q, q_stride, lens, s_out, rows, hkv, w_stride, stride, ksize, scale,   \
+                                        parts, p_stride);                                                      \
+    }
+QW_ENTRY(4, 64)
+QW_ENTRY(4, 80)
+QW_ENTRY(4, 128)
+QW_ENTRY(8, 64)
+QW_ENTRY(8, 80)
+QW_ENTRY(8, 128)
+QW_ENTRY(16, 64)
+QW_ENTRY(16, 80)
+QW_ENTRY(16, 128)

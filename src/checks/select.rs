@@ -31,6 +31,7 @@ use super::kernels::{rel_l2, CaseResult, TOLERANCE_BF16};
 use crate::config::SparseConfig;
 use crate::cpu::ops as cpu_ops;
 use crate::cuda::device_error::DeviceErrors;
+use crate::cuda::context::has_wgmma;
 use crate::cuda::ops::prefill_scores::{
     prefill_scores_m32_takes, prefill_scores_tc_supported, PrefillScores,
 };
@@ -834,6 +835,13 @@ fn shared_kc_case(
             "qa_prefill_scores (prefill rows, tensor cores)",
             TOLERANCE_F32_SCORES,
         ));
+        if prefill_scores_m32_takes(g) && has_wgmma(&gpu.info().arch) {
+            kernels.push((
+                PrefillScores::TensorCoreWgmma,
+                "qa_prefill_scores_wg (prefill rows, wgmma, two Kc parts split once)",
+                TOLERANCE_BF16X2_SCORES,
+            ));
+        }
         kernels.push((
             PrefillScores::TensorCoreBf16x2,
             if prefill_scores_m32_takes(g) {

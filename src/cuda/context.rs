@@ -51,6 +51,11 @@ pub const COMMON_PRELUDE: &str = include_str!("../../kernels/common.cuh");
 /// mma.sync m16n8k16 bf16) of the attention kernels, a prelude of each.
 pub const MMA_PRELUDE: &str = include_str!("../../kernels/mma.cuh");
 
+/// `kernels/wgmma.cuh`: warpgroup tensor-core helpers (wgmma.mma_async,
+/// its fences and shared-memory descriptors; sm_90a), a prelude of the
+/// sources whose kernels use them.
+pub const WGMMA_PRELUDE: &str = include_str!("../../kernels/wgmma.cuh");
+
 /// Every kernel source of the backend (one concern per file).
 pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
@@ -154,8 +159,17 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
     KernelSource {
         file: "qa_prefill.cu",
         text: include_str!("../../kernels/qa_prefill.cu"),
-        preludes: &[MMA_PRELUDE],
+        preludes: &[MMA_PRELUDE, WGMMA_PRELUDE],
         functions: &[
+            "qa_prefill_scores_wg_g4_d64",
+            "qa_prefill_scores_wg_g4_d80",
+            "qa_prefill_scores_wg_g4_d128",
+            "qa_prefill_scores_wg_g8_d64",
+            "qa_prefill_scores_wg_g8_d80",
+            "qa_prefill_scores_wg_g8_d128",
+            "qa_prefill_scores_wg_g16_d64",
+            "qa_prefill_scores_wg_g16_d80",
+            "qa_prefill_scores_wg_g16_d128",
             "qa_prefill_scores_d64",
             "qa_prefill_scores_d80",
             "qa_prefill_scores_d128",
@@ -439,16 +453,36 @@ fn compute_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
 }
 
 /// NVRTC options for `arch` (e.g. "sm_90"): a real architecture, so NVRTC
-/// emits a cubin and the driver does no JIT at load time; then the options
+/// emits a cubin and the driver does no JIT at load time ([`nvrtc_target`]:
+/// sm_90 as sm_90a, whose wgmma the Hopper kernels use); then the options
 /// of `$SPARDA_NVRTC_OPTIONS` ([`extra_nvrtc_options`]).
 pub fn compile_options(arch: &str) -> Vec<String> {
     let mut o = vec![
-        format!("--gpu-architecture={arch}"),
+        format!("--gpu-architecture={}", nvrtc_target(arch)),
         format!("--include-path={}", cuda_include_dir()),
         "-std=c++17".to_string(),
     ];
     o.extend(env_nvrtc_options());
     o
+}
+
+/// The NVRTC target of device architecture `arch`: "sm_90" compiles as
+/// "sm_90a" (the same code for every instruction sm_90 has, plus the
+/// architecture-specific wgmma of `kernels/wgmma.cuh`, which a cubin for
+/// sm_90a runs only on a compute capability 9.0 device, the one it is
+/// compiled for); every other architecture as itself.
+pub fn nvrtc_target(arch: &str) -> &str {
+    if arch == "sm_90" {
+        "sm_90a"
+    } else {
+        arch
+    }
+}
+
+/// Whether kernels compiled for `arch` have the sm_90a wgmma entry points
+/// (`qa_prefill_scores_wg_*`; elsewhere they trap).
+pub fn has_wgmma(arch: &str) -> bool {
+    nvrtc_target(arch) == "sm_90a"
 }
 
 /// The extra NVRTC options of `$SPARDA_NVRTC_OPTIONS` ([`extra_nvrtc_options`]),
@@ -1214,6 +1248,19 @@ pub(crate) fn i32_dim(x: usize, what: &str) -> Result<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sm_90_compiles_as_sm_90a_and_only_it_has_wgmma() {
+        assert_eq!(nvrtc_target("sm_90"), "sm_90a");
+        assert!(compile_options("sm_90")
+            .iter()
+            .any(|o| o == "--gpu-architecture=sm_90a"));
+        for a in ["sm_80", "sm_86", "sm_89", "sm_100", "sm_120"] {
+            assert_eq!(nvrtc_target(a), a);
+            assert!(!has_wgmma(a), "{a}");
+        }
+        assert!(has_wgmma("sm_90"));
+    }
 
     #[test]
     fn pdl_needs_sm_90_and_is_off_only_when_the_variable_is_zero() {

@@ -60,6 +60,14 @@ pub enum PrefillScores {
     /// against the cuBLAS f32 logits' selections, where the exact kernels'
     /// summation order alone gives 1.6e-4 (README, prefill section).
     TensorCoreBf16x2,
+    /// `tensor-core-wgmma`: `tensor-core-bf16x2`'s scores (Kc's first two
+    /// bf16 parts, split once per chunk; base-2 softmax) with the products
+    /// on Hopper's warpgroup MMA (`qa_prefill_scores_wg_g*`, sm_90a: two
+    /// warpgroups of 64 M-rows per block, each multiplying whole 64-window
+    /// tiles from shared memory, the heads summed by a shuffle tree) for G
+    /// of 4, 8 and 16 on a compute capability 9.0 device; elsewhere
+    /// `tensor-core-bf16x2`'s kernels.
+    TensorCoreWgmma,
 }
 
 impl PrefillScores {
@@ -72,6 +80,7 @@ impl PrefillScores {
             PrefillScores::TensorCoreM32 => "tensor-core-m32",
             PrefillScores::TensorCoreSplit => "tensor-core-split",
             PrefillScores::TensorCoreBf16x2 => "tensor-core-bf16x2",
+            PrefillScores::TensorCoreWgmma => "tensor-core-wgmma",
         }
     }
 
@@ -84,7 +93,9 @@ impl PrefillScores {
     pub fn splits_kc(self, group: usize) -> bool {
         matches!(
             self,
-            PrefillScores::TensorCoreSplit | PrefillScores::TensorCoreBf16x2
+            PrefillScores::TensorCoreSplit
+                | PrefillScores::TensorCoreBf16x2
+                | PrefillScores::TensorCoreWgmma
         ) && prefill_scores_m32_takes(group)
     }
 
@@ -95,7 +106,7 @@ impl PrefillScores {
             PrefillScores::TensorCore
             | PrefillScores::TensorCoreM32
             | PrefillScores::TensorCoreSplit => 3,
-            PrefillScores::TensorCoreBf16x2 => 2,
+            PrefillScores::TensorCoreBf16x2 | PrefillScores::TensorCoreWgmma => 2,
         }
     }
 }
@@ -118,7 +129,8 @@ pub const DEFAULT_PREFILL_SCORES: PrefillScores = PrefillScores::TensorCoreBf16x
 pub const ENV_PREFILL_SCORES: &str = "SPARDA_PREFILL_SCORES";
 
 /// Reads a [`ENV_PREFILL_SCORES`] value: `cublas`, `tensor-core`,
-/// `tensor-core-m32`, `tensor-core-split` or `tensor-core-bf16x2`.
+/// `tensor-core-m32`, `tensor-core-split`, `tensor-core-bf16x2` or
+/// `tensor-core-wgmma`.
 ///
 /// Errors: [`Error::Input`] naming the variable, the value and the choices.
 pub fn parse_prefill_scores(v: &str) -> Result<PrefillScores> {
@@ -128,8 +140,9 @@ pub fn parse_prefill_scores(v: &str) -> Result<PrefillScores> {
         "tensor-core-m32" => Ok(PrefillScores::TensorCoreM32),
         "tensor-core-split" => Ok(PrefillScores::TensorCoreSplit),
         "tensor-core-bf16x2" => Ok(PrefillScores::TensorCoreBf16x2),
+        "tensor-core-wgmma" => Ok(PrefillScores::TensorCoreWgmma),
         _ => Err(Error::Input(format!(
-            "{ENV_PREFILL_SCORES}={v}: give cublas, tensor-core, tensor-core-m32, tensor-core-split or tensor-core-bf16x2 (the kernels that score a prefill chunk's windows)"
+            "{ENV_PREFILL_SCORES}={v}: give cublas, tensor-core, tensor-core-m32, tensor-core-split, tensor-core-bf16x2 or tensor-core-wgmma (the kernels that score a prefill chunk's windows)"
         ))),
     }
 }
@@ -189,6 +202,17 @@ pub fn qa_prefill_m32_smem_bytes(d: usize, parts: usize, split: bool) -> usize {
     parts * 64 * (d + 8) * 2 * if split { 2 } else { 1 }
 }
 
+/// Threads per `qa_prefill_scores_wg` block: two warpgroups of 64 M-rows
+/// (the kernel's QW_THREADS).
+const QW_THREADS: u32 = 256;
+
+/// Dynamic shared memory of `qa_prefill_scores_wg` at head dim `d`, bytes:
+/// two buffers of Kc's two bf16 part tiles of 64 windows × `d`, unpadded
+/// (wgmma reads them as 8 × 8 core matrices; kernels/qa_prefill.cu).
+pub fn qa_prefill_wg_smem_bytes(d: usize) -> usize {
+    2 * 2 * 64 * d * 2
+}
+
 /// f32 elements of the scratch [`PrefillScores::TensorCoreSplit`] needs
 /// for Kc's bf16 parts: bf16 [Hkv, 3, `w_stride`, D] (`w_stride` ≥ the
 /// windows split), rounded up to whole f32.
@@ -244,7 +268,11 @@ pub(crate) fn launch_prefill_scores(
         PrefillScores::TensorCoreM32
             | PrefillScores::TensorCoreSplit
             | PrefillScores::TensorCoreBf16x2
+            | PrefillScores::TensorCoreWgmma
     ) && prefill_scores_m32_takes(g);
+    let wg = kernels == PrefillScores::TensorCoreWgmma
+        && m32
+        && crate::cuda::context::has_wgmma(&gpu.info().arch);
     let split = match (kernels.splits_kc(g), split) {
         (true, Some(sp)) => Some(sp),
         (true, None) => {
@@ -256,7 +284,8 @@ pub(crate) fn launch_prefill_scores(
         (false, _) => None,
     };
     let entry = match kernels {
-        PrefillScores::TensorCoreBf16x2 if split.is_some() => {
+        _ if wg => &format!("qa_prefill_scores_wg_g{g}"),
+        PrefillScores::TensorCoreBf16x2 | PrefillScores::TensorCoreWgmma if split.is_some() => {
             &format!("qa_prefill_scores_m32s_bf16x2_g{g}")
         }
         _ if split.is_some() => &format!("qa_prefill_scores_m32s_g{g}"),
@@ -264,7 +293,9 @@ pub(crate) fn launch_prefill_scores(
             &format!("qa_prefill_scores_m32_g{g}")
         }
         PrefillScores::TensorCore | PrefillScores::TensorCoreM32 | PrefillScores::TensorCoreSplit => OP,
-        PrefillScores::TensorCoreBf16x2 => "qa_prefill_scores_bf16x2",
+        PrefillScores::TensorCoreBf16x2 | PrefillScores::TensorCoreWgmma => {
+            "qa_prefill_scores_bf16x2"
+        }
         PrefillScores::Cublas => {
             return Err(Error::Input(format!(
                 "{OP}: {kernels:?} is not a tensor-core choice (tensor-core, tensor-core-m32, tensor-core-split or tensor-core-bf16x2)"
@@ -291,7 +322,9 @@ pub(crate) fn launch_prefill_scores(
     }
     let [h_, hk_, wst, _, st, ks] = d.i32s()?;
     let f = gpu.function(&format!("{entry}_d{head_dim}"))?;
-    let (dynamic, threads) = if m32 {
+    let (dynamic, threads) = if wg {
+        (qa_prefill_wg_smem_bytes(head_dim), QW_THREADS)
+    } else if m32 {
         (
             qa_prefill_m32_smem_bytes(head_dim, parts, split.is_some()),
             QP_M32_THREADS,
@@ -362,7 +395,7 @@ pub(crate) fn launch_prefill_scores(
     if split.is_some() {
         l.arg(&parts).arg(&pst);
     }
-    // SAFETY: argument list matches qa_prefill_scores{,_m32_g*,_m32s{,_bf16x2}_g*,_bf16x2}_d* in
+    // SAFETY: argument list matches qa_prefill_scores{,_m32_g*,_m32s{,_bf16x2}_g*,_wg_g*,_bf16x2}_d* in
     // kernels/qa_prefill.cu; q holds rows rows of H·D bf16 at q_stride, Kc
     // the windows below every row's Mc, the scores rows·Hkv·w_stride f32
     // with w_stride ≥ every row's Mc (the caller's contract, ScoreDims).
@@ -399,12 +432,18 @@ mod tests {
         );
         assert_eq!(PrefillScores::TensorCoreSplit.kc_parts(), 3);
         assert_eq!(PrefillScores::TensorCoreBf16x2.kc_parts(), 2);
+        assert_eq!(
+            parse_prefill_scores("tensor-core-wgmma").unwrap(),
+            PrefillScores::TensorCoreWgmma
+        );
+        assert_eq!(PrefillScores::TensorCoreWgmma.kc_parts(), 2);
         for k in [
             PrefillScores::Cublas,
             PrefillScores::TensorCore,
             PrefillScores::TensorCoreM32,
             PrefillScores::TensorCoreSplit,
             PrefillScores::TensorCoreBf16x2,
+            PrefillScores::TensorCoreWgmma,
         ] {
             assert_eq!(parse_prefill_scores(k.name()).unwrap(), k);
         }
@@ -420,7 +459,7 @@ mod tests {
             assert!(
                 e.contains(&format!("{ENV_PREFILL_SCORES}={bad}"))
                     && e.contains(
-                        "cublas, tensor-core, tensor-core-m32, tensor-core-split or tensor-core-bf16x2"
+                        "cublas, tensor-core, tensor-core-m32, tensor-core-split, tensor-core-bf16x2 or tensor-core-wgmma"
                     ),
                 "{bad}: {e}"
             );
@@ -444,6 +483,7 @@ mod tests {
         for k in [
             PrefillScores::TensorCoreSplit,
             PrefillScores::TensorCoreBf16x2,
+            PrefillScores::TensorCoreWgmma,
         ] {
             let split: Vec<usize> = (0..=64).filter(|&g| k.splits_kc(g)).collect();
             assert_eq!(split, [4, 8, 16], "{k:?}");
@@ -491,6 +531,15 @@ mod tests {
         );
         assert_eq!(qa_prefill_m32_smem_bytes(64, 2, true), 2 * 2 * 64 * 72 * 2);
         assert_eq!(qa_prefill_m32_smem_bytes(80, 2, false), 2 * 64 * 88 * 2);
+        // qa_prefill_scores_wg: 2 blocks of QW_THREADS at 128 registers, and
+        // two buffers of two unpadded part tiles
+        assert_eq!(2 * QW_THREADS as usize * 128, 65536);
+        for d in [64, 80, 128] {
+            let per_block = qa_prefill_wg_smem_bytes(d) + 1024 + QP_BM * 4;
+            assert!(2 * per_block <= 228 * 1024, "wg D {d}: {per_block} bytes");
+        }
+        assert_eq!(qa_prefill_wg_smem_bytes(128), 65536);
+        assert_eq!(qa_prefill_wg_smem_bytes(80), 2 * 2 * 64 * 80 * 2);
         // bf16 [Hkv, 3, w_stride, D] as f32, rounded up
         assert_eq!(split_kc_scratch_f32(2, 4096, 128), 2 * 3 * 4096 * 128 / 2);
         assert_eq!(split_kc_scratch_f32(1, 1, 1), 2);
