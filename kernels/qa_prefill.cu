@@ -851,6 +851,25 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
     // of a core-matrix pair over 8 windows, so 16 lanes fill 256 contiguous shared bytes and read
     // 32 bytes of each of 8 window rows.
     auto issue_tile = [&](int w0, int buf) {
+        if constexpr (QW_THREADS % (8 * CH) == 0) {
+            // D 64, 128: the threads cover whole 8-window groups, so each thread keeps one
+            // (dims chunk, window) and steps by constant offsets (no per-chunk addresses to hold)
+            constexpr int GP = QW_THREADS / (8 * CH);  // 8-window groups per pass
+            const int y = tid % (8 * CH), g0 = tid / (8 * CH);
+            const int c = (y & 1) + 2 * (y >> 4), w = ((y >> 1) & 7) + 8 * g0;
+            const bf16_t* src = Ph + (u64)(w0 + w) * D + c * 8;
+            const u32 dst = sh + buf * QW_NP * PART_B + g0 * SBO + c * 128 + (y >> 1 & 7) * 16;
+#pragma unroll
+            for (int p = 0; p < QW_NP; ++p)
+#pragma unroll
+                for (int j = 0; j < QP_BN / (8 * GP); ++j) {
+                    const bool ok = w0 + w + 8 * GP * j < mc_max;
+                    cp_async16_at(dst + p * PART_B + GP * j * SBO,
+                                  ok ? src + (u64)p * p_stride * D + 8 * GP * j * D : Ph, ok);
+                }
+            cp_async_commit();
+            return;
+        }
 #pragma unroll
         for (int x0 = 0; x0 < TOTAL; x0 += QW_THREADS) {
             const int x = x0 + tid;
