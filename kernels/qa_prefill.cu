@@ -776,6 +776,12 @@ QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g16_d128, 16, 128, 2)
 // points trap.
 #define QW_THREADS 256
 #define QW_NP 2  // Kc parts summed (hi and mid)
+// QW_DESC_SWAP (0 unless set through SPARDA_NVRTC_OPTIONS=-DQW_DESC_SWAP=1): the descriptor's
+// two core-matrix strides exchanged (LBO the N step, SBO the K step), a check of which reading
+// of the descriptor the hardware has (gpu-check's select group fails under the wrong one).
+#ifndef QW_DESC_SWAP
+#define QW_DESC_SWAP 0
+#endif
 
 // One step of the transposing sum over the lanes that differ in lane bit `m`: of this lane's
 // first N values it keeps the half its bit selects (upper half when set), adds its partner's
@@ -909,7 +915,9 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
         for (int p = 0; p < QW_NP; ++p)
 #pragma unroll
             for (int kk = 0; kk < NK; ++kk)
-                wg_m64n64k16_rs(s, qa[kk], wg_desc(sh + (buf * QW_NP + p) * PART_B + kk * 256, 128, SBO),
+                wg_m64n64k16_rs(s, qa[kk],
+                                wg_desc(sh + (buf * QW_NP + p) * PART_B + kk * 256, QW_DESC_SWAP ? SBO : 128,
+                                        QW_DESC_SWAP ? 128 : SBO),
                                 p + kk > 0);
         wg_commit();
         wg_wait<0>();
