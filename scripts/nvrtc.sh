@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compiles every CUDA kernel (kernels/*.cu) for sm_90 with NVRTC on a machine without a GPU:
+# Compiles every CUDA kernel (kernels/*.cu) for sm_90 (as sm_90a: nvrtc_target) with NVRTC on a machine without a GPU:
 # the CUDA 13.0 NVRTC library (the version on the GPU machine, spec/device.md) from its PyPI
 # wheel nvidia-cuda-nvrtc, then the ignored test `nvrtc_compiles_every_kernel`
 # (src/cuda/context.rs), which compiles each kernel source to a cubin.

@@ -66,7 +66,10 @@ pub enum PrefillScores {
     /// warpgroups of 64 M-rows per block, each multiplying whole 64-window
     /// tiles from shared memory, the heads summed by a shuffle tree) for G
     /// of 4, 8 and 16 on a compute capability 9.0 device; elsewhere
-    /// `tensor-core-bf16x2`'s kernels.
+    /// `tensor-core-bf16x2`'s kernels. Correct (gpu-check's select group)
+    /// and slower than the default on an H100: 16,136 / 16,090 tokens/s of
+    /// synthetic NOSA-8B sparse prefill at 127K against 16,754 / 16,750
+    /// (99850b3; README, prefill section), so an option.
     TensorCoreWgmma,
 }
 
