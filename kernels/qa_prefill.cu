@@ -764,15 +764,15 @@ QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g16_d128, 16, 128, 2)
 // whole 64-window tiles of Kc (m64n64k16, B from shared memory), so no warp reads B fragments
 // through ldmatrix and no pair of warps merges statistics: a warp holds every window of its
 // rows. Part tiles in shared memory as core matrices of 8 windows x 8 dims (128 contiguous
-// bytes; the next 8 dims 128 bytes on, the next 8 windows D*16 bytes on), filled by cp.async,
-// the next tile's copies in flight during this tile's products; fence.proxy.async orders the
-// copies before wgmma reads them. Pass 2 sums each row's G heads (G | 16: within one warp's
+// bytes; the next 8 dims 128 bytes on, the next 8 windows D*16 bytes on), filled by cp.async
+// through QW_STAGES stages, the next tiles' copies in flight during this tile's products;
+// fence.proxy.async orders the copies before wgmma reads them. Pass 2 sums each row's G heads (G | 16: within one warp's
 // A tile) by a transposing shuffle tree over the lanes that hold them, so every lane writes
 // a few (row, window) sums. Masking, full tiles and the exponent as the m32 kernels.
 //
 // Grid (ceil(rows / (128 / G)), hkv); block QW_THREADS threads; dynamic shared memory
-// qa_prefill_wg_smem_bytes(D) (src/cuda/ops/prefill_scores.rs: 2 buffers x 2 parts x 64 x D x 2
-// bytes). G 4, 8, 16; D 64, 80, 128. Compiled for another target than sm_90a, the entry
+// qa_prefill_wg_smem_bytes(D) (src/cuda/ops/prefill_scores.rs: 3 stages x 2 parts x 64 x D x 2
+// bytes; QW_STAGES below). G 4, 8, 16; D 64, 80, 128. Compiled for another target than sm_90a, the entry
 // points trap.
 #define QW_THREADS 256
 #define QW_NP 2  // Kc parts summed (hi and mid)
@@ -781,6 +781,16 @@ QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g16_d128, 16, 128, 2)
 // of the descriptor the hardware has (gpu-check's select group fails under the wrong one).
 #ifndef QW_DESC_SWAP
 #define QW_DESC_SWAP 0
+#endif
+// QW_STAGES (3 unless set through SPARDA_NVRTC_OPTIONS=-DQW_STAGES=2): shared-memory stages of
+// the part tiles, one block barrier per tile; the copies of tile t + QW_STAGES - 1 are issued
+// after the barrier of tile t, into the stage every warp finished at tile t - 1. The host
+// sizes shared memory for 3 (qa_prefill_wg_smem_bytes); 2 uses two thirds of it.
+#ifndef QW_STAGES
+#define QW_STAGES 3
+#endif
+#if QW_STAGES != 2 && QW_STAGES != 3
+#error "QW_STAGES takes 2 or 3"
 #endif
 
 // One step of the transposing sum over the lanes that differ in lane bit `m`: of this lane's
@@ -890,14 +900,25 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
         }
         cp_async_commit();
     };
-    // Tile t's part tiles resident and visible to wgmma (the next tile's copies issued first);
-    // returns its buffer. The caller syncs the block before the products.
-    auto stage_tile = [&](int t) -> int {
-        if (t + 1 < ntiles) issue_tile((t + 1) * QP_BN, (t + 1) & 1);
-        else cp_async_commit();  // an empty group: wait_one then waits for tile t
-        cp_async_wait_one();
+    // The first QW_STAGES - 1 tiles of a pass in flight, one copy group each (empty past the
+    // last tile, so that "at most QW_STAGES - 2 pending" means the next tile has landed).
+    auto prologue = [&]() {
+#pragma unroll
+        for (int t = 0; t < QW_STAGES - 1; ++t) {
+            if (t < ntiles) issue_tile(t * QP_BN, t);
+            else cp_async_commit();
+        }
+    };
+    // Tile t (in stage `st` = t % QW_STAGES) resident and visible to wgmma for the whole
+    // block, and tile t + QW_STAGES - 1's copies issued into the stage tile t - 1 used, which
+    // every warp finished before this barrier.
+    auto stage_tile = [&](int t, int st) {
+        cp_async_wait_n<QW_STAGES - 2>();
         fence_proxy_async();
-        return t & 1;
+        __syncthreads();
+        const int tn = t + QW_STAGES - 1;
+        if (tn < ntiles) issue_tile(tn * QP_BN, st == 0 ? QW_STAGES - 1 : st - 1);
+        else cp_async_commit();
     };
     const int cb = (lane & 3) * 2;
     const float lscale = QP_LOGIT_SCALE(scale);
@@ -939,11 +960,10 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
 
     // Pass 1: running maximum (unscaled) and this lane's share of the sum of exp per fragment row.
     float mr[2] = {-INFINITY, -INFINITY}, lr[2] = {0.0f, 0.0f};
-    issue_tile(0, 0);
-    for (int t = 0; t < ntiles; ++t) {
+    prologue();
+    for (int t = 0, buf = 0; t < ntiles; ++t, buf = buf + 1 == QW_STAGES ? 0 : buf + 1) {
         const int w0 = t * QP_BN;
-        const int buf = stage_tile(t);
-        __syncthreads();
+        stage_tile(t, buf);
         float s[8][4];
         tile_logits(w0, buf, t < full_tiles, s);
 #pragma unroll
@@ -966,8 +986,9 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
                 mr[k] = mn;
             }
         }
-        __syncthreads();  // both warpgroups are done with the buffer the next copies overwrite
     }
+    cp_async_wait_n<0>();
+    __syncthreads();  // every warp is done with pass 1's stages before pass 2's copies
     // The row's sum over its four lanes; pass 2's exponent offset and 1/L (0 without windows).
     float il[2];
 #pragma unroll
@@ -986,11 +1007,10 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
     constexpr int NT = G == 16 ? 1 : 2;  // trees per lane (rows it ends with)
     constexpr int NV = G == 4 ? 4 : 2;
     const int base = G == 4 ? 4 * ((lane >> 2) & 3) : 2 * ((lane >> 2) & 7);
-    issue_tile(0, 0);
-    for (int t = 0; t < ntiles; ++t) {
+    prologue();
+    for (int t = 0, buf = 0; t < ntiles; ++t, buf = buf + 1 == QW_STAGES ? 0 : buf + 1) {
         const int w0 = t * QP_BN;
-        const int buf = stage_tile(t);
-        __syncthreads();
+        stage_tile(t, buf);
         const bool full = t < full_tiles;
         float s[8][4];
         tile_logits(w0, buf, full, s);
@@ -1028,7 +1048,6 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
                 if (w < mc) o[w] = v[j];  // (Mc 0 past the rows)
             }
         }
-        __syncthreads();
     }
 #else
     __trap();

@@ -210,10 +210,12 @@ pub fn qa_prefill_m32_smem_bytes(d: usize, parts: usize, split: bool) -> usize {
 const QW_THREADS: u32 = 256;
 
 /// Dynamic shared memory of `qa_prefill_scores_wg` at head dim `d`, bytes:
-/// two buffers of Kc's two bf16 part tiles of 64 windows × `d`, unpadded
-/// (wgmma reads them as 8 × 8 core matrices; kernels/qa_prefill.cu).
+/// three stages of Kc's two bf16 part tiles of 64 windows × `d`, unpadded
+/// (wgmma reads them as 8 × 8 core matrices; the kernel's QW_STAGES, 3
+/// unless an NVRTC option sets 2, which uses two of them;
+/// kernels/qa_prefill.cu).
 pub fn qa_prefill_wg_smem_bytes(d: usize) -> usize {
-    2 * 2 * 64 * d * 2
+    3 * 2 * 64 * d * 2
 }
 
 /// f32 elements of the scratch [`PrefillScores::TensorCoreSplit`] needs
@@ -535,14 +537,14 @@ mod tests {
         assert_eq!(qa_prefill_m32_smem_bytes(64, 2, true), 2 * 2 * 64 * 72 * 2);
         assert_eq!(qa_prefill_m32_smem_bytes(80, 2, false), 2 * 64 * 88 * 2);
         // qa_prefill_scores_wg: 2 blocks of QW_THREADS at 128 registers, and
-        // two buffers of two unpadded part tiles
+        // three stages of two unpadded part tiles
         assert_eq!(2 * QW_THREADS as usize * 128, 65536);
         for d in [64, 80, 128] {
             let per_block = qa_prefill_wg_smem_bytes(d) + 1024 + QP_BM * 4;
             assert!(2 * per_block <= 228 * 1024, "wg D {d}: {per_block} bytes");
         }
-        assert_eq!(qa_prefill_wg_smem_bytes(128), 65536);
-        assert_eq!(qa_prefill_wg_smem_bytes(80), 2 * 2 * 64 * 80 * 2);
+        assert_eq!(qa_prefill_wg_smem_bytes(128), 98304);
+        assert_eq!(qa_prefill_wg_smem_bytes(80), 3 * 2 * 64 * 80 * 2);
         // bf16 [Hkv, 3, w_stride, D] as f32, rounded up
         assert_eq!(split_kc_scratch_f32(2, 4096, 128), 2 * 3 * 4096 * 128 / 2);
         assert_eq!(split_kc_scratch_f32(1, 1, 1), 2);
