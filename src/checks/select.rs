@@ -30,8 +30,8 @@
 use super::kernels::{rel_l2, CaseResult, TOLERANCE_BF16};
 use crate::config::SparseConfig;
 use crate::cpu::ops as cpu_ops;
-use crate::cuda::device_error::DeviceErrors;
 use crate::cuda::context::has_wgmma;
+use crate::cuda::device_error::DeviceErrors;
 use crate::cuda::ops::prefill_scores::{
     prefill_scores_m32_takes, prefill_scores_tc_supported, PrefillScores,
 };
