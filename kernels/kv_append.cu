@@ -17,7 +17,9 @@
 // skipped (nothing rotated, appended or scored) and reported to the device error record err
 // (nullable; common.cuh): DEVERR_ROPE_POSITION, row r, `layer`, value pos[r], limit table_rows.
 // The host guarantees 0 <= pos[r] < the row's cache capacity (ring slot < ring).
-// Grid: (n, H + 2*hkv); any block size (multiple of 32).
+// Grid: (n, ceil((H + 2*hkv) / blockDim.y)); block (blockDim.x, blockDim.y): head j =
+// blockIdx.y * blockDim.y + threadIdx.y (a row of blockDim.x threads, a multiple of 32, per
+// head; several heads a block, so a prefill chunk is not tens of thousands of tiny blocks).
 
 extern "C" __global__ void qkv_rope_append(bf16_t* __restrict__ qkv, int row_stride, int H, int hkv, int D,
                                            const int* __restrict__ pos, const float* __restrict__ cos_t,
@@ -28,7 +30,8 @@ extern "C" __global__ void qkv_rope_append(bf16_t* __restrict__ qkv, int row_str
                                            int ring, int* __restrict__ err, int layer) {
     pdl_wait();
     pdl_trigger();
-    const int r = blockIdx.x, j = blockIdx.y;
+    const int r = blockIdx.x, j = blockIdx.y * blockDim.y + threadIdx.y;
+    if (j >= H + 2 * hkv) return;  // whole rows of threads: whole warps
     const int half = D >> 1;
     bf16_t* x = qkv + (u64)r * row_stride;
     const int p = pos[r];
@@ -61,7 +64,8 @@ extern "C" __global__ void qkv_rope_append(bf16_t* __restrict__ qkv, int row_str
         const bf16_t* src = vrow + (u64)h * D;
         bf16_t* V = (bf16_t*)vptr[r] + (kv_row * hkv + h) * D;
         for (int i = threadIdx.x; i < D; i += blockDim.x) V[i] = src[i];
-        // Warp 0 whole (blockDim.x >= 32); cptr[r] is the same for every lane.
+        // Warp 0 of the head's row whole (blockDim.x a multiple of 32: lanes are threadIdx.x & 31);
+        // cptr[r] is the same for every lane.
         if (A != nullptr && cptr != nullptr && threadIdx.x < 32 && cptr[r] != 0ull) {
             const int kvd = hkv * D;
             const float c = eviction_c(delta + (u64)h * kvd, vrow, kvd, eb != nullptr ? eb[h] : 0.0f, A[h]);

@@ -689,6 +689,15 @@ pub(crate) struct QkvAppendArgs {
     pub err: ErrorSink,
 }
 
+/// Block of `qkv_rope_append` at head dim `head_dim`: (threads per head, heads
+/// per block). A head's row is half the head dim rounded up to whole warps
+/// (32 … 128 threads); rows are stacked to about 256 threads, so a prefill
+/// chunk of 1,024 rows and 36 heads is 9,216 blocks, not 36,864 blocks of 64.
+pub(crate) fn rope_append_block(head_dim: usize) -> (u32, u32) {
+    let tx = ((head_dim / 2).div_ceil(32) * 32).clamp(32, 128) as u32;
+    (tx, (256 / tx).max(1))
+}
+
 /// Launches `qkv_rope_append` for `a` on the GPU's stream (see
 /// [`qkv_rope_append`] for what it computes). `rows = 0` is a no-op.
 ///
@@ -713,17 +722,17 @@ pub(crate) unsafe fn launch_qkv_rope_append(gpu: &Gpu, a: &QkvAppendArgs) -> Res
     );
     let layer = a.err.layer_arg()?;
     let f = gpu.function(OP)?;
+    let (tx, hpb) = rope_append_block(a.head_dim);
     let cfg = LaunchConfig {
         grid_dim: (
             grid(a.rows, "rows")?,
-            grid(a.heads + 2 * a.kv_heads, "heads")?,
+            grid(
+                (a.heads + 2 * a.kv_heads).div_ceil(hpb as usize),
+                "head groups",
+            )?,
             1,
         ),
-        block_dim: (
-            ((a.head_dim / 2).div_ceil(32) * 32).clamp(32, 128) as u32,
-            1,
-            1,
-        ),
+        block_dim: (tx, hpb, 1),
         shared_mem_bytes: 0,
     };
     let mut b = gpu.launch_builder(f);
@@ -900,6 +909,23 @@ pub fn qkv_rope_append<Q: DevicePtrMut<Bf16>>(
 
 #[cfg(test)]
 mod tests {
+    use super::rope_append_block;
+
+    #[test]
+    fn rope_append_blocks_hold_whole_warps_per_head_and_about_256_threads() {
+        assert_eq!(rope_append_block(128), (64, 4));
+        assert_eq!(rope_append_block(64), (32, 8));
+        assert_eq!(rope_append_block(80), (64, 4));
+        assert_eq!(rope_append_block(256), (128, 2));
+        assert_eq!(rope_append_block(512), (128, 2));
+        for d in [32, 64, 80, 96, 128, 256] {
+            let (tx, hpb) = rope_append_block(d);
+            assert_eq!(tx % 32, 0, "D {d}");
+            assert!(tx as usize >= d / 2 || tx == 128, "D {d}");
+            assert!(tx * hpb <= 256, "D {d}");
+        }
+    }
+
     use super::rope_rows;
     use crate::config::{Rope, RopeScaling};
 
