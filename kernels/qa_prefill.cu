@@ -763,8 +763,11 @@ QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g16_d128, 16, 128, 2)
 // tile of Q in registers, as mma.sync A fragments); each warpgroup multiplies its 64 M-rows by
 // whole 64-window tiles of Kc (m64n64k16, B from shared memory), so no warp reads B fragments
 // through ldmatrix and no pair of warps merges statistics: a warp holds every window of its
-// rows. Part tiles in shared memory as core matrices of 8 windows x 8 dims (128 contiguous
-// bytes; the next 8 dims 128 bytes on, the next 8 windows D*16 bytes on), filled by cp.async
+// rows. Part tiles in shared memory in wgmma's K-major layouts: at D 64 and 128 the 128-byte
+// swizzle (rows of 64 dims, their 16-byte chunks XORed with the row; whole 128-byte rows per
+// copy, so a warp's copies touch 4 L2 lines, not 8), at D 80 core matrices of 8 windows x 8
+// dims without swizzle (128 contiguous bytes; the next 8 dims 128 bytes on, the next 8 windows
+// D*16 bytes on), filled by cp.async
 // through QW_STAGES stages, the next tiles' copies in flight during this tile's products;
 // fence.proxy.async orders the copies before wgmma reads them. Pass 2 sums each row's G heads (G | 16: within one warp's
 // A tile) by a transposing shuffle tree over the lanes that hold them, so every lane writes
@@ -772,16 +775,10 @@ QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g16_d128, 16, 128, 2)
 //
 // Grid (ceil(rows / (128 / G)), hkv); block QW_THREADS threads; dynamic shared memory
 // qa_prefill_wg_smem_bytes(D) (src/cuda/ops/prefill_scores.rs: 3 stages x 2 parts x 64 x D x 2
-// bytes; QW_STAGES below). G 4, 8, 16; D 64, 80, 128. Compiled for another target than sm_90a, the entry
+// bytes, QW_STAGES below, and 1,024 bytes of alignment). G 4, 8, 16; D 64, 80, 128. Compiled for another target than sm_90a, the entry
 // points trap.
 #define QW_THREADS 256
 #define QW_NP 2  // Kc parts summed (hi and mid)
-// QW_DESC_SWAP (0 unless set through SPARDA_NVRTC_OPTIONS=-DQW_DESC_SWAP=1): the descriptor's
-// two core-matrix strides exchanged (LBO the N step, SBO the K step), a check of which reading
-// of the descriptor the hardware has (gpu-check's select group fails under the wrong one).
-#ifndef QW_DESC_SWAP
-#define QW_DESC_SWAP 0
-#endif
 // QW_STAGES (3 unless set through SPARDA_NVRTC_OPTIONS=-DQW_STAGES=2): shared-memory stages of
 // the part tiles, one block barrier per tile; the copies of tile t + QW_STAGES - 1 are issued
 // after the barrier of tile t, into the stage every warp finished at tile t - 1. The host
@@ -822,6 +819,12 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
     constexpr int PER_PART = QP_BN * CH;   // 16-byte chunks per part tile
     constexpr int TOTAL = QW_NP * PER_PART;
     static_assert(CH % 2 == 0, "chunk pairs");
+    // D a multiple of 64: the 128-byte swizzle (K atoms of 8 windows x 64 dims, 1,024 bytes;
+    // chunk c of window row r at 16 * (c ^ (r % 8)); the 8-window groups of one K atom 1,024
+    // bytes apart, the K atoms of a part tile KATOM_B apart); D 80: no swizzle.
+    constexpr bool SW = D % 64 == 0;
+    constexpr int KATOMS = D / 64;
+    constexpr int KATOM_B = QP_BN * 128;
     extern __shared__ __align__(128) unsigned char qp_sh[];
     __shared__ int qp_mc[QP_BM];
 
@@ -859,7 +862,9 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
         qp_q_frags<NK>(qa, qr[0], qr[1], lane);
     }
 
-    const u32 sh = smem_addr(qp_sh);
+    // The stages from the first 1,024-byte boundary (the swizzle atoms' alignment; the host
+    // adds 1,024 bytes for it).
+    const u32 sh = (smem_addr(qp_sh) + 1023u) & ~1023u;
     const bf16_t* Ph = parts + (u64)h * 3 * p_stride * D;
     const int ntiles = (mc_max + QP_BN - 1) / QP_BN;
     // The two part tiles of windows w0 .. w0+63 into buffer buf (windows >= mc_max zero-filled),
@@ -867,22 +872,24 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
     // of a core-matrix pair over 8 windows, so 16 lanes fill 256 contiguous shared bytes and read
     // 32 bytes of each of 8 window rows.
     auto issue_tile = [&](int w0, int buf) {
-        if constexpr (QW_THREADS % (8 * CH) == 0) {
-            // D 64, 128: the threads cover whole 8-window groups, so each thread keeps one
-            // (dims chunk, window) and steps by constant offsets (no per-chunk addresses to hold)
-            constexpr int GP = QW_THREADS / (8 * CH);  // 8-window groups per pass
-            const int y = tid % (8 * CH), g0 = tid / (8 * CH);
-            const int c = (y & 1) + 2 * (y >> 4), w = ((y >> 1) & 7) + 8 * g0;
-            const bf16_t* src = Ph + (u64)(w0 + w) * D + c * 8;
-            const u32 dst = sh + buf * QW_NP * PART_B + g0 * SBO + c * 128 + (y >> 1 & 7) * 16;
+        if constexpr (SW) {
+            // D 64, 128, 128-byte swizzle: 8 lanes copy the 8 chunks of one window's 128-byte
+            // row of a K atom (one L2 line; the XOR puts them in 8 different bank groups), a warp
+            // 4 windows; each thread keeps one (chunk, window) and steps by constant offsets.
+            constexpr int RP = QW_THREADS / 8;  // windows per pass
+            const int cc = tid & 7, wq = tid >> 3;
+            const bf16_t* src = Ph + (u64)(w0 + wq) * D + cc * 8;
+            const u32 dst = sh + buf * QW_NP * PART_B + (wq >> 3) * 1024 + (wq & 7) * 128 + ((cc ^ (wq & 7)) * 16);
 #pragma unroll
             for (int p = 0; p < QW_NP; ++p)
 #pragma unroll
-                for (int j = 0; j < QP_BN / (8 * GP); ++j) {
-                    const bool ok = w0 + w + 8 * GP * j < mc_max;
-                    cp_async16_at(dst + p * PART_B + GP * j * SBO,
-                                  ok ? src + (u64)p * p_stride * D + 8 * GP * j * D : Ph, ok);
-                }
+                for (int ka = 0; ka < KATOMS; ++ka)
+#pragma unroll
+                    for (int j = 0; j < QP_BN / RP; ++j) {
+                        const bool ok = w0 + wq + RP * j < mc_max;
+                        cp_async16_at(dst + p * PART_B + ka * KATOM_B + j * (RP / 8) * 1024,
+                                      ok ? src + (u64)p * p_stride * D + (u64)RP * j * D + ka * 64 : Ph, ok);
+                    }
             cp_async_commit();
             return;
         }
@@ -937,8 +944,9 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
 #pragma unroll
             for (int kk = 0; kk < NK; ++kk)
                 wg_m64n64k16_rs(s, qa[kk],
-                                wg_desc(sh + (buf * QW_NP + p) * PART_B + kk * 256, QW_DESC_SWAP ? SBO : 128,
-                                        QW_DESC_SWAP ? 128 : SBO),
+                                SW ? wg_desc_sw128(sh + (buf * QW_NP + p) * PART_B + (kk >> 2) * KATOM_B +
+                                                   (kk & 3) * 32)
+                                   : wg_desc(sh + (buf * QW_NP + p) * PART_B + kk * 256, 128, SBO),
                                 p + kk > 0);
         wg_commit();
         wg_wait<0>();

@@ -15,6 +15,14 @@ __device__ __forceinline__ u64 wg_desc(u32 saddr, u32 lbo, u32 sbo) {
     return (u64)((saddr >> 4) & 0x3FFF) | ((u64)((lbo >> 4) & 0x3FFF) << 16) | ((u64)((sbo >> 4) & 0x3FFF) << 32);
 }
 
+// Descriptor of a K-major bf16 operand in the 128-byte swizzle: rows of 128 bytes (64 bf16 of
+// K), 8 rows an atom of 1,024 bytes (1,024-byte aligned) whose 16-byte chunk c of row r sits at
+// 16 * (c ^ r); atoms of consecutive 8-row groups 1,024 bytes apart (SBO). `saddr` the atom's
+// address plus the k-step's byte offset inside its 128-byte rows (32 per k16 step); LBO unused.
+__device__ __forceinline__ u64 wg_desc_sw128(u32 saddr) {
+    return (u64)((saddr >> 4) & 0x3FFF) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
 // Orders this thread's register accesses before the warpgroup's next wgmma.
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 // Closes the wgmma operations issued so far into a group.

@@ -211,11 +211,11 @@ const QW_THREADS: u32 = 256;
 
 /// Dynamic shared memory of `qa_prefill_scores_wg` at head dim `d`, bytes:
 /// three stages of Kc's two bf16 part tiles of 64 windows × `d`, unpadded
-/// (wgmma reads them as 8 × 8 core matrices; the kernel's QW_STAGES, 3
-/// unless an NVRTC option sets 2, which uses two of them;
-/// kernels/qa_prefill.cu).
+/// (in wgmma's K-major layouts; the kernel's QW_STAGES, 3 unless an NVRTC
+/// option sets 2, which uses two of them), and 1,024 bytes to align them
+/// to the 128-byte swizzle's atoms (kernels/qa_prefill.cu).
 pub fn qa_prefill_wg_smem_bytes(d: usize) -> usize {
-    3 * 2 * 64 * d * 2
+    3 * 2 * 64 * d * 2 + 1024
 }
 
 /// f32 elements of the scratch [`PrefillScores::TensorCoreSplit`] needs
@@ -543,8 +543,8 @@ mod tests {
             let per_block = qa_prefill_wg_smem_bytes(d) + 1024 + QP_BM * 4;
             assert!(2 * per_block <= 228 * 1024, "wg D {d}: {per_block} bytes");
         }
-        assert_eq!(qa_prefill_wg_smem_bytes(128), 98304);
-        assert_eq!(qa_prefill_wg_smem_bytes(80), 3 * 2 * 64 * 80 * 2);
+        assert_eq!(qa_prefill_wg_smem_bytes(128), 98304 + 1024);
+        assert_eq!(qa_prefill_wg_smem_bytes(80), 3 * 2 * 64 * 80 * 2 + 1024);
         // bf16 [Hkv, 3, w_stride, D] as f32, rounded up
         assert_eq!(split_kc_scratch_f32(2, 4096, 128), 2 * 3 * 4096 * 128 / 2);
         assert_eq!(split_kc_scratch_f32(1, 1, 1), 2);
