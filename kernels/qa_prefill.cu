@@ -763,11 +763,10 @@ QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g16_d128, 16, 128, 2)
 // tile of Q in registers, as mma.sync A fragments); each warpgroup multiplies its 64 M-rows by
 // whole 64-window tiles of Kc (m64n64k16, B from shared memory), so no warp reads B fragments
 // through ldmatrix and no pair of warps merges statistics: a warp holds every window of its
-// rows. Part tiles in shared memory in wgmma's K-major layouts: at D 64 and 128 the 128-byte
-// swizzle (rows of 64 dims, their 16-byte chunks XORed with the row; whole 128-byte rows per
-// copy, so a warp's copies touch 4 L2 lines, not 8), at D 80 core matrices of 8 windows x 8
-// dims without swizzle (128 contiguous bytes; the next 8 dims 128 bytes on, the next 8 windows
-// D*16 bytes on), filled by cp.async
+// rows. Part tiles in shared memory in a K-major layout wgmma reads: core matrices of 8
+// windows x 8 dims without swizzle (128 contiguous bytes; the next 8 dims 128 bytes on, the
+// next 8 windows D*16 bytes on), or with QW_SWIZZLE at D 64 and 128 the 128-byte swizzle (rows
+// of 64 dims, their 16-byte chunks XORed with the row), filled by cp.async
 // through QW_STAGES stages, the next tiles' copies in flight during this tile's products;
 // fence.proxy.async orders the copies before wgmma reads them. Pass 2 sums each row's G heads (G | 16: within one warp's
 // A tile) by a transposing shuffle tree over the lanes that hold them, so every lane writes
@@ -779,6 +778,15 @@ QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g16_d128, 16, 128, 2)
 // points trap.
 #define QW_THREADS 256
 #define QW_NP 2  // Kc parts summed (hi and mid)
+// QW_SWIZZLE (0 unless set through SPARDA_NVRTC_OPTIONS=-DQW_SWIZZLE=1): at D 64 and 128 the
+// part tiles in the 128-byte swizzle (wg_desc_sw128) instead of core matrices without swizzle,
+// so that 8 lanes copy one window's whole 128-byte row (a warp's copies touch 4 L2 lines
+// instead of 8: Nsight Compute put the unswizzled kernel at 79 % of the L2's throughput with
+// 28 M requests for 29 M sectors, against 42 % for the mma.sync kernel). Not yet run on a GPU:
+// gpu-check's select group decides whether this reading of the swizzled layout is right.
+#ifndef QW_SWIZZLE
+#define QW_SWIZZLE 0
+#endif
 // QW_STAGES (3 unless set through SPARDA_NVRTC_OPTIONS=-DQW_STAGES=2): shared-memory stages of
 // the part tiles, one block barrier per tile; the copies of tile t + QW_STAGES - 1 are issued
 // after the barrier of tile t, into the stage every warp finished at tile t - 1. The host
@@ -819,10 +827,10 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
     constexpr int PER_PART = QP_BN * CH;   // 16-byte chunks per part tile
     constexpr int TOTAL = QW_NP * PER_PART;
     static_assert(CH % 2 == 0, "chunk pairs");
-    // D a multiple of 64: the 128-byte swizzle (K atoms of 8 windows x 64 dims, 1,024 bytes;
+    // QW_SWIZZLE and D a multiple of 64: the 128-byte swizzle (K atoms of 8 windows x 64 dims, 1,024 bytes;
     // chunk c of window row r at 16 * (c ^ (r % 8)); the 8-window groups of one K atom 1,024
-    // bytes apart, the K atoms of a part tile KATOM_B apart); D 80: no swizzle.
-    constexpr bool SW = D % 64 == 0;
+    // bytes apart, the K atoms of a part tile KATOM_B apart); otherwise no swizzle.
+    constexpr bool SW = QW_SWIZZLE && D % 64 == 0;
     constexpr int KATOMS = D / 64;
     constexpr int KATOM_B = QP_BN * 128;
     extern __shared__ __align__(128) unsigned char qp_sh[];
@@ -890,6 +898,24 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
                         cp_async16_at(dst + p * PART_B + ka * KATOM_B + j * (RP / 8) * 1024,
                                       ok ? src + (u64)p * p_stride * D + (u64)RP * j * D + ka * 64 : Ph, ok);
                     }
+            cp_async_commit();
+            return;
+        } else if constexpr (QW_THREADS % (8 * CH) == 0) {
+            // D 64, 128 without swizzle: the threads cover whole 8-window groups, so each thread
+            // keeps one (dims chunk, window) and steps by constant offsets
+            constexpr int GP = QW_THREADS / (8 * CH);  // 8-window groups per pass
+            const int y = tid % (8 * CH), g0 = tid / (8 * CH);
+            const int c = (y & 1) + 2 * (y >> 4), w = ((y >> 1) & 7) + 8 * g0;
+            const bf16_t* src = Ph + (u64)(w0 + w) * D + c * 8;
+            const u32 dst = sh + buf * QW_NP * PART_B + g0 * SBO + c * 128 + (y >> 1 & 7) * 16;
+#pragma unroll
+            for (int p = 0; p < QW_NP; ++p)
+#pragma unroll
+                for (int j = 0; j < QP_BN / (8 * GP); ++j) {
+                    const bool ok = w0 + w + 8 * GP * j < mc_max;
+                    cp_async16_at(dst + p * PART_B + GP * j * SBO,
+                                  ok ? src + (u64)p * p_stride * D + 8 * GP * j * D : Ph, ok);
+                }
             cp_async_commit();
             return;
         }
