@@ -1088,20 +1088,20 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
 #endif
 }
 
-#define QW_ENTRY(G, D)                                                                                          \
-    extern "C" __global__ __launch_bounds__(QW_THREADS, 2) void qa_prefill_scores_wg_g##G##_d##D(              \
+#define QW_ENTRY(NAME, G, D)                                                                                    \
+    extern "C" __global__ __launch_bounds__(QW_THREADS, 2) void NAME(                                          \
         const bf16_t* __restrict__ q, int q_stride, const float* __restrict__ kc, const int* __restrict__ lens, \
         float* __restrict__ s_out, int rows, int H, int hkv, int w_stride, int stride, int ksize, float scale,  \
         const bf16_t* __restrict__ parts, int p_stride) {                                                      \
         qa_prefill_scores_wg_impl<D, G>(q, q_stride, lens, s_out, rows, hkv, w_stride, stride, ksize, scale,   \
                                         parts, p_stride);                                                      \
     }
-QW_ENTRY(4, 64)
-QW_ENTRY(4, 80)
-QW_ENTRY(4, 128)
-QW_ENTRY(8, 64)
-QW_ENTRY(8, 80)
-QW_ENTRY(8, 128)
-QW_ENTRY(16, 64)
-QW_ENTRY(16, 80)
-QW_ENTRY(16, 128)
+QW_ENTRY(qa_prefill_scores_wg_g4_d64, 4, 64)
+QW_ENTRY(qa_prefill_scores_wg_g4_d80, 4, 80)
+QW_ENTRY(qa_prefill_scores_wg_g4_d128, 4, 128)
+QW_ENTRY(qa_prefill_scores_wg_g8_d64, 8, 64)
+QW_ENTRY(qa_prefill_scores_wg_g8_d80, 8, 80)
+QW_ENTRY(qa_prefill_scores_wg_g8_d128, 8, 128)
+QW_ENTRY(qa_prefill_scores_wg_g16_d64, 16, 64)
+QW_ENTRY(qa_prefill_scores_wg_g16_d80, 16, 80)
+QW_ENTRY(qa_prefill_scores_wg_g16_d128, 16, 128)
