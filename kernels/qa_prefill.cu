@@ -898,8 +898,6 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
                         cp_async16_at(dst + p * PART_B + ka * KATOM_B + j * (RP / 8) * 1024,
                                       ok ? src + (u64)p * p_stride * D + (u64)RP * j * D + ka * 64 : Ph, ok);
                     }
-            cp_async_commit();
-            return;
         } else if constexpr (QW_THREADS % (8 * CH) == 0) {
             // D 64, 128 without swizzle: the threads cover whole 8-window groups, so each thread
             // keeps one (dims chunk, window) and steps by constant offsets
@@ -916,19 +914,19 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
                     cp_async16_at(dst + p * PART_B + GP * j * SBO,
                                   ok ? src + (u64)p * p_stride * D + 8 * GP * j * D : Ph, ok);
                 }
-            cp_async_commit();
-            return;
-        }
+        } else {
 #pragma unroll
-        for (int x0 = 0; x0 < TOTAL; x0 += QW_THREADS) {
-            const int x = x0 + tid;
-            if (TOTAL % QW_THREADS == 0 || x < TOTAL) {
-                const int p = x / PER_PART, r = x - p * PER_PART;
-                const int c = (r & 1) + 2 * ((r >> 4) % (CH / 2));
-                const int w = ((r >> 1) & 7) + 8 * ((r >> 4) / (CH / 2));
-                const bool ok = w0 + w < mc_max;
-                const bf16_t* src = ok ? Ph + ((u64)p * p_stride + w0 + w) * D + c * 8 : Ph;
-                cp_async16_at(sh + (buf * QW_NP + p) * PART_B + (w >> 3) * SBO + c * 128 + (w & 7) * 16, src, ok);
+            for (int x0 = 0; x0 < TOTAL; x0 += QW_THREADS) {
+                const int x = x0 + tid;
+                if (TOTAL % QW_THREADS == 0 || x < TOTAL) {
+                    const int p = x / PER_PART, r = x - p * PER_PART;
+                    const int c = (r & 1) + 2 * ((r >> 4) % (CH / 2));
+                    const int w = ((r >> 1) & 7) + 8 * ((r >> 4) / (CH / 2));
+                    const bool ok = w0 + w < mc_max;
+                    const bf16_t* src = ok ? Ph + ((u64)p * p_stride + w0 + w) * D + c * 8 : Ph;
+                    cp_async16_at(sh + (buf * QW_NP + p) * PART_B + (w >> 3) * SBO + c * 128 + (w & 7) * 16, src,
+                                  ok);
+                }
             }
         }
         cp_async_commit();

@@ -3,21 +3,24 @@
 a GPU: the shared-memory layouts its cp.async copies build and the addresses its wgmma descriptors make
 the hardware read. It re-implements the kernel's issue_tile (all three thread mappings: the 128-byte
 swizzle of QW_SWIZZLE at D 64 and 128, the unswizzled constant-stride mapping at D 64 and 128, the
-generic one at D 80) and the descriptors (wg_desc, wg_desc_sw128 in kernels/wgmma.cuh) with the
-PTX ISA's reading of them: change it with the kernel.
+generic one at D 80) and packs the descriptors bit for bit as wg_desc / wg_desc_sw128 in
+kernels/wgmma.cuh do, then decodes their fields (start, LBO, SBO, base offset, layout type) as the
+PTX ISA places them and reads through the decoded values: change it with the kernel. Not modelled:
+QW_STAGES=2 (two of the three stages) and the zero-fill of windows past the block's last one.
 
 For every D, layout and stage it checks that
   - the copies of one tile are a bijection: every 16-byte chunk of the stage's two part tiles is
     written exactly once, inside the stage (the 1,024-byte-aligned base, three stages, and the
     host's qa_prefill_wg_smem_bytes = 3 * 2 * 64 * D * 2 + 1024 with a misaligned dynamic base);
-  - what wgmma reads for every (k-step, part, window n, dim k) through the descriptor model is the
+  - what wgmma reads for every (k-step, part, window n, dim k) through the decoded descriptor is the
     value Kc part[p][w0 + n][k] the copies put there (the B operand of m64n64k16, K-major: core
     matrices of 8 rows x 16 bytes; no swizzle: start + (n / 8) * SBO + (k / 8 % 2) * LBO + (n % 8) * 16;
     128-byte swizzle: the row's byte offset then bits [4, 7) XORed with bits [7, 10) of the address);
   - with the swizzle, each group of 8 consecutive lanes (one 128-byte shared wavefront of 16-byte
     copies) writes 8 distinct 16-byte bank groups, and a warp's global reads touch 4 L2 lines of
     128 bytes (8 without it);
-  - a mutation self-test: a wrong XOR, a wrong SBO and an unaligned base each fail the read check.
+  - a mutation self-test: a wrong XOR, a wrong SBO, an unaligned base and the layout type in the
+    wrong bit each fail the read check.
 This models the descriptor as the PTX ISA documents it; the GPU's gpu-check select group is what
 confirms the hardware agrees (the unswizzled layout was confirmed on an H100, 2026-12-07).
 
@@ -82,21 +85,50 @@ def sw128(addr):
     return addr ^ (((addr >> 7) & 7) << 4)
 
 
-def read_addr(D, sw, start, n, k, sbo=None, xor=True):
-    """The byte wgmma reads for window n, dim k (0 .. 15) of a k-step whose descriptor starts at `start`."""
-    if sw:
-        a = start + (n // 8) * (1024 if sbo is None else sbo) + (n % 8) * 128 + (k // 8) * 16 + (k % 8) * 2
+def wg_desc(saddr, lbo, sbo):
+    """kernels/wgmma.cuh wg_desc, bit for bit."""
+    return ((saddr >> 4) & 0x3FFF) | (((lbo >> 4) & 0x3FFF) << 16) | (((sbo >> 4) & 0x3FFF) << 32)
+
+
+def wg_desc_sw128(saddr):
+    """kernels/wgmma.cuh wg_desc_sw128, bit for bit."""
+    return ((saddr >> 4) & 0x3FFF) | (1 << 16) | ((1024 >> 4) << 32) | (1 << 62)
+
+
+def decode(desc):
+    """The PTX ISA's fields of an sm_90 matrix descriptor: start address, LBO, SBO (bytes), base offset,
+    layout type (0 no swizzle, 1 128-byte, 2 64-byte, 3 32-byte swizzle)."""
+    return ((desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4,
+            (desc >> 49) & 7, (desc >> 62) & 3)
+
+
+def read_addr(desc, n, k, xor=True):
+    """The byte wgmma reads for window n, dim k (0 .. 15) of a K-major bf16 B operand with descriptor
+    `desc`: no swizzle, core matrices of 8 rows x 16 bytes (rows 16 bytes apart; LBO the next 8 dims,
+    SBO the next 8 rows); 128-byte swizzle, rows of 128 bytes (SBO the next 8 rows, the k-step's
+    offset in the start address) with address bits [4, 7) XORed with bits [7, 10). Other layout
+    types and a nonzero base offset are errors here (the kernel uses neither)."""
+    start, lbo, sbo, base, layout = decode(desc)
+    if base != 0:
+        err(f"descriptor {desc:#x}: base offset {base}")
+    if layout == 1:
+        a = start + (n // 8) * sbo + (n % 8) * 128 + (k // 8) * 16 + (k % 8) * 2
         return sw128(a) if xor else a
-    lbo, s = 128, (D // 8) * 128 if sbo is None else sbo
-    return start + (n // 8) * s + (k // 8) * lbo + (n % 8) * 16 + (k % 8) * 2
+    if layout != 0:
+        err(f"descriptor {desc:#x}: layout type {layout}")
+    return start + (n // 8) * sbo + (k // 8) * lbo + (n % 8) * 16 + (k % 8) * 2
 
 
-def desc_start(D, sw, sh, buf, p, kk):
-    """The kernel's descriptor start address for stage buf, part p, k-step kk (tile_logits)."""
+def kernel_desc(D, sw, sh, buf, p, kk, sbo_override=None):
+    """The kernel's descriptor for stage buf, part p, k-step kk (tile_logits)."""
     PART_B = QP_BN * D * 2
     if sw:
-        return sh + (buf * QW_NP + p) * PART_B + (kk >> 2) * (QP_BN * 128) + (kk & 3) * 32
-    return sh + (buf * QW_NP + p) * PART_B + kk * 256
+        d = wg_desc_sw128(sh + (buf * QW_NP + p) * PART_B + (kk >> 2) * (QP_BN * 128) + (kk & 3) * 32)
+    else:
+        d = wg_desc(sh + (buf * QW_NP + p) * PART_B + kk * 256, 128, (D // 8) * 128)
+    if sbo_override is not None:  # self-test: a descriptor with another SBO
+        d = (d & ~(0x3FFF << 32)) | ((sbo_override >> 4) << 32)
+    return d
 
 
 def check(D, sw, dyn_base, mutate=None):
@@ -127,11 +159,12 @@ def check(D, sw, dyn_base, mutate=None):
         # what wgmma reads
         for p in range(QW_NP):
             for kk in range(D // 16):
-                start = desc_start(D, sw, sh, buf, p, kk)
+                desc = kernel_desc(D, sw, sh, buf, p, kk, sbo_override=2048 if mutate == "sbo" else None)
+                if mutate == "layout":  # self-test: the layout type in bit 63 instead of 62
+                    desc ^= (1 << 62) | (1 << 63)
                 for n in range(QP_BN):
                     for k in range(16):
-                        sbo = 2048 if mutate == "sbo" else None
-                        a = read_addr(D, sw, start, n, k, sbo=sbo, xor=mutate != "xor")
+                        a = read_addr(desc, n, k, xor=mutate != "xor")
                         got = phys.get(a & ~15)
                         dim = kk * 16 + k
                         if got != (p, n, dim // 8) or (a % 16) != (dim % 8) * 2:
@@ -164,7 +197,7 @@ def main():
     saved = len(ERRORS)
     QUIET[0] = True
     for D in (64, 128):
-        for m in ("xor", "sbo", "unaligned"):
+        for m in ("xor", "sbo", "unaligned", "layout"):
             n = check(D, True, 512, mutate=m)
             if n == 0:
                 ERRORS.append(f"self-test: mutation {m} at D {D} not caught")

@@ -67,9 +67,10 @@ pub enum PrefillScores {
     /// tiles from shared memory, the heads summed by a shuffle tree) for G
     /// of 4, 8 and 16 on a compute capability 9.0 device; elsewhere
     /// `tensor-core-bf16x2`'s kernels. Correct (gpu-check's select group)
-    /// and slower than the default on an H100: 16,136 / 16,090 tokens/s of
-    /// synthetic NOSA-8B sparse prefill at 127K against 16,754 / 16,750
-    /// (99850b3; README, prefill section), so an option.
+    /// and slower than the default on an H100: with its three part-tile
+    /// stages 16,673 / 16,661 tokens/s of synthetic NOSA-8B sparse prefill
+    /// at 127K against 17,526 / 17,512 for the default in the same call
+    /// (bc25be8; README, prefill section), so an option.
     TensorCoreWgmma,
 }
 
@@ -89,9 +90,9 @@ impl PrefillScores {
 
     /// Whether these kernels split Kc into its bf16 parts once per chunk
     /// at `group` query heads per KV head (`qa_split_kc` before
-    /// `qa_prefill_scores_m32s{,_bf16x2}_g*`): [`PrefillScores::TensorCoreSplit`]
-    /// and [`PrefillScores::TensorCoreBf16x2`] where
-    /// [`prefill_scores_m32_takes`] G. Only then does
+    /// `qa_prefill_scores_m32s{,_bf16x2}_g*` or `qa_prefill_scores_wg_g*`):
+    /// [`PrefillScores::TensorCoreSplit`], [`PrefillScores::TensorCoreBf16x2`]
+    /// and [`PrefillScores::TensorCoreWgmma`] where [`prefill_scores_m32_takes`] G. Only then does
     /// `launch_prefill_scores` take a scratch of [`split_kc_scratch_f32`].
     pub fn splits_kc(self, group: usize) -> bool {
         matches!(
@@ -241,9 +242,13 @@ pub fn qa_prefill_smem_bytes(d: usize, parts: usize) -> usize {
 /// `qa_prefill_scores_bf16x2_d*` for [`PrefillScores::TensorCoreBf16x2`];
 /// for [`PrefillScores::TensorCoreSplit`] and
 /// [`PrefillScores::TensorCoreBf16x2`] where the m32 kernels take G,
-/// `qa_split_kc` then `qa_prefill_scores_m32s{,_bf16x2}_g<G>_d*`, with `split` =
-/// (the scratch for Kc's parts, [`split_kc_scratch_f32`] f32 at
-/// `d.w_stride`; the windows to split, ≥ every row's Mc);
+/// `qa_split_kc` then `qa_prefill_scores_m32s{,_bf16x2}_g<G>_d*`, and for
+/// [`PrefillScores::TensorCoreWgmma`] where the m32 kernels take G
+/// `qa_split_kc` then `qa_prefill_scores_wg_g<G>_d*` on a device with
+/// wgmma ([`crate::cuda::context::has_wgmma`]; elsewhere the bf16x2
+/// kernels), with `split` = (the scratch for Kc's parts,
+/// [`split_kc_scratch_f32`] f32 at `d.w_stride`; the windows to split, ≥
+/// every row's Mc);
 /// kernels/qa_prefill.cu): writes `d.scores` (the windows below each row's
 /// Mc) from the bf16 queries at `q` (row b at b·`q_stride`) and the f32 Kc
 /// at `kc` (≥ max Mc windows of Hkv·`head_dim`); `d.logits` and `d.stats`
@@ -303,7 +308,7 @@ pub(crate) fn launch_prefill_scores(
         }
         PrefillScores::Cublas => {
             return Err(Error::Input(format!(
-                "{OP}: {kernels:?} is not a tensor-core choice (tensor-core, tensor-core-m32, tensor-core-split or tensor-core-bf16x2)"
+                "{OP}: {kernels:?} is not a tensor-core choice (tensor-core, tensor-core-m32, tensor-core-split, tensor-core-bf16x2 or tensor-core-wgmma)"
             )))
         }
     };
