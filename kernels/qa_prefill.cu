@@ -357,6 +357,33 @@ extern "C" __global__ __launch_bounds__(QP_THREADS, 2) void qa_prefill_scores_bf
 #define QP_TREE_SUM 1
 #endif
 
+// Pass 1's online softmax statistics of fragment row k (lane/4 + 8k) over one tile's unscaled
+// logits s[c][2k + e] (NC chunks of 8 windows, this lane's 2 of each): the row's maximum over
+// its four lanes (kept equal over them) raised to the tile's, and this lane's share of the sum
+// of qp_exp((x - max) * lscale) rescaled to it; a row with only -inf so far stays (-inf, 0).
+// Shared by the m32 kernels (per A tile, NC 4) and the wgmma kernel (NC 8).
+template <int NC>
+__device__ __forceinline__ void qp_online_row(const float (&s)[NC][4], int k, float& mr, float& lr,
+                                              float lscale) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < NC; ++c) mx = fmaxf(mx, fmaxf(s[c][2 * k], s[c][2 * k + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+    const float mn = fmaxf(mr, mx);
+    if (mn != -INFINITY) {
+        const float nm = -mn * lscale;
+        float l = mr != -INFINITY ? lr * qp_exp(fmaf(mr, lscale, nm)) : 0.0f;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            l += qp_exp(fmaf(s[c][2 * k], lscale, nm));
+            l += qp_exp(fmaf(s[c][2 * k + 1], lscale, nm));
+        }
+        lr = l;
+        mr = mn;
+    }
+}
+
 #define QP_M32_WARPS 8
 #define QP_M32_THREADS (32 * QP_M32_WARPS)
 
@@ -530,25 +557,7 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
 #pragma unroll
             for (int a = 0; a < 2; ++a)
 #pragma unroll
-                for (int k = 0; k < 2; ++k) {
-                    float mx = -INFINITY;
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) mx = fmaxf(mx, fmaxf(s[a][c][2 * k], s[a][c][2 * k + 1]));
-                    mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
-                    mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
-                    const float mn = fmaxf(mr[a][k], mx);
-                    if (mn != -INFINITY) {
-                        const float nm = -mn * lscale;
-                        float l = mr[a][k] != -INFINITY ? lr[a][k] * qp_exp(fmaf(mr[a][k], lscale, nm)) : 0.0f;
-#pragma unroll
-                        for (int c = 0; c < 4; ++c) {
-                            l += qp_exp(fmaf(s[a][c][2 * k], lscale, nm));
-                            l += qp_exp(fmaf(s[a][c][2 * k + 1], lscale, nm));
-                        }
-                        lr[a][k] = l;
-                        mr[a][k] = mn;
-                    }
-                }
+                for (int k = 0; k < 2; ++k) qp_online_row<4>(s[a], k, mr[a][k], lr[a][k], lscale);
         }
         __syncthreads();  // the part tiles are rewritten by the next tile (or the statistics)
     }
@@ -999,25 +1008,7 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
         float s[8][4];
         tile_logits(w0, buf, t < full_tiles, s);
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            float mx = -INFINITY;
-#pragma unroll
-            for (int c = 0; c < 8; ++c) mx = fmaxf(mx, fmaxf(s[c][2 * k], s[c][2 * k + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
-            const float mn = fmaxf(mr[k], mx);
-            if (mn != -INFINITY) {
-                const float nm = -mn * lscale;
-                float l = mr[k] != -INFINITY ? lr[k] * qp_exp(fmaf(mr[k], lscale, nm)) : 0.0f;
-#pragma unroll
-                for (int c = 0; c < 8; ++c) {
-                    l += qp_exp(fmaf(s[c][2 * k], lscale, nm));
-                    l += qp_exp(fmaf(s[c][2 * k + 1], lscale, nm));
-                }
-                lr[k] = l;
-                mr[k] = mn;
-            }
-        }
+        for (int k = 0; k < 2; ++k) qp_online_row<8>(s, k, mr[k], lr[k], lscale);
     }
     cp_async_wait_n<0>();
     __syncthreads();  // every warp is done with pass 1's stages before pass 2's copies
