@@ -772,29 +772,30 @@ QP_M32S_ENTRY(qa_prefill_scores_m32s_bf16x2_g16_d128, 16, 128, 2)
 // tile of Q in registers, as mma.sync A fragments); each warpgroup multiplies its 64 M-rows by
 // whole 64-window tiles of Kc (m64n64k16, B from shared memory), so no warp reads B fragments
 // through ldmatrix and no pair of warps merges statistics: a warp holds every window of its
-// rows. Part tiles in shared memory in a K-major layout wgmma reads: core matrices of 8
-// windows x 8 dims without swizzle (128 contiguous bytes; the next 8 dims 128 bytes on, the
-// next 8 windows D*16 bytes on), or with QW_SWIZZLE at D 64 and 128 the 128-byte swizzle (rows
-// of 64 dims, their 16-byte chunks XORed with the row), filled by cp.async
-// through QW_STAGES stages, the next tiles' copies in flight during this tile's products;
-// fence.proxy.async orders the copies before wgmma reads them. Pass 2 sums each row's G heads (G | 16: within one warp's
-// A tile) by a transposing shuffle tree over the lanes that hold them, so every lane writes
-// a few (row, window) sums. Masking, full tiles and the exponent as the m32 kernels.
+// rows. Part tiles in shared memory in a K-major layout wgmma reads: the 128-byte swizzle
+// (rows of 64 dims, their 16-byte chunks XORed with the row; with QW_SWIZZLE=0 core matrices
+// of 8 windows x 8 dims without swizzle: 128 contiguous bytes, the next 8 dims 128 bytes on,
+// the next 8 windows D*16 bytes on), filled by cp.async through QW_STAGES stages, the next
+// tiles' copies in flight during this tile's products; fence.proxy.async orders the copies
+// before wgmma reads them. Pass 2 sums each row's G heads (G | 16: within one warp's A tile)
+// by a transposing shuffle tree over the lanes that hold them, so every lane writes a few
+// (row, window) sums. Masking, full tiles and the exponent as the m32 kernels.
 //
 // Grid (ceil(rows / (128 / G)), hkv); block QW_THREADS threads; dynamic shared memory
 // qa_prefill_wg_smem_bytes(D) (src/cuda/ops/prefill_scores.rs: 3 stages x 2 parts x 64 x D x 2
-// bytes, QW_STAGES below, and 1,024 bytes of alignment). G 4, 8, 16; D 64, 80, 128. Compiled for another target than sm_90a, the entry
-// points trap.
+// bytes, QW_STAGES below, and 1,024 bytes of alignment). G 4, 8, 16; D 64 and 128 (whole
+// 128-byte swizzle rows; D 80 takes the m32s_bf16x2 kernels). Compiled for another target than
+// sm_90a, the entry points trap.
 #define QW_THREADS 256
 #define QW_NP 2  // Kc parts summed (hi and mid)
-// QW_SWIZZLE (0 unless set through SPARDA_NVRTC_OPTIONS=-DQW_SWIZZLE=1): at D 64 and 128 the
-// part tiles in the 128-byte swizzle (wg_desc_sw128) instead of core matrices without swizzle,
-// so that 8 lanes copy one window's whole 128-byte row (a warp's copies touch 4 L2 lines
-// instead of 8: Nsight Compute put the unswizzled kernel at 79 % of the L2's throughput with
-// 28 M requests for 29 M sectors, against 42 % for the mma.sync kernel). Not yet run on a GPU:
-// gpu-check's select group decides whether this reading of the swizzled layout is right.
+// QW_SWIZZLE (1 unless set through SPARDA_NVRTC_OPTIONS=-DQW_SWIZZLE=0): the part tiles in the
+// 128-byte swizzle (wg_desc_sw128), so that 8 lanes copy one window's whole 128-byte row (a
+// warp's copies touch 4 L2 lines). 0: core matrices without swizzle, 8 L2 lines per warp; Nsight
+// Compute put that layout at 79 % of the L2's throughput (28 M requests for 29 M sectors,
+// against 42 % for the mma.sync kernel), and it ran synthetic NOSA-8B sparse prefill at 127K at
+// 16,585 tokens/s against 18,891 / 18,846 with the swizzle on an H100 (08fe5fa).
 #ifndef QW_SWIZZLE
-#define QW_SWIZZLE 0
+#define QW_SWIZZLE 1
 #endif
 // QW_STAGES (3 unless set through SPARDA_NVRTC_OPTIONS=-DQW_STAGES=2): shared-memory stages of
 // the part tiles, one block barrier per tile; the copies of tile t + QW_STAGES - 1 are issued
@@ -833,13 +834,11 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
     constexpr int CH = D / 8;              // core matrices (16-byte chunks) per window row
     constexpr int SBO = CH * 128;          // bytes between 8-window core-matrix rows
     constexpr int PART_B = QP_BN * D * 2;  // bytes per part tile
-    constexpr int PER_PART = QP_BN * CH;   // 16-byte chunks per part tile
-    constexpr int TOTAL = QW_NP * PER_PART;
-    static_assert(CH % 2 == 0, "chunk pairs");
-    // QW_SWIZZLE and D a multiple of 64: the 128-byte swizzle (K atoms of 8 windows x 64 dims, 1,024 bytes;
-    // chunk c of window row r at 16 * (c ^ (r % 8)); the 8-window groups of one K atom 1,024
-    // bytes apart, the K atoms of a part tile KATOM_B apart); otherwise no swizzle.
-    constexpr bool SW = QW_SWIZZLE && D % 64 == 0;
+    static_assert(D == 64 || D == 128, "whole 128-byte swizzle rows; whole 8-window groups per copy pass");
+    // QW_SWIZZLE: the 128-byte swizzle (K atoms of 8 windows x 64 dims, 1,024 bytes; chunk c of
+    // window row r at 16 * (c ^ (r % 8)); the 8-window groups of one K atom 1,024 bytes apart,
+    // the K atoms of a part tile KATOM_B apart); otherwise no swizzle.
+    constexpr bool SW = QW_SWIZZLE;
     constexpr int KATOMS = D / 64;
     constexpr int KATOM_B = QP_BN * 128;
     extern __shared__ __align__(128) unsigned char qp_sh[];
@@ -885,12 +884,10 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
     const bf16_t* Ph = parts + (u64)h * 3 * p_stride * D;
     const int ntiles = (mc_max + QP_BN - 1) / QP_BN;
     // The two part tiles of windows w0 .. w0+63 into buffer buf (windows >= mc_max zero-filled),
-    // one cp.async group. Chunk x: part x / PER_PART; within it, lanes pair the two dims chunks
-    // of a core-matrix pair over 8 windows, so 16 lanes fill 256 contiguous shared bytes and read
-    // 32 bytes of each of 8 window rows.
+    // one cp.async group.
     auto issue_tile = [&](int w0, int buf) {
         if constexpr (SW) {
-            // D 64, 128, 128-byte swizzle: 8 lanes copy the 8 chunks of one window's 128-byte
+            // 128-byte swizzle: 8 lanes copy the 8 chunks of one window's 128-byte
             // row of a K atom (one L2 line; the XOR puts them in 8 different bank groups), a warp
             // 4 windows; each thread keeps one (chunk, window) and steps by constant offsets.
             constexpr int RP = QW_THREADS / 8;  // windows per pass
@@ -907,9 +904,11 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
                         cp_async16_at(dst + p * PART_B + ka * KATOM_B + j * (RP / 8) * 1024,
                                       ok ? src + (u64)p * p_stride * D + (u64)RP * j * D + ka * 64 : Ph, ok);
                     }
-        } else if constexpr (QW_THREADS % (8 * CH) == 0) {
-            // D 64, 128 without swizzle: the threads cover whole 8-window groups, so each thread
-            // keeps one (dims chunk, window) and steps by constant offsets
+        } else {
+            // without swizzle: lanes pair the two dims chunks of a core-matrix pair over 8
+            // windows (16 lanes fill 256 contiguous shared bytes and read 32 bytes of each of 8
+            // window rows); the threads cover whole 8-window groups, so each thread keeps one
+            // (dims chunk, window) and steps by constant offsets
             constexpr int GP = QW_THREADS / (8 * CH);  // 8-window groups per pass
             const int y = tid % (8 * CH), g0 = tid / (8 * CH);
             const int c = (y & 1) + 2 * (y >> 4), w = ((y >> 1) & 7) + 8 * g0;
@@ -923,20 +922,6 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
                     cp_async16_at(dst + p * PART_B + GP * j * SBO,
                                   ok ? src + (u64)p * p_stride * D + 8 * GP * j * D : Ph, ok);
                 }
-        } else {
-#pragma unroll
-            for (int x0 = 0; x0 < TOTAL; x0 += QW_THREADS) {
-                const int x = x0 + tid;
-                if (TOTAL % QW_THREADS == 0 || x < TOTAL) {
-                    const int p = x / PER_PART, r = x - p * PER_PART;
-                    const int c = (r & 1) + 2 * ((r >> 4) % (CH / 2));
-                    const int w = ((r >> 1) & 7) + 8 * ((r >> 4) / (CH / 2));
-                    const bool ok = w0 + w < mc_max;
-                    const bf16_t* src = ok ? Ph + ((u64)p * p_stride + w0 + w) * D + c * 8 : Ph;
-                    cp_async16_at(sh + (buf * QW_NP + p) * PART_B + (w >> 3) * SBO + c * 128 + (w & 7) * 16, src,
-                                  ok);
-                }
-            }
         }
         cp_async_commit();
     };
@@ -1086,11 +1071,8 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
                                         parts, p_stride);                                                      \
     }
 QW_ENTRY(qa_prefill_scores_wg_g4_d64, 4, 64)
-QW_ENTRY(qa_prefill_scores_wg_g4_d80, 4, 80)
 QW_ENTRY(qa_prefill_scores_wg_g4_d128, 4, 128)
 QW_ENTRY(qa_prefill_scores_wg_g8_d64, 8, 64)
-QW_ENTRY(qa_prefill_scores_wg_g8_d80, 8, 80)
 QW_ENTRY(qa_prefill_scores_wg_g8_d128, 8, 128)
 QW_ENTRY(qa_prefill_scores_wg_g16_d64, 16, 64)
-QW_ENTRY(qa_prefill_scores_wg_g16_d80, 16, 80)
 QW_ENTRY(qa_prefill_scores_wg_g16_d128, 16, 128)

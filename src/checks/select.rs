@@ -30,10 +30,9 @@
 use super::kernels::{rel_l2, CaseResult, TOLERANCE_BF16};
 use crate::config::SparseConfig;
 use crate::cpu::ops as cpu_ops;
-use crate::cuda::context::has_wgmma;
 use crate::cuda::device_error::DeviceErrors;
 use crate::cuda::ops::prefill_scores::{
-    prefill_scores_m32_takes, prefill_scores_tc_supported, PrefillScores,
+    prefill_scores_m32_takes, prefill_scores_tc_supported, prefill_scores_wg_takes, PrefillScores,
 };
 use crate::cuda::ops::select::{
     compress_append, compress_prefill, select_from_scores, window_scores, window_scores_shared_kc,
@@ -835,7 +834,7 @@ fn shared_kc_case(
             "qa_prefill_scores (prefill rows, tensor cores)",
             TOLERANCE_F32_SCORES,
         ));
-        if prefill_scores_m32_takes(g) && has_wgmma(&gpu.info().arch) {
+        if prefill_scores_wg_takes(&gpu.info().arch, d, g) {
             kernels.push((
                 PrefillScores::TensorCoreWgmma,
                 "qa_prefill_scores_wg (prefill rows, wgmma, two Kc parts split once)",

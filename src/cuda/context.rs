@@ -162,13 +162,10 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         preludes: &[MMA_PRELUDE, WGMMA_PRELUDE],
         functions: &[
             "qa_prefill_scores_wg_g4_d64",
-            "qa_prefill_scores_wg_g4_d80",
             "qa_prefill_scores_wg_g4_d128",
             "qa_prefill_scores_wg_g8_d64",
-            "qa_prefill_scores_wg_g8_d80",
             "qa_prefill_scores_wg_g8_d128",
             "qa_prefill_scores_wg_g16_d64",
-            "qa_prefill_scores_wg_g16_d80",
             "qa_prefill_scores_wg_g16_d128",
             "qa_prefill_scores_d64",
             "qa_prefill_scores_d80",

@@ -49,7 +49,7 @@ pub enum PrefillScores {
     /// choice with exact logits; its softmax, like every m32 kernel's, is in
     /// base 2 unless `SPARDA_NVRTC_OPTIONS=-DQP_FAST_EXP=0`.
     TensorCoreSplit,
-    /// `tensor-core-bf16x2` (the default, [`DEFAULT_PREFILL_SCORES`]): the
+    /// `tensor-core-bf16x2`: the
     /// logits from the first two bf16 parts of Kc only (each value within
     /// 2^-16 of itself instead of exact; a third fewer tensor-core
     /// products): for G of 4, 8 and 16 `tensor-core-split`'s kernels on two
@@ -60,17 +60,15 @@ pub enum PrefillScores {
     /// against the cuBLAS f32 logits' selections, where the exact kernels'
     /// summation order alone gives 1.6e-4 (README, prefill section).
     TensorCoreBf16x2,
-    /// `tensor-core-wgmma`: `tensor-core-bf16x2`'s scores (Kc's first two
-    /// bf16 parts, split once per chunk; base-2 softmax) with the products
-    /// on Hopper's warpgroup MMA (`qa_prefill_scores_wg_g*`, sm_90a: two
-    /// warpgroups of 64 M-rows per block, each multiplying whole 64-window
-    /// tiles from shared memory, the heads summed by a shuffle tree) for G
-    /// of 4, 8 and 16 on a compute capability 9.0 device; elsewhere
-    /// `tensor-core-bf16x2`'s kernels. Correct (gpu-check's select group)
-    /// and slower than the default on an H100: with its three part-tile
-    /// stages 16,673 / 16,661 tokens/s of synthetic NOSA-8B sparse prefill
-    /// at 127K against 17,526 / 17,512 for the default in the same call
-    /// (bc25be8; README, prefill section), so an option.
+    /// `tensor-core-wgmma` (the default, [`DEFAULT_PREFILL_SCORES`]):
+    /// `tensor-core-bf16x2`'s scores (Kc's first two bf16 parts, split once
+    /// per chunk; base-2 softmax) with the products on Hopper's warpgroup
+    /// MMA (`qa_prefill_scores_wg_g*`, sm_90a: two warpgroups of 64 M-rows
+    /// per block, each multiplying whole 64-window tiles from shared memory
+    /// in the 128-byte swizzle, the heads summed by a shuffle tree) where
+    /// [`prefill_scores_wg_takes`] the device, D and G; elsewhere
+    /// `tensor-core-bf16x2`'s kernels, so off a compute capability 9.0
+    /// device it is `tensor-core-bf16x2`.
     TensorCoreWgmma,
 }
 
@@ -117,9 +115,13 @@ impl PrefillScores {
 
 /// The window-scoring kernels when `SPARDA_PREFILL_SCORES` is unset: the
 /// fastest choice checked on a GPU (README, prefill section).
-/// [`PrefillScores::TensorCoreBf16x2`] ran synthetic NOSA-8B (G 16) sparse
-/// prefill at 21,358 tokens/s at 32K and 16,528 at 127K on an H100 with the
-/// base-2 softmax, against 20,385 and 14,486 for the exact
+/// [`PrefillScores::TensorCoreWgmma`] ran synthetic NOSA-8B (G 16, D 128)
+/// sparse prefill at 127K at 18,891 / 18,846 tokens/s on an H100 against
+/// 17,126 / 17,176 for [`PrefillScores::TensorCoreBf16x2`] in the same call
+/// (08fe5fa, alternating rounds); the two compute the same scores (Kc's
+/// first two bf16 parts), so off sm_90 the default is the bf16x2 kernels.
+/// Those ran at 21,358 tokens/s at 32K and 16,528 at 127K on an H100 with
+/// the base-2 softmax, against 20,385 and 14,486 for the exact
 /// [`PrefillScores::TensorCoreSplit`] with expf in the same call (157d6fe).
 /// Quality on real weights is recorded for its G 3 path (SmolLM2 at 8K, the
 /// 16-M-row two-part kernel, expf): selections cost KL 3.1e-4 against the
@@ -127,7 +129,7 @@ impl PrefillScores {
 /// 1.6e-4. Its G 4/8/16 path with base 2 is checked against the CPU
 /// reference (gpu-check's select group, and equal selections end to end on
 /// a synthetic G 8 model); no real-weights model with those G was at hand.
-pub const DEFAULT_PREFILL_SCORES: PrefillScores = PrefillScores::TensorCoreBf16x2;
+pub const DEFAULT_PREFILL_SCORES: PrefillScores = PrefillScores::TensorCoreWgmma;
 
 /// The environment variable that chooses [`PrefillScores`].
 pub const ENV_PREFILL_SCORES: &str = "SPARDA_PREFILL_SCORES";
@@ -193,6 +195,18 @@ pub fn prefill_scores_m32_takes(group: usize) -> bool {
     matches!(group, 4 | 8 | 16)
 }
 
+/// Whether [`PrefillScores::TensorCoreWgmma`] takes `qa_prefill_scores_wg`
+/// on a device of architecture `arch` (as [`crate::cuda::Gpu::info`]
+/// names it) at head dim `head_dim` and `group` query heads per KV head:
+/// wgmma ([`crate::cuda::context::has_wgmma`]: compute capability 9.0),
+/// D of 64 or 128 (whole rows of the 128-byte swizzle) and G of 4, 8 or 16
+/// ([`prefill_scores_m32_takes`]). Elsewhere it takes the bf16x2 kernels.
+pub fn prefill_scores_wg_takes(arch: &str, head_dim: usize, group: usize) -> bool {
+    crate::cuda::context::has_wgmma(arch)
+        && matches!(head_dim, 64 | 128)
+        && prefill_scores_m32_takes(group)
+}
+
 /// Threads per `qa_prefill_scores_m32` block: 8 warps, pairs of warps on
 /// 32 M-rows (the kernel's QP_M32_THREADS).
 const QP_M32_THREADS: u32 = 256;
@@ -244,8 +258,8 @@ pub fn qa_prefill_smem_bytes(d: usize, parts: usize) -> usize {
 /// [`PrefillScores::TensorCoreBf16x2`] where the m32 kernels take G,
 /// `qa_split_kc` then `qa_prefill_scores_m32s{,_bf16x2}_g<G>_d*`, and for
 /// [`PrefillScores::TensorCoreWgmma`] where the m32 kernels take G
-/// `qa_split_kc` then `qa_prefill_scores_wg_g<G>_d*` on a device with
-/// wgmma ([`crate::cuda::context::has_wgmma`]; elsewhere the bf16x2
+/// `qa_split_kc` then `qa_prefill_scores_wg_g<G>_d*` where
+/// [`prefill_scores_wg_takes`] the device and shape (elsewhere the bf16x2
 /// kernels), with `split` = (the scratch for Kc's parts,
 /// [`split_kc_scratch_f32`] f32 at `d.w_stride`; the windows to split, ≥
 /// every row's Mc);
@@ -281,8 +295,7 @@ pub(crate) fn launch_prefill_scores(
             | PrefillScores::TensorCoreWgmma
     ) && prefill_scores_m32_takes(g);
     let wg = kernels == PrefillScores::TensorCoreWgmma
-        && m32
-        && crate::cuda::context::has_wgmma(&gpu.info().arch);
+        && prefill_scores_wg_takes(&gpu.info().arch, head_dim, g);
     let split = match (kernels.splits_kc(g), split) {
         (true, Some(sp)) => Some(sp),
         (true, None) => {
@@ -505,6 +518,22 @@ mod tests {
         ] {
             assert!((0..=64).all(|g| !k.splits_kc(g)), "{k:?}");
         }
+        // the wgmma kernels: compute capability 9.0 only, D 64 and 128, G 4, 8, 16
+        let mut wg = Vec::new();
+        for arch in ["sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"] {
+            for d in [64, 80, 128] {
+                for g in 0..=64 {
+                    if prefill_scores_wg_takes(arch, d, g) {
+                        wg.push((arch, d, g));
+                    }
+                }
+            }
+        }
+        let want: Vec<_> = [64, 128]
+            .into_iter()
+            .flat_map(|d| [4, 8, 16].map(|g| ("sm_90", d, g)))
+            .collect();
+        assert_eq!(wg, want);
     }
 
     #[test]
@@ -544,12 +573,12 @@ mod tests {
         // qa_prefill_scores_wg: 2 blocks of QW_THREADS at 128 registers, and
         // three stages of two unpadded part tiles
         assert_eq!(2 * QW_THREADS as usize * 128, 65536);
-        for d in [64, 80, 128] {
+        for d in [64, 128] {
             let per_block = qa_prefill_wg_smem_bytes(d) + 1024 + QP_BM * 4;
             assert!(2 * per_block <= 228 * 1024, "wg D {d}: {per_block} bytes");
         }
         assert_eq!(qa_prefill_wg_smem_bytes(128), 98304 + 1024);
-        assert_eq!(qa_prefill_wg_smem_bytes(80), 3 * 2 * 64 * 80 * 2 + 1024);
+        assert_eq!(qa_prefill_wg_smem_bytes(64), 3 * 2 * 64 * 64 * 2 + 1024);
         // bf16 [Hkv, 3, w_stride, D] as f32, rounded up
         assert_eq!(split_kc_scratch_f32(2, 4096, 128), 2 * 3 * 4096 * 128 / 2);
         assert_eq!(split_kc_scratch_f32(1, 1, 1), 2);
