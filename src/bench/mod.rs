@@ -994,6 +994,7 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
             BenchPrefill::Real(m) => format!("real ({m:?})"),
         },
         "prefill_attention": model.prefill_attention().name(),
+        "prefill_scores": crate::cuda::ops::prefill_scores::prefill_scores().name(),
         "prompt_tokens": match &source {
             Source::Books(b) => format!(
                 "book text ({}: {}), sequence b on text b mod {}, sequences sharing a text at different offsets (`prompt_origin` per case)",

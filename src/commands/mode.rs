@@ -319,6 +319,10 @@ pub(crate) fn plan_json(
             Engine::Cpu(_) => None,
             Engine::Cuda(m) => Some(m.prefill_attention().name()),
         },
+        "prefill_scores": match engine {
+            Engine::Cpu(_) => None,
+            Engine::Cuda(_) => Some(sparda::cuda::ops::prefill_scores::prefill_scores().name()),
+        },
         "kv": match (backend, a.kv) {
             (Backend::Cpu, _) => "host (CPU reference)".to_string(),
             (_, KvArg::Gpu) => "gpu".to_string(),
