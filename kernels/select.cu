@@ -268,12 +268,6 @@ __device__ __forceinline__ u32 score_key(float x) {
 }
 #define KEY_INF 0xff800000u  // score_key(+inf)
 
-// SEL_WARP_HIST (1 unless set through SPARDA_NVRTC_OPTIONS=-DSEL_WARP_HIST=0): radix_cut's
-// histogram passes add one count per (warp, bin) instead of one per element.
-#ifndef SEL_WARP_HIST
-#define SEL_WARP_HIST 1
-#endif
-
 // The cut of a top-k over keys[0, n) (1 <= k <= n) under the order (key descending, index
 // ascending): the k-th largest key `thr` (radix select, 8 bits per pass) and how many of
 // the elements equal to thr belong to the top k (the lowest-index ones). Every thread of
@@ -284,25 +278,10 @@ __device__ void radix_cut(const u32* keys, int n, u32 k, u32* hist, u32* bc, u32
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
-#if SEL_WARP_HIST
-        // One atomic per distinct bin per warp: the lanes with equal bins (__match_any_sync) add
-        // their count through the lowest of them. Scores of one row mostly share their high
-        // bytes, so one add per element would serialise on one bin (the whole loop is warp-
-        // uniform: blockDim is a multiple of 32).
-        for (int base = 0; base < n; base += blockDim.x) {
-            const int i = base + threadIdx.x;
-            const u32 key = i < n ? keys[i] : 0u;
-            const bool in = i < n && (key & mask) == prefix;
-            const u32 bin = in ? (key >> shift) & 255u : 256u;
-            const u32 peers = __match_any_sync(0xffffffffu, bin);
-            if (in && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (u32)__popc(peers));
-        }
-#else
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
             const u32 key = keys[i];
             if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
         }
-#endif
         __syncthreads();
         if (warp == 0) {
             // Lane l owns bins [8l, 8l+8); counts above a bin are those of higher bins.

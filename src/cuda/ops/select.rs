@@ -63,8 +63,37 @@ pub fn qa_logits_smem_bytes(g: usize, d: usize) -> usize {
     let dp = d.div_ceil(4) * 4;
     (g * dp + QA_TILE * (dp + 4) + g * QA_TILE) * 4
 }
-/// Threads per block of the selection kernel.
-const SELECT_THREADS: u32 = 512;
+/// Threads per block of the selection kernel unless
+/// [`ENV_SELECT_THREADS`] chooses another ([`select_threads`]).
+pub const SELECT_THREADS: u32 = 512;
+/// The environment variable that sets the threads of a `select_blocks`
+/// block: 128, 256 or 512 (a tuning choice; the kernel takes any multiple
+/// of 32 up to 1,024).
+pub const ENV_SELECT_THREADS: &str = "SPARDA_SELECT_THREADS";
+
+/// Threads per `select_blocks` block: `$SPARDA_SELECT_THREADS` when it is
+/// 128, 256 or 512, else [`SELECT_THREADS`] (another value is refused with
+/// a warning). Read once.
+pub fn select_threads() -> u32 {
+    static THREADS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| {
+        let v = std::env::var(ENV_SELECT_THREADS).ok();
+        let t = select_threads_from(v.as_deref());
+        if let Some(v) = v.filter(|v| v.trim() != t.to_string()) {
+            tracing::warn!("{ENV_SELECT_THREADS}={v:?}: takes 128, 256 or 512; using {t}");
+        }
+        t
+    })
+}
+
+/// [`select_threads`]'s rule on the variable's value.
+fn select_threads_from(v: Option<&str>) -> u32 {
+    match v.map(str::trim) {
+        Some("128") => 128,
+        Some("256") => 256,
+        _ => SELECT_THREADS,
+    }
+}
 /// Static shared memory of `select_blocks` (hist 256 + ws 32 + bc 2 u32), bytes.
 const SELECT_STATIC_SMEM: usize = (256 + 32 + 2) * 4;
 /// Shared memory a block may use without opting in, bytes.
@@ -149,7 +178,7 @@ pub(crate) unsafe fn launch_select_blocks(
     let layer = a.err.layer_arg()?;
     let cfg = LaunchConfig {
         grid_dim: (grid(a.kv_heads, "Hkv")?, grid(a.rows, "rows")?, 1),
-        block_dim: (SELECT_THREADS, 1, 1),
+        block_dim: (select_threads(), 1, 1),
         shared_mem_bytes: smem,
     };
     let mut l = gpu.stream().launch_builder(f);
@@ -1308,4 +1337,22 @@ pub fn select_decode<Q: DevicePtr<Bf16>>(
         gpu, batch, budget, rule, &ws.scores, w_stride, &mut sel, &mut nsel, s_max, None, err,
     )?;
     BlockSelection::from_device(sel, nsel, b, hk, s_max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn select_threads_take_128_256_or_512() {
+        assert_eq!(select_threads_from(None), 512);
+        assert_eq!(select_threads_from(Some("128")), 128);
+        assert_eq!(select_threads_from(Some(" 256 ")), 256);
+        assert_eq!(select_threads_from(Some("512")), 512);
+        for bad in ["", "64", "100", "1024", "two hundred"] {
+            assert_eq!(select_threads_from(Some(bad)), 512, "{bad}");
+        }
+        // the static shared memory holds one ws entry per warp
+        assert!(select_threads_from(Some("512")) / 32 <= 32);
+    }
 }
