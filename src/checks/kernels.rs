@@ -565,7 +565,8 @@ fn check_rope(c: &mut Checker<'_>) {
 }
 
 fn check_swiglu(c: &mut Checker<'_>) {
-    for &(n, inter) in &[(1usize, 1536usize), (3, 16384)] {
+    // I a multiple of 8: swiglu_v8 (8 columns a thread); 1003: the element kernel
+    for &(n, inter) in &[(1usize, 1536usize), (3, 16384), (64, 14336), (7, 1003)] {
         c.record("swiglu", json!({"n": n, "I": inter}), |gpu, inp| {
             let (gb, gf) = inp.bf16(n * 2 * inter, 2.0);
             let g = gpu.upload(&gb)?;

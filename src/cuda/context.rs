@@ -80,7 +80,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         file: "swiglu.cu",
         text: include_str!("../../kernels/swiglu.cu"),
         preludes: &[],
-        functions: &["swiglu"],
+        functions: &["swiglu", "swiglu_v8"],
     },
     KernelSource {
         file: "eviction.cu",

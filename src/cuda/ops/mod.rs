@@ -363,7 +363,9 @@ where
 
 /// SwiGLU on the fused gate|up GEMM output: `gate_up` is [n, 2·inter]
 /// (gate in columns [0, inter), up in [inter, 2·inter)); out[n, inter] =
-/// bf16(silu(gate) · up), computed in f32.
+/// bf16(silu(gate) · up), computed in f32 (kernels/swiglu.cu: `swiglu_v8`,
+/// 8 columns a thread in 16-byte loads, where [`swiglu_takes_v8`] the
+/// shape and addresses; else `swiglu`, one element a thread; the same bits).
 ///
 /// Errors: [`Error::Input`] on a shape mismatch.
 pub fn swiglu<G, O>(gpu: &Gpu, gate_up: &G, n: usize, inter: usize, out: &mut O) -> Result<()>
@@ -378,8 +380,10 @@ where
     }
     let (n_, i_) = (i32_dim(n, "n")?, i32_dim(inter, "inter")?);
     let (gp, op) = (dptr(gpu, gate_up), dptr_mut(gpu, out));
-    let f = gpu.function("swiglu")?;
-    let blocks = (n * inter).div_ceil(256).min(65_535 * 4) as u32;
+    let v8 = swiglu_takes_v8(n, inter, gp, op);
+    let f = gpu.function(if v8 { "swiglu_v8" } else { "swiglu" })?;
+    let work = if v8 { n * inter / 8 } else { n * inter };
+    let blocks = work.div_ceil(256).min(65_535 * 4) as u32;
     let cfg = LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (256, 1, 1),
@@ -389,6 +393,18 @@ where
     b.arg(&gp).arg(&op).arg(&n_).arg(&i_);
     // SAFETY: argument list matches kernels/swiglu.cu; sizes checked above.
     unsafe { b.launch(cfg) }.cuda("swiglu").map(drop)
+}
+
+/// Whether `swiglu_v8` takes SwiGLU over `n` rows of `inter` columns with
+/// the gate|up input at device address `gu` and the output at `out`: inter
+/// a multiple of 8 (whole 16-byte groups in both halves of a row), both
+/// addresses 16-byte aligned, and fewer than 2^31 groups of 8 (its 32-bit
+/// indices).
+pub fn swiglu_takes_v8(n: usize, inter: usize, gu: u64, out: u64) -> bool {
+    inter.is_multiple_of(8)
+        && gu.is_multiple_of(16)
+        && out.is_multiple_of(16)
+        && (n * inter / 8) < (1usize << 31)
 }
 
 /// Enqueues `argmax_rows` (kernels/argmax.cu): out\[r\] = the index of the
