@@ -565,21 +565,29 @@ fn check_rope(c: &mut Checker<'_>) {
 }
 
 fn check_swiglu(c: &mut Checker<'_>) {
-    // I a multiple of 8: swiglu_v8 (8 columns a thread); 1003: the element kernel
+    // the element kernel at every shape; swiglu_v8 (8 columns a thread)
+    // where I is a multiple of 8 (at 1003 it would fall back to the element kernel)
     for &(n, inter) in &[(1usize, 1536usize), (3, 16384), (64, 14336), (7, 1003)] {
-        c.record("swiglu", json!({"n": n, "I": inter}), |gpu, inp| {
-            let (gb, gf) = inp.bf16(n * 2 * inter, 2.0);
-            let g = gpu.upload(&gb)?;
-            let mut out = poison_bf16(gpu, n * inter)?;
-            ops::swiglu(gpu, &g, n, inter, &mut out)?;
-            let want: Vec<f32> = (0..n * inter)
-                .map(|i| {
-                    let (r, j) = (i / inter, i % inter);
-                    cpu_ops::silu(gf[r * 2 * inter + j]) * gf[r * 2 * inter + inter + j]
-                })
-                .collect();
-            Ok((to_f32(&gpu.download(&out)?), want))
-        });
+        let kernels: &[(bool, &str)] = if inter % 8 == 0 {
+            &[(false, "swiglu"), (true, "swiglu_v8")]
+        } else {
+            &[(false, "swiglu")]
+        };
+        for &(v8, name) in kernels {
+            c.record(name, json!({"n": n, "I": inter}), |gpu, inp| {
+                let (gb, gf) = inp.bf16(n * 2 * inter, 2.0);
+                let g = gpu.upload(&gb)?;
+                let mut out = poison_bf16(gpu, n * inter)?;
+                ops::swiglu_with(gpu, &g, n, inter, &mut out, v8)?;
+                let want: Vec<f32> = (0..n * inter)
+                    .map(|i| {
+                        let (r, j) = (i / inter, i % inter);
+                        cpu_ops::silu(gf[r * 2 * inter + j]) * gf[r * 2 * inter + inter + j]
+                    })
+                    .collect();
+                Ok((to_f32(&gpu.download(&out)?), want))
+            });
+        }
     }
 }
 

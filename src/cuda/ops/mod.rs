@@ -363,12 +363,45 @@ where
 
 /// SwiGLU on the fused gate|up GEMM output: `gate_up` is [n, 2·inter]
 /// (gate in columns [0, inter), up in [inter, 2·inter)); out[n, inter] =
-/// bf16(silu(gate) · up), computed in f32 (kernels/swiglu.cu: `swiglu_v8`,
-/// 8 columns a thread in 16-byte loads, where [`swiglu_takes_v8`] the
-/// shape and addresses; else `swiglu`, one element a thread; the same bits).
+/// bf16(silu(gate) · up), computed in f32, by the kernel [`swiglu_vec8`]
+/// chooses ([`swiglu_with`]).
 ///
 /// Errors: [`Error::Input`] on a shape mismatch.
 pub fn swiglu<G, O>(gpu: &Gpu, gate_up: &G, n: usize, inter: usize, out: &mut O) -> Result<()>
+where
+    G: DevicePtr<Bf16>,
+    O: DevicePtrMut<Bf16>,
+{
+    swiglu_with(gpu, gate_up, n, inter, out, swiglu_vec8())
+}
+
+/// The environment variable that turns on `swiglu_v8` ([`swiglu_vec8`]).
+pub const ENV_SWIGLU: &str = "SPARDA_SWIGLU";
+
+/// Whether [`swiglu`] runs `swiglu_v8` where it takes the shape:
+/// `$SPARDA_SWIGLU` = `v8` (read once). Off by default until it has run on
+/// a GPU against the CPU reference (gpu-check's `swiglu_v8` cases) and in
+/// a prefill A/B.
+pub fn swiglu_vec8() -> bool {
+    static V8: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V8.get_or_init(|| std::env::var(ENV_SWIGLU).is_ok_and(|v| v.trim() == "v8"))
+}
+
+/// [`swiglu`] with the kernel chosen by the caller (kernels/swiglu.cu):
+/// `vec8` and [`swiglu_takes_v8`] the shape and addresses: `swiglu_v8`, 8
+/// columns a thread in 16-byte loads and 32-bit indices; else `swiglu`,
+/// one element a thread. The same arithmetic per element, so the same
+/// bits.
+///
+/// Errors: [`Error::Input`] on a shape mismatch.
+pub fn swiglu_with<G, O>(
+    gpu: &Gpu,
+    gate_up: &G,
+    n: usize,
+    inter: usize,
+    out: &mut O,
+    vec8: bool,
+) -> Result<()>
 where
     G: DevicePtr<Bf16>,
     O: DevicePtrMut<Bf16>,
@@ -380,7 +413,7 @@ where
     }
     let (n_, i_) = (i32_dim(n, "n")?, i32_dim(inter, "inter")?);
     let (gp, op) = (dptr(gpu, gate_up), dptr_mut(gpu, out));
-    let v8 = swiglu_takes_v8(n, inter, gp, op);
+    let v8 = vec8 && swiglu_takes_v8(n, inter, gp, op);
     let f = gpu.function(if v8 { "swiglu_v8" } else { "swiglu" })?;
     let work = if v8 { n * inter / 8 } else { n * inter };
     let blocks = work.div_ceil(256).min(65_535 * 4) as u32;

@@ -1383,7 +1383,7 @@ mod tests {
             assert_eq!(select_threads_from(bad), None, "{bad}");
         }
         // the static shared memory holds one ws entry per warp
-        assert!(SELECT_THREADS / 32 <= 32);
+        const { assert!(SELECT_THREADS / 32 <= 32 && SELECT_THREADS_MANY.is_multiple_of(32)) };
         // by blocks per SM: a decode step of 16 rows x 8 KV heads on 132 SMs;
         // a prefill chunk of 1,024 rows x 2
         assert_eq!(threads_for(None, 16 * 8, 132), SELECT_THREADS);
