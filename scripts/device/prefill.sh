@@ -33,7 +33,8 @@
 #                                                (label=options, ";"-separated; "base=" the defaults)
 #                                                gpu-check's kernels group, then dense prefill at DENSE_CONTEXT
 #                                                (default 32K) and sparse at CONTEXT (default 32K,128K), B = 1,
-#                                                over ROUNDS (default 1)
+#                                                over ROUNDS (default 1); OPTS_ENV=1: entries of label=VAR=value
+#                                                (environment settings, e.g. "base=;v8=SPARDA_SWIGLU=v8")
 #   scripts/device/prefill.sh scores       OUT   the sparse prefill window-scoring kernels: gpu-check's kernel
 #                                                and selection cases (qa_prefill_scores* among them), then per
 #                                                SPARDA_PREFILL_SCORES value in SCORES (default: the set to
@@ -107,26 +108,30 @@ opts)
   # OPTS_MODES (default "dense sparse"): dense prefill at DENSE_CONTEXT (default 32K) and sparse prefill at
   # CONTEXT (default 32K,128K), B = 1, KV on the GPU, one process each, files
   # prefill_<mode>_opts_<label>_<r>.json; each process stopped after OPTS_TIMEOUT seconds (default 240: a
-  # kernel variant that never finishes, e.g. a wait that is never satisfied, costs no more than that)
+  # kernel variant that never finishes, e.g. a wait that is never satisfied, costs no more than that).
+  # OPTS_ENV=1: each entry's part after "label=" is environment assignments instead
+  # ("base=;v8=SPARDA_SWIGLU=v8": the SwiGLU kernels against each other)
   IFS=';' read -ra opts <<< "${OPTS:?OPTS: label=NVRTC options;…}"
   for o in "${opts[@]}"; do
     [[ "$o" == *=* ]] || { echo "OPTS entry '$o': give label=options (an empty options part for the defaults)"; exit 2; }
   done
+  # the entry's environment, exported in the subshell that runs it
+  entry_env() { if [[ "${OPTS_ENV:-0}" == 1 ]]; then [[ -n "$1" ]] && export $1; else export SPARDA_NVRTC_OPTIONS="$1"; fi; }
   [[ "${OPTS_CHECK:-1}" == 1 ]] && for o in "${opts[@]}"; do
     l=${o%%=*}
     g=${OPTS_GROUP:-kernels}
-    SPARDA_NVRTC_OPTIONS="${o#*=}" SPARDA_CHECK_ONLY=$g timeout -k 10 "${OPTS_TIMEOUT:-240}" "$SPARDA" gpu-check \
-      --json "$out/gpu_check_${g//,/_}_opts_$l.json" 2>&1 | grep -E "FAIL|error:|cases|attention_|qa_prefill_scores_m32s" | sed "s/^/$l: /"
-    rc=${PIPESTATUS[0]}; [[ $rc == 124 ]] && echo "$l: gpu-check timed out after ${OPTS_TIMEOUT:-240} s (a kernel that never finishes?)"
+    ( entry_env "${o#*=}"; SPARDA_CHECK_ONLY=$g timeout -k 10 "${OPTS_TIMEOUT:-240}" "$SPARDA" gpu-check \
+      --json "$out/gpu_check_${g//,/_}_opts_$l.json" 2>&1 | grep -E "FAIL|error:|cases|attention_|qa_prefill_scores_m32s|swiglu" | sed "s/^/$l: /"
+    rc=${PIPESTATUS[0]}; [[ $rc == 124 ]] && echo "$l: gpu-check timed out after ${OPTS_TIMEOUT:-240} s (a kernel that never finishes?)" )
   done
   for r in $(seq 1 "${ROUNDS:-1}"); do
     for o in "${opts[@]}"; do
       l=${o%%=*}
       for m in ${OPTS_MODES:-dense sparse}; do
         ctx=${CONTEXT:-32K,128K}; [[ $m == dense ]] && ctx=${DENSE_CONTEXT:-32K}
-        SPARDA_NVRTC_OPTIONS="${o#*=}" RUN_TIMEOUT=${OPTS_TIMEOUT:-240} prefill_b1 "$SPARDA" "$ctx" "$m" \
+        ( entry_env "${o#*=}"; RUN_TIMEOUT=${OPTS_TIMEOUT:-240} prefill_b1 "$SPARDA" "$ctx" "$m" \
           "$out/prefill_${m}_opts_${l}_$r.json" | grep -E "prefill only|error" | sed "s/^/$l $r $m: /"
-        [[ ${PIPESTATUS[0]} == 124 ]] && echo "$l $r $m: timed out after ${OPTS_TIMEOUT:-240} s"
+        [[ ${PIPESTATUS[0]} == 124 ]] && echo "$l $r $m: timed out after ${OPTS_TIMEOUT:-240} s" )
       done
     done
   done
