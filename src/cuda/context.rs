@@ -68,7 +68,7 @@ pub const KERNEL_SOURCES: &[KernelSource] = &[
         file: "rmsnorm.cu",
         text: include_str!("../../kernels/rmsnorm.cu"),
         preludes: &[],
-        functions: &["rmsnorm_residual"],
+        functions: &["rmsnorm_residual", "rmsnorm_residual_v4"],
     },
     KernelSource {
         file: "rope.cu",

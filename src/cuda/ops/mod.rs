@@ -85,7 +85,34 @@ where
     unsafe { b.launch(cfg) }.cuda(OP).map(drop)
 }
 
-/// Shared launcher of `rmsnorm_residual`; `delta` = (address, scale) or none.
+/// The environment variable that turns on `rmsnorm_residual_v4`
+/// ([`rmsnorm_vec4`]).
+pub const ENV_RMSNORM: &str = "SPARDA_RMSNORM";
+
+/// Whether the RMSNorms ([`rmsnorm`], [`add_rmsnorm`]) run
+/// `rmsnorm_residual_v4` (4 columns a thread in 16- and 8-byte accesses)
+/// where [`rmsnorm_takes_v4`] the row: `$SPARDA_RMSNORM` = `v4` (read
+/// once). Off by default until it has run on a GPU (gpu-check's kernel
+/// group under the variable) and in a prefill A/B.
+pub fn rmsnorm_vec4() -> bool {
+    static V4: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V4.get_or_init(|| std::env::var(ENV_RMSNORM).is_ok_and(|v| v.trim() == "v4"))
+}
+
+/// Whether `rmsnorm_residual_v4` takes rows of `d` columns at these device
+/// addresses: d a multiple of 4, the f32 residual `resid` 16-byte aligned
+/// (and so every row), the bf16 `delta` (0: none), `w` and `out` 8-byte
+/// aligned.
+pub fn rmsnorm_takes_v4(d: usize, resid: u64, delta: u64, w: u64, out: u64) -> bool {
+    d.is_multiple_of(4)
+        && resid.is_multiple_of(16)
+        && delta.is_multiple_of(8)
+        && w.is_multiple_of(8)
+        && out.is_multiple_of(8)
+}
+
+/// Shared launcher of `rmsnorm_residual` (or `rmsnorm_residual_v4`, see
+/// [`rmsnorm_vec4`]); `delta` = (address, scale) or none.
 #[allow(clippy::too_many_arguments)]
 fn rmsnorm_launch(
     gpu: &Gpu,
@@ -102,7 +129,12 @@ fn rmsnorm_launch(
     }
     let d_ = i32_dim(d, "d")?;
     let (dp, ds) = delta.unwrap_or((0, 0.0));
-    let f = gpu.function("rmsnorm_residual")?;
+    let v4 = rmsnorm_vec4() && rmsnorm_takes_v4(d, resid, dp, w, out);
+    let f = gpu.function(if v4 {
+        "rmsnorm_residual_v4"
+    } else {
+        "rmsnorm_residual"
+    })?;
     // About four elements per thread (one block per row: at batch 1 the
     // whole kernel is one block, so its width sets the latency).
     let threads = (d.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32;
@@ -119,7 +151,8 @@ fn rmsnorm_launch(
         .arg(&out)
         .arg(&d_)
         .arg(&eps);
-    // SAFETY: argument list matches kernels/rmsnorm.cu; sizes checked by the callers.
+    // SAFETY: argument list matches both kernels of kernels/rmsnorm.cu; sizes
+    // checked by the callers, alignment (v4) by rmsnorm_takes_v4.
     unsafe { b.launch(cfg) }.cuda("rmsnorm_residual").map(drop)
 }
 
@@ -958,7 +991,27 @@ pub fn qkv_rope_append<Q: DevicePtrMut<Bf16>>(
 
 #[cfg(test)]
 mod tests {
-    use super::rope_append_block;
+    use super::{rmsnorm_takes_v4, rope_append_block, swiglu_takes_v8};
+
+    #[test]
+    fn vector_kernels_take_whole_aligned_groups_only() {
+        // SwiGLU: I a multiple of 8, 16-byte aligned input and output, < 2^31 groups
+        assert!(swiglu_takes_v8(1024, 16_384, 0x1000, 0x2000));
+        assert!(!swiglu_takes_v8(7, 1003, 0x1000, 0x2000));
+        assert!(!swiglu_takes_v8(4, 1004, 0x1000, 0x2000));
+        assert!(!swiglu_takes_v8(4, 1024, 0x1008, 0x2000));
+        assert!(!swiglu_takes_v8(4, 1024, 0x1000, 0x2008));
+        assert!(swiglu_takes_v8((1 << 31) / 1024 - 1, 8192, 0, 0));
+        assert!(!swiglu_takes_v8((1 << 31) / 1024, 8192, 0, 0));
+        // RMSNorm: d a multiple of 4, resid 16-byte, the bf16 rows 8-byte aligned, no delta (0)
+        assert!(rmsnorm_takes_v4(4096, 0x1000, 0x2008, 0x3000, 0x4008));
+        assert!(rmsnorm_takes_v4(2560, 0x1000, 0, 0x3000, 0x4000));
+        assert!(!rmsnorm_takes_v4(578, 0x1000, 0, 0x3000, 0x4000));
+        assert!(!rmsnorm_takes_v4(4096, 0x1008, 0, 0x3000, 0x4000));
+        assert!(!rmsnorm_takes_v4(4096, 0x1000, 0x2004, 0x3000, 0x4000));
+        assert!(!rmsnorm_takes_v4(4096, 0x1000, 0, 0x3002, 0x4000));
+        assert!(!rmsnorm_takes_v4(4096, 0x1000, 0, 0x3000, 0x4004));
+    }
 
     #[test]
     fn rope_append_blocks_hold_whole_warps_per_head_and_about_256_threads() {
