@@ -828,13 +828,13 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
                                                           int rows, int hkv, int w_stride, int stride, int ksize,
                                                           float scale, const bf16_t* __restrict__ parts,
                                                           int p_stride) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static_assert(G == 4 || G == 8 || G == 16, "a row's heads in one warp's A tile, trees below");
+    static_assert(D == 64 || D == 128, "whole 128-byte swizzle rows; whole 8-window groups per copy pass");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int NK = D / 16;             // k-steps of S = Q.Kc^T
     constexpr int CH = D / 8;              // core matrices (16-byte chunks) per window row
     constexpr int SBO = CH * 128;          // bytes between 8-window core-matrix rows
     constexpr int PART_B = QP_BN * D * 2;  // bytes per part tile
-    static_assert(D == 64 || D == 128, "whole 128-byte swizzle rows; whole 8-window groups per copy pass");
     // QW_SWIZZLE: the 128-byte swizzle (K atoms of 8 windows x 64 dims, 1,024 bytes; chunk c of
     // window row r at 16 * (c ^ (r % 8)); the 8-window groups of one K atom 1,024 bytes apart,
     // the K atoms of a part tile KATOM_B apart); otherwise no swizzle.

@@ -348,7 +348,8 @@ __device__ __forceinline__ u32 block_flag_scan(bool flag, u32* ws, u32& total) {
 //   nb <= attended: every block. Ties go to the lower block index.
 // Output: sel[(b*hkv + h)*s_max + i] ascending block ids, padded with -1; nsel[b*hkv + h].
 // pooled_r / pooled_e (nullable): the pooled scores before forcing, rows of nb_stride.
-// pptr null: e = -inf (InfLLM-V2). Dynamic shared memory: 2*nb_cap u32 (nb <= nb_cap).
+// pptr null: e = -inf (InfLLM-V2). Dynamic shared memory: 2*nb_cap u32 (nb <= nb_cap). Block: a
+// multiple of 32 threads, at most 1,024 (ws[32]; radix_cut's scan is warp 0's).
 // win_lens (nullable): the windows pooled are Mc(win_lens[b]) instead of Mc(T) (forecast
 // mode, layers >= 1: the previous step's state, nosa-model.md §4).
 // Guard: a row with more blocks than nb_cap (the launch's shared memory) gets an empty

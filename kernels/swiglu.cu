@@ -5,8 +5,8 @@
 // swiglu: grid-stride over n*I elements, one element per step (any I).
 // swiglu_v8: grid-stride over n*I/8 groups of 8 consecutive columns, 16-byte loads of gate and
 // up and a 16-byte store, 32-bit row/column arithmetic; I a multiple of 8, gu and out 16-byte
-// aligned, n*I/8 < 2^31 (src/cuda/ops/mod.rs `swiglu` checks and picks). The same arithmetic
-// per element as swiglu, so the same bits.
+// aligned, n*I/8 < 2^31 (src/cuda/ops/mod.rs: `swiglu_takes_v8` checks, `swiglu_with` picks).
+// The same arithmetic per element as swiglu, so the same bits.
 
 __device__ __forceinline__ bf16_t swiglu_one(bf16_t gate, bf16_t up) {
     const float g = bf2f(gate), u = bf2f(up);

@@ -580,14 +580,35 @@ fn check_swiglu(c: &mut Checker<'_>) {
                 let (gb, gf) = inp.bf16(n * 2 * inter, 2.0);
                 let g = gpu.upload(&gb)?;
                 let mut out = poison_bf16(gpu, n * inter)?;
+                if v8 && !ops::swiglu_takes_v8(n, inter, dptr(gpu, &g), dptr(gpu, &out)) {
+                    return Err(Error::Input(format!(
+                        "swiglu_v8 does not take n {n}, I {inter} at these buffers: the case would test the element kernel"
+                    )));
+                }
                 ops::swiglu_with(gpu, &g, n, inter, &mut out, v8)?;
+                let got = gpu.download(&out)?;
+                if v8 {
+                    // the same arithmetic per element as the element kernel: the same bits
+                    let mut elem = poison_bf16(gpu, n * inter)?;
+                    ops::swiglu_with(gpu, &g, n, inter, &mut elem, false)?;
+                    let elem = gpu.download(&elem)?;
+                    if let Some(i) = (0..got.len()).find(|&i| got[i].0 != elem[i].0) {
+                        return Err(Error::Input(format!(
+                            "swiglu_v8 element {i} (row {}, column {}) is {:#06x}, the element kernel's {:#06x}",
+                            i / inter,
+                            i % inter,
+                            got[i].0,
+                            elem[i].0
+                        )));
+                    }
+                }
                 let want: Vec<f32> = (0..n * inter)
                     .map(|i| {
                         let (r, j) = (i / inter, i % inter);
                         cpu_ops::silu(gf[r * 2 * inter + j]) * gf[r * 2 * inter + inter + j]
                     })
                     .collect();
-                Ok((to_f32(&gpu.download(&out)?), want))
+                Ok((to_f32(&got), want))
             });
         }
     }

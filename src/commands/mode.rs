@@ -300,7 +300,9 @@ pub(crate) fn build_engine(
 }
 
 /// The attention in force as JSON (`generate --json`'s "attention"):
-/// mode, budget, shortlist, dense_len, forecast, backend and KV placement.
+/// mode, budget, shortlist, dense_len, forecast, backend, the prefill
+/// attention and window-scoring kernels (CUDA; null on the CPU reference)
+/// and KV placement.
 pub(crate) fn plan_json(
     a: &ModeArgs,
     backend: Backend,

@@ -93,10 +93,11 @@ pub const ENV_RMSNORM: &str = "SPARDA_RMSNORM";
 /// `rmsnorm_residual_v4` (4 columns a thread in 16- and 8-byte accesses)
 /// where [`rmsnorm_takes_v4`] the row: `$SPARDA_RMSNORM` = `v4` (read
 /// once). Off by default until it has run on a GPU (gpu-check's kernel
-/// group under the variable) and in a prefill A/B.
+/// group under the variable) and in a prefill A/B. Another value is
+/// refused with a warning.
 pub fn rmsnorm_vec4() -> bool {
     static V4: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V4.get_or_init(|| std::env::var(ENV_RMSNORM).is_ok_and(|v| v.trim() == "v4"))
+    *V4.get_or_init(|| env_switch(ENV_RMSNORM, "v4"))
 }
 
 /// Whether `rmsnorm_residual_v4` takes rows of `d` columns at these device
@@ -396,10 +397,11 @@ where
 
 /// SwiGLU on the fused gate|up GEMM output: `gate_up` is [n, 2·inter]
 /// (gate in columns [0, inter), up in [inter, 2·inter)); out[n, inter] =
-/// bf16(silu(gate) · up), computed in f32, by the kernel [`swiglu_vec8`]
-/// chooses ([`swiglu_with`]).
+/// bf16(silu(gate) · up), computed in f32: [`swiglu_with`], `swiglu_v8`
+/// allowed when [`swiglu_vec8`] is on.
 ///
-/// Errors: [`Error::Input`] on a shape mismatch.
+/// Errors: [`Error::Input`] on a shape mismatch or n, inter past i32;
+/// [`Error::Cuda`] on a launch failure.
 pub fn swiglu<G, O>(gpu: &Gpu, gate_up: &G, n: usize, inter: usize, out: &mut O) -> Result<()>
 where
     G: DevicePtr<Bf16>,
@@ -414,19 +416,33 @@ pub const ENV_SWIGLU: &str = "SPARDA_SWIGLU";
 /// Whether [`swiglu`] runs `swiglu_v8` where it takes the shape:
 /// `$SPARDA_SWIGLU` = `v8` (read once). Off by default until it has run on
 /// a GPU against the CPU reference (gpu-check's `swiglu_v8` cases) and in
-/// a prefill A/B.
+/// a prefill A/B. Another value is refused with a warning.
 pub fn swiglu_vec8() -> bool {
     static V8: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V8.get_or_init(|| std::env::var(ENV_SWIGLU).is_ok_and(|v| v.trim() == "v8"))
+    *V8.get_or_init(|| env_switch(ENV_SWIGLU, "v8"))
+}
+
+/// Whether the variable `var` is set to `on` (trimmed); another value is
+/// refused with a warning naming the variable, the value and `on`.
+fn env_switch(var: &str, on: &str) -> bool {
+    match std::env::var(var) {
+        Ok(v) if v.trim() == on => true,
+        Ok(v) => {
+            tracing::warn!("{var}={v:?}: takes {on}; left off");
+            false
+        }
+        Err(_) => false,
+    }
 }
 
 /// [`swiglu`] with the kernel chosen by the caller (kernels/swiglu.cu):
 /// `vec8` and [`swiglu_takes_v8`] the shape and addresses: `swiglu_v8`, 8
 /// columns a thread in 16-byte loads and 32-bit indices; else `swiglu`,
 /// one element a thread. The same arithmetic per element, so the same
-/// bits.
+/// bits (gpu-check compares them).
 ///
-/// Errors: [`Error::Input`] on a shape mismatch.
+/// Errors: [`Error::Input`] on a shape mismatch or n, inter past i32;
+/// [`Error::Cuda`] on a launch failure.
 pub fn swiglu_with<G, O>(
     gpu: &Gpu,
     gate_up: &G,

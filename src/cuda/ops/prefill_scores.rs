@@ -67,8 +67,9 @@ pub enum PrefillScores {
     /// per block, each multiplying whole 64-window tiles from shared memory
     /// in the 128-byte swizzle, the heads summed by a shuffle tree) where
     /// [`prefill_scores_wg_takes`] the device, D and G; elsewhere
-    /// `tensor-core-bf16x2`'s kernels, so off a compute capability 9.0
-    /// device it is `tensor-core-bf16x2`.
+    /// `tensor-core-bf16x2`'s kernels (for G other than 4, 8, 16 those are
+    /// the 16-M-row two-part kernel with expf and no split of Kc), so off a
+    /// compute capability 9.0 device it is `tensor-core-bf16x2`.
     TensorCoreWgmma,
 }
 
@@ -118,17 +119,23 @@ impl PrefillScores {
 /// [`PrefillScores::TensorCoreWgmma`] ran synthetic NOSA-8B (G 16, D 128)
 /// sparse prefill at 127K at 18,891 / 18,846 tokens/s on an H100 against
 /// 17,126 / 17,176 for [`PrefillScores::TensorCoreBf16x2`] in the same call
-/// (08fe5fa, alternating rounds); the two compute the same scores (Kc's
-/// first two bf16 parts), so off sm_90 the default is the bf16x2 kernels.
-/// Those ran at 21,358 tokens/s at 32K and 16,528 at 127K on an H100 with
-/// the base-2 softmax, against 20,385 and 14,486 for the exact
+/// (08fe5fa, alternating rounds). Where the wg kernel does not take the
+/// device or shape ([`prefill_scores_wg_takes`]: off compute capability
+/// 9.0, at D 80, at G other than 4, 8, 16) it runs the bf16x2 kernels, so
+/// there the default is `tensor-core-bf16x2`. Where it does, it computes
+/// the scores of `tensor-core-bf16x2`'s G 4/8/16 kernels (Kc's first two
+/// bf16 parts, base-2 softmax) in another summation order: gpu-check's
+/// select group puts both within 3.1e-7 relative L2 of the CPU reference,
+/// and gpu-check-e2e's tensor-core prefill cases pass with it.
+/// The bf16x2 kernels ran at 21,358 tokens/s at 32K and 16,528 at 127K on
+/// an H100 with the base-2 softmax, against 20,385 and 14,486 for the exact
 /// [`PrefillScores::TensorCoreSplit`] with expf in the same call (157d6fe).
-/// Quality on real weights is recorded for its G 3 path (SmolLM2 at 8K, the
+/// Quality on real weights is recorded for the G 3 path (SmolLM2 at 8K, the
 /// 16-M-row two-part kernel, expf): selections cost KL 3.1e-4 against the
 /// cuBLAS logits', where the exact kernels' summation order alone gives
-/// 1.6e-4. Its G 4/8/16 path with base 2 is checked against the CPU
-/// reference (gpu-check's select group, and equal selections end to end on
-/// a synthetic G 8 model); no real-weights model with those G was at hand.
+/// 1.6e-4. The G 4/8/16 paths (base 2) are checked against the CPU
+/// reference (gpu-check's select group, and end to end on a synthetic G 8
+/// model); no real-weights model with those G was at hand.
 pub const DEFAULT_PREFILL_SCORES: PrefillScores = PrefillScores::TensorCoreWgmma;
 
 /// The environment variable that chooses [`PrefillScores`].
@@ -233,8 +240,8 @@ pub fn qa_prefill_wg_smem_bytes(d: usize) -> usize {
     3 * 2 * 64 * d * 2 + 1024
 }
 
-/// f32 elements of the scratch [`PrefillScores::TensorCoreSplit`] needs
-/// for Kc's bf16 parts: bf16 [Hkv, 3, `w_stride`, D] (`w_stride` ≥ the
+/// f32 elements of the scratch the kernels that split Kc once per chunk
+/// ([`PrefillScores::splits_kc`]) need for Kc's bf16 parts: bf16 [Hkv, 3, `w_stride`, D] (`w_stride` ≥ the
 /// windows split), rounded up to whole f32.
 pub fn split_kc_scratch_f32(kv_heads: usize, w_stride: usize, head_dim: usize) -> usize {
     (kv_heads * 3 * w_stride * head_dim).div_ceil(2)

@@ -64,33 +64,47 @@ pub fn qa_logits_smem_bytes(g: usize, d: usize) -> usize {
     (g * dp + QA_TILE * (dp + 4) + g * QA_TILE) * 4
 }
 /// Threads per block of the selection kernel for a launch of few blocks
-/// (fewer than [`SELECT_SMALL_BLOCKS_PER_SM`] per SM, decode steps of
+/// (fewer than [`SELECT_MANY_FROM_BLOCKS_PER_SM`] per SM, decode steps of
 /// small batches): each row's radix passes spread over 16 warps.
 pub const SELECT_THREADS: u32 = 512;
 /// Threads per block of the selection kernel for a launch of many blocks
 /// (a prefill chunk's rows): more, smaller blocks resident per SM hide each
-/// other's barriers. A prefill chunk of 1,024 rows × 2 KV heads took 250 ms
-/// of selection in a 126,976-token synthetic NOSA-8B prefill against 386 ms
-/// with 512 threads, and the 127K prefill ran at 19,501 / 19,450 tokens/s
-/// against 19,147 / 19,052 (256 threads: 19,386 / 19,394; H100, 186b6a1).
+/// other's barriers. Synthetic NOSA-8B 127K prefill (a chunk's launch is
+/// 1,024 rows × 2 KV heads) ran at 19,501 / 19,450 tokens/s against 19,147
+/// / 19,052 with 512 threads and 19,386 / 19,394 with 256 in one call (H100,
+/// 186b6a1); its traced selection took 250 ms, against 386 ms at 512 in a
+/// trace of an earlier commit (bc25be8).
 pub const SELECT_THREADS_MANY: u32 = 128;
 /// Blocks per SM from which a `select_blocks` launch takes
-/// [`SELECT_THREADS_MANY`] threads a block: the launch fills the SMs at 512
-/// threads (4 blocks of 512 per SM) before this.
-pub const SELECT_SMALL_BLOCKS_PER_SM: usize = 4;
+/// [`SELECT_THREADS_MANY`] threads a block: below it the launch does not
+/// fill the SMs at 512 threads (4 blocks of 512 per SM).
+pub const SELECT_MANY_FROM_BLOCKS_PER_SM: usize = 4;
+// select_blocks: a multiple of 32 threads, at most 1,024 (its ws[32] and warp-0 scans)
+const _: () = assert!(
+    SELECT_THREADS.is_multiple_of(32)
+        && SELECT_THREADS <= 1024
+        && SELECT_THREADS_MANY.is_multiple_of(32)
+        && SELECT_THREADS_MANY <= 1024
+);
 /// The environment variable that sets the threads of every `select_blocks`
 /// block: 128, 256 or 512 (a tuning choice; the kernel takes any multiple
 /// of 32 up to 1,024).
 pub const ENV_SELECT_THREADS: &str = "SPARDA_SELECT_THREADS";
 
 /// Threads per block of a `select_blocks` launch of `blocks` blocks on a
-/// GPU of `sm_count` SMs: `$SPARDA_SELECT_THREADS` when it is 128, 256 or
-/// 512 (another value is refused with a warning; read once), else
-/// [`SELECT_THREADS_MANY`] from [`SELECT_SMALL_BLOCKS_PER_SM`] blocks per
-/// SM on and [`SELECT_THREADS`] below.
+/// GPU of `sm_count` SMs: [`select_threads_forced`] when set, else
+/// [`SELECT_THREADS_MANY`] from [`SELECT_MANY_FROM_BLOCKS_PER_SM`] blocks
+/// per SM on and [`SELECT_THREADS`] below.
 pub fn select_threads(blocks: usize, sm_count: usize) -> u32 {
+    threads_for(select_threads_forced(), blocks, sm_count)
+}
+
+/// `$SPARDA_SELECT_THREADS` when it is 128, 256 or 512 (read once; another
+/// value is refused with a warning): the threads of every `select_blocks`
+/// block; None: chosen per launch ([`select_threads`]).
+pub fn select_threads_forced() -> Option<u32> {
     static THREADS: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
-    let forced = *THREADS.get_or_init(|| {
+    *THREADS.get_or_init(|| {
         let v = std::env::var(ENV_SELECT_THREADS).ok()?;
         let t = select_threads_from(&v);
         if t.is_none() {
@@ -99,17 +113,18 @@ pub fn select_threads(blocks: usize, sm_count: usize) -> u32 {
             );
         }
         t
-    });
-    threads_for(forced, blocks, sm_count)
+    })
 }
 
 /// [`select_threads`]'s rule: `forced` when set, else by blocks per SM.
 fn threads_for(forced: Option<u32>, blocks: usize, sm_count: usize) -> u32 {
-    forced.unwrap_or(if blocks >= SELECT_SMALL_BLOCKS_PER_SM * sm_count.max(1) {
-        SELECT_THREADS_MANY
-    } else {
-        SELECT_THREADS
-    })
+    forced.unwrap_or(
+        if blocks >= SELECT_MANY_FROM_BLOCKS_PER_SM * sm_count.max(1) {
+            SELECT_THREADS_MANY
+        } else {
+            SELECT_THREADS
+        },
+    )
 }
 
 /// [`select_threads`]'s reading of the variable's value: 128, 256 or 512.
@@ -1382,8 +1397,6 @@ mod tests {
         for bad in ["", "64", "100", "1024", "two hundred"] {
             assert_eq!(select_threads_from(bad), None, "{bad}");
         }
-        // the static shared memory holds one ws entry per warp
-        const { assert!(SELECT_THREADS / 32 <= 32 && SELECT_THREADS_MANY.is_multiple_of(32)) };
         // by blocks per SM: a decode step of 16 rows x 8 KV heads on 132 SMs;
         // a prefill chunk of 1,024 rows x 2
         assert_eq!(threads_for(None, 16 * 8, 132), SELECT_THREADS);
