@@ -255,29 +255,105 @@ pub fn qa_prefill_smem_bytes(d: usize, parts: usize) -> usize {
     parts * 64 * (d + 8) * 2 + QP_BM * 65 * 4
 }
 
+/// The kernel of one window-scoring launch (kernels/qa_prefill.cu), as
+/// [`scores_kernel`] chooses it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScoresKernel {
+    /// The entry point's full name (`…_d<D>`).
+    pub entry: String,
+    /// Dynamic shared memory, bytes.
+    pub smem: usize,
+    /// Threads per block.
+    pub threads: u32,
+    /// Whether Kc is split into its bf16 parts first (`qa_split_kc`, into a
+    /// scratch of [`split_kc_scratch_f32`]).
+    pub split: bool,
+}
+
+/// The kernel that `kernels` runs for `group` query heads per KV head at
+/// head dim `head_dim` on a device of architecture `arch` (as
+/// [`crate::cuda::Gpu::info`] names it): `qa_prefill_scores_wg_g<G>` where
+/// [`PrefillScores::TensorCoreWgmma`] and [`prefill_scores_wg_takes`];
+/// where the m32 kernels take G ([`prefill_scores_m32_takes`]) and Kc is
+/// split ([`PrefillScores::splits_kc`]) `qa_prefill_scores_m32s_bf16x2_g<G>`
+/// (two parts) or `qa_prefill_scores_m32s_g<G>` (three), for
+/// [`PrefillScores::TensorCoreM32`] `qa_prefill_scores_m32_g<G>`; other G
+/// `qa_prefill_scores_bf16x2` (two parts) or `qa_prefill_scores` (three);
+/// each with `_d<D>`, its shared memory and block size.
+///
+/// Errors: [`Error::Input`] for [`PrefillScores::Cublas`] and for a head
+/// dim or G the tensor-core kernels do not take
+/// ([`prefill_scores_tc_supported`]).
+pub fn scores_kernel(
+    kernels: PrefillScores,
+    arch: &str,
+    head_dim: usize,
+    group: usize,
+) -> Result<ScoresKernel> {
+    const OP: &str = "qa_prefill_scores";
+    if kernels == PrefillScores::Cublas {
+        return Err(Error::Input(format!(
+            "{OP}: {kernels:?} is not a tensor-core choice (tensor-core, tensor-core-m32, tensor-core-split, tensor-core-bf16x2 or tensor-core-wgmma)"
+        )));
+    }
+    if !prefill_scores_tc_supported(head_dim, group) {
+        return Err(Error::Input(format!(
+            "{OP}: G {group} at head dim {head_dim}: the kernel takes head dims 64, 80, 128 and 1 ≤ G ≤ {QP_MAX_G} query heads per KV head"
+        )));
+    }
+    let g = group;
+    let parts = kernels.kc_parts();
+    let split = kernels.splits_kc(g);
+    let m32 = kernels != PrefillScores::TensorCore && prefill_scores_m32_takes(g);
+    let two = parts == 2;
+    let (entry, smem, threads) = if kernels == PrefillScores::TensorCoreWgmma
+        && prefill_scores_wg_takes(arch, head_dim, g)
+    {
+        (
+            format!("qa_prefill_scores_wg_g{g}"),
+            qa_prefill_wg_smem_bytes(head_dim),
+            QW_THREADS,
+        )
+    } else if m32 {
+        let name = match (split, two) {
+            (true, true) => format!("qa_prefill_scores_m32s_bf16x2_g{g}"),
+            (true, false) => format!("qa_prefill_scores_m32s_g{g}"),
+            (false, _) => format!("qa_prefill_scores_m32_g{g}"),
+        };
+        (
+            name,
+            qa_prefill_m32_smem_bytes(head_dim, parts, split),
+            QP_M32_THREADS,
+        )
+    } else {
+        let name = if two { "qa_prefill_scores_bf16x2" } else { OP };
+        (
+            name.to_string(),
+            qa_prefill_smem_bytes(head_dim, parts),
+            QP_THREADS,
+        )
+    };
+    Ok(ScoresKernel {
+        entry: format!("{entry}_d{head_dim}"),
+        smem,
+        threads,
+        split,
+    })
+}
+
 /// Steps 1a and 1b for `d.rows` rows that all read one Kc (a prefill
-/// chunk) on the tensor cores, with the kernels `kernels` names
-/// (`qa_prefill_scores_m32_g<G>_d*` for [`PrefillScores::TensorCoreM32`]
-/// where [`prefill_scores_m32_takes`] G, else and for
-/// [`PrefillScores::TensorCore`] `qa_prefill_scores_d*`,
-/// `qa_prefill_scores_bf16x2_d*` for [`PrefillScores::TensorCoreBf16x2`];
-/// for [`PrefillScores::TensorCoreSplit`] and
-/// [`PrefillScores::TensorCoreBf16x2`] where the m32 kernels take G,
-/// `qa_split_kc` then `qa_prefill_scores_m32s{,_bf16x2}_g<G>_d*`, and for
-/// [`PrefillScores::TensorCoreWgmma`] where the m32 kernels take G
-/// `qa_split_kc` then `qa_prefill_scores_wg_g<G>_d*` where
-/// [`prefill_scores_wg_takes`] the device and shape (elsewhere the bf16x2
-/// kernels), with `split` = (the scratch for Kc's parts,
-/// [`split_kc_scratch_f32`] f32 at `d.w_stride`; the windows to split, ≥
-/// every row's Mc);
+/// chunk) on the tensor cores, with the kernel [`scores_kernel`] picks for
+/// `kernels` on this device (`qa_split_kc` first where it splits Kc, with
+/// `split` = (the scratch for Kc's parts, [`split_kc_scratch_f32`] f32 at
+/// `d.w_stride`; the windows to split, ≥ every row's Mc));
 /// kernels/qa_prefill.cu): writes `d.scores` (the windows below each row's
 /// Mc) from the bf16 queries at `q` (row b at b·`q_stride`) and the f32 Kc
 /// at `kc` (≥ max Mc windows of Hkv·`head_dim`); `d.logits` and `d.stats`
 /// are not used.
 ///
-/// Errors: [`Error::Input`] for [`PrefillScores::Cublas`], when the shape
-/// is not one the kernel takes ([`prefill_scores_tc_supported`]),
-/// `q_stride` is odd, `q` is not 4-byte or `kc` not 16-byte aligned, a
+/// Errors: [`Error::Input`] for [`PrefillScores::Cublas`], when H is not a
+/// multiple of Hkv or the shape is not one the kernel takes
+/// ([`prefill_scores_tc_supported`]), `q_stride` is odd, `q` is not 4-byte or `kc` not 16-byte aligned, a
 /// dimension exceeds i32, the shared memory does not fit, or the split
 /// kernels lack `split` or its windows exceed `d.w_stride`;
 /// [`Error::Cuda`] on a launch failure.
@@ -293,17 +369,15 @@ pub(crate) fn launch_prefill_scores(
     split: Option<(u64, usize)>,
 ) -> Result<()> {
     const OP: &str = "qa_prefill_scores";
-    let g = d.heads / d.kv_heads.max(1);
-    let m32 = matches!(
-        kernels,
-        PrefillScores::TensorCoreM32
-            | PrefillScores::TensorCoreSplit
-            | PrefillScores::TensorCoreBf16x2
-            | PrefillScores::TensorCoreWgmma
-    ) && prefill_scores_m32_takes(g);
-    let wg = kernels == PrefillScores::TensorCoreWgmma
-        && prefill_scores_wg_takes(&gpu.info().arch, head_dim, g);
-    let split = match (kernels.splits_kc(g), split) {
+    if d.kv_heads == 0 || !d.heads.is_multiple_of(d.kv_heads) {
+        return Err(Error::Input(format!(
+            "{OP}: H {} is not a multiple of Hkv {}",
+            d.heads, d.kv_heads
+        )));
+    }
+    let g = d.heads / d.kv_heads;
+    let k = scores_kernel(kernels, &gpu.info().arch, head_dim, g)?;
+    let split = match (k.split, split) {
         (true, Some(sp)) => Some(sp),
         (true, None) => {
             return Err(Error::Input(format!(
@@ -313,35 +387,6 @@ pub(crate) fn launch_prefill_scores(
         }
         (false, _) => None,
     };
-    let entry = match kernels {
-        _ if wg => &format!("qa_prefill_scores_wg_g{g}"),
-        PrefillScores::TensorCoreBf16x2 | PrefillScores::TensorCoreWgmma if split.is_some() => {
-            &format!("qa_prefill_scores_m32s_bf16x2_g{g}")
-        }
-        _ if split.is_some() => &format!("qa_prefill_scores_m32s_g{g}"),
-        PrefillScores::TensorCoreM32 | PrefillScores::TensorCoreSplit if m32 => {
-            &format!("qa_prefill_scores_m32_g{g}")
-        }
-        PrefillScores::TensorCore | PrefillScores::TensorCoreM32 | PrefillScores::TensorCoreSplit => OP,
-        PrefillScores::TensorCoreBf16x2 | PrefillScores::TensorCoreWgmma => {
-            "qa_prefill_scores_bf16x2"
-        }
-        PrefillScores::Cublas => {
-            return Err(Error::Input(format!(
-                "{OP}: {kernels:?} is not a tensor-core choice (tensor-core, tensor-core-m32, tensor-core-split, tensor-core-bf16x2 or tensor-core-wgmma)"
-            )))
-        }
-    };
-    let parts = kernels.kc_parts();
-    if d.kv_heads == 0
-        || !d.heads.is_multiple_of(d.kv_heads)
-        || !prefill_scores_tc_supported(head_dim, g)
-    {
-        return Err(Error::Input(format!(
-            "{OP}: H {} / Hkv {} at head dim {head_dim}: the kernel takes head dims 64, 80, 128 and 1 ≤ G ≤ {QP_MAX_G} query heads per KV head",
-            d.heads, d.kv_heads
-        )));
-    }
     if !q_stride.is_multiple_of(2) || !q.is_multiple_of(4) || !kc.is_multiple_of(16) {
         return Err(Error::Input(format!(
             "{OP}: q stride {q_stride} (need even), q address {q:#x} (need 4-byte aligned), Kc address {kc:#x} (need 16-byte aligned)"
@@ -351,17 +396,8 @@ pub(crate) fn launch_prefill_scores(
         return Ok(());
     }
     let [h_, hk_, wst, _, st, ks] = d.i32s()?;
-    let f = gpu.function(&format!("{entry}_d{head_dim}"))?;
-    let (dynamic, threads) = if wg {
-        (qa_prefill_wg_smem_bytes(head_dim), QW_THREADS)
-    } else if m32 {
-        (
-            qa_prefill_m32_smem_bytes(head_dim, parts, split.is_some()),
-            QP_M32_THREADS,
-        )
-    } else {
-        (qa_prefill_smem_bytes(head_dim, parts), QP_THREADS)
-    };
+    let f = gpu.function(&k.entry)?;
+    let (dynamic, threads) = (k.smem, k.threads);
     let smem = ensure_smem(gpu, f, dynamic, QP_BM * 4, OP)?;
     let cfg = LaunchConfig {
         grid_dim: (
@@ -541,6 +577,89 @@ mod tests {
             .flat_map(|d| [4, 8, 16].map(|g| ("sm_90", d, g)))
             .collect();
         assert_eq!(wg, want);
+    }
+
+    #[test]
+    fn wgmma_scores_run_the_bf16x2_kernels_wherever_the_wg_kernel_does_not_take_the_shape() {
+        let known: Vec<&str> = crate::cuda::context::KERNEL_SOURCES
+            .iter()
+            .flat_map(|k| k.functions.iter().copied())
+            .collect();
+        let all = [
+            PrefillScores::TensorCore,
+            PrefillScores::TensorCoreM32,
+            PrefillScores::TensorCoreSplit,
+            PrefillScores::TensorCoreBf16x2,
+            PrefillScores::TensorCoreWgmma,
+        ];
+        let mut wg = 0;
+        for arch in ["sm_80", "sm_89", "sm_90", "sm_100"] {
+            for d in [64, 80, 128] {
+                for g in [1, 2, 3, 4, 6, 8, 12, 16, 32, 64] {
+                    for k in all {
+                        // every choice names an entry point that exists
+                        let sk = scores_kernel(k, arch, d, g).unwrap();
+                        assert!(
+                            known.contains(&sk.entry.as_str()),
+                            "{k:?} {arch} D {d} G {g}: {sk:?}"
+                        );
+                    }
+                    let w = scores_kernel(PrefillScores::TensorCoreWgmma, arch, d, g).unwrap();
+                    let b = scores_kernel(PrefillScores::TensorCoreBf16x2, arch, d, g).unwrap();
+                    if prefill_scores_wg_takes(arch, d, g) {
+                        wg += 1;
+                        assert_eq!(w.entry, format!("qa_prefill_scores_wg_g{g}_d{d}"));
+                        assert_eq!(
+                            (w.smem, w.threads, w.split),
+                            (qa_prefill_wg_smem_bytes(d), 256, true)
+                        );
+                    } else {
+                        assert_eq!(w, b, "{arch} D {d} G {g}");
+                    }
+                }
+            }
+        }
+        assert_eq!(wg, 6); // sm_90 x D 64, 128 x G 4, 8, 16
+                           // the G 16 D 128 kernels of NOSA-8B
+        let e = |k, arch| scores_kernel(k, arch, 128, 16).unwrap().entry;
+        assert_eq!(
+            e(PrefillScores::TensorCoreBf16x2, "sm_90"),
+            "qa_prefill_scores_m32s_bf16x2_g16_d128"
+        );
+        assert_eq!(
+            e(PrefillScores::TensorCoreSplit, "sm_90"),
+            "qa_prefill_scores_m32s_g16_d128"
+        );
+        assert_eq!(
+            e(PrefillScores::TensorCoreM32, "sm_90"),
+            "qa_prefill_scores_m32_g16_d128"
+        );
+        assert_eq!(
+            e(PrefillScores::TensorCore, "sm_90"),
+            "qa_prefill_scores_d128"
+        );
+        assert_eq!(
+            e(PrefillScores::TensorCoreWgmma, "sm_80"),
+            "qa_prefill_scores_m32s_bf16x2_g16_d128"
+        );
+        assert_eq!(
+            scores_kernel(PrefillScores::TensorCoreWgmma, "sm_90", 128, 3)
+                .unwrap()
+                .entry,
+            "qa_prefill_scores_bf16x2_d128"
+        );
+        // refused: cuBLAS, head dims and G the kernels do not take
+        for (k, d, g) in [
+            (PrefillScores::Cublas, 128, 16),
+            (PrefillScores::TensorCoreWgmma, 96, 16),
+            (PrefillScores::TensorCoreWgmma, 128, 65),
+            (PrefillScores::TensorCore, 128, 0),
+        ] {
+            assert!(
+                scores_kernel(k, "sm_90", d, g).is_err(),
+                "{k:?} D {d} G {g}"
+            );
+        }
     }
 
     #[test]
