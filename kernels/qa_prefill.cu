@@ -105,6 +105,18 @@ __device__ __forceinline__ void qp_q_frags(u32 (&qa)[NK][4], const bf16_t* qr0, 
     }
 }
 
+// The Mc (windows a row scores, sel_windows) of the block's nr >= 1 rows b0 .. b0+nr-1 into
+// qp_mc, filled by the block's THREADS threads and visible to all after the barrier; then
+// every thread's largest and smallest of them. Every thread of the block calls it.
+template <int THREADS>
+__device__ __forceinline__ void qp_block_mc(int* qp_mc, const int* __restrict__ lens, int b0, int nr, int stride,
+                                            int ksize, int& mc_max, int& mc_min) {
+    for (int i = threadIdx.x; i < nr; i += THREADS) qp_mc[i] = sel_windows(lens[b0 + i], stride, ksize);
+    __syncthreads();
+    mc_max = 0, mc_min = 0x7fffffff;
+    for (int i = 0; i < nr; ++i) mc_max = max(mc_max, qp_mc[i]), mc_min = min(mc_min, qp_mc[i]);
+}
+
 // NP: the Kc parts summed, 3 (hi + mid + lo = x, the accuracy of an f32 dot product) or 2
 // (hi + mid, within 2^-16 |x| of x: the qa_prefill_scores_bf16x2_d* entry points, an
 // experiment in trading accuracy for a third fewer tensor-core products).
@@ -125,10 +137,8 @@ __device__ __forceinline__ void qa_prefill_scores_impl(const bf16_t* __restrict_
     const int b0 = blockIdx.x * R;
     const int nr = min(R, rows - b0);
     if (nr <= 0) return;  // uniform over the block
-    for (int i = tid; i < nr; i += QP_THREADS) qp_mc[i] = sel_windows(lens[b0 + i], stride, ksize);
-    __syncthreads();
-    int mc_max = 0;
-    for (int i = 0; i < nr; ++i) mc_max = max(mc_max, qp_mc[i]);
+    int mc_max, mc_min;
+    qp_block_mc<QP_THREADS>(qp_mc, lens, b0, nr, stride, ksize, mc_max, mc_min);
     if (mc_max == 0) return;  // uniform: no row has a window yet
 
     // This lane's two fragment rows (lane/4 and lane/4 + 8 of the warp's 16): block row
@@ -433,10 +443,8 @@ __device__ __forceinline__ void qa_prefill_scores_m32_impl(const bf16_t* __restr
     const int b0 = blockIdx.x * R;
     const int nr = min(R, rows - b0);
     if (nr <= 0) return;  // uniform over the block
-    for (int i = tid; i < nr; i += QP_M32_THREADS) qp_mc[i] = sel_windows(lens[b0 + i], stride, ksize);
-    __syncthreads();
-    int mc_max = 0, mc_min = 0x7fffffff;
-    for (int i = 0; i < nr; ++i) mc_max = max(mc_max, qp_mc[i]), mc_min = min(mc_min, qp_mc[i]);
+    int mc_max, mc_min;
+    qp_block_mc<QP_M32_THREADS>(qp_mc, lens, b0, nr, stride, ksize, mc_max, mc_min);
     if (mc_max == 0) return;  // uniform: no row has a window yet
     // Tiles t < full_tiles every row sees whole (past-the-rows M-rows have Q = 0: finite logits,
     // never written).
@@ -850,10 +858,8 @@ __device__ __forceinline__ void qa_prefill_scores_wg_impl(const bf16_t* __restri
     const int b0 = blockIdx.x * R;
     const int nr = min(R, rows - b0);
     if (nr <= 0) return;  // uniform over the block
-    for (int i = tid; i < nr; i += QW_THREADS) qp_mc[i] = sel_windows(lens[b0 + i], stride, ksize);
-    __syncthreads();
-    int mc_max = 0, mc_min = 0x7fffffff;
-    for (int i = 0; i < nr; ++i) mc_max = max(mc_max, qp_mc[i]), mc_min = min(mc_min, qp_mc[i]);
+    int mc_max, mc_min;
+    qp_block_mc<QW_THREADS>(qp_mc, lens, b0, nr, stride, ksize, mc_max, mc_min);
     if (mc_max == 0) return;  // uniform
     const int full_tiles = QP_FULL_TILES ? mc_min / QP_BN : 0;
 
