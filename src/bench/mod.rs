@@ -995,14 +995,16 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
         },
         "prefill_attention": model.prefill_attention().name(),
         "prefill_scores": crate::cuda::ops::prefill_scores::prefill_scores().name(),
-        // whether the wgmma window-scoring kernel runs for this model on this GPU
-        "prefill_scores_wg": crate::cuda::ops::prefill_scores::prefill_scores()
-            == crate::cuda::ops::prefill_scores::PrefillScores::TensorCoreWgmma
-            && crate::cuda::ops::prefill_scores::prefill_scores_wg_takes(
-                &info.arch,
-                cfg.head_dim,
-                cfg.num_attention_heads / cfg.num_key_value_heads.max(1),
-            ),
+        // the window-scoring kernel that runs for this model on this GPU (null: cuBLAS or
+        // a shape the tensor-core kernels do not take)
+        "prefill_scores_entry": crate::cuda::ops::prefill_scores::scores_kernel(
+            crate::cuda::ops::prefill_scores::prefill_scores(),
+            &info.arch,
+            cfg.head_dim,
+            cfg.num_attention_heads / cfg.num_key_value_heads.max(1),
+        )
+        .ok()
+        .map(|k| k.entry),
         "select_threads_forced": crate::cuda::ops::select::select_threads_forced(),
         "swiglu_v8": crate::cuda::ops::swiglu_vec8(),
         "rmsnorm_v4": crate::cuda::ops::rmsnorm_vec4(),

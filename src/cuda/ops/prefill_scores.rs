@@ -397,15 +397,14 @@ pub(crate) fn launch_prefill_scores(
     }
     let [h_, hk_, wst, _, st, ks] = d.i32s()?;
     let f = gpu.function(&k.entry)?;
-    let (dynamic, threads) = (k.smem, k.threads);
-    let smem = ensure_smem(gpu, f, dynamic, QP_BM * 4, OP)?;
+    let smem = ensure_smem(gpu, f, k.smem, QP_BM * 4, OP)?;
     let cfg = LaunchConfig {
         grid_dim: (
             grid(d.rows.div_ceil(QP_BM / g), "row blocks")?,
             grid(d.kv_heads, "Hkv")?,
             1,
         ),
-        block_dim: (threads, 1, 1),
+        block_dim: (k.threads, 1, 1),
         shared_mem_bytes: smem,
     };
     let (qs, rows) = (i32_dim(q_stride, "q_stride")?, i32_dim(d.rows, "rows")?);
@@ -620,34 +619,51 @@ mod tests {
             }
         }
         assert_eq!(wg, 6); // sm_90 x D 64, 128 x G 4, 8, 16
-                           // the G 16 D 128 kernels of NOSA-8B
-        let e = |k, arch| scores_kernel(k, arch, 128, 16).unwrap().entry;
-        assert_eq!(
-            e(PrefillScores::TensorCoreBf16x2, "sm_90"),
-            "qa_prefill_scores_m32s_bf16x2_g16_d128"
-        );
-        assert_eq!(
-            e(PrefillScores::TensorCoreSplit, "sm_90"),
-            "qa_prefill_scores_m32s_g16_d128"
-        );
-        assert_eq!(
-            e(PrefillScores::TensorCoreM32, "sm_90"),
-            "qa_prefill_scores_m32_g16_d128"
-        );
-        assert_eq!(
-            e(PrefillScores::TensorCore, "sm_90"),
-            "qa_prefill_scores_d128"
-        );
-        assert_eq!(
-            e(PrefillScores::TensorCoreWgmma, "sm_80"),
-            "qa_prefill_scores_m32s_bf16x2_g16_d128"
-        );
-        assert_eq!(
-            scores_kernel(PrefillScores::TensorCoreWgmma, "sm_90", 128, 3)
-                .unwrap()
-                .entry,
-            "qa_prefill_scores_bf16x2_d128"
-        );
+                           // the D 128 kernels of NOSA-8B (G 16), and a G 3 fallback
+        for (k, arch, g, entry) in [
+            (
+                PrefillScores::TensorCoreBf16x2,
+                "sm_90",
+                16,
+                "qa_prefill_scores_m32s_bf16x2_g16_d128",
+            ),
+            (
+                PrefillScores::TensorCoreSplit,
+                "sm_90",
+                16,
+                "qa_prefill_scores_m32s_g16_d128",
+            ),
+            (
+                PrefillScores::TensorCoreM32,
+                "sm_90",
+                16,
+                "qa_prefill_scores_m32_g16_d128",
+            ),
+            (
+                PrefillScores::TensorCore,
+                "sm_90",
+                16,
+                "qa_prefill_scores_d128",
+            ),
+            (
+                PrefillScores::TensorCoreWgmma,
+                "sm_80",
+                16,
+                "qa_prefill_scores_m32s_bf16x2_g16_d128",
+            ),
+            (
+                PrefillScores::TensorCoreWgmma,
+                "sm_90",
+                3,
+                "qa_prefill_scores_bf16x2_d128",
+            ),
+        ] {
+            assert_eq!(
+                scores_kernel(k, arch, 128, g).unwrap().entry,
+                entry,
+                "{k:?} {arch} G {g}"
+            );
+        }
         // refused: cuBLAS, head dims and G the kernels do not take
         for (k, d, g) in [
             (PrefillScores::Cublas, 128, 16),
