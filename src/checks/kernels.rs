@@ -488,7 +488,7 @@ fn check_embedding(c: &mut Checker<'_>) {
 fn check_rmsnorm(c: &mut Checker<'_>) {
     let eps = 1e-6f32;
     // 12,288: a row wider than the widest block (1,024 threads) takes in 4 values per thread;
-    // 578: not a multiple of 4 (with SPARDA_RMSNORM=v4, the element kernel still)
+    // 578: not a multiple of 4 (rmsnorm_residual_v4 does not take it: the element kernel only)
     for &(n, d, fused) in &[
         (1usize, 576usize, false),
         (4, 4096, true),
@@ -496,40 +496,72 @@ fn check_rmsnorm(c: &mut Checker<'_>) {
         (2, 12_288, true),
         (3, 578, true),
     ] {
+        let kernels: &[(bool, &str)] = if d % 4 == 0 {
+            &[(false, "rmsnorm_residual"), (true, "rmsnorm_residual_v4")]
+        } else {
+            &[(false, "rmsnorm_residual")]
+        };
         let dscale = if fused { 1.4 / (32.0f32).sqrt() } else { 1.0 };
         let shape =
             json!({"n": n, "d": d, "residual_add": fused, "delta_scale": dscale, "eps": eps});
-        // The normalised output.
-        c.record("rmsnorm_residual (out)", shape.clone(), |gpu, inp| {
-            let resid = inp.normal(n * d, 1.0);
-            let (wb, wf) = inp.bf16(d, 1.0);
-            let (db, df) = inp.bf16(n * d, 0.5);
-            let mut r = gpu.upload(&resid)?;
-            let w = gpu.upload(&wb)?;
-            let mut out = poison_bf16(gpu, n * d)?;
-            let mut x = resid.clone();
-            if fused {
-                let delta = gpu.upload(&db)?;
-                ops::add_rmsnorm(gpu, &mut r, &delta, dscale, &w, eps, &mut out)?;
-                x.iter_mut().zip(&df).for_each(|(a, b)| *a += b * dscale);
-            } else {
-                ops::rmsnorm(gpu, &r, &w, eps, &mut out)?;
-            }
-            let want = cpu_ops::rms_norm(&x, &wf, eps);
-            Ok((to_f32(&gpu.download(&out)?), want))
-        });
-        if fused {
-            // The updated f32 residual stream.
-            c.record("rmsnorm_residual (resid)", shape, |gpu, inp| {
+        for &(v4, name) in kernels {
+            // the buffers' addresses: whether the v4 kernel takes the row (else the case would test
+            // the element kernel under the v4 name)
+            let takes = |r: u64, dl: u64, w: u64, o: u64| -> Result<()> {
+                if v4 && !ops::rmsnorm_takes_v4(d, r, dl, w, o) {
+                    return Err(Error::Input(format!(
+                        "rmsnorm_residual_v4 does not take d {d} at these buffers: the case would test the element kernel"
+                    )));
+                }
+                Ok(())
+            };
+            // The normalised output.
+            c.record(&format!("{name} (out)"), shape.clone(), |gpu, inp| {
                 let resid = inp.normal(n * d, 1.0);
-                let (wb, _) = inp.bf16(d, 1.0);
+                let (wb, wf) = inp.bf16(d, 1.0);
                 let (db, df) = inp.bf16(n * d, 0.5);
-                let (mut r, w, delta) = (gpu.upload(&resid)?, gpu.upload(&wb)?, gpu.upload(&db)?);
+                let mut r = gpu.upload(&resid)?;
+                let w = gpu.upload(&wb)?;
                 let mut out = poison_bf16(gpu, n * d)?;
-                ops::add_rmsnorm(gpu, &mut r, &delta, dscale, &w, eps, &mut out)?;
-                let want: Vec<f32> = resid.iter().zip(&df).map(|(a, b)| a + b * dscale).collect();
-                Ok((gpu.download(&r)?, want))
+                let mut x = resid.clone();
+                if fused {
+                    let delta = gpu.upload(&db)?;
+                    takes(
+                        dptr(gpu, &r),
+                        dptr(gpu, &delta),
+                        dptr(gpu, &w),
+                        dptr(gpu, &out),
+                    )?;
+                    ops::add_rmsnorm_with(gpu, &mut r, &delta, dscale, &w, eps, &mut out, v4)?;
+                    x.iter_mut().zip(&df).for_each(|(a, b)| *a += b * dscale);
+                } else {
+                    takes(dptr(gpu, &r), 0, dptr(gpu, &w), dptr(gpu, &out))?;
+                    ops::rmsnorm_with(gpu, &r, &w, eps, &mut out, v4)?;
+                }
+                let want = cpu_ops::rms_norm(&x, &wf, eps);
+                Ok((to_f32(&gpu.download(&out)?), want))
             });
+            if fused {
+                // The updated f32 residual stream.
+                c.record(&format!("{name} (resid)"), shape.clone(), |gpu, inp| {
+                    let resid = inp.normal(n * d, 1.0);
+                    let (wb, _) = inp.bf16(d, 1.0);
+                    let (db, df) = inp.bf16(n * d, 0.5);
+                    let (mut r, w, delta) =
+                        (gpu.upload(&resid)?, gpu.upload(&wb)?, gpu.upload(&db)?);
+                    let mut out = poison_bf16(gpu, n * d)?;
+                    takes(
+                        dptr(gpu, &r),
+                        dptr(gpu, &delta),
+                        dptr(gpu, &w),
+                        dptr(gpu, &out),
+                    )?;
+                    ops::add_rmsnorm_with(gpu, &mut r, &delta, dscale, &w, eps, &mut out, v4)?;
+                    let want: Vec<f32> =
+                        resid.iter().zip(&df).map(|(a, b)| a + b * dscale).collect();
+                    Ok((gpu.download(&r)?, want))
+                });
+            }
         }
     }
 }

@@ -85,19 +85,18 @@ where
     unsafe { b.launch(cfg) }.cuda(OP).map(drop)
 }
 
-/// The environment variable that turns on `rmsnorm_residual_v4`
-/// ([`rmsnorm_vec4`]).
+/// The environment variable that chooses the RMSNorm kernel
+/// ([`rmsnorm_vec4`]): `v4` (the default) or `element`.
 pub const ENV_RMSNORM: &str = "SPARDA_RMSNORM";
 
 /// Whether the RMSNorms ([`rmsnorm`], [`add_rmsnorm`]) run
 /// `rmsnorm_residual_v4` (4 columns a thread in 16- and 8-byte accesses)
-/// where [`rmsnorm_takes_v4`] the row: `$SPARDA_RMSNORM` = `v4` (read
-/// once). Off by default until it has run on a GPU (gpu-check's kernel
-/// group under the variable) and in a prefill A/B. Another value is
-/// refused with a warning.
+/// where [`rmsnorm_takes_v4`] the row: yes unless `$SPARDA_RMSNORM` =
+/// `element` (read once). Another value is refused with a warning and
+/// leaves the default. Measured: benches/results/prefill_vector_swiglu_rmsnorm_sparse_128k_h100_2026-12-07_0dd4863/.
 pub fn rmsnorm_vec4() -> bool {
     static V4: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V4.get_or_init(|| env_switch(ENV_RMSNORM, "v4"))
+    *V4.get_or_init(|| env_kernel(ENV_RMSNORM, "v4", "element"))
 }
 
 /// Whether `rmsnorm_residual_v4` takes rows of `d` columns at these device
@@ -112,8 +111,9 @@ pub fn rmsnorm_takes_v4(d: usize, resid: u64, delta: u64, w: u64, out: u64) -> b
         && out.is_multiple_of(8)
 }
 
-/// Shared launcher of `rmsnorm_residual` (or `rmsnorm_residual_v4`, see
-/// [`rmsnorm_vec4`]); `delta` = (address, scale) or none.
+/// Shared launcher of `rmsnorm_residual`, or `rmsnorm_residual_v4` when
+/// `vec4` and [`rmsnorm_takes_v4`] the row; `delta` = (address, scale) or
+/// none.
 #[allow(clippy::too_many_arguments)]
 fn rmsnorm_launch(
     gpu: &Gpu,
@@ -124,13 +124,14 @@ fn rmsnorm_launch(
     n: usize,
     d: usize,
     eps: f32,
+    vec4: bool,
 ) -> Result<()> {
     if n == 0 {
         return Ok(());
     }
     let d_ = i32_dim(d, "d")?;
     let (dp, ds) = delta.unwrap_or((0, 0.0));
-    let v4 = rmsnorm_vec4() && rmsnorm_takes_v4(d, resid, dp, w, out);
+    let v4 = vec4 && rmsnorm_takes_v4(d, resid, dp, w, out);
     let f = gpu.function(if v4 {
         "rmsnorm_residual_v4"
     } else {
@@ -168,6 +169,27 @@ where
     W: DevicePtr<Bf16>,
     O: DevicePtrMut<Bf16>,
 {
+    rmsnorm_with(gpu, x, weight, eps, out, rmsnorm_vec4())
+}
+
+/// [`rmsnorm`] with the kernel chosen by the caller: `vec4` allows
+/// `rmsnorm_residual_v4` where [`rmsnorm_takes_v4`] the row (gpu-check
+/// runs both kernels).
+///
+/// Errors: as [`rmsnorm`].
+pub fn rmsnorm_with<X, W, O>(
+    gpu: &Gpu,
+    x: &X,
+    weight: &W,
+    eps: f32,
+    out: &mut O,
+    vec4: bool,
+) -> Result<()>
+where
+    X: DevicePtr<f32>,
+    W: DevicePtr<Bf16>,
+    O: DevicePtrMut<Bf16>,
+{
     let d = weight.len();
     if d == 0 || !x.len().is_multiple_of(d) {
         return Err(Error::Input(format!(
@@ -178,7 +200,7 @@ where
     expect_len("rmsnorm", "out", out.len(), x.len())?;
     let n = x.len() / d;
     let (xp, wp, op) = (dptr(gpu, x), dptr(gpu, weight), dptr_mut(gpu, out));
-    rmsnorm_launch(gpu, xp, None, wp, op, n, d, eps)
+    rmsnorm_launch(gpu, xp, None, wp, op, n, d, eps, vec4)
 }
 
 /// Residual add fused with RMSNorm (spec §7), per row of [n, d] (d =
@@ -206,6 +228,40 @@ where
     W: DevicePtr<Bf16>,
     O: DevicePtrMut<Bf16>,
 {
+    add_rmsnorm_with(
+        gpu,
+        resid,
+        delta,
+        delta_scale,
+        weight,
+        eps,
+        out,
+        rmsnorm_vec4(),
+    )
+}
+
+/// [`add_rmsnorm`] with the kernel chosen by the caller: `vec4` allows
+/// `rmsnorm_residual_v4` where [`rmsnorm_takes_v4`] the row (gpu-check
+/// runs both kernels).
+///
+/// Errors: as [`add_rmsnorm`].
+#[allow(clippy::too_many_arguments)]
+pub fn add_rmsnorm_with<R, D, W, O>(
+    gpu: &Gpu,
+    resid: &mut R,
+    delta: &D,
+    delta_scale: f32,
+    weight: &W,
+    eps: f32,
+    out: &mut O,
+    vec4: bool,
+) -> Result<()>
+where
+    R: DevicePtrMut<f32>,
+    D: DevicePtr<Bf16>,
+    W: DevicePtr<Bf16>,
+    O: DevicePtrMut<Bf16>,
+{
     let d = weight.len();
     if d == 0 || !resid.len().is_multiple_of(d) {
         return Err(Error::Input(format!(
@@ -222,7 +278,7 @@ where
         dptr(gpu, weight),
         dptr_mut(gpu, out),
     );
-    rmsnorm_launch(gpu, rp, Some((dp, delta_scale)), wp, op, n, d, eps)
+    rmsnorm_launch(gpu, rp, Some((dp, delta_scale)), wp, op, n, d, eps, vec4)
 }
 
 /// Precomputed f32 RoPE tables on the device: cos and sin, [rows, D/2],
@@ -398,7 +454,7 @@ where
 /// SwiGLU on the fused gate|up GEMM output: `gate_up` is [n, 2·inter]
 /// (gate in columns [0, inter), up in [inter, 2·inter)); out[n, inter] =
 /// bf16(silu(gate) · up), computed in f32: [`swiglu_with`], `swiglu_v8`
-/// allowed when [`swiglu_vec8`] is on.
+/// allowed unless [`swiglu_vec8`] is off.
 ///
 /// Errors: [`Error::Input`] on a shape mismatch or n, inter past i32;
 /// [`Error::Cuda`] on a launch failure.
@@ -410,28 +466,32 @@ where
     swiglu_with(gpu, gate_up, n, inter, out, swiglu_vec8())
 }
 
-/// The environment variable that turns on `swiglu_v8` ([`swiglu_vec8`]).
+/// The environment variable that chooses the SwiGLU kernel
+/// ([`swiglu_vec8`]): `v8` (the default) or `element`.
 pub const ENV_SWIGLU: &str = "SPARDA_SWIGLU";
 
-/// Whether [`swiglu`] runs `swiglu_v8` where it takes the shape:
-/// `$SPARDA_SWIGLU` = `v8` (read once). Off by default until it has run on
-/// a GPU against the CPU reference (gpu-check's `swiglu_v8` cases) and in
-/// a prefill A/B. Another value is refused with a warning.
+/// Whether [`swiglu`] runs `swiglu_v8` where it takes the shape: yes unless
+/// `$SPARDA_SWIGLU` = `element` (read once). Another value is refused with
+/// a warning and leaves the default. Measured:
+/// benches/results/prefill_vector_swiglu_rmsnorm_sparse_128k_h100_2026-12-07_0dd4863/.
 pub fn swiglu_vec8() -> bool {
     static V8: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V8.get_or_init(|| env_switch(ENV_SWIGLU, "v8"))
+    *V8.get_or_init(|| env_kernel(ENV_SWIGLU, "v8", "element"))
 }
 
-/// Whether the variable `var` is set to `on` (trimmed); another value is
-/// refused with a warning naming the variable, the value and `on`.
-fn env_switch(var: &str, on: &str) -> bool {
+/// The kernel choice of the variable `var` (trimmed): `vector` (the
+/// default when unset) gives true, `element` false; another value is
+/// refused with a warning naming the variable, the value and both choices,
+/// and gives the default.
+fn env_kernel(var: &str, vector: &str, element: &str) -> bool {
     match std::env::var(var) {
-        Ok(v) if v.trim() == on => true,
+        Ok(v) if v.trim() == vector => true,
+        Ok(v) if v.trim() == element => false,
         Ok(v) => {
-            tracing::warn!("{var}={v:?}: takes {on}; left off");
-            false
+            tracing::warn!("{var}={v:?}: takes {vector} (the default) or {element}; {vector} runs");
+            true
         }
-        Err(_) => false,
+        Err(_) => true,
     }
 }
 
