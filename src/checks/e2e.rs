@@ -104,6 +104,15 @@ pub const FIXTURE_STEPS: usize = 160;
 /// rule is defined on (spec/testing.md).
 pub const TINY_DENSE_STEPS: usize = 86;
 
+/// A prompt length `extra` tokens past one prefill chunk
+/// ([`crate::pipeline::prefill_chunk`], 1,024 unless
+/// `$SPARDA_PREFILL_CHUNK` says otherwise), so that the cases written to
+/// cross a chunk boundary cross it at any chunk: 1,300 for `extra` 276 at
+/// the default.
+fn past_chunk(extra: usize) -> usize {
+    crate::pipeline::prefill_chunk() + extra
+}
+
 /// Where a case's tokens come from.
 #[derive(Clone)]
 enum Inputs<'a> {
@@ -1092,16 +1101,16 @@ pub fn gpu_check_e2e(
             prefill_attention: PrefillAttention::Rowwise,
         },
         // Dense prefill on the tensor cores (kernels/attn_prefill.cu): a
-        // 1,300-token prompt crosses a 1,024-row chunk (PREFILL_CHUNK), so
-        // its second chunk starts at T0 = 1024; then sparse decode after a
-        // dense prefill.
+        // prompt of the prefill chunk + 276 tokens (1,300 at the default
+        // 1,024) crosses a chunk, so its second chunk starts at T0 = the
+        // chunk; then sparse decode after a dense prefill.
         CaseSpec {
             name: "tiny-dense-tc-prefill",
             ckpt: &tiny,
             opts: opts(ov(Some(false), None), PrefillMode::Auto),
             path: SelectionPath::Gpu,
             inputs: Inputs::Random {
-                prompt_lens: vec![5, 77, 1300],
+                prompt_lens: vec![5, 77, past_chunk(276)],
                 seed: 19,
             },
             min_steps: 0,
@@ -1121,8 +1130,9 @@ pub fn gpu_check_e2e(
         },
         // Sparse prefill on the tensor cores (attn_prefill_sparse_d*): each
         // tile's union of its rows' block lists, built on the device; the
-        // 1,300-token prompt's second chunk starts at T0 = 1024, the
-        // 1,029-token prompt's second chunk is 5 rows (fewer than
+        // chunk + 276-token prompt's second chunk starts at T0 = the chunk
+        // (1,300 and 1,024 by default), the chunk + 5-token prompt's
+        // second chunk is 5 rows (fewer than
         // QA_GEMM_MIN_ROWS: per-row window logits after a chunk scored from
         // the shared Kc, whichever SPARDA_PREFILL_SCORES says); a 20-token
         // prompt has no window yet (forced blocks only).
@@ -1132,7 +1142,7 @@ pub fn gpu_check_e2e(
             opts: opts(ov(None, None), PrefillMode::Auto),
             path: SelectionPath::Gpu,
             inputs: Inputs::Random {
-                prompt_lens: vec![20, 150, 1029, 1300],
+                prompt_lens: vec![20, 150, past_chunk(5), past_chunk(276)],
                 seed: 21,
             },
             min_steps: 0,
@@ -1144,7 +1154,7 @@ pub fn gpu_check_e2e(
             opts: opts(ov(None, None), PrefillMode::Auto),
             path: SelectionPath::Gpu,
             inputs: Inputs::Random {
-                prompt_lens: vec![150, 1300],
+                prompt_lens: vec![150, past_chunk(276)],
                 seed: 23,
             },
             min_steps: 0,
@@ -1176,7 +1186,7 @@ pub fn gpu_check_e2e(
             path: SelectionPath::Gpu,
             inputs: Inputs::Text {
                 ids,
-                spans: vec![(0, 40), (6_000, 1_100)],
+                spans: vec![(0, 40), (6_000, past_chunk(76))],
             },
             min_steps: FIXTURE_STEPS,
             prefill_attention: PrefillAttention::Rowwise,
@@ -1196,14 +1206,14 @@ pub fn gpu_check_e2e(
             path: SelectionPath::Gpu,
             inputs: Inputs::Text {
                 ids,
-                spans: vec![(4_000, 1_600), (12_000, 1_600)],
+                spans: vec![(4_000, past_chunk(576)), (12_000, past_chunk(576))],
             },
             min_steps: FIXTURE_STEPS,
             prefill_attention: PrefillAttention::Rowwise,
         });
         // Both again on the tensor-core prefill kernels: dense (the long
-        // prompt is two chunks, the second at T0 = 1024) and sparse past the
-        // budget (two chunks, the second at T0 = 1024). Same inputs: they
+        // prompt is two chunks, the second at T0 = the chunk) and sparse past
+        // the budget (two chunks, the second at T0 = the chunk). Same inputs: they
         // share the CPU references.
         let tc: Vec<CaseSpec<'_>> = specs[specs.len() - 2..]
             .iter()
