@@ -1008,6 +1008,8 @@ pub fn run(spec: &BenchSpec) -> Result<Value> {
         "select_threads_forced": crate::cuda::ops::select::select_threads_forced(),
         "swiglu_v8": crate::cuda::ops::swiglu_vec8(),
         "rmsnorm_v4": crate::cuda::ops::rmsnorm_vec4(),
+        // prompt tokens per prefill forward call at most ($SPARDA_PREFILL_CHUNK or the default)
+        "prefill_chunk": crate::pipeline::prefill_chunk(),
         "prompt_tokens": match &source {
             Source::Books(b) => format!(
                 "book text ({}: {}), sequence b on text b mod {}, sequences sharing a text at different offsets (`prompt_origin` per case)",
