@@ -22,7 +22,8 @@
 #   scripts/device/prefill.sh baseline     OUT   transformers SDPA prefill at 4K … 128K
 #   scripts/device/prefill.sh chunks       OUT   32K and 128K (as 127K), B = 1, KV on GPU, dense and sparse
 #                                                prefill with SPARDA_PREFILL_CHUNK 512, 1024 (the default)
-#                                                and 2048 (CHUNKS to choose): one process each
+#                                                and 2048 (CHUNKS to choose): one process each; with
+#                                                CHUNKS_E2E=1 gpu-check-e2e at each chunk first
 #   scripts/device/prefill.sh ab           OUT   the binary at BASE (default .device/bin/sparda_base: an
 #                                                earlier commit's build, carried beside this one) against
 #                                                this one, alternating over ROUNDS (default 2): 32K B = 1
@@ -94,6 +95,14 @@ short-dense) bench short 4K,16K,32K dense ;;
 long-sparse) bench long 64K,128K sparse ;;
 long-dense) bench long 64K,128K dense ;;
 chunks)
+  # CHUNKS_E2E=1: first gpu-check-e2e at each chunk (its chunk-boundary prompts follow the chunk;
+  # MODEL, a checkpoint directory such as the SmolLM2 fixture, adds the real-text cases)
+  if [[ "${CHUNKS_E2E:-0}" == 1 ]]; then
+    for c in ${CHUNKS:-512 1024 2048}; do
+      SPARDA_PREFILL_CHUNK=$c "$SPARDA" gpu-check-e2e ${MODEL:+--model "$MODEL"} \
+        --json "$out/gpu_check_e2e_chunk$c.json" 2>&1 | tail -3 | sed "s/^/chunk $c: /"
+    done
+  fi
   for c in ${CHUNKS:-512 1024 2048}; do
     for m in dense sparse; do
       SPARDA_PREFILL_CHUNK=$c prefill_b1 "$SPARDA" "${CONTEXT:-32K,128K}" "$m" "$out/prefill_chunk${c}_$m.json" \
