@@ -338,6 +338,60 @@ __device__ __forceinline__ u32 block_flag_scan(bool flag, u32* ws, u32& total) {
     return off + before;
 }
 
+// SEL_WARP_SCAN (0 unless set through SPARDA_NVRTC_OPTIONS=-DSEL_WARP_SCAN=1): select_blocks'
+// index-ordered passes over the keys (the shortlist's +inf marks, the output's compaction) by
+// warp ranges instead of block-wide steps. Warp w owns a contiguous range of 32-key chunks; it
+// counts its keys above the cut and equal to it by ballots, one exchange of the warps' counts
+// (two barriers) gives each warp the counts before its range, and a second walk marks or writes
+// its keys in index order. The same selection and output order as the block-wide steps, which
+// pass two barriers per block-width step and scan (about 100 barriers a row at nb 2,032 and 128
+// threads, against 4).
+#ifndef SEL_WARP_SCAN
+#define SEL_WARP_SCAN 0
+#endif
+
+// This warp's range of 32-key chunks of keys[0, n): [c0, c1), the chunks split evenly over the
+// block's warps in warp order (empty for the last warps when there are fewer chunks than warps).
+__device__ __forceinline__ void sel_warp_range(int n, int& c0, int& c1) {
+    const int nw = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    const int chunks = (n + 31) >> 5, per = (chunks + nw - 1) / nw;
+    c0 = min(warp * per, chunks);
+    c1 = min(c0 + per, chunks);
+}
+
+// Of this warp's range of keys[0, n) (sel_warp_range): the keys above thr and equal to it.
+__device__ __forceinline__ void sel_warp_counts(const u32* keys, int n, u32 thr, u32& gt, u32& eq) {
+    const int lane = threadIdx.x & 31;
+    int c0, c1;
+    sel_warp_range(n, c0, c1);
+    gt = 0;
+    eq = 0;
+    for (int c = c0; c < c1; ++c) {
+        const int m = c * 32 + lane;
+        const u32 key = m < n ? keys[m] : 0u;
+        gt += __popc(__ballot_sync(0xffffffffu, m < n && key > thr));
+        eq += __popc(__ballot_sync(0xffffffffu, m < n && key == thr));
+    }
+}
+
+// Sums of a and b over the block's warps before this one (warp order); every thread of the block
+// calls it with its warp's values (the same in every lane). wa, wb: 32 u32 of shared memory each.
+__device__ __forceinline__ void sel_warps_before(u32 a, u32 b, u32* wa, u32* wb, u32& a_before, u32& b_before) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        wa[warp] = a;
+        wb[warp] = b;
+    }
+    __syncthreads();
+    a_before = 0;
+    b_before = 0;
+    for (int w = 0; w < warp; ++w) {
+        a_before += wa[w];
+        b_before += wb[w];
+    }
+    __syncthreads();
+}
+
 // Step 2-6 per (sequence b = blockIdx.y, KV head h = blockIdx.x):
 //   q = (T-1) / block_size, blocks 0..q exist (nb = q+1);
 //   r[m] = max of s over windows [wpb*m - ov, wpb*m + wpb) ∩ [0, Mc), -inf if empty
@@ -365,6 +419,9 @@ extern "C" __global__ void select_blocks(const float* __restrict__ s, int w_stri
     extern __shared__ u32 sel_keys[];
     __shared__ u32 hist[256];
     __shared__ u32 ws[32];
+#if SEL_WARP_SCAN
+    __shared__ u32 ws2[32];
+#endif
     __shared__ u32 bc[2];
     const int h = blockIdx.x, b = blockIdx.y;
     const u64 row = (u64)b * hkv + h;
@@ -410,6 +467,25 @@ extern "C" __global__ void select_blocks(const float* __restrict__ s, int w_stri
     if (nosa) {
         // Query-aware shortlist: its members get e = +inf.
         radix_cut(rkey, nb, (u32)shortlist, hist, bc, thr, take);
+#if SEL_WARP_SCAN
+        {
+            const int lane = threadIdx.x & 31;
+            const u32 lt = (1u << lane) - 1u;
+            u32 gt_w, eq_w, gt_before, eq_run;
+            sel_warp_counts(rkey, nb, thr, gt_w, eq_w);
+            sel_warps_before(gt_w, eq_w, ws, ws2, gt_before, eq_run);
+            int c0, c1;
+            sel_warp_range(nb, c0, c1);
+            for (int c = c0; c < c1; ++c) {
+                const int m = c * 32 + lane;
+                const u32 key = m < nb ? rkey[m] : 0u;
+                const u32 eqb = __ballot_sync(0xffffffffu, m < nb && key == thr);
+                const u32 eq_rank = eq_run + __popc(eqb & lt);
+                if (m < nb && (key > thr || (key == thr && eq_rank < take))) ekey[m] = KEY_INF;
+                eq_run += __popc(eqb);
+            }
+        }
+#else
         u32 eq_base = 0;
         for (int base = 0; base < nb; base += blockDim.x) {
             const int m = base + threadIdx.x;
@@ -419,10 +495,37 @@ extern "C" __global__ void select_blocks(const float* __restrict__ s, int w_stri
             if (m < nb && (key > thr || (key == thr && eq_rank < take))) ekey[m] = KEY_INF;
             eq_base += eq_tot;
         }
+#endif
         __syncthreads();
     }
     const u32* fkey = nosa ? ekey : rkey;
     radix_cut(fkey, nb, (u32)attended, hist, bc, thr, take);
+#if SEL_WARP_SCAN
+    {
+        const int lane = threadIdx.x & 31;
+        const u32 lt = (1u << lane) - 1u;
+        u32 gt_w, eq_w, gt_before, eq_run;
+        sel_warp_counts(fkey, nb, thr, gt_w, eq_w);
+        sel_warps_before(gt_w, eq_w, ws, ws2, gt_before, eq_run);
+        // the chosen keys before this warp's range: those above the cut and the first `take`
+        // equal to it, in index order
+        u32 out_run = gt_before + min(eq_run, take);
+        int c0, c1;
+        sel_warp_range(nb, c0, c1);
+        for (int c = c0; c < c1; ++c) {
+            const int m = c * 32 + lane;
+            const u32 key = m < nb ? fkey[m] : 0u;
+            const u32 eqb = __ballot_sync(0xffffffffu, m < nb && key == thr);
+            const u32 eq_rank = eq_run + __popc(eqb & lt);
+            const bool chosen = m < nb && (key > thr || (key == thr && eq_rank < take));
+            const u32 chb = __ballot_sync(0xffffffffu, chosen);
+            const u32 pos = out_run + __popc(chb & lt);
+            if (chosen && pos < (u32)s_max) out[pos] = m;
+            eq_run += __popc(eqb);
+            out_run += __popc(chb);
+        }
+    }
+#else
     u32 eq_base = 0, out_base = 0;
     for (int base = 0; base < nb; base += blockDim.x) {
         const int m = base + threadIdx.x;
@@ -435,6 +538,7 @@ extern "C" __global__ void select_blocks(const float* __restrict__ s, int w_stri
         eq_base += eq_tot;
         out_base += ch_tot;
     }
+#endif
     for (int i = attended + threadIdx.x; i < s_max; i += blockDim.x) out[i] = -1;
     if (threadIdx.x == 0) nsel[row] = attended;
 }
