@@ -136,8 +136,10 @@ fn select_threads_from(v: &str) -> Option<u32> {
         _ => None,
     }
 }
-/// Static shared memory of `select_blocks` (hist 256 + ws 32 + bc 2 u32), bytes.
-const SELECT_STATIC_SMEM: usize = (256 + 32 + 2) * 4;
+/// Static shared memory of `select_blocks` (hist 256 + ws 32 + bc 2 u32,
+/// and ws2 32 u32 when it is compiled with `-DSEL_WARP_SCAN=1`: counted
+/// either way, so a launch near the 48 KiB limit opts in for both), bytes.
+const SELECT_STATIC_SMEM: usize = (256 + 32 + 32 + 2) * 4;
 /// Shared memory a block may use without opting in, bytes.
 const DEFAULT_SMEM: usize = 48 * 1024;
 /// Cap on the grid of `compress_windows` (it loops over further windows).
