@@ -515,6 +515,21 @@ fn check_rmsnorm(c: &mut Checker<'_>) {
                 }
                 Ok(())
             };
+            // the residual add and norm on this case's kernel, after `takes`
+            let fused_launch = |gpu: &Gpu,
+                                r: &mut CudaSlice<f32>,
+                                delta: &CudaSlice<Bf16>,
+                                w: &CudaSlice<Bf16>,
+                                out: &mut CudaSlice<Bf16>|
+             -> Result<()> {
+                takes(
+                    dptr(gpu, &*r),
+                    dptr(gpu, delta),
+                    dptr(gpu, w),
+                    dptr(gpu, &*out),
+                )?;
+                ops::add_rmsnorm_with(gpu, r, delta, dscale, w, eps, out, v4)
+            };
             // The normalised output.
             c.record(&format!("{name} (out)"), shape.clone(), |gpu, inp| {
                 let resid = inp.normal(n * d, 1.0);
@@ -525,14 +540,7 @@ fn check_rmsnorm(c: &mut Checker<'_>) {
                 let mut out = poison_bf16(gpu, n * d)?;
                 let mut x = resid.clone();
                 if fused {
-                    let delta = gpu.upload(&db)?;
-                    takes(
-                        dptr(gpu, &r),
-                        dptr(gpu, &delta),
-                        dptr(gpu, &w),
-                        dptr(gpu, &out),
-                    )?;
-                    ops::add_rmsnorm_with(gpu, &mut r, &delta, dscale, &w, eps, &mut out, v4)?;
+                    fused_launch(gpu, &mut r, &gpu.upload(&db)?, &w, &mut out)?;
                     x.iter_mut().zip(&df).for_each(|(a, b)| *a += b * dscale);
                 } else {
                     takes(dptr(gpu, &r), 0, dptr(gpu, &w), dptr(gpu, &out))?;
@@ -550,13 +558,7 @@ fn check_rmsnorm(c: &mut Checker<'_>) {
                     let (mut r, w, delta) =
                         (gpu.upload(&resid)?, gpu.upload(&wb)?, gpu.upload(&db)?);
                     let mut out = poison_bf16(gpu, n * d)?;
-                    takes(
-                        dptr(gpu, &r),
-                        dptr(gpu, &delta),
-                        dptr(gpu, &w),
-                        dptr(gpu, &out),
-                    )?;
-                    ops::add_rmsnorm_with(gpu, &mut r, &delta, dscale, &w, eps, &mut out, v4)?;
+                    fused_launch(gpu, &mut r, &delta, &w, &mut out)?;
                     let want: Vec<f32> =
                         resid.iter().zip(&df).map(|(a, b)| a + b * dscale).collect();
                     Ok((gpu.download(&r)?, want))
