@@ -392,6 +392,35 @@ __device__ __forceinline__ void sel_warps_before(u32 a, u32 b, u32* wa, u32* wb,
     __syncthreads();
 }
 
+// After a radix cut (thr, take) of keys[0, n): f(m, pos) for every chosen key m (above thr, or
+// among the first `take` equal to it in index order), pos its place among the chosen in index
+// order. Each warp walks its own range (sel_warp_range) once the warps' counts are exchanged.
+// Every thread of the block calls it; wa, wb as sel_warps_before's.
+template <typename F>
+__device__ __forceinline__ void sel_warp_chosen(const u32* keys, int n, u32 thr, u32 take, u32* wa, u32* wb, F f) {
+    const int lane = threadIdx.x & 31;
+    const u32 lt = (1u << lane) - 1u;
+    u32 gt_w, eq_w, gt_before, eq_run;
+    sel_warp_counts(keys, n, thr, gt_w, eq_w);
+    sel_warps_before(gt_w, eq_w, wa, wb, gt_before, eq_run);
+    // the chosen keys before this warp's range: those above the cut and the first `take` equal
+    // to it, in index order
+    u32 out_run = gt_before + min(eq_run, take);
+    int c0, c1;
+    sel_warp_range(n, c0, c1);
+    for (int c = c0; c < c1; ++c) {
+        const int m = c * 32 + lane;
+        const u32 key = m < n ? keys[m] : 0u;
+        const u32 eqb = __ballot_sync(0xffffffffu, m < n && key == thr);
+        const u32 eq_rank = eq_run + __popc(eqb & lt);
+        const bool chosen = m < n && (key > thr || (key == thr && eq_rank < take));
+        const u32 chb = __ballot_sync(0xffffffffu, chosen);
+        if (chosen) f(m, out_run + __popc(chb & lt));
+        eq_run += __popc(eqb);
+        out_run += __popc(chb);
+    }
+}
+
 // Step 2-6 per (sequence b = blockIdx.y, KV head h = blockIdx.x):
 //   q = (T-1) / block_size, blocks 0..q exist (nb = q+1);
 //   r[m] = max of s over windows [wpb*m - ov, wpb*m + wpb) ∩ [0, Mc), -inf if empty
@@ -468,23 +497,7 @@ extern "C" __global__ void select_blocks(const float* __restrict__ s, int w_stri
         // Query-aware shortlist: its members get e = +inf.
         radix_cut(rkey, nb, (u32)shortlist, hist, bc, thr, take);
 #if SEL_WARP_SCAN
-        {
-            const int lane = threadIdx.x & 31;
-            const u32 lt = (1u << lane) - 1u;
-            u32 gt_w, eq_w, gt_before, eq_run;
-            sel_warp_counts(rkey, nb, thr, gt_w, eq_w);
-            sel_warps_before(gt_w, eq_w, ws, ws2, gt_before, eq_run);
-            int c0, c1;
-            sel_warp_range(nb, c0, c1);
-            for (int c = c0; c < c1; ++c) {
-                const int m = c * 32 + lane;
-                const u32 key = m < nb ? rkey[m] : 0u;
-                const u32 eqb = __ballot_sync(0xffffffffu, m < nb && key == thr);
-                const u32 eq_rank = eq_run + __popc(eqb & lt);
-                if (m < nb && (key > thr || (key == thr && eq_rank < take))) ekey[m] = KEY_INF;
-                eq_run += __popc(eqb);
-            }
-        }
+        sel_warp_chosen(rkey, nb, thr, take, ws, ws2, [&](int m, u32) { ekey[m] = KEY_INF; });
 #else
         u32 eq_base = 0;
         for (int base = 0; base < nb; base += blockDim.x) {
@@ -501,30 +514,9 @@ extern "C" __global__ void select_blocks(const float* __restrict__ s, int w_stri
     const u32* fkey = nosa ? ekey : rkey;
     radix_cut(fkey, nb, (u32)attended, hist, bc, thr, take);
 #if SEL_WARP_SCAN
-    {
-        const int lane = threadIdx.x & 31;
-        const u32 lt = (1u << lane) - 1u;
-        u32 gt_w, eq_w, gt_before, eq_run;
-        sel_warp_counts(fkey, nb, thr, gt_w, eq_w);
-        sel_warps_before(gt_w, eq_w, ws, ws2, gt_before, eq_run);
-        // the chosen keys before this warp's range: those above the cut and the first `take`
-        // equal to it, in index order
-        u32 out_run = gt_before + min(eq_run, take);
-        int c0, c1;
-        sel_warp_range(nb, c0, c1);
-        for (int c = c0; c < c1; ++c) {
-            const int m = c * 32 + lane;
-            const u32 key = m < nb ? fkey[m] : 0u;
-            const u32 eqb = __ballot_sync(0xffffffffu, m < nb && key == thr);
-            const u32 eq_rank = eq_run + __popc(eqb & lt);
-            const bool chosen = m < nb && (key > thr || (key == thr && eq_rank < take));
-            const u32 chb = __ballot_sync(0xffffffffu, chosen);
-            const u32 pos = out_run + __popc(chb & lt);
-            if (chosen && pos < (u32)s_max) out[pos] = m;
-            eq_run += __popc(eqb);
-            out_run += __popc(chb);
-        }
-    }
+    sel_warp_chosen(fkey, nb, thr, take, ws, ws2, [&](int m, u32 pos) {
+        if (pos < (u32)s_max) out[pos] = m;
+    });
 #else
     u32 eq_base = 0, out_base = 0;
     for (int base = 0; base < nb; base += blockDim.x) {
